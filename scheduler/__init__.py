@@ -1,0 +1,12 @@
+"""The scheduler: requests, KV-cache block management and the step loop's decisions. No torch here."""
+
+from scheduler.outputs import (
+    CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput, SampledLogprobs, SchedulerOutput,
+)
+from scheduler.request import Request, RequestStatus, SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+
+__all__ = [
+    "CachedRequestData", "ModelRunnerOutput", "NewRequestData", "Request", "RequestOutput", "RequestStatus",
+    "SampledLogprobs", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats",
+]

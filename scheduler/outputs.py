@@ -1,0 +1,114 @@
+"""What crosses the scheduler/worker boundary each step, and what goes back to callers.
+
+Only diffs travel: a request's prompt and sampling params are sent once, in
+``NewRequestData``; afterwards ``CachedRequestData`` carries the new block ids,
+the tokens the scheduler appended since the workers last saw the request, and
+how many tokens were computed before this step. Workers keep the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.request import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the workers have not seen: everything they need to hold it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hit: tokens whose KV is already in block_ids
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """Requests the workers already hold, as parallel lists (no per-request objects on the hot path).
+
+    For entry i: ``new_token_ids[i]`` are the tokens appended since the last step
+    the request was scheduled in (sampled tokens the workers must add to their
+    copy). When ``resumed_from_preemption[i]`` is true the request was preempted
+    and its KV freed: ``new_block_ids[i]`` is its whole new block table, and
+    ``num_computed_tokens[i]`` restarts from the prefix-cache hit. Otherwise
+    ``new_block_ids[i]`` is appended to the block table the workers hold.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan, broadcast identically to every tensor-parallel rank.
+
+    ``num_scheduled_tokens[req_id]`` tokens are computed for each scheduled
+    request, starting at its ``num_computed_tokens``. A request samples a token
+    this step iff its computed count reaches its full token count (the
+    worker's own copy of prompt + outputs). ``finished_req_ids`` (finished or
+    aborted since the last step) and ``preempted_req_ids`` tell workers whose
+    state to drop or park.
+    """
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str]
+    step_id: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class SampledLogprobs:
+    """Logprobs of one sampled token: its own, and the top-k alternatives (most likely first)."""
+
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What rank 0 returns for one step: one sampled token per request that sampled.
+
+    ``logprobs[i]`` is None for requests that did not ask for logprobs; the
+    whole list is None when nobody did.
+    """
+
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[SampledLogprobs | None] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One delta streamed back to a caller: the tokens a request gained this step.
+
+    ``request_id`` is the caller's id; ``index`` tells the samples of an
+    ``n > 1`` request apart. ``finish_reason`` is "stop", "length", "abort" or
+    "error" on the last delta (with ``error`` explaining an "error").
+    """
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    new_logprobs: list[SampledLogprobs] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None

@@ -1,0 +1,191 @@
+"""Requests and their sampling parameters: what the scheduler tracks per sequence."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from scheduler.block_hash import BlockHash, hash_block_tokens
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token, and when to stop.
+
+    Validated once at construction so that nothing downstream (scheduler,
+    sampler) has to re-check: every bad value raises ValueError naming the
+    field and the value. Stop *strings* are a text concern and live in the
+    serving layer; the scheduler only knows token-level stops.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
+        _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1")
+        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
+        _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "must be > 0")
+        _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "must be an integer")
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+               "min_tokens", self.min_tokens, f"must be in [0, max_tokens={self.max_tokens}]")
+        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "must be >= 1")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+               "logprobs", self.logprobs, "must be None or in [0, 20]")
+        for t in self.stop_token_ids:
+            _check(isinstance(t, int) and t >= 0, "stop_token_ids", self.stop_token_ids,
+                   "must be non-negative integers")
+        self.stop_token_ids = list(self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _check(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid: {rule}")
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything from here on is finished; is_finished() relies on the order.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_IGNORED = 6  # can never fit (prompt too long for the pool or max_model_len)
+    FINISHED_ERROR = 7  # the engine failed while running it
+
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "error",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """One sequence: its tokens, how far the KV cache has computed them, and its block hashes.
+
+    Invariants the scheduler relies on:
+    - ``num_tokens == len(prompt_token_ids) + len(output_token_ids)`` and
+      ``0 <= num_computed_tokens <= num_tokens``.
+    - ``block_hashes[i]`` is the chained hash of full block i of ``all_token_ids``;
+      it is extended incrementally by ``append_output_token`` so that hashing costs
+      O(block_size) per filled block, never O(context).
+
+    A request with ``n > 1`` is a parent only: the scheduler fans it out into
+    children (``index`` 0..n-1, ``parent_id`` set) that each produce one sample.
+    """
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "sampling_params",
+        "eos_token_id", "priority", "arrival_time", "status", "num_computed_tokens",
+        "num_cached_tokens", "block_hashes", "block_size", "cache_salt", "parent_id", "index",
+        "error", "num_preemptions", "max_total_tokens", "num_worker_tokens",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        *,
+        eos_token_id: int | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        block_size: int = 16,
+        cache_salt: str | None = None,
+        parent_id: str | None = None,
+        index: int = 0,
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id={request_id!r} is invalid: must be a non-empty string")
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids=[] is invalid: the prompt must have at least one token")
+        if any(not isinstance(t, int) or t < 0 for t in prompt_token_ids):
+            bad = next(t for t in prompt_token_ids if not isinstance(t, int) or t < 0)
+            raise ValueError(f"prompt_token_ids contains {bad!r}: token ids must be non-negative integers")
+        if not isinstance(priority, int):
+            raise ValueError(f"priority={priority!r} is invalid: must be an integer")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params or SamplingParams()
+        self.eos_token_id = eos_token_id
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit length at first scheduling
+        self.block_size = block_size
+        self.cache_salt = cache_salt
+        self.block_hashes: list[BlockHash] = []
+        self.parent_id = parent_id
+        self.index = index
+        self.error: str | None = None
+        self.num_preemptions = 0
+        self.max_total_tokens = len(prompt_token_ids) + self.sampling_params.max_tokens
+        self.num_worker_tokens = 0  # how many of all_token_ids the workers hold (0: not sent yet)
+        self.extend_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if len(self.all_token_ids) % self.block_size == 0:
+            self.extend_block_hashes()
+
+    def extend_block_hashes(self) -> None:
+        bs = self.block_size
+        tokens = self.all_token_ids
+        parent = self.block_hashes[-1] if self.block_hashes else None
+        extra = self.cache_salt if not self.block_hashes else None
+        for start in range(len(self.block_hashes) * bs, len(tokens) - bs + 1, bs):
+            parent = hash_block_tokens(parent, tokens[start:start + bs], extra)
+            extra = None
+            self.block_hashes.append(parent)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"computed={self.num_computed_tokens}/{self.num_tokens})")

@@ -1,0 +1,456 @@
+"""Continuous-batching scheduler: who runs each step, how many tokens each computes."""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.outputs import (
+    CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput, SchedulerOutput,
+)
+from scheduler.request import FINISH_REASONS, Request, RequestStatus, SamplingParams
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Limits of one engine's scheduler. ``num_blocks`` includes the null block 0."""
+
+    num_blocks: int
+    block_size: int = 16
+    max_model_len: int = 2048
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0  # 0: a prefill chunk is limited only by the budget
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"  # or "priority": lower value runs first, ties by arrival
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold} is invalid: must be >= 0")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy={self.policy!r} is invalid: must be 'fcfs' or 'priority'")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is invalid: without chunked prefill it "
+                f"must be >= max_model_len={self.max_model_len}")
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_steps: int
+    num_scheduled_tokens: int  # in the last step
+    num_admitted: int  # requests that entered the running batch in the last step
+
+
+class WaitingQueue:
+    """Waiting requests in policy order: FIFO for fcfs; (priority, arrival) heap for priority.
+
+    Preempted requests go back in front under fcfs; under priority their own
+    (priority, arrival) key already places them. Removal (abort) is lazy in
+    the heap: a removed request is skipped when it reaches the top.
+    """
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self.fifo: deque[Request] = deque()
+        self.heap: list[tuple[int, float, int, Request]] = []
+        self.members: dict[str, Request] = {}
+        self.counter = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def add(self, request: Request, front: bool = False) -> None:
+        self.members[request.request_id] = request
+        if self.policy == "fcfs":
+            (self.fifo.appendleft if front else self.fifo.append)(request)
+        else:
+            heapq.heappush(self.heap, (request.priority, request.arrival_time, next(self.counter), request))
+
+    def peek(self) -> Request | None:
+        if self.policy == "fcfs":
+            return self.fifo[0] if self.fifo else None
+        while self.heap and self.members.get(self.heap[0][3].request_id) is not self.heap[0][3]:
+            heapq.heappop(self.heap)
+        return self.heap[0][3] if self.heap else None
+
+    def pop(self) -> Request:
+        request = self.peek()
+        del self.members[request.request_id]
+        if self.policy == "fcfs":
+            self.fifo.popleft()
+        else:
+            heapq.heappop(self.heap)
+        return request
+
+    def remove(self, request: Request) -> None:
+        del self.members[request.request_id]
+        if self.policy == "fcfs":
+            self.fifo.remove(request)
+
+    def __iter__(self):
+        if self.policy == "fcfs":
+            return iter(self.fifo)
+        return iter(sorted((e for e in self.heap if self.members.get(e[3].request_id) is e[3]), key=lambda e: e[:3]))
+
+
+class Scheduler:
+    """Decides each step which requests compute how many tokens, within memory and a token budget.
+
+    There are no prefill and decode phases: every request's ``num_computed_tokens``
+    chases its ``num_tokens``, so prefill chunks and decodes share a step.
+    Invariants:
+    - every running request holds blocks for all its computed tokens;
+    - ``num_computed_tokens`` advances when a step is scheduled, and blocks are
+      entered into the prefix cache when the step's output comes back;
+    - a request that samples this step is exactly one whose computed count
+      reaches its token count (the workers use the same rule);
+    - a finished request holds no blocks and is reported once in
+      ``finished_req_ids`` so the workers drop it.
+    """
+
+    def __init__(self, config: SchedulerConfig, eos_token_id: int | None = None) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.eos_token_id = eos_token_id
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}  # live requests (children for n > 1)
+        self.children: dict[str, list[str]] = {}  # caller id -> its live request ids
+        self.parked: dict[str, list[Request]] = {}  # n > 1 siblings waiting for child 0's prompt
+        self.waiting = WaitingQueue(config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()  # to tell the workers next step
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self.last_num_scheduled_tokens = 0
+        self.last_num_admitted = 0
+
+    # ---- requests in and out -------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    *, priority: int = 0, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> list[RequestOutput]:
+        """Queue a request; returns the final outputs of any child that can never run.
+
+        ``n > 1`` fans out into n children; children 1..n-1 are parked until
+        child 0 has computed the prompt, so that they reuse its blocks through the
+        prefix cache instead of computing the same prompt n times.
+        """
+        params = params or SamplingParams()
+        n = params.n
+        ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+        if request_id in self.children or any(i in self.requests for i in ids):
+            raise ValueError(f"request_id={request_id!r} is invalid: a request with this id is still running")
+        children = []
+        for i, rid in enumerate(ids):
+            child_params = params
+            if n > 1:
+                child_params = _child_params(params, i)
+            children.append(Request(
+                rid, prompt_token_ids, child_params, eos_token_id=self.eos_token_id, priority=priority,
+                arrival_time=arrival_time, block_size=self.block_size, cache_salt=cache_salt,
+                parent_id=request_id if n > 1 else None, index=i))
+        self.children[request_id] = ids
+        for child in children:
+            self.requests[child.request_id] = child
+        reason = self._infeasible_reason(children[0])
+        if reason is not None:
+            return [self._finish(c, RequestStatus.FINISHED_IGNORED, reason) for c in children]
+        self.waiting.add(children[0])
+        if n > 1 and self.config.enable_prefix_caching:
+            self.parked[children[0].request_id] = children[1:]
+        else:
+            for child in children[1:]:
+                self.waiting.add(child)
+        return []
+
+    def _infeasible_reason(self, request: Request) -> str | None:
+        cfg = self.config
+        if request.num_prompt_tokens >= cfg.max_model_len:
+            return (f"prompt has {request.num_prompt_tokens} tokens, but max_model_len={cfg.max_model_len} "
+                    f"leaves no room to generate")
+        max_tokens = min(request.max_total_tokens, cfg.max_model_len)
+        needed = -(-max_tokens // self.block_size)
+        if needed > self.kv.num_usable_blocks:
+            return (f"request needs up to {needed} KV blocks ({max_tokens} tokens) but the cache has only "
+                    f"{self.kv.num_usable_blocks}; lower max_tokens or grow the KV cache")
+        if not cfg.enable_chunked_prefill and request.num_prompt_tokens > cfg.max_num_batched_tokens:
+            return (f"prompt has {request.num_prompt_tokens} tokens, over max_num_batched_tokens="
+                    f"{cfg.max_num_batched_tokens} with chunked prefill off")
+        return None
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        """Abort a caller's request (all its children) in any state; unknown or finished ids are a no-op."""
+        outputs = []
+        for rid in self.children.get(request_id, ()):
+            request = self.requests.get(rid)
+            if request is not None and not request.is_finished:
+                outputs.append(self._finish(request, RequestStatus.FINISHED_ABORTED))
+        return outputs
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """Finish every live request with an error (the engine cannot run them)."""
+        return [self._finish(r, RequestStatus.FINISHED_ERROR, error) for r in list(self.requests.values())]
+
+    def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> RequestOutput:
+        rid = request.request_id
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif rid in self.waiting.members:
+            self.waiting.remove(request)
+        request.status = status
+        request.error = error
+        self.kv.free(request)
+        self.requests.pop(rid, None)
+        if request.num_worker_tokens:
+            self.finished_req_ids.add(rid)
+        self._release_parked(request)
+        caller_id = request.parent_id or rid
+        siblings = self.children.get(caller_id)
+        if siblings is not None and all(s not in self.requests for s in siblings):
+            del self.children[caller_id]
+        return RequestOutput(caller_id, request.index, [], True, FINISH_REASONS[status],
+                             num_prompt_tokens=request.num_prompt_tokens,
+                             num_cached_tokens=max(request.num_cached_tokens, 0), error=error)
+
+    def _release_parked(self, request: Request) -> None:
+        parked = self.parked.pop(request.request_id, None)
+        if not parked:
+            return
+        if request.status == RequestStatus.FINISHED_ABORTED:
+            return  # the caller aborted the whole group; the siblings are finished by the same abort
+        for sibling in reversed(parked):
+            if sibling.request_id in self.requests:
+                self.waiting.add(sibling, front=True)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting) + sum(map(len, self.parked.values())),
+            kv_cache_usage=self.kv.usage(), prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits, num_preemptions=self.num_preemptions,
+            num_steps=self.num_steps, num_scheduled_tokens=self.last_num_scheduled_tokens,
+            num_admitted=self.last_num_admitted)
+
+    # ---- one step ----------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        threshold = cfg.long_prefill_token_threshold
+        bs = self.block_size
+        num_scheduled: dict[str, int] = {}
+        cached = CachedRequestData()
+        c_ids, c_resumed, c_tokens, c_blocks, c_computed = (
+            cached.req_ids, cached.resumed_from_preemption, cached.new_token_ids, cached.new_block_ids,
+            cached.num_computed_tokens)
+        preempted: list[Request] = []
+        allocate = self.kv.allocate_slots
+        req_to_blocks = self.kv.req_to_blocks
+
+        # 1. Running requests, in order; preempt from the low-priority end when memory runs out.
+        #    This loop is the decode hot path: it writes the step's diff as it goes.
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            request = running[i]
+            rid = request.request_id
+            all_ids = request.all_token_ids
+            nc = request.num_computed_tokens
+            num_new = len(all_ids) - nc
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            if nc + num_new <= len(req_to_blocks[rid]) * bs:
+                new_ids = []  # the last block still has room
+            else:
+                new_blocks = allocate(request, num_new)
+                while new_blocks is None:
+                    victim = self._pick_victim()
+                    if victim.request_id in num_scheduled:
+                        budget += self._unschedule(victim, num_scheduled, cached)
+                        i -= 1
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is request:
+                        break
+                    new_blocks = allocate(request, num_new)
+                if new_blocks is None:
+                    continue
+                new_ids = [b.block_id for b in new_blocks]
+            num_scheduled[rid] = num_new
+            budget -= num_new
+            known = request.num_worker_tokens
+            c_ids.append(rid)
+            c_resumed.append(False)
+            c_tokens.append(all_ids[known:] if known < len(all_ids) else [])
+            c_blocks.append(new_ids)
+            c_computed.append(nc)
+            request.num_worker_tokens = len(all_ids)
+            request.num_computed_tokens = nc + num_new
+            i += 1
+
+        # 2. Waiting requests, in policy order, unless this step had to preempt.
+        new_data: list[NewRequestData] = []
+        num_admitted = 0
+        if not preempted:
+            waiting = self.waiting
+            get_computed = self.kv.get_computed_blocks
+            block_ids = self.kv.get_block_ids
+            while budget > 0 and len(running) < cfg.max_num_seqs:
+                request = waiting.peek()
+                if request is None:
+                    break
+                hits, num_hit_tokens = get_computed(request)
+                num_new = request.num_tokens - num_hit_tokens
+                if threshold and num_new > threshold:
+                    num_new = threshold
+                if num_new > budget:
+                    if not cfg.enable_chunked_prefill:
+                        break
+                    num_new = budget
+                if allocate(request, num_new, num_hit_tokens, hits) is None:
+                    break
+                waiting.pop()
+                rid = request.request_id
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit_tokens
+                if request.status == RequestStatus.PREEMPTED:
+                    known = request.num_worker_tokens
+                    c_ids.append(rid)
+                    c_resumed.append(True)
+                    c_tokens.append(request.all_token_ids[known:])
+                    c_blocks.append(block_ids(rid))
+                    c_computed.append(num_hit_tokens)
+                else:
+                    new_data.append(NewRequestData(rid, request.all_token_ids.copy(), request.sampling_params,
+                                                   block_ids(rid), num_hit_tokens))
+                request.num_worker_tokens = request.num_tokens
+                request.num_computed_tokens = num_hit_tokens + num_new
+                request.status = RequestStatus.RUNNING
+                running.append(request)
+                num_scheduled[rid] = num_new
+                budget -= num_new
+                num_admitted += 1
+
+        finished = self.finished_req_ids
+        self.finished_req_ids = set()
+        total = cfg.max_num_batched_tokens - budget
+        self.num_steps += 1
+        self.last_num_scheduled_tokens = total
+        self.last_num_admitted = num_admitted
+        return SchedulerOutput(new_data, cached, num_scheduled, total, finished,
+                               {r.request_id for r in preempted}, self.num_steps)
+
+    def _unschedule(self, request: Request, num_scheduled: dict[str, int], cached: CachedRequestData) -> int:
+        """Take back a request already scheduled this step (a priority victim); returns its tokens."""
+        j = cached.req_ids.index(request.request_id)
+        request.num_worker_tokens -= len(cached.new_token_ids[j])
+        for column in (cached.req_ids, cached.resumed_from_preemption, cached.new_token_ids,
+                       cached.new_block_ids, cached.num_computed_tokens):
+            del column[j]
+        return num_scheduled.pop(request.request_id)
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "fcfs":
+            return self.running[-1]
+        return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(request, front=True)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        """Apply sampled tokens, check stop rules, cache newly computed blocks; one delta per sampled request."""
+        requests = self.requests
+        bs = self.block_size
+        cache_blocks = self.kv.cache_computed_blocks
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        if len(num_scheduled) != len(runner_output.req_ids):
+            # Some requests ran a prefill chunk without sampling: they may have completed blocks too.
+            for rid, n in num_scheduled.items():
+                request = requests.get(rid)
+                if request is not None and request.num_computed_tokens % bs < n:
+                    cache_blocks(request)
+        outputs = []
+        append_out = outputs.append
+        logprobs = runner_output.logprobs
+        max_model_len = self.config.max_model_len
+        running = RequestStatus.RUNNING
+        sampled = runner_output.sampled_token_ids
+        parked = self.parked
+        for i, rid in enumerate(runner_output.req_ids):
+            request = requests.get(rid)
+            if request is None or request.status != running:
+                continue  # aborted or preempted while the step ran
+            if request.num_computed_tokens % bs < num_scheduled[rid]:
+                cache_blocks(request)  # this step completed a block
+            token = sampled[i]
+            all_ids = request.all_token_ids  # Request.append_output_token, inlined: this loop is the hot path
+            out_ids = request.output_token_ids
+            out_ids.append(token)
+            all_ids.append(token)
+            if len(all_ids) % bs == 0:
+                request.extend_block_hashes()
+            entry = logprobs[i] if logprobs is not None else None
+            params = request.sampling_params
+            if (token != request.eos_token_id and not params.stop_token_ids
+                    and len(out_ids) < params.max_tokens and len(all_ids) < max_model_len):
+                status = None  # the common case, decided without a call
+            else:
+                status = _stop_status(request, token, max_model_len)
+            if status is None:
+                append_out(RequestOutput(request.parent_id or rid, request.index, [token], False, None,
+                                         None if entry is None else [entry]))
+                if parked and rid in parked:
+                    self._release_parked(request)
+                continue
+            final = self._finish(request, status)
+            final.new_token_ids = [token]
+            final.new_logprobs = None if entry is None else [entry]
+            append_out(final)
+        return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+
+def _stop_status(request: Request, token: int, max_model_len: int) -> RequestStatus | None:
+    params = request.sampling_params
+    num_out = len(request.output_token_ids)
+    if num_out >= params.min_tokens:
+        if token == request.eos_token_id and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if params.stop_token_ids and token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+    if num_out >= params.max_tokens or len(request.all_token_ids) >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH_CAPPED
+    return None
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """One sample's params: n becomes 1 and a seed is offset so the samples differ yet stay reproducible."""
+    return dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index)

@@ -1,0 +1,88 @@
+"""A worker without a model: rebuilds request state from SchedulerOutput diffs alone and checks it.
+
+It keeps a fake KV cache (the token id written at each slot) so that any
+prefix-cache hit whose blocks do not hold exactly the request's tokens, or a
+block overwritten while another request still reads it, fails loudly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass(slots=True)
+class FakeState:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    parked: bool = False
+    sampled: list[int] = field(default_factory=list)
+
+
+class FakeWorker:
+    def __init__(self, block_size: int, num_blocks: int, vocab_size: int = 1000, eos_token_id: int | None = None,
+                 eos_every: int = 0) -> None:
+        self.block_size = block_size
+        self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.states: dict[str, FakeState] = {}
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.eos_every = eos_every
+        self.steps = 0
+
+    def next_token(self, rid: str, state: FakeState) -> int:
+        n = len(state.token_ids)
+        if self.eos_every and self.eos_token_id is not None and n % self.eos_every == 0:
+            return self.eos_token_id
+        return (sum(map(ord, rid)) * 31 + n * 7) % self.vocab_size
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.steps += 1
+        for rid in so.finished_req_ids:
+            del self.states[rid]
+        for rid in so.preempted_req_ids:
+            self.states[rid].parked = True
+        for new in so.scheduled_new_reqs:
+            assert new.req_id not in self.states, f"{new.req_id} sent as new twice"
+            self.states[new.req_id] = FakeState(list(new.prompt_token_ids), list(new.block_ids),
+                                                new.num_computed_tokens)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self.states[rid]
+            st.token_ids.extend(cached.new_token_ids[i])
+            if cached.resumed_from_preemption[i]:
+                assert st.parked, f"{rid} resumed without having been preempted"
+                st.parked = False
+                st.block_ids = list(cached.new_block_ids[i])
+                st.num_computed_tokens = cached.num_computed_tokens[i]
+            else:
+                assert not st.parked, f"{rid} scheduled while parked"
+                assert st.num_computed_tokens == cached.num_computed_tokens[i], rid
+                st.block_ids.extend(cached.new_block_ids[i])
+        req_ids, sampled = [], []
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+        for rid, n in so.num_scheduled_tokens.items():
+            st = self.states[rid]
+            assert n >= 1
+            start = st.num_computed_tokens
+            assert start + n <= len(st.token_ids), f"{rid} scheduled past its tokens"
+            assert len(st.block_ids) * self.block_size >= start + n, f"{rid} has too few blocks"
+            self._check_context(rid, st, start)
+            for pos in range(start, start + n):
+                blk, off = st.block_ids[pos // self.block_size], pos % self.block_size
+                self.kv[blk][off] = st.token_ids[pos]
+            st.num_computed_tokens = start + n
+            if st.num_computed_tokens == len(st.token_ids):
+                token = self.next_token(rid, st)
+                req_ids.append(rid)
+                sampled.append(token)
+        return ModelRunnerOutput(req_ids, sampled)
+
+    def _check_context(self, rid: str, st: FakeState, upto: int) -> None:
+        for pos in range(upto):
+            blk, off = st.block_ids[pos // self.block_size], pos % self.block_size
+            assert blk != 0, f"{rid} reads the null block"
+            assert self.kv[blk][off] == st.token_ids[pos], (
+                f"{rid}: KV at position {pos} (block {blk}) holds {self.kv[blk][off]}, expected {st.token_ids[pos]}")

@@ -1,0 +1,304 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scheduler import RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from tests.scheduler.fake_worker import FakeState, FakeWorker
+
+EOS = 999
+
+
+def make(num_blocks=64, block_size=4, **kw) -> tuple[Scheduler, FakeWorker]:
+    cfg = SchedulerConfig(num_blocks=num_blocks, block_size=block_size, **kw)
+    return Scheduler(cfg, eos_token_id=EOS), FakeWorker(block_size, num_blocks, eos_token_id=EOS)
+
+
+def step(sched: Scheduler, worker: FakeWorker):
+    so = sched.schedule()
+    return so, sched.update_from_output(so, worker.execute(so))
+
+
+def run_all(sched, worker, max_steps=1000) -> dict[tuple[str, int], list]:
+    """Step until nothing is left; collect (tokens, finish_reason) per (caller id, index)."""
+    got: dict[tuple[str, int], list] = {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            return got
+        _, outs = step(sched, worker)
+        for o in outs:
+            entry = got.setdefault((o.request_id, o.index), [[], None])
+            entry[0].extend(o.new_token_ids)
+            if o.finished:
+                entry[1] = o.finish_reason
+    raise AssertionError("requests never finished")
+
+
+def params(**kw) -> SamplingParams:
+    kw.setdefault("max_tokens", 5)
+    kw.setdefault("ignore_eos", True)
+    return SamplingParams(**kw)
+
+
+def test_scheduler_package_never_imports_torch():
+    root = Path(__file__).resolve().parents[2]
+    for path in (root / "scheduler").rglob("*.py"):
+        text = path.read_text()
+        assert "import torch" not in text and "from torch" not in text, path
+    code = "import sys, scheduler, scheduler.scheduler; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"), ({"top_k": 0}, "top_k"), ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n"),
+    ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"), ({"logprobs": 21}, "logprobs"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+])
+def test_sampling_params_reject_bad_values_naming_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
+
+
+def test_bad_requests_raise_value_errors_and_leave_the_scheduler_usable():
+    sched, worker = make()
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        sched.add_request("empty", [])
+    with pytest.raises(ValueError, match="-3"):
+        sched.add_request("neg", [1, -3])
+    with pytest.raises(ValueError, match="priority"):
+        sched.add_request("prio", [1], priority="high")
+    sched.add_request("ok", [1, 2, 3], params())
+    with pytest.raises(ValueError, match="'ok'"):
+        sched.add_request("ok", [4], params())
+    assert sched.abort("nobody") == []
+    got = run_all(sched, worker)
+    assert got == {("ok", 0): [got[("ok", 0)][0], "length"]} and len(got[("ok", 0)][0]) == 5
+
+
+def test_new_requests_travel_once_then_only_diffs():
+    sched, worker = make(block_size=4)
+    sched.add_request("a", [1, 2, 3, 4, 5, 6], params(max_tokens=6))
+    so, _ = step(sched, worker)
+    assert [n.req_id for n in so.scheduled_new_reqs] == ["a"] and so.scheduled_cached_reqs.num_reqs == 0
+    assert so.scheduled_new_reqs[0].block_ids == [1, 2]
+    so, _ = step(sched, worker)  # 7th token fits in block 2
+    assert so.scheduled_new_reqs == []
+    c = so.scheduled_cached_reqs
+    assert c.req_ids == ["a"] and c.new_block_ids == [[]] and len(c.new_token_ids[0]) == 1
+    assert c.num_computed_tokens == [6] and so.num_scheduled_tokens == {"a": 1}
+    so, _ = step(sched, worker)  # 8th token still fits
+    so, _ = step(sched, worker)  # 9th token needs a new block: only its id travels
+    assert so.scheduled_cached_reqs.new_block_ids == [[3]]
+    run_all(sched, worker)
+    so = sched.schedule()
+    assert so.finished_req_ids == {"a"} and so.is_empty
+
+
+def test_prefix_hits_across_requests_in_the_scheduler():
+    sched, worker = make(block_size=4)
+    prompt = list(range(100, 113))  # 13 tokens: 3 full blocks
+    sched.add_request("a", prompt, params(max_tokens=3))
+    step(sched, worker)
+    sched.add_request("b", prompt[:12] + [7, 7], params(max_tokens=3))
+    so, _ = step(sched, worker)
+    (new,) = so.scheduled_new_reqs
+    assert new.num_computed_tokens == 12 and so.num_scheduled_tokens["b"] == 2
+    a_blocks = sched.kv.get_block_ids("a")
+    assert new.block_ids[:3] == a_blocks[:3]
+    assert [sched.kv.block_pool.blocks[i].ref_cnt for i in a_blocks[:3]] == [2, 2, 2]
+    st = sched.stats()
+    assert st.prefix_cache_hits == 12 and st.prefix_cache_queries == 13 + 14
+    run_all(sched, worker)
+    assert all(b.ref_cnt == 0 for b in sched.kv.block_pool.blocks)
+
+
+def test_prefix_caching_off_never_hits():
+    sched, worker = make(block_size=4, enable_prefix_caching=False)
+    prompt = list(range(13))
+    sched.add_request("a", prompt, params(max_tokens=2))
+    run_all(sched, worker)
+    sched.add_request("b", prompt, params(max_tokens=2))
+    so, _ = step(sched, worker)
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 0
+
+
+def test_fcfs_preempts_the_last_running_request_and_it_resumes():
+    # 9 usable blocks of 4 tokens; three 8-token prompts growing 8 tokens each cannot all fit.
+    sched, worker = make(num_blocks=10, block_size=4)
+    for rid in "abc":
+        sched.add_request(rid, [ord(rid)] * 8, params(max_tokens=8))
+    preempted_order = []
+    got = {}
+    for _ in range(200):
+        if not sched.has_unfinished_requests():
+            break
+        so, outs = step(sched, worker)
+        preempted_order += sorted(so.preempted_req_ids)
+        for o in outs:
+            got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    assert preempted_order and preempted_order[0] == "c"
+    assert sched.stats().num_preemptions >= 1
+    assert {k: len(v) for k, v in got.items()} == {"a": 8, "b": 8, "c": 8}
+
+
+def test_priority_policy_preempts_the_lowest_priority_even_if_earlier():
+    sched, worker = make(num_blocks=10, block_size=4, policy="priority")
+    sched.add_request("low", [1] * 8, params(max_tokens=8), priority=5, arrival_time=0.0)
+    sched.add_request("high", [2] * 8, params(max_tokens=8), priority=0, arrival_time=1.0)
+    sched.add_request("mid", [3] * 8, params(max_tokens=8), priority=1, arrival_time=2.0)
+    first, _ = step(sched, worker)
+    assert [n.req_id for n in first.scheduled_new_reqs] == ["high", "mid", "low"]  # priority order
+    preempted = []
+    while sched.has_unfinished_requests():
+        so, _ = step(sched, worker)
+        preempted += sorted(so.preempted_req_ids)
+    assert preempted[0] == "low"
+
+
+def test_preempted_request_resumes_with_its_tokens_and_finishes_identically():
+    base = {}
+    for blocks in (64, 10):
+        sched, worker = make(num_blocks=blocks, block_size=4)
+        for rid in "abc":
+            sched.add_request(rid, [ord(rid)] * 8, params(max_tokens=8))
+        base[blocks] = run_all(sched, worker)
+    assert base[10] == base[64]  # the fake worker's tokens depend only on each request's history
+
+
+def test_chunked_prefill_splits_a_long_prompt_while_decodes_keep_running():
+    sched, worker = make(num_blocks=128, block_size=4, max_num_batched_tokens=32, long_prefill_token_threshold=20)
+    sched.add_request("d1", [1, 2, 3], params(max_tokens=50))
+    sched.add_request("d2", [4, 5, 6], params(max_tokens=50))
+    step(sched, worker)
+    sched.add_request("long", list(range(300, 400)), params(max_tokens=2))
+    chunks = []
+    while True:
+        so, _ = step(sched, worker)
+        assert so.num_scheduled_tokens["d1"] == 1 and so.num_scheduled_tokens["d2"] == 1
+        chunks.append(so.num_scheduled_tokens.get("long", 0))
+        if sum(chunks) >= 100:
+            break
+    assert chunks == [20, 20, 20, 20, 20]  # the threshold caps each chunk; the decodes never wait
+
+
+def test_token_budget_limits_a_prefill_chunk():
+    sched, worker = make(num_blocks=128, block_size=4, max_num_batched_tokens=16)
+    sched.add_request("long", list(range(40)), params(max_tokens=1))
+    so, _ = step(sched, worker)
+    assert so.num_scheduled_tokens == {"long": 16}
+
+
+def test_max_num_seqs_caps_the_running_batch():
+    sched, worker = make(max_num_seqs=2)
+    for i in range(4):
+        sched.add_request(f"r{i}", [i + 1], params(max_tokens=3))
+    so, _ = step(sched, worker)
+    assert sorted(so.num_scheduled_tokens) == ["r0", "r1"]
+    assert sched.stats().num_waiting == 2
+
+
+def test_abort_waiting_running_and_preempted_requests_frees_blocks():
+    sched, worker = make(num_blocks=10, block_size=4)
+    for rid in "abc":
+        sched.add_request(rid, [ord(rid)] * 8, params(max_tokens=8))
+    sched.add_request("w", [5] * 30, params(max_tokens=2))
+    preempted = set()
+    while not preempted:
+        so, _ = step(sched, worker)
+        preempted |= so.preempted_req_ids
+    (victim,) = preempted
+    statuses = {r: sched.requests[r].status for r in "abcw"}
+    assert statuses[victim] == RequestStatus.PREEMPTED and statuses["w"] == RequestStatus.WAITING
+    running = next(r for r in "abc" if statuses[r] == RequestStatus.RUNNING)
+    for rid in (victim, "w", running):
+        (out,) = sched.abort(rid)
+        assert out.finished and out.finish_reason == "abort" and out.request_id == rid
+    assert sched.abort(victim) == []  # a second abort is a no-op
+    so, _ = step(sched, worker)
+    assert running in so.finished_req_ids and victim in so.finished_req_ids
+    assert "w" not in so.finished_req_ids  # the workers never held it
+    run_all(sched, worker)
+    assert all(b.ref_cnt == 0 for b in sched.kv.block_pool.blocks)
+
+
+def test_infeasible_requests_finish_at_once_with_a_reason():
+    sched, worker = make(num_blocks=5, block_size=4, max_model_len=64)
+    (out,) = sched.add_request("too_long", list(range(64)), params())
+    assert out.finished and out.finish_reason == "error" and "max_model_len=64" in out.error
+    (out,) = sched.add_request("too_big", list(range(10)), params(max_tokens=20))
+    assert "KV blocks" in out.error and out.request_id == "too_big"
+    assert not sched.has_unfinished_requests()
+    sched.add_request("fits", list(range(10)), params(max_tokens=6))
+    assert run_all(sched, worker)[("fits", 0)][1] == "length"
+
+
+@pytest.mark.parametrize("kw, expect_len, reason", [
+    ({"ignore_eos": False}, 6, "stop"),  # the fake model emits EOS at history length 10: output 6
+    ({"ignore_eos": True}, 8, "length"),
+    ({"ignore_eos": False, "min_tokens": 7}, 8, "length"),  # EOS before min_tokens does not stop
+])
+def test_stop_rules(kw, expect_len, reason):
+    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4), eos_token_id=EOS)
+    worker = FakeWorker(4, 64, eos_token_id=EOS, eos_every=10)
+    sched.add_request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=8, **kw))
+    tokens, why = run_all(sched, worker)[("r", 0)]
+    assert len(tokens) == expect_len and why == reason
+
+
+def test_stop_token_ids_and_max_model_len():
+    sched, worker = make(max_model_len=9)
+    sched.add_request("r", [1, 2, 3, 4, 5], params(max_tokens=50))
+    tokens, why = run_all(sched, worker)[("r", 0)]
+    assert len(tokens) == 4 and why == "length"
+    # The fake model's third token for "s" (history of 4 tokens) becomes a stop token.
+    third = FakeWorker(4, 64).next_token("s", FakeState([0] * 4, [], 0))
+    sched, worker = make()
+    sched.add_request("s", [1, 2], params(max_tokens=5, stop_token_ids=[third]))
+    tokens, why = run_all(sched, worker)[("s", 0)]
+    assert why == "stop" and tokens[-1] == third and len(tokens) == 3
+
+
+def test_n_children_share_the_prompt_blocks_and_finish_separately():
+    sched, worker = make(block_size=4)
+    prompt = list(range(200, 217))  # 17 tokens: 4 full blocks
+    sched.add_request("p", prompt, params(max_tokens=3, n=3, seed=1))
+    so, _ = step(sched, worker)
+    assert [n.req_id for n in so.scheduled_new_reqs] == ["p#0"]  # siblings wait for the prompt
+    so, _ = step(sched, worker)
+    new = {n.req_id: n for n in so.scheduled_new_reqs}
+    assert set(new) == {"p#1", "p#2"}
+    shared = sched.kv.get_block_ids("p#0")[:4]
+    for n in new.values():
+        assert n.num_computed_tokens == 16 and n.block_ids[:4] == shared
+        assert n.sampling_params.n == 1
+    assert [new[f"p#{i}"].sampling_params.seed for i in (1, 2)] == [2, 3]
+    assert all(sched.kv.block_pool.blocks[b].ref_cnt == 3 for b in shared)
+    got = run_all(sched, worker)
+    assert sorted(got) == [("p", 0), ("p", 1), ("p", 2)]
+    # child 0 sampled in the two steps above; its siblings from the second on
+    assert [len(got[("p", i)][0]) for i in range(3)] == [1, 2, 2]
+    assert all(why == "length" for _, why in got.values())
+    assert sched.abort("p") == [] and "p" not in sched.children
+
+
+def test_abort_of_a_parent_aborts_parked_children():
+    sched, worker = make(block_size=4)
+    sched.add_request("p", list(range(17)), params(n=2))
+    outs = sched.abort("p")
+    assert sorted((o.index, o.finish_reason) for o in outs) == [(0, "abort"), (1, "abort")]
+    assert not sched.has_unfinished_requests()
+
+
+def test_stats_count_running_waiting_and_usage():
+    sched, worker = make(num_blocks=11, block_size=4, max_num_seqs=1)
+    sched.add_request("a", [1] * 8, params(max_tokens=4))
+    sched.add_request("b", [2] * 8, params(max_tokens=4))
+    step(sched, worker)
+    st = sched.stats()
+    assert (st.num_running, st.num_waiting, st.num_steps, st.num_admitted) == (1, 1, 1, 1)
+    assert st.kv_cache_usage == pytest.approx(2 / 10)  # 8 computed tokens -> 2 of 10 usable blocks
+    assert st.num_scheduled_tokens == 8
