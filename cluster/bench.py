@@ -77,3 +77,78 @@ def bench_scheduler(sizes: tuple[int, ...] = (64, 256, 1024), prompt_len: int = 
           f"({secs / pool_pairs * 1e9:.0f} ns per pair)")
     results["pool_pairs_s"] = secs
     return results
+
+
+def throughput_workload(num_requests: int, min_len: int, max_len: int, vocab_size: int,
+                        seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) pairs: lengths uniform in [min_len, max_len], random ids."""
+    rng = random.Random(seed)
+    work = []
+    for _ in range(num_requests):
+        prompt_len, out_len = rng.randint(min_len, max_len), rng.randint(min_len, max_len)
+        work.append(([rng.randrange(100, vocab_size) for _ in range(prompt_len)], out_len))
+    return work
+
+
+def _report(name: str, seconds: float, num_requests: int, prompt_tokens: int, output_tokens: int) -> float:
+    out_tps = output_tokens / seconds
+    print(f"  {name:14s} {seconds:8.1f} s  {num_requests / seconds:6.2f} req/s  {out_tps:8.1f} output tok/s  "
+          f"{(prompt_tokens + output_tokens) / seconds:8.1f} total tok/s")
+    return out_tps
+
+
+def run_raylm(llm, work) -> float:
+    prompts = [p for p, _ in work]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up: first-call allocations
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    got = sum(len(o.outputs[0].token_ids) for o in outs)
+    want = sum(n for _, n in work)
+    if got != want:
+        raise RuntimeError(f"raylm produced {got} output tokens, the workload asks for {want}")
+    return elapsed
+
+
+def run_transformers_static(model_path: str, work, threads: int | None) -> float:
+    """One padded batch of all requests through transformers generate (greedy), as static batching does."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if threads:
+        torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    width = max(len(p) for p, _ in work)
+    pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
+    ids = torch.full((len(work), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, _) in enumerate(work):  # left padding, as decoder-only batching needs
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    max_new = max(n for _, n in work)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                       do_sample=False, pad_token_id=pad)
+    return time.perf_counter() - t0
+
+
+def bench_throughput(model: str | None = None, num_requests: int = 64, min_len: int = 32, max_len: int = 256,
+                     compare: list[str] = ("transformers",), **engine_kwargs) -> dict:
+    from cluster.llm import LLM
+
+    llm = LLM(model=model, max_num_seqs=max(num_requests, 1), **engine_kwargs)
+    work = throughput_workload(num_requests, min_len, max_len, llm.engine.spec.vocab_size)
+    prompt_tokens = sum(len(p) for p, _ in work)
+    output_tokens = sum(n for _, n in work)
+    print(f"raylm bench throughput: {num_requests} requests, prompt and output lengths uniform in "
+          f"[{min_len}, {max_len}] (seed 0, ignore_eos), {prompt_tokens} prompt + {output_tokens} output tokens; "
+          f"model {llm.engine.model_path}, {llm.config.dtype}, device {llm.engine.worker.device}")
+    results = {"raylm": _report("raylm", run_raylm(llm, work), num_requests, prompt_tokens, output_tokens)}
+    if "transformers" in compare:
+        secs = run_transformers_static(llm.engine.model_path, work, llm.config.num_threads)
+        results["transformers"] = _report("transformers", secs, num_requests, prompt_tokens, output_tokens)
+        print(f"  raylm / transformers (static batching), output tok/s: "
+              f"{results['raylm'] / results['transformers']:.2f}x")
+    return results

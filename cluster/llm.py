@@ -1,0 +1,105 @@
+"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from cluster.config import EngineConfig
+from cluster.engine import InProcessEngine, check_prompt
+from scheduler import SampledLogprobs, SamplingParams
+
+
+@dataclass(slots=True)
+class Completion:
+    """One sample of one prompt."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[SampledLogprobs] | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class GenerateOutput:
+    """Everything generated for one prompt: ``n`` completions, in index order."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[Completion] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    """Runs a whole list of prompts to completion with continuous batching.
+
+    Prompts may be strings (tokenized here, chat template optional) or lists
+    of token ids. Every prompt is checked before any runs, so a bad one raises
+    ValueError naming it instead of failing its batch mid-way.
+    """
+
+    def __init__(self, model: str | None = None, *, executor: str = "inprocess", **engine_kwargs) -> None:
+        self.config = EngineConfig(model=model, **engine_kwargs)
+        if executor != "inprocess":
+            raise ValueError(f"executor={executor!r} is not available yet")
+        self.engine = InProcessEngine(self.config)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.engine.model_path)
+        self._ids = itertools.count()
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+
+    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None, *, use_tqdm: bool = True,
+                 priority: list[int] | None = None) -> list[GenerateOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        results = []
+        for i, prompt in enumerate(prompts):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            try:
+                check_prompt(ids, self.engine.spec.vocab_size, self.engine.max_model_len)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            results.append(GenerateOutput(str(next(self._ids)), prompt if isinstance(prompt, str) else None, ids))
+        by_id = {r.request_id: r for r in results}
+        total = sum(p.n for p in params_list)
+        bar = tqdm(total=total, desc="generate", disable=not use_tqdm, unit="seq")
+        engine = self.engine
+        pending: dict[tuple[str, int], Completion] = {}
+
+        def absorb(outs) -> None:
+            for o in outs:
+                c = pending.get((o.request_id, o.index))
+                if c is None:
+                    c = pending[(o.request_id, o.index)] = Completion(o.index, "", [], None, None)
+                c.token_ids.extend(o.new_token_ids)
+                if o.new_logprobs:
+                    c.logprobs = (c.logprobs or []) + o.new_logprobs
+                if o.finished:
+                    c.finish_reason, c.error = o.finish_reason, o.error
+                    by_id[o.request_id].num_cached_tokens = o.num_cached_tokens
+                    bar.update(1)
+
+        for i, (r, p) in enumerate(zip(results, params_list)):
+            absorb(engine.add_request(r.request_id, r.prompt_token_ids, p, priority=priority[i] if priority else 0))
+        while engine.has_unfinished_requests():
+            absorb(engine.step())
+        bar.close()
+        for r in results:
+            r.outputs = sorted((c for (rid, _), c in pending.items() if rid == r.request_id), key=lambda c: c.index)
+            for c in r.outputs:
+                c.text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        return results

@@ -1,0 +1,256 @@
+"""The Ray engine: a placement group, one worker actor per tensor-parallel rank, and the scheduler
+actor that steps them. RayEngine is its facade: InProcessEngine's synchronous interface (what the
+offline LLM drives) plus an async stream of deltas (what the Serve app drives)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import weakref
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.config import EngineConfig
+from cluster.engine import check_prompt, resolve_max_model_len, stop_token_ids
+from cluster.scheduler_actor import RequestSteps, SchedulerActor
+from scheduler import RequestOutput, SamplingParams, SchedulerStats
+from workers.model_loader import read_model_spec
+from workers.worker import Worker
+
+RayWorker = ray.remote(Worker)
+RaySchedulerActor = ray.remote(SchedulerActor)
+SCHEDULER_CPUS = 1.0  # the scheduler's bundle; the actor mostly awaits, but Ray needs a non-empty bundle
+
+
+@dataclass(slots=True)
+class NodeInfo:
+    """Where a rank landed: what thread counts and the process-group address are derived from."""
+
+    node_id: str
+    ip: str
+    num_cores: int  # cores this process may run on (not Ray's logical CPUs, which only count reservations)
+    free_port: int
+
+
+def _node_info(_worker: Worker) -> NodeInfo:
+    """Runs inside a rank's actor (through ``__ray_call__``)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return NodeInfo(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
+                    len(os.sched_getaffinity(0)), port)
+
+
+def _init_device(worker: Worker, num_threads: int) -> str:
+    """Runs inside a rank's actor: fix its torch thread count (Ray's OMP_NUM_THREADS follows num_cpus), then
+    take its device."""
+    worker.config.num_threads = num_threads
+    return worker.init_device()
+
+
+def connect(address: str | None, min_cpus: float) -> None:
+    """Join the cluster at ``address`` (or $RAY_ADDRESS), else start a local Ray that can hold the engine."""
+    if ray.is_initialized():
+        return
+    if address is not None or "RAY_ADDRESS" in os.environ:
+        ray.init(address=address)
+        return
+    # Logical CPUs only count reservations; the engine sets thread counts from the real cores.
+    ray.init(num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)), include_dashboard=False)
+
+
+def engine_bundles(config: EngineConfig, use_gpu: bool) -> list[dict[str, float]]:
+    """Bundle 0 for the scheduler actor, bundle 1 + r for rank r."""
+    rank = {"CPU": float(config.num_threads or 1)} | ({"GPU": 1.0} if use_gpu else {})
+    return [{"CPU": SCHEDULER_CPUS}] + [dict(rank) for _ in range(config.tensor_parallel_size)]
+
+
+def place(bundles: list[dict[str, float]], strategy: str, timeout_s: float) -> PlacementGroup:
+    """Reserve the bundles, or remove the request and raise RuntimeError naming what is missing."""
+    pg = placement_group(bundles, strategy=strategy)
+    if pg.wait(timeout_s):
+        return pg
+    remove_placement_group(pg)
+    raise RuntimeError(placement_error(bundles, strategy, timeout_s))
+
+
+def placement_error(bundles: list[dict[str, float]], strategy: str, timeout_s: float) -> str:
+    need: Counter[str] = Counter()
+    for b in bundles:
+        need.update(b)
+    have, free = ray.cluster_resources(), ray.available_resources()
+    nodes = sum(1 for n in ray.nodes() if n["Alive"])
+    missing = {k: v - have.get(k, 0) for k, v in need.items() if v > have.get(k, 0)}
+    msg = (f"cannot place the engine within placement_timeout_s={timeout_s:g}: its {len(bundles)} bundles "
+           f"{bundles} ({strategy}) need {_show(need, need)} in all; the cluster has {_show(have, need)} "
+           f"({_show(free, need)} free) on {nodes} node(s)")
+    if missing:
+        return msg + f"; missing: {_show(missing, missing)}"
+    if strategy == "STRICT_SPREAD" and nodes < len(bundles):
+        return msg + (f"; STRICT_SPREAD puts each bundle (the scheduler and every rank) on its own node: "
+                      f"it needs {len(bundles)} nodes")
+    return msg + "; the resources exist but not free, or not on one node as the strategy requires"
+
+
+def _show(resources: dict[str, float], keys) -> str:
+    return ", ".join(f"{k}: {resources.get(k, 0):g}" for k in sorted(keys))
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+    return device
+
+
+def start_workers(config: EngineConfig, model_path: str, max_model_len: int, pg: PlacementGroup,
+                  device: str) -> list:
+    wcfg = dataclasses.replace(config.worker_config(model_path, max_model_len), device=device)
+    return [RayWorker.options(
+        num_cpus=config.num_threads or 1, num_gpus=1 if device == "cuda" else 0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1 + rank),
+    ).remote(wcfg, rank) for rank in range(config.tensor_parallel_size)]
+
+
+def init_workers(workers: list, num_threads: int | None, device: str) -> int:
+    """Device, process group, model shard and KV cache on every rank; returns the blocks each rank holds."""
+    infos: list[NodeInfo] = ray.get([w.__ray_call__.remote(_node_info) for w in workers])
+    ranks_per_node = Counter(i.node_id for i in infos)
+    # Co-located ranks share their node's cores: oversubscribed torch threads stall at every barrier.
+    threads = [num_threads or max(1, i.num_cores // ranks_per_node[i.node_id]) for i in infos]
+    ray.get([w.__ray_call__.remote(_init_device, n) for w, n in zip(workers, threads)])
+    master = infos[0]
+    ray.get([w.init_distributed.remote(rank, len(workers), master.ip, master.free_port,
+                                       "nccl" if device == "cuda" else "gloo")
+             for rank, w in enumerate(workers)])
+    ray.get([w.load_model.remote() for w in workers])
+    num_blocks = min(ray.get([w.determine_num_blocks.remote() for w in workers]))
+    if num_blocks < 2:
+        block_bytes = ray.get(workers[0].block_bytes.remote())
+        raise ValueError(f"the KV cache holds {num_blocks} blocks of {block_bytes} bytes; raise kv_cache_bytes "
+                         f"or gpu_memory_utilization")
+    ray.get([w.init_cache.remote(num_blocks) for w in workers])
+    return num_blocks
+
+
+def _release(pg: PlacementGroup | None, actors: list) -> None:
+    """Kill the engine's actors and free its placement group (idempotent through weakref.finalize)."""
+    if not ray.is_initialized():
+        return
+    for actor in actors:
+        ray.kill(actor)
+    if pg is not None:
+        remove_placement_group(pg)
+
+
+class RayEngine:
+    """One engine on a Ray cluster: a placement group, the scheduler actor, one worker actor per rank.
+
+    Invariants: once __init__ returns, every rank holds its model shard and a KV
+    cache of the same ``num_blocks`` and the scheduler loop runs; if __init__
+    fails it leaves no actor or placement group behind, and shutdown() (or
+    garbage collection) releases them. ``_unfinished`` maps each caller id added
+    through add_request to its samples still running, so step() knows without a
+    round trip whether there is anything to wait for.
+    """
+
+    def __init__(self, config: EngineConfig, address: str | None = None) -> None:
+        self.config = config
+        tp = config.tensor_parallel_size
+        self.model_path = config.resolved_model()
+        self.spec = read_model_spec(self.model_path, tp)
+        self.max_model_len = resolve_max_model_len(config, self.spec)
+        connect(address, SCHEDULER_CPUS + tp * (config.num_threads or 1))
+        self.device = resolve_device(config.device)
+        pg = place(engine_bundles(config, self.device == "cuda"), config.placement_strategy,
+                   config.placement_timeout_s)
+        self.placement_group = pg
+        owned: list = []
+        self._finalizer = weakref.finalize(self, _release, pg, owned)
+        self._unfinished: dict[str, int] = {}
+        try:
+            self.workers = start_workers(config, self.model_path, self.max_model_len, pg, self.device)
+            owned.extend(self.workers)
+            self.num_blocks = init_workers(self.workers, config.num_threads, self.device)
+            self.actor = RaySchedulerActor.options(
+                num_cpus=SCHEDULER_CPUS,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+            ).remote(config.scheduler_config(self.num_blocks, self.max_model_len), self.spec.eos_token_id,
+                     self.workers)
+            owned.append(self.actor)
+            ray.get(self.actor.start.remote())
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Kill the actors and remove the placement group; in-flight requests end with an actor error."""
+        self._finalizer()
+
+    def _vet(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        check_prompt(prompt_token_ids, self.spec.vocab_size, self.max_model_len)
+        return stop_token_ids(params, self.spec)
+
+    # ---- synchronous interface (InProcessEngine's) --------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> list[RequestOutput]:
+        params = self._vet(prompt_token_ids, params)
+        finals = ray.get(self.actor.add_request.remote(request_id, list(prompt_token_ids), params, priority))
+        if len(finals) < params.n:
+            self._unfinished[request_id] = params.n - len(finals)
+        return finals
+
+    def step(self) -> list[RequestOutput]:
+        """The deltas of add_request's requests that arrived since the last call (waits for at least one)."""
+        if not self._unfinished:
+            return []
+        outputs = ray.get(self.actor.get_outputs.remote())
+        for out in outputs:
+            if out.finished and out.request_id in self._unfinished:
+                self._unfinished[out.request_id] -= 1
+                if not self._unfinished[out.request_id]:
+                    del self._unfinished[out.request_id]
+        return outputs
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        self._unfinished.pop(request_id, None)
+        return ray.get(self.actor.abort.remote(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._unfinished)
+
+    def stats(self) -> SchedulerStats:
+        return ray.get(self.actor.stats.remote())
+
+    def request_steps(self, request_ids: list[str]) -> dict[str, RequestSteps]:
+        return ray.get(self.actor.request_steps.remote(request_ids))
+
+    def check_health(self) -> None:
+        """Raise RuntimeError saying why when the engine cannot serve."""
+        try:
+            ray.get(self.actor.check_health.remote())
+        except ray.exceptions.RayActorError as e:
+            raise RuntimeError(f"the scheduler actor is gone: {e}") from None
+
+    # ---- async interface (the Serve app's) ---------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """The request's deltas as they come; leaving the loop early (or being cancelled) aborts it."""
+        params = self._vet(prompt_token_ids, params)
+        stream = self.actor.generate.remote(request_id, list(prompt_token_ids), params, priority)
+        remaining = params.n
+        try:
+            async for ref in stream:
+                out = await ref
+                remaining -= out.finished
+                yield out
+        finally:
+            if remaining:
+                self.actor.abort.remote(request_id)

@@ -1,0 +1,257 @@
+"""The scheduler actor: one Scheduler, the worker handles, and the engine loop that steps them.
+
+Runs on a CPU head node, so it imports only the standard library, ray and scheduler/ (never
+torch, never the rest of cluster/). ray_engine.py places it and the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import ray
+
+from scheduler import (
+    ModelRunnerOutput, RequestOutput, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats,
+)
+
+# Prompt tokens above which a step is ray.put once and the ref broadcast. Below it each call carries
+# the step by value: a put costs ~3 ms here (plasma round trip per rank) while pickling a small
+# SchedulerOutput per rank costs tens of microseconds.
+PUT_PROMPT_TOKENS = 8192
+HISTORY_SIZE = 4096  # requests whose step numbers stats keep: bounded, a server runs for months
+
+
+@dataclass(slots=True)
+class RequestSteps:
+    """Where one caller's request sat in the engine loop, in scheduler step numbers.
+
+    ``arrival_step`` counts the steps already scheduled when it arrived, so a
+    request that joins the running batch at once has ``first_step ==
+    arrival_step + 1``. ``finish_step`` is the step that produced its last delta
+    (for an abort or an error: the steps scheduled by then).
+    """
+
+    arrival_step: int
+    first_step: int | None = None
+    finish_step: int | None = None
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Where one caller's deltas go: its own queue (streaming callers) or, if None, the shared outbox.
+
+    ``num_unfinished`` counts its samples (``n``) still running; the stream is
+    dropped when it reaches 0, so a delta for an unknown id belongs to a caller
+    that aborted and is discarded.
+    """
+
+    queue: asyncio.Queue[RequestOutput] | None
+    num_unfinished: int
+
+
+def execute_step(workers: list, so: SchedulerOutput) -> asyncio.Future[list[ModelRunnerOutput | None]]:
+    """Send one step to every rank (the same serialized step) and gather their replies; rank 0's is the output.
+
+    Awaiting all ranks, not just rank 0, surfaces a dead rank at once instead of leaving rank 0 in a
+    collective, and keeps every rank's queue at most one step deep.
+    """
+    arg = so
+    if len(workers) > 1 and sum(len(r.prompt_token_ids) for r in so.scheduled_new_reqs) > PUT_PROMPT_TOKENS:
+        arg = ray.put(so)
+    return asyncio.gather(*[w.execute_model.remote(arg) for w in workers])
+
+
+def merge_deltas(deltas: list[RequestOutput]) -> list[RequestOutput]:
+    """Fold the queued deltas of each sample into one, so a consumer that lags costs one object per sample."""
+    merged: dict[int, RequestOutput] = {}
+    for d in deltas:
+        m = merged.get(d.index)
+        if m is None:
+            merged[d.index] = d
+            continue
+        logprobs = (m.new_logprobs or []) + d.new_logprobs if d.new_logprobs else m.new_logprobs
+        merged[d.index] = dataclasses.replace(d, new_token_ids=m.new_token_ids + d.new_token_ids,
+                                              new_logprobs=logprobs)
+    return list(merged.values())
+
+
+class SchedulerActor:
+    """Owns the Scheduler and runs schedule → execute on every rank → update in a background task.
+
+    Invariants:
+    - only the loop task calls ``schedule``/``update_from_output``, one step in
+      flight at a time; requests are added and aborted between awaits, which the
+      Scheduler allows mid-step (an aborted request's late token is dropped);
+    - every live caller id has exactly one ``_Stream``; each delta reaches its
+      caller once, and deltas of step N are routed while the workers compute
+      step N+1 (the loop's bookkeeping overlaps their compute);
+    - the loop sleeps on ``wake`` when nothing can run, never spins;
+    - once ``error`` is set (a step failed: a rank died or raised) every live
+      request has had an "error" delta and no new request is taken, because
+      the ranks' states may disagree and a collective could hang.
+    """
+
+    def __init__(self, config: SchedulerConfig, eos_token_id: int | None, workers: list) -> None:
+        self.scheduler = Scheduler(config, eos_token_id=eos_token_id)
+        self.workers = workers
+        self.streams: dict[str, _Stream] = {}
+        self.outbox: list[RequestOutput] = []
+        self.outbox_ready = asyncio.Event()
+        self.wake = asyncio.Event()
+        self.history: dict[str, RequestSteps] = {}
+        self.error: str | None = None
+        self.loop_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        if self.loop_task is None:
+            self.loop_task = asyncio.create_task(self._run())
+
+    # ---- the engine loop ----------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            await self._loop()
+        except Exception as e:  # a dead or failing rank: no request can go on
+            self._fail(f"engine step failed: {type(e).__name__}: {e}")
+
+    async def _loop(self) -> None:
+        sched = self.scheduler
+        outputs: list[RequestOutput] = []
+        step_id, idle = 0, True
+        while True:
+            if idle or not sched.has_unfinished_requests():
+                self._route(outputs, step_id)
+                outputs = []
+                self.wake.clear()
+                await self.wake.wait()
+            so = sched.schedule()
+            self._note_first_steps(so)
+            replies = execute_step(self.workers, so)
+            self._route(outputs, step_id)
+            outputs = sched.update_from_output(so, (await replies)[0])
+            # An empty step with requests left means none can run until something arrives or leaves.
+            step_id, idle = so.step_id, so.is_empty
+
+    def _note_first_steps(self, so: SchedulerOutput) -> None:
+        requests = self.scheduler.requests
+        for new in so.scheduled_new_reqs:
+            steps = self.history.get(requests[new.req_id].parent_id or new.req_id)
+            if steps is not None and steps.first_step is None:
+                steps.first_step = so.step_id
+
+    def _route(self, outputs: list[RequestOutput], step_id: int) -> None:
+        streams = self.streams
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is None:
+                continue
+            if stream.queue is None:
+                self.outbox.append(out)
+            else:
+                stream.queue.put_nowait(out)
+            if out.finished:
+                stream.num_unfinished -= 1
+                if not stream.num_unfinished:
+                    del streams[out.request_id]
+                    self._note_finish(out.request_id, step_id)
+        if self.outbox:
+            self.outbox_ready.set()
+
+    def _note_finish(self, request_id: str, step_id: int) -> None:
+        steps = self.history.get(request_id)
+        if steps is not None:
+            steps.finish_step = step_id
+
+    def _fail(self, error: str) -> None:
+        self.error = error
+        self._route(self.scheduler.fail_all(error), self.scheduler.num_steps)
+        self.outbox_ready.set()  # a waiting get_outputs must wake to raise
+
+    # ---- requests in and out ------------------------------------------------------
+
+    def _admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
+               queue: asyncio.Queue | None) -> list[RequestOutput]:
+        if self.error is not None:
+            raise RuntimeError(f"the engine is unhealthy and takes no new requests: {self.error}")
+        finals = self.scheduler.add_request(request_id, prompt_token_ids, params, priority=priority,
+                                            arrival_time=time.monotonic())
+        if len(self.history) >= HISTORY_SIZE:
+            del self.history[next(iter(self.history))]
+        self.history[request_id] = RequestSteps(self.scheduler.num_steps)
+        if len(finals) < params.n:
+            self.streams[request_id] = _Stream(queue, params.n - len(finals))
+            self.wake.set()
+        else:
+            self._note_finish(request_id, self.scheduler.num_steps)
+        return finals
+
+    @ray.method(num_returns="streaming")
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream the request's deltas as steps produce them; a cancelled or dropped stream aborts it."""
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        finals = self._admit(request_id, prompt_token_ids, params, priority, queue)
+        for out in finals:
+            yield out
+        remaining = params.n - len(finals)
+        try:
+            while remaining:
+                deltas = [await queue.get()]
+                while not queue.empty():
+                    deltas.append(queue.get_nowait())
+                for out in merge_deltas(deltas):
+                    remaining -= out.finished
+                    yield out
+        finally:
+            if remaining:
+                self._abort(request_id)
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          priority: int = 0) -> list[RequestOutput]:
+        """Queue a request whose deltas go to the shared outbox (``get_outputs``); returns any immediate finals."""
+        return self._admit(request_id, prompt_token_ids, params, priority, None)
+
+    async def get_outputs(self) -> list[RequestOutput]:
+        """Every outbox delta so far, waiting until there is at least one."""
+        while not self.outbox:
+            if self.error is not None:
+                raise RuntimeError(f"the engine is unhealthy: {self.error}")
+            self.outbox_ready.clear()
+            await self.outbox_ready.wait()
+        outputs, self.outbox = self.outbox, []
+        return outputs
+
+    async def abort(self, request_id: str) -> list[RequestOutput]:
+        return self._abort(request_id)
+
+    def _abort(self, request_id: str) -> list[RequestOutput]:
+        finals = self.scheduler.abort(request_id)
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            self._note_finish(request_id, self.scheduler.num_steps)
+            if stream.queue is not None:
+                for out in finals:
+                    stream.queue.put_nowait(out)
+        return finals
+
+    # ---- observability --------------------------------------------------------------
+
+    async def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    async def request_steps(self, request_ids: list[str]) -> dict[str, RequestSteps]:
+        return {rid: self.history[rid] for rid in request_ids if rid in self.history}
+
+    async def check_health(self, timeout_s: float = 10.0) -> None:
+        """Raise RuntimeError when the engine cannot serve. An idle loop sends no steps, so ask the ranks."""
+        if self.error is None and not self.scheduler.has_unfinished_requests():
+            try:
+                await asyncio.wait_for(asyncio.gather(*[w.check_health.remote() for w in self.workers]), timeout_s)
+            except Exception as e:
+                self._fail(f"health check failed: {type(e).__name__}: {e}")
+        if self.error is not None:
+            raise RuntimeError(f"the engine is unhealthy: {self.error}")

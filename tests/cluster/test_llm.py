@@ -1,0 +1,183 @@
+"""The offline engine end to end: greedy output token-identical to transformers, and its API."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cluster import LLM, EngineConfig, SamplingParams
+from cluster.engine import InProcessEngine
+
+NEW_TOKENS = 32
+BASE = ("The history of the Roman empire is long and complicated. It began when the city of Rome was "
+        "founded, and over many centuries it grew into a vast state spanning three continents. ")
+PROMPTS = [
+    "Hello",
+    "What is the capital of France?",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away,",
+    BASE + "Its first emperor was",
+    BASE + "The fall of the western half happened because",
+    BASE * 2 + "In summary,",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24,",
+]
+
+
+def hf_greedy(model_dir: str, prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    with torch.inference_mode():
+        for ids in prompt_ids:
+            x = torch.tensor([ids])
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
+                               pad_token_id=model.generation_config.eos_token_id)
+            outs.append(y[0, len(ids):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def smol(default_model_dir):
+    llm = LLM(model=default_model_dir)
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    return llm, ids, hf_greedy(default_model_dir, ids, NEW_TOKENS)
+
+
+def greedy(max_tokens=NEW_TOKENS, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def assert_same(outs, expected):
+    for i, (o, want) in enumerate(zip(outs, expected)):
+        assert o.outputs[0].token_ids == want, f"prompt {i} differs from transformers"
+
+
+def test_prompts_cover_several_blocks_and_shared_prefixes(smol):
+    _, ids, _ = smol
+    assert min(map(len, ids)) <= 3 and max(map(len, ids)) > 4 * 16
+    assert ids[4][:32] == ids[5][:32]  # two full blocks shared
+
+
+def test_greedy_matches_transformers_with_prefix_caching(smol):
+    llm, ids, expected = smol
+    assert_same(llm.generate(ids, greedy(), use_tqdm=False), expected)
+    # Again: the shared prefixes now come from the prefix cache.
+    before = llm.engine.stats().prefix_cache_hits
+    assert_same(llm.generate(ids, greedy(), use_tqdm=False), expected)
+    assert llm.engine.stats().prefix_cache_hits > before
+
+
+def test_greedy_matches_transformers_without_prefix_caching(smol, default_model_dir):
+    _, ids, expected = smol
+    llm = LLM(model=default_model_dir, enable_prefix_caching=False)
+    assert_same(llm.generate(ids, greedy(), use_tqdm=False), expected)
+    assert llm.engine.stats().prefix_cache_hits == 0
+
+
+def test_greedy_matches_transformers_with_chunked_prefill(smol, default_model_dir):
+    _, ids, expected = smol
+    llm = LLM(model=default_model_dir, max_num_batched_tokens=48, long_prefill_token_threshold=20)
+    steps = []
+    engine = llm.engine
+    original = engine.scheduler.schedule
+
+    def spy():
+        so = original()
+        steps.append(dict(so.num_scheduled_tokens))
+        return so
+
+    engine.scheduler.schedule = spy
+    assert_same(llm.generate(ids, greedy(), use_tqdm=False), expected)
+    # every step kept the budget, and long prompts went in chunks of the threshold
+    assert max(map(len, ids)) > 3 * 20
+    assert all(sum(s.values()) <= 48 for s in steps)
+    assert sum(1 for s in steps for n in s.values() if n == 20) >= 3
+
+
+def test_greedy_matches_transformers_under_preemption(smol, default_model_dir):
+    _, ids, expected = smol
+    block_bytes = smol[0].engine.worker.block_bytes()
+    # Room for ~2 long requests at once: the others must be preempted and recomputed.
+    llm = LLM(model=default_model_dir, kv_cache_bytes=block_bytes * 24)
+    assert_same(llm.generate(ids, greedy(), use_tqdm=False), expected)
+    assert llm.engine.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("model_type, extra", [("qwen2", {}), ("qwen3", {"head_dim": 16}), ("llama", {})])
+def test_tiny_random_models_match_transformers(tiny_model_dir, model_type, extra):
+    path = tiny_model_dir(model_type, **extra)
+    rng = torch.Generator().manual_seed(1)
+    ids = [torch.randint(3, 256, (n,), generator=rng).tolist() for n in (5, 19, 40, 70)]
+    expected = hf_greedy(path, ids, 16)
+    engine = InProcessEngine(EngineConfig(model=path, block_size=8, max_num_batched_tokens=64))
+    for i, p in enumerate(ids):
+        engine.add_request(str(i), p, greedy(16, ignore_eos=True))
+    got = {str(i): [] for i in range(len(ids))}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            got[o.request_id].extend(o.new_token_ids)
+    for i, want in enumerate(expected):
+        assert got[str(i)][:len(want)] == want, f"{model_type} prompt {i}"
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(smol):
+    llm, ids, _ = smol
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16)
+    alone = llm.generate([ids[1]], p, use_tqdm=False)[0].outputs[0].token_ids
+    again = llm.generate([ids[1]], p, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=16)] * 3
+    batch = llm.generate([ids[0], ids[1], ids[2], ids[3]], [others[0], p, others[1], others[2]], use_tqdm=False)
+    assert alone == again == batch[1].outputs[0].token_ids
+    other_seed = llm.generate([ids[1]], SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16),
+                              use_tqdm=False)[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_n_samples_share_the_prompt_blocks(smol):
+    llm, ids, _ = smol
+    before = llm.engine.stats().prefix_cache_hits
+    prompt = ids[6] + [42]  # a prompt not seen before, several blocks long
+    (out,) = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8), use_tqdm=False)
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    full_blocks = (len(prompt) - 1) // 16
+    assert llm.engine.stats().prefix_cache_hits - before >= 2 * full_blocks * 16
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_logprobs_and_finish_reasons(smol):
+    llm, ids, expected = smol
+    (out,) = llm.generate([ids[1]], greedy(5, logprobs=3, ignore_eos=True), use_tqdm=False)
+    c = out.outputs[0]
+    assert c.finish_reason == "length" and len(c.logprobs) == 5
+    for tok, lp in zip(c.token_ids, c.logprobs):
+        assert lp.top_token_ids[0] == tok and len(lp.top_token_ids) == 3 and lp.logprob <= 0
+    (out,) = llm.generate(["Say hi"], SamplingParams(temperature=0.0, max_tokens=200), use_tqdm=False)
+    assert out.outputs[0].finish_reason in ("stop", "length") and out.outputs[0].text
+
+
+def test_bad_input_raises_before_anything_runs(smol, tmp_path):
+    llm, ids, _ = smol
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([ids[0], [1, 2, 10**7]], greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[5] * (llm.engine.max_model_len + 1)], greedy(), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(model=str(tmp_path / "nowhere"))
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        LLM(model=str(tmp_path))
+
+
+def test_raylm_generate_cli(default_model_dir):
+    out = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", default_model_dir,
+                          "--prompt", "What is 2+2?", "--chat", "--max-tokens", "12"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
+    bad = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", "/nonexistent/model",
+                          "--prompt", "x"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "does not exist" in bad.stderr

@@ -1,0 +1,146 @@
+"""One tensor-parallel rank: device, process group, model shard, KV cache, and the step."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from kernels import AttentionMetadata, select_backend
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from workers.cache_engine import CacheEngine
+from workers.model_loader import load_model, read_model_spec
+from workers.model_runner import ModelRunner
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """What a rank needs to know; cluster's EngineConfig produces it."""
+
+    model: str
+    dtype: str = "float32"
+    device: str = "auto"  # "cpu", "cuda" or "auto" (the GPU Ray assigned, else CPU)
+    block_size: int = 16
+    max_model_len: int = 2048
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    tensor_parallel_size: int = 1
+    kv_cache_bytes: int = 1 << 30  # CPU: the KV cache's size
+    gpu_memory_utilization: float = 0.9
+    attention_backend: str = "auto"
+    num_threads: int | None = None  # torch intra-op threads; None: all cores this process may use
+
+
+class Worker:
+    """A rank's life: init_device → init_distributed → load_model → determine_num_blocks → init_cache → steps.
+
+    The scheduler sizes the cache with the minimum of all ranks'
+    ``determine_num_blocks``, so every rank's block ids mean the same slots.
+    Only rank 0 (the driver) samples and returns tokens.
+    """
+
+    def __init__(self, config: WorkerConfig, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        self.device = torch.device("cpu")
+        self.model = None
+        self.spec = None
+        self.runner: ModelRunner | None = None
+        self.cache: CacheEngine | None = None
+
+    def init_device(self) -> str:
+        cfg = self.config
+        want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+        if want_cuda:
+            if not torch.cuda.is_available():
+                raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+            # Ray sets CUDA_VISIBLE_DEVICES to the GPU it assigned this actor, so index 0 is ours.
+            self.device = torch.device("cuda", 0)
+            torch.cuda.set_device(self.device)
+        # Ray sets OMP_NUM_THREADS from the actor's num_cpus (often 1); choose on purpose instead.
+        threads = cfg.num_threads or len(os.sched_getaffinity(0))
+        torch.set_num_threads(threads)
+        return str(self.device)
+
+    def init_distributed(self, rank: int, world_size: int, master_addr: str, master_port: int,
+                         backend: str | None = None, timeout_s: float = 300) -> None:
+        self.rank = rank
+        if world_size == 1:
+            return
+        backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+
+    def load_model(self) -> None:
+        cfg = self.config
+        tp = cfg.tensor_parallel_size
+        self.spec = read_model_spec(cfg.model, tp)
+        backend = select_backend(cfg.attention_backend, self.device)
+        self.model = load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=self.device, attn_backend=backend,
+                                tp_rank=self.rank, tp_size=tp)
+        self.runner = ModelRunner(self.model, backend, cfg.block_size, cfg.max_model_len, self.spec.vocab_size,
+                                  self.spec.eos_token_id, self.device, is_driver=self.rank == 0,
+                                  max_rows=min(cfg.max_num_seqs, 256))
+
+    def block_bytes(self) -> int:
+        spec = self.spec
+        return CacheEngine.block_bytes(spec.num_layers, self.config.block_size,
+                                       spec.kv_heads_per_rank(self.config.tensor_parallel_size), spec.head_dim,
+                                       DTYPES[self.config.dtype])
+
+    def determine_num_blocks(self) -> int:
+        """Blocks this rank can hold. CPU: kv_cache_bytes. GPU: what is left after a peak-memory profile."""
+        if self.device.type != "cuda":
+            return max(self.config.kv_cache_bytes // self.block_bytes(), 0)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self._profile_run()
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        activation_peak = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+        budget = total * self.config.gpu_memory_utilization - used - activation_peak
+        return max(int(budget // self.block_bytes()), 0)
+
+    @torch.inference_mode()
+    def _profile_run(self) -> None:
+        """A forward over the largest batch the scheduler may send, against a throwaway cache."""
+        cfg, spec = self.config, self.spec
+        num_tokens = min(cfg.max_num_batched_tokens, cfg.max_model_len * cfg.max_num_seqs)
+        seq = min(cfg.max_model_len, num_tokens)
+        lens = [seq] * (num_tokens // seq) + ([num_tokens % seq] if num_tokens % seq else [])
+        blocks_per_seq = -(-seq // cfg.block_size)
+        cache = CacheEngine(spec.num_layers, len(lens) * blocks_per_seq + 1, cfg.block_size,
+                            spec.kv_heads_per_rank(cfg.tensor_parallel_size), spec.head_dim, DTYPES[cfg.dtype],
+                            self.device)
+        cache.bind(self.model.attention_layers)
+        dev = self.device
+        tables = torch.arange(1, len(lens) * blocks_per_seq + 1, dtype=torch.int32, device=dev).view(len(lens), -1)
+        positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+        seq_ids = torch.cat([torch.full((n,), i, device=dev) for i, n in enumerate(lens)])
+        slots = tables[seq_ids, positions // cfg.block_size].long() * cfg.block_size + positions % cfg.block_size
+        cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
+        md = AttentionMetadata.build(query_start_loc=cu, seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+                                     block_tables=tables, slot_mapping=slots, max_query_len=seq, max_seq_len=seq,
+                                     backend=self.runner.attn_backend)
+        hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev), positions, md)
+        self.model.compute_logits(hidden[cu[1:].long() - 1])
+        del cache, hidden
+        torch.cuda.synchronize()
+
+    def init_cache(self, num_blocks: int) -> None:
+        cfg, spec = self.config, self.spec
+        self.cache = CacheEngine(spec.num_layers, num_blocks, cfg.block_size,
+                                 spec.kv_heads_per_rank(cfg.tensor_parallel_size), spec.head_dim,
+                                 DTYPES[cfg.dtype], self.device)
+        self.cache.bind(self.model.attention_layers)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.runner.execute_model(scheduler_output)
+
+    def check_health(self) -> bool:
+        return self.runner is not None
