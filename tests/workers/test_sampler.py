@@ -1,0 +1,258 @@
+"""Sampler tests against direct per-row references on fixed logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from scheduler.outputs import SampledLogprobs
+from scheduler.request import SamplingParams
+from workers.sampler import Sampler, SamplingMetadata
+
+V = 10
+# Distinct values, and top-p / min-p cut-offs used below sit far from any boundary.
+LOGITS = torch.tensor([2.0, 1.5, 1.1, 0.6, 0.3, 0.0, -0.4, -1.0, -2.0, -3.0])
+NEG_INF = float("-inf")
+
+
+def build(params, *, prompts=None, outputs=None, generators=None, eos=None, vocab=V):
+    n = len(params)
+    return SamplingMetadata.build(
+        params, generators or [None] * n, prompts or [[0]] * n, outputs or [[]] * n, eos, vocab, "cpu")
+
+
+def processed_probs(logits, params, **kw):
+    return torch.softmax(Sampler().process_logits(logits.clone(), build(params, **kw)), -1)
+
+
+def renorm(probs, keep):
+    total = sum(probs[t] for t in keep)
+    return [probs[t] / total if t in keep else 0.0 for t in range(len(probs))]
+
+
+def ref_probs(row, temperature=1.0, min_p=0.0, top_k=-1, top_p=1.0):
+    """vLLM order: temperature, min-p, top-k, then top-p on what top-k left."""
+    probs = torch.softmax(row.double() / temperature, -1).tolist()
+    probs = renorm(probs, {t for t, p in enumerate(probs) if p >= min_p * max(probs)})
+    ranked = sorted(range(len(probs)), key=lambda t: -probs[t])
+    if top_k != -1:
+        probs = renorm(probs, set(ranked[:top_k]))
+    keep, mass = set(), 0.0
+    for t in ranked:  # smallest most-likely-first set whose mass reaches top_p
+        if mass >= top_p:
+            break
+        keep.add(t)
+        mass += probs[t]
+    return renorm(probs, keep)
+
+
+def sample_many(row, params, n):
+    """n independent draws of one request: n identical rows sampled in one batched call."""
+    sampled, _ = Sampler()(row.repeat(n, 1), build([params] * n, vocab=row.numel()))
+    return torch.bincount(sampled, minlength=row.numel()).double() / n
+
+
+def test_all_greedy_is_argmax():
+    torch.manual_seed(0)
+    logits = torch.randn(4, V)
+    params = [SamplingParams(temperature=0.0), SamplingParams(top_k=1, temperature=0.5),
+              SamplingParams(temperature=0.0, top_p=0.5), SamplingParams(top_k=1)]
+    md = build(params)
+    sampled, logprobs = Sampler()(logits.clone(), md)
+    assert md.all_greedy and logprobs is None
+    assert sampled.tolist() == logits.argmax(-1).tolist()
+
+
+def test_greedy_rows_mixed_with_random_rows():
+    torch.manual_seed(0)
+    logits = torch.randn(4, V) * 0.3  # flat enough that random rows rarely hit their argmax
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.7, top_k=1), SamplingParams(temperature=1.5)]
+    seen = [set() for _ in params]
+    for _ in range(30):
+        sampled, _ = Sampler()(logits.clone(), build(params))
+        for i, t in enumerate(sampled.tolist()):
+            seen[i].add(t)
+    argmax = logits.argmax(-1).tolist()
+    assert seen[0] == {argmax[0]} and seen[2] == {argmax[2]}
+    assert len(seen[1]) > 1 and len(seen[3]) > 1
+
+
+@pytest.mark.parametrize("sort_path", [False, True], ids=["topk-only", "with-top-p-row"])
+def test_top_k_keeps_k_most_likely_per_row(sort_path):
+    rows = torch.stack([LOGITS, LOGITS.flip(0), LOGITS.roll(3), LOGITS])
+    ks = [3, -1, 5, 2]  # the top-k-off row sits beside rows whose k is small
+    params = [SamplingParams(top_k=k) for k in ks]
+    if sort_path:  # a top-p row in the batch sends top-k through the shared sort
+        rows = torch.cat([rows, LOGITS[None]])
+        params.append(SamplingParams(top_p=0.7))
+    probs = processed_probs(rows, params)
+    for i, k in enumerate(ks):
+        assert probs[i].tolist() == pytest.approx(ref_probs(rows[i], top_k=k), abs=1e-6)
+    assert [int((probs[i] > 0).sum()) for i in range(len(ks))] == [3, V, 5, 2]
+
+
+def test_top_k_above_vocab_size_keeps_everything():
+    probs = processed_probs(LOGITS[None], [SamplingParams(top_k=V + 5)])
+    assert probs[0].tolist() == pytest.approx(torch.softmax(LOGITS, -1).tolist(), abs=1e-6)
+
+
+def test_top_p_keeps_smallest_set_reaching_p_per_row():
+    rows = torch.stack([LOGITS, LOGITS.flip(0), LOGITS, LOGITS.roll(4)])
+    rows = torch.cat([rows, LOGITS[None]])
+    ps = [0.7, 0.85, 1.0, 0.3, 1e-8]  # 1 - 1e-8 rounds to 1 in fp32: the top token must still stay
+    probs = processed_probs(rows, [SamplingParams(top_p=p) for p in ps])
+    for i, p in enumerate(ps):
+        assert probs[i].tolist() == pytest.approx(ref_probs(rows[i], top_p=p), abs=1e-6)
+    assert [int((row > 0).sum()) for row in probs] == [3, 5, V, 1, 1]
+
+
+def test_min_p_keeps_tokens_above_fraction_of_max():
+    rows = torch.stack([LOGITS, LOGITS.flip(0), LOGITS])
+    mps = [0.2, 0.1, 0.0]
+    probs = processed_probs(rows, [SamplingParams(min_p=m) for m in mps])
+    for i, m in enumerate(mps):
+        assert probs[i].tolist() == pytest.approx(ref_probs(rows[i], min_p=m), abs=1e-6)
+    assert [int((row > 0).sum()) for row in probs] == [4, 6, V]
+
+
+def test_temperature_min_p_top_k_top_p_compose_in_order():
+    settings = [
+        dict(temperature=1.5, min_p=0.1),  # min-p on the raw softmax would keep only 6
+        dict(temperature=1.5, min_p=0.1, top_k=4, top_p=0.85),  # top-p before top-k would keep 4
+    ]
+    probs = processed_probs(LOGITS.repeat(2, 1), [SamplingParams(**kw) for kw in settings])
+    for i, kw in enumerate(settings):
+        assert probs[i].tolist() == pytest.approx(ref_probs(LOGITS, **kw), abs=1e-6)
+    assert [int((row > 0).sum()) for row in probs] == [8, 3]
+
+
+def test_sampling_draws_only_kept_tokens_in_reference_proportions():
+    torch.manual_seed(0)
+    settings = dict(temperature=0.8, min_p=0.01, top_k=6, top_p=0.9)
+    n = 20000
+    freq = sample_many(LOGITS, SamplingParams(**settings), n)
+    ref = ref_probs(LOGITS, **settings)
+    assert {t for t in range(V) if freq[t] > 0} == {t for t in range(V) if ref[t] > 0}
+    for t in range(V):
+        assert abs(freq[t] - ref[t]) <= 5 * math.sqrt(ref[t] * (1 - ref[t]) / n)
+
+
+def test_unseeded_sampling_matches_softmax_over_temperature():
+    torch.manual_seed(0)
+    logits = torch.tensor([1.0, 0.5, 0.0, -0.5, 0.2, -1.0])
+    n = 30000
+    freq = sample_many(logits, SamplingParams(temperature=0.7), n)
+    expected = torch.softmax(logits.double() / 0.7, -1)
+    chi2 = float((n * (freq - expected) ** 2 / expected).sum())
+    assert chi2 < 30  # 5 degrees of freedom: p < 1e-5 for a correct sampler
+
+
+def ref_penalise(row, prompt, output, rep, pres, freq, temperature):
+    row = row.double().clone()
+    for t in set(prompt) | set(output):
+        row[t] = row[t] / rep if row[t] > 0 else row[t] * rep
+    for t in set(output):
+        row[t] -= pres + freq * output.count(t)
+    return row / temperature
+
+
+def test_repetition_presence_frequency_penalties_match_reference():
+    torch.manual_seed(0)
+    logits = torch.randn(3, V)
+    logits[0, 2], logits[0, 1], logits[2, 4] = 1.7, -0.8, -1.2  # seen tokens of both signs
+    prompts = [[1, 2, 2], [0], [3, 4]]
+    outputs = [[2, 5, 5, 5], [], [4, 4, 7]]
+    settings = [(1.3, 0.5, 0.25, 1.0), (2.0, 1.0, 1.0, 1.0), (1.0, -0.5, 1.0, 0.5)]
+    params = [SamplingParams(repetition_penalty=r, presence_penalty=p, frequency_penalty=f, temperature=t)
+              for r, p, f, t in settings]
+    got = Sampler().process_logits(logits.clone(), build(params, prompts=prompts, outputs=outputs))
+    for i, (r, p, f, t) in enumerate(settings):
+        want = ref_penalise(logits[i], prompts[i], outputs[i], r, p, f, t)
+        assert got[i].tolist() == pytest.approx(want.tolist(), abs=1e-5)
+
+
+def test_neutral_penalties_build_no_token_statistics():
+    neutral = build([SamplingParams(), SamplingParams(temperature=0.0)], outputs=[[1, 1], [2]])
+    assert neutral.no_penalties and neutral.penalties is None
+    one = build([SamplingParams(), SamplingParams(presence_penalty=0.1)], outputs=[[1, 1], [2]])
+    assert not one.no_penalties
+    assert one.penalties.output_counts[0].tolist() == [0, 2] + [0] * (V - 2)
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached():
+    eos, stop = 9, 8
+    logits = LOGITS.repeat(4, 1)
+    logits[:, eos], logits[:, stop] = 10.0, 9.0
+    params = [SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[stop]),  # 1 output: banned
+              SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[stop]),  # 3 outputs: free
+              SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[stop], ignore_eos=True),
+              SamplingParams(temperature=0.0, min_tokens=1)]  # EOS banned, its stop id is not
+    outputs = [[0], [0, 1, 2], [], []]
+    md = build(params, outputs=outputs, eos=eos)
+    processed = Sampler().process_logits(logits.clone(), md)
+    banned = {(0, eos), (0, stop), (2, eos), (2, stop), (3, eos)}
+    for i in range(4):
+        for t in range(V):
+            want = NEG_INF if (i, t) in banned else logits[i, t].item()
+            assert processed[i, t].item() == want
+    sampled, _ = Sampler()(logits.clone(), build(params, outputs=outputs, eos=eos))
+    assert sampled.tolist() == [0, eos, 0, stop]
+
+
+def seeded_stream(seed, *, batch, position, global_seed, steps=20):
+    """Tokens one seeded request samples over `steps` steps, placed at `position` in
+    a batch of `batch` rows whose other rows (random, greedy, another seed) vary."""
+    torch.manual_seed(global_seed)
+    target = torch.linspace(-1.0, 1.0, 50)
+    gen = torch.Generator().manual_seed(seed)
+    other_gen = torch.Generator().manual_seed(seed + 1000)
+    tokens = []
+    for _ in range(steps):
+        logits = torch.randn(batch, 50)
+        logits[position] = target
+        params = [SamplingParams(seed=0) if i == 0 else SamplingParams(temperature=0.0 if i == 1 else 1.3)
+                  for i in range(batch)]
+        generators = [other_gen if i == 0 else None for i in range(batch)]
+        params[position], generators[position] = SamplingParams(seed=seed), gen
+        sampled, _ = Sampler()(logits, build(params, generators=generators, vocab=50))
+        tokens.append(sampled[position].item())
+    return tokens
+
+
+def test_seeded_request_is_reproducible_and_independent_of_its_batch():
+    alone = seeded_stream(7, batch=1, position=0, global_seed=0)
+    assert len(set(alone)) > 5  # a real random stream, not a constant
+    assert seeded_stream(7, batch=1, position=0, global_seed=0) == alone
+    assert seeded_stream(7, batch=4, position=2, global_seed=1) == alone
+    assert seeded_stream(7, batch=3, position=1, global_seed=2) == alone
+
+
+def test_different_seeds_give_different_streams():
+    a = seeded_stream(7, batch=2, position=1, global_seed=0)
+    b = seeded_stream(8, batch=2, position=1, global_seed=0)
+    assert a != b
+
+
+def test_logprobs_come_from_raw_logits():
+    torch.manual_seed(0)
+    logits = torch.randn(3, V)
+    raw = torch.log_softmax(logits, -1)
+    params = [SamplingParams(logprobs=3, temperature=0.7, repetition_penalty=1.5),
+              SamplingParams(),
+              SamplingParams(logprobs=0, temperature=0.0)]
+    sampled, out = Sampler()(logits.clone(), build(params, outputs=[[1, 2], [], []]))
+    assert out[1] is None
+    assert out[2] == SampledLogprobs(pytest.approx(raw[2, sampled[2]].item(), abs=1e-6), [], [])
+    first = out[0]
+    assert first.logprob == pytest.approx(raw[0, sampled[0]].item(), abs=1e-6)
+    assert first.top_token_ids == raw[0].argsort(descending=True)[:3].tolist()
+    assert first.top_logprobs == pytest.approx(raw[0].sort(descending=True).values[:3].tolist(), abs=1e-6)
+
+
+def test_no_logprobs_requested_returns_none():
+    md = build([SamplingParams(), SamplingParams(temperature=0.0)])
+    assert md.max_num_logprobs is None
+    assert Sampler()(torch.randn(2, V), md)[1] is None

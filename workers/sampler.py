@@ -1,0 +1,286 @@
+"""Batched token sampling: penalties, temperature, min-p, top-k, top-p, seeds, logprobs.
+
+The model runner builds one ``SamplingMetadata`` per step (Python lists to
+tensors, once); ``Sampler`` then works on the whole batch with tensor ops.
+Everything a batch does not use is ``None`` in the metadata, so the common
+cases (all greedy, no penalties, no top-k/top-p/min-p) skip that work entirely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from scheduler.outputs import SampledLogprobs
+from scheduler.request import SamplingParams
+
+
+@dataclass(slots=True)
+class Penalties:
+    """Per-row penalty parameters and the token statistics they act on.
+
+    Invariants: every tensor has S rows on the sampling device; ``seen`` is
+    True exactly at the tokens of the row's prompt or outputs (repetition
+    penalty scope, as in vLLM); ``output_counts`` counts output tokens only
+    (presence/frequency scope, as in OpenAI). Rows whose penalties are neutral
+    (1, 0, 0) still have rows here so that the batch stays one tensor op.
+    """
+
+    repetition: Tensor  # [S] fp32
+    presence: Tensor  # [S] fp32
+    frequency: Tensor  # [S] fp32
+    seen: Tensor  # [S, V] bool
+    output_counts: Tensor  # [S, V] fp32
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-row sampling state for one step; row i is the i-th request that samples.
+
+    Invariants, so that ``Sampler`` needs no per-row Python on the hot path:
+    - A tensor field is ``None`` iff no row needs that stage; the ``no_*`` /
+      ``all_*`` properties read this, so a flag can never disagree with its data.
+    - Greedy rows (temperature 0 or top_k 1) are argmaxed after min_tokens and
+      penalties. Temperature, min-p, top-k and top-p cannot change an argmax, so
+      greedy rows hold neutral values there (temperature 1, top_k V, top_p 1,
+      min_p 0) and do not turn those stages on.
+    - ``top_k`` is in [1, V]; rows with top-k off hold V, which keeps
+      everything. ``max_top_k`` is the largest k among rows with top-k on (V if
+      none), so one ``topk(max_top_k)`` covers every row that filters.
+    - ``generators`` maps random rows that have a seed to their own generator
+      (on the sampling device); greedy rows draw nothing, so a seeded request's
+      stream does not depend on which steps it shared with whom.
+    - ``banned`` is (row ids, token ids) set to -inf while a row has fewer
+      than ``min_tokens`` outputs: its EOS and stop ids.
+    """
+
+    temperature: Tensor | None  # [S] fp32; None iff all rows are greedy
+    greedy: Tensor | None  # [S] bool; None iff no row is greedy
+    top_k: Tensor | None  # [S] int64
+    max_top_k: int
+    top_p: Tensor | None  # [S] fp32
+    min_p: Tensor | None  # [S] fp32
+    penalties: Penalties | None
+    banned: tuple[Tensor, Tensor] | None
+    generators: dict[int, torch.Generator]
+    num_logprobs: list[int | None]
+    max_num_logprobs: int | None
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.temperature is None
+
+    @property
+    def all_random(self) -> bool:
+        return self.greedy is None
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.penalties is None
+
+    @property
+    def no_top_k(self) -> bool:
+        return self.top_k is None
+
+    @property
+    def no_top_p(self) -> bool:
+        return self.top_p is None
+
+    @property
+    def no_min_p(self) -> bool:
+        return self.min_p is None
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        eos_token_id: int | None,
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingMetadata:
+        greedy = [p.greedy for p in params]
+        rand = [p for p, g in zip(params, greedy) if not g]
+
+        def per_row(field: str, neutral: float) -> list:
+            return [neutral if g else getattr(p, field) for p, g in zip(params, greedy)]
+
+        def fp32(values: list) -> Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        def fp32_if_used(field: str, neutral: float) -> Tensor | None:
+            return fp32(per_row(field, neutral)) if any(getattr(p, field) != neutral for p in rand) else None
+
+        top_k_on = [min(p.top_k, vocab_size) for p in rand if p.top_k != -1]
+        top_k = [vocab_size if k == -1 else min(k, vocab_size) for k in per_row("top_k", -1)]
+        logprobs = [p.logprobs for p in params]
+        asked = [k for k in logprobs if k is not None]
+        return cls(
+            temperature=fp32(per_row("temperature", 1.0)) if rand else None,
+            greedy=torch.tensor(greedy, device=device) if any(greedy) else None,
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device) if top_k_on else None,
+            max_top_k=max(top_k_on, default=vocab_size),
+            top_p=fp32_if_used("top_p", 1.0),
+            min_p=fp32_if_used("min_p", 0.0),
+            penalties=_build_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device),
+            banned=_build_banned(params, output_token_ids, eos_token_id, vocab_size, device),
+            generators={i: gen for i, gen in enumerate(generators) if gen is not None and not greedy[i]},
+            num_logprobs=logprobs,
+            max_num_logprobs=max(asked) if asked else None,
+        )
+
+
+def _build_penalties(
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    vocab_size: int,
+    device: torch.device | str,
+) -> Penalties | None:
+    neutral = (1.0, 0.0, 0.0)
+    triples = [(p.repetition_penalty, p.presence_penalty, p.frequency_penalty) for p in params]
+    if all(t == neutral for t in triples):
+        return None
+    rep, pres, freq = torch.tensor(triples, dtype=torch.float32, device=device).unbind(1)
+    output_counts = _token_counts(output_token_ids, vocab_size, device)
+    seen = (_token_counts(prompt_token_ids, vocab_size, device) > 0) | (output_counts > 0)
+    return Penalties(rep, pres, freq, seen, output_counts)
+
+
+def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device | str) -> Tensor:
+    """[S, V] fp32 occurrence counts of each row's token ids."""
+    width = max(map(len, rows), default=0)
+    # Ragged rows are padded with id V, which lands in an extra column that is cut off.
+    ids = torch.tensor([r + [vocab_size] * (width - len(r)) for r in rows], dtype=torch.int64, device=device)
+    counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def _build_banned(
+    params: list[SamplingParams],
+    output_token_ids: list[list[int]],
+    eos_token_id: int | None,
+    vocab_size: int,
+    device: torch.device | str,
+) -> tuple[Tensor, Tensor] | None:
+    rows: list[int] = []
+    tokens: list[int] = []
+    for i, (p, out) in enumerate(zip(params, output_token_ids)):
+        if len(out) >= p.min_tokens:
+            continue
+        # EOS is banned even with ignore_eos: min_tokens promises that many real tokens.
+        ids = {*p.stop_token_ids, *([] if eos_token_id is None else [eos_token_id])}
+        # Tokenizers may know ids the model's (padded) vocab lacks; those can't be sampled anyway.
+        ids = [t for t in ids if t < vocab_size]
+        rows += [i] * len(ids)
+        tokens += ids
+    if not rows:
+        return None
+    return torch.tensor(rows, device=device), torch.tensor(tokens, device=device)
+
+
+class Sampler:
+    """Picks one token per row of a [S, V] fp32 logits batch.
+
+    Stateless: everything per request lives in ``SamplingMetadata`` (the
+    seeded generators are owned by the runner, which keeps them across steps).
+    The logits passed in are modified in place, to avoid copying [S, V] per stage.
+    """
+
+    def __call__(
+        self, logits: Tensor, md: SamplingMetadata
+    ) -> tuple[Tensor, list[SampledLogprobs | None] | None]:
+        # Logprobs describe the model's own distribution (vLLM v1's default), so
+        # they come from the raw logits, before any processing below.
+        raw_logprobs = None if md.max_num_logprobs is None else logits.log_softmax(-1)
+        logits = self.process_logits(logits, md)
+        if md.all_greedy:
+            sampled = logits.argmax(-1)
+        else:
+            sampled = _exponential_race(logits.softmax(-1), md.generators)
+            if md.greedy is not None:
+                sampled = torch.where(md.greedy, logits.argmax(-1), sampled)
+        if raw_logprobs is None:
+            return sampled, None
+        return sampled, _logprobs_out(raw_logprobs, sampled, md)
+
+    def process_logits(self, logits: Tensor, md: SamplingMetadata) -> Tensor:
+        """The logits random rows sample from (greedy rows: the logits they argmax)."""
+        if md.banned is not None:
+            logits[md.banned] = float("-inf")
+        if md.penalties is not None:
+            logits = apply_penalties(logits, md.penalties)
+        if md.temperature is not None:
+            logits.div_(md.temperature.unsqueeze(1))
+        if md.min_p is not None:
+            apply_min_p(logits, md.min_p)
+        return apply_top_k_top_p(logits, md)
+
+
+def apply_penalties(logits: Tensor, p: Penalties) -> Tensor:
+    rep = torch.where(p.seen, p.repetition.unsqueeze(1), 1.0)
+    # Dividing positive and multiplying negative logits both push a seen token down.
+    logits = torch.where(logits > 0, logits / rep, logits * rep)
+    logits -= p.frequency.unsqueeze(1) * p.output_counts
+    logits -= p.presence.unsqueeze(1) * (p.output_counts > 0)
+    return logits
+
+
+def apply_min_p(logits: Tensor, min_p: Tensor) -> None:
+    probs = logits.softmax(-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(-1, keepdim=True)
+    logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: Tensor, md: SamplingMetadata) -> Tensor:
+    if md.top_p is None:
+        if md.top_k is not None:
+            # topk(max_top_k) is much cheaper than a full sort when every row's k is small.
+            k = md.top_k.unsqueeze(1)
+            kth = logits.topk(md.max_top_k, dim=-1).values.gather(1, k.clamp(max=md.max_top_k) - 1)
+            kth.masked_fill_(k > md.max_top_k, float("-inf"))  # top-k off: keep everything
+            logits.masked_fill_(logits < kth, float("-inf"))
+        return logits
+    ascending, order = logits.sort(dim=-1)
+    if md.top_k is not None:
+        kth = ascending.gather(1, logits.size(1) - md.top_k.unsqueeze(1))
+        ascending.masked_fill_(ascending < kth, float("-inf"))
+    # A token goes when the mass of the tokens less likely than it, itself
+    # included, fits in 1 - p: what is left is the smallest set reaching p.
+    cumulative = ascending.softmax(-1).cumsum(-1)
+    drop = cumulative <= 1 - md.top_p.unsqueeze(1)
+    drop[:, -1] = False  # the most likely token always stays
+    ascending.masked_fill_(drop, float("-inf"))
+    return logits.scatter_(1, order, ascending)
+
+
+def _exponential_race(probs: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
+    """argmax(probs / q) with q ~ Exp(1) samples from probs (the Gumbel-max trick).
+
+    Seeded rows redraw q from their own generator over exactly V values, so
+    their tokens depend on neither their row position nor their neighbours.
+    """
+    q = torch.empty_like(probs).exponential_()
+    for row, gen in generators.items():
+        q[row].exponential_(generator=gen)
+    # q == 0 would turn a masked token's 0/0 into NaN, which argmax would pick.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return probs.div_(q).argmax(-1)
+
+
+def _logprobs_out(
+    raw_logprobs: Tensor, sampled: Tensor, md: SamplingMetadata
+) -> list[SampledLogprobs | None]:
+    top_values, top_ids = raw_logprobs.topk(md.max_num_logprobs, dim=-1)
+    chosen = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
+    # One transfer per tensor; per-row Python only touches plain lists.
+    chosen_l, values_l, ids_l = chosen.tolist(), top_values.tolist(), top_ids.tolist()
+    return [
+        None if k is None else SampledLogprobs(chosen_l[i], ids_l[i][:k], values_l[i][:k])
+        for i, k in enumerate(md.num_logprobs)
+    ]
