@@ -1,0 +1,246 @@
+"""Building blocks of the Llama family, split Megatron-style across tensor-parallel ranks.
+
+A sharded layer gives its parameters a `weight_loader(param, tensor, name, shard)` that checks
+the checkpoint tensor's full shape and reads only this rank's rows or columns from its lazy
+safetensors slice (`safe_open(...).get_slice`): no rank materialises a weight it does not own.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import AttentionBackend, AttentionMetadata
+
+
+class TensorSlice(Protocol):
+    """What a weight loader reads from: safetensors' lazy slice of one checkpoint tensor."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+def _check_shape(name: str, tensor: TensorSlice, expected: tuple[int, ...]) -> None:
+    shape = tuple(tensor.get_shape())
+    if shape != expected:
+        raise ValueError(f"weight {name} has shape {list(shape)} in the checkpoint, expected {list(expected)}")
+
+
+def load_replicated(param: nn.Parameter, tensor: TensorSlice, name: str, _shard: str | None = None) -> None:
+    """The loader of parameters that carry no `weight_loader`: weights every rank holds whole."""
+    _check_shape(name, tensor, tuple(param.shape))
+    param.data.copy_(tensor[:])
+
+
+@dataclass(slots=True, frozen=True)
+class Shard:
+    """Rows [start, start + size) of a checkpoint tensor with `rows` rows in total land at rows
+    [offset, offset + size) of this rank's fused weight. Fusing q/k/v (and gate/up) turns three
+    (two) matmuls into one, which matters on CPU where each op has a fixed cost."""
+
+    rows: int
+    start: int
+    size: int
+    offset: int
+
+
+def even_shards(names: tuple[str, ...], rows: int, rank: int, tp_size: int) -> dict[str, Shard]:
+    """Equal-sized checkpoint tensors (gate/up) each split evenly over the ranks."""
+    size = rows // tp_size
+    return {n: Shard(rows, rank * size, size, i * size) for i, n in enumerate(names)}
+
+
+def qkv_shards(num_heads: int, num_kv_heads: int, head_dim: int, rank: int, tp_size: int) -> dict[str, Shard]:
+    """Query heads split evenly. KV heads split evenly too, unless there are fewer KV heads than
+    ranks: then each rank keeps a copy of the one KV head its query heads attend with."""
+    q_heads = num_heads // tp_size
+    kv_heads = max(num_kv_heads // tp_size, 1)
+    kv_start = rank * num_kv_heads // tp_size
+    q_rows, kv_rows = q_heads * head_dim, kv_heads * head_dim
+    return {
+        "q_proj": Shard(num_heads * head_dim, rank * q_rows, q_rows, 0),
+        "k_proj": Shard(num_kv_heads * head_dim, kv_start * head_dim, kv_rows, q_rows),
+        "v_proj": Shard(num_kv_heads * head_dim, kv_start * head_dim, kv_rows, q_rows + kv_rows),
+    }
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b where W stacks this rank's rows of several checkpoint tensors (`shards`,
+    keyed by the checkpoint module name). Output stays sharded: no collective."""
+
+    def __init__(self, input_size: int, shards: dict[str, Shard], bias: bool):
+        super().__init__()
+        self.shards = shards
+        out = sum(s.size for s in shards.values())
+        self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
+        self.weight.weight_loader = self._load
+        self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+        if bias:
+            self.bias.weight_loader = self._load
+
+    def _load(self, param: nn.Parameter, tensor: TensorSlice, name: str, shard: str) -> None:
+        s = self.shards[shard]
+        _check_shape(name, tensor, (s.rows, *param.shape[1:]))
+        param.data[s.offset : s.offset + s.size].copy_(tensor[s.start : s.start + s.size])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_rank W_rank^T) + b: W is split along its input dimension, so each rank's
+    partial product covers its slice of x (the column-parallel output before it) and the sum over
+    ranks is the full result. The bias is added once, after the reduction."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, rank: int, tp_size: int):
+        super().__init__()
+        self.rank, self.tp_size = rank, tp_size
+        self.input_size = input_size
+        self.weight = nn.Parameter(torch.empty(output_size, input_size // tp_size), requires_grad=False)
+        self.weight.weight_loader = self._load_weight
+        self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+
+    def _load_weight(self, param: nn.Parameter, tensor: TensorSlice, name: str, _shard: None) -> None:
+        _check_shape(name, tensor, (param.shape[0], self.input_size))
+        cols = param.shape[1]
+        param.data.copy_(tensor[:, self.rank * cols : (self.rank + 1) * cols])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [rank * per_rank, (rank + 1) * per_rank) of the vocabulary live on this rank, where
+    per_rank = ceil(vocab / tp); rows past the real vocabulary are zero padding. The same weight
+    serves as the LM head (tied or not), whose padded logits are cut off after the gather."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, tp_size: int):
+        super().__init__()
+        self.vocab_size, self.rank, self.tp_size = vocab_size, rank, tp_size
+        self.per_rank = math.ceil(vocab_size / tp_size)
+        self.start = rank * self.per_rank
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: nn.Parameter, tensor: TensorSlice, name: str, _shard: None) -> None:
+        _check_shape(name, tensor, (self.vocab_size, param.shape[1]))
+        end = min(self.start + self.per_rank, self.vocab_size)
+        param.data[: end - self.start].copy_(tensor[self.start : end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.per_rank)
+        # Ids owned by another rank contribute zeros here and their row there: the sum is exact.
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0)
+        dist.all_reduce(x)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocabulary fp32 logits on rank 0, None on the other ranks."""
+        local = F.linear(hidden, self.weight).float()
+        if self.tp_size == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)] if self.rank == 0 else None
+        dist.gather(local, parts, dst=0)
+        return torch.cat(parts, dim=-1)[:, : self.vocab_size] if parts else None
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dimension (replicated on every rank). Called with a
+    residual it first adds it and returns the sum as the next residual, so each decoder layer
+    does one add per norm instead of keeping extra copies around."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = x if residual is None else x + residual
+        return self(residual), residual
+
+
+@dataclass(slots=True, frozen=True)
+class RopeConfig:
+    """Rotary position embedding parameters as Hugging Face's `rope_parameters` names them;
+    `scaling` holds the type-specific keys (factor, low/high_freq_factor, ...)."""
+
+    theta: float
+    rope_type: str = "default"
+    scaling: tuple[tuple[str, float], ...] = ()
+
+
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+    inv_freq = 1.0 / rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    s = dict(rope.scaling)
+    if rope.rope_type == "linear":
+        return inv_freq / s["factor"]
+    if rope.rope_type == "llama3":
+        # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between.
+        old_len = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+        mixed = (1 - smooth) * inv_freq / s["factor"] + smooth * inv_freq
+        scaled = torch.where(wavelen > old_len / s["low_freq_factor"], inv_freq / s["factor"], inv_freq)
+        is_medium = (wavelen >= old_len / s["high_freq_factor"]) & (wavelen <= old_len / s["low_freq_factor"])
+        return torch.where(is_medium, mixed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (the Llama family's `rotate_half` layout) with cos/sin tables
+    for every position below `max_positions`, computed once in fp32 and stored in the model dtype
+    as Hugging Face does: a step only gathers rows by position, once for all layers."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig):
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), _inv_freq(head_dim, rope))
+        dtype = torch.get_default_dtype()
+        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [T, 1, head_dim / 2], ready to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each head of x [T, heads, head_dim] by its token's angle."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    """Paged causal attention over this rank's heads. `kv_cache` is
+    [2, num_blocks, block_size, num_kv_heads, head_dim] (a view of the worker's one KV tensor,
+    set by the CacheEngine; empty until then). Keys and values of this step are stored first, so
+    the kernel sees every token of the context, this step's included, through the block table."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.backend = backend
+        self.kv_cache = torch.empty(0)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        self.backend.store_kv(k, v, self.kv_cache, attn_metadata.slot_mapping)
+        return self.backend.paged_attention(q, self.kv_cache, attn_metadata, self.scale)

@@ -1,0 +1,149 @@
+"""The Llama family: Llama 2/3, SmolLM2, Mistral-style, Qwen2 (q/k/v bias) and Qwen3 (per-head
+q/k RMSNorm), one definition whose variants are flags of `ModelSpec`.
+
+Module and parameter names follow Hugging Face's, except that q/k/v and gate/up are fused per
+rank (`packed_modules` tells the loader which checkpoint tensors feed which fused weight).
+"""
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import AttentionBackend, AttentionMetadata
+from workers.layers import (
+    Attention,
+    ColumnParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_rotary,
+    even_shards,
+    qkv_shards,
+)
+
+if TYPE_CHECKING:
+    from workers.model_loader import ModelSpec
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention over this rank's `num_heads / tp` query heads and the KV heads they need."""
+
+    def __init__(self, spec: "ModelSpec", backend: AttentionBackend, rank: int, tp_size: int):
+        super().__init__()
+        d = spec.head_dim
+        self.num_heads = spec.num_heads // tp_size
+        self.num_kv_heads = spec.kv_heads_per_rank(tp_size)
+        shards = qkv_shards(spec.num_heads, spec.num_kv_heads, d, rank, tp_size)
+        self.qkv_proj = ColumnParallelLinear(spec.hidden_size, shards, spec.qkv_bias)
+        self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, spec.o_bias, rank, tp_size)
+        self.q_norm = RMSNorm(d, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(d, spec.rms_norm_eps) if spec.qk_norm else None
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, backend)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        t, h, kv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.attn.head_dim
+        qk, v = self.qkv_proj(x).split([(h + kv) * d, kv * d], dim=-1)
+        qk = qk.view(t, h + kv, d)
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
+        # q and k rotate by the same angles: one rotation over both halves the op count.
+        q, k = apply_rotary(qk, cos, sin).split([h, kv], dim=1)
+        out = self.attn(q, k, v.view(t, kv, d), attn_metadata)
+        return self.o_proj(out.view(t, h * d))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), intermediate units split over ranks."""
+
+    def __init__(self, spec: "ModelSpec", rank: int, tp_size: int):
+        super().__init__()
+        shards = even_shards(("gate_proj", "up_proj"), spec.intermediate_size, rank, tp_size)
+        self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, shards, spec.mlp_bias)
+        self.down_proj = RowParallelLinear(
+            spec.intermediate_size, spec.hidden_size, spec.mlp_bias, rank, tp_size
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block. The residual stream is carried separately and added inside the next norm,
+    so a layer returns (output, residual) rather than their sum."""
+
+    def __init__(self, spec: "ModelSpec", backend: AttentionBackend, rank: int, tp_size: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = LlamaAttention(spec, backend, rank, tp_size)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = LlamaMLP(spec, rank, tp_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x = self.self_attn(x, cos, sin, attn_metadata)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm; one rotary table shared by every layer."""
+
+    def __init__(self, spec: "ModelSpec", backend: AttentionBackend, rank: int, tp_size: int):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, rank, tp_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(spec, backend, rank, tp_size) for _ in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        cos, sin = self.rotary_emb(positions)
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, attn_metadata)
+        return self.norm.add_and_norm(x, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model a worker runs: `forward` maps the flattened tokens of every request in a step to
+    hidden states; `compute_logits` turns the rows worth sampling into full-vocabulary logits on
+    rank 0. With tied embeddings the LM head is the embedding module itself (one weight)."""
+
+    packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+    def __init__(self, spec: "ModelSpec", backend: AttentionBackend, rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.spec = spec
+        self.model = LlamaModel(spec, backend, rank, tp_size)
+        if spec.tie_word_embeddings:
+            self.lm_head = self.model.embed_tokens
+        else:
+            self.lm_head = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, rank, tp_size)
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.lm_head.logits(hidden)
