@@ -1,0 +1,55 @@
+"""Attention and KV-store ops behind one small interface; they see tensors only, never requests.
+
+    backend = select_backend("auto", device)
+    md = AttentionMetadata.build(query_start_loc=..., seq_lens=..., block_tables=..., slot_mapping=...,
+                                 max_query_len=..., max_seq_len=..., backend=backend)   # once per step
+    backend.store_kv(k, v, kv_cache_layer, md.slot_mapping)                             # per layer
+    out = backend.paged_attention(q, kv_cache_layer, md, scale)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from kernels.metadata import AttentionBackend, AttentionMetadata
+from kernels.torch_attention import TorchBackend
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "TorchBackend", "select_backend"]
+
+BACKENDS = ("auto", "torch", "triton", "flash_attn")
+
+
+def select_backend(name: str, device: torch.device | str, block_size: int | None = None) -> AttentionBackend:
+    """The backend called `name` for `device`.
+
+    "auto" is flash_attn when it imports on CUDA (and `block_size`, when given, meets its paged-KV
+    constraint), else triton on CUDA (when installed), else torch. An unknown name, or a backend
+    that cannot run on `device`, raises ValueError naming it. flash_attn itself falls back to
+    triton, with a warning, for caches it cannot page.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    device = torch.device(device)
+    has_triton = importlib.util.find_spec("triton") is not None
+    if name == "torch" or (name == "auto" and (device.type != "cuda" or not has_triton)):
+        return TorchBackend()
+    if device.type != "cuda":
+        raise ValueError(f"attention backend {name!r} needs a CUDA device, got {device}")
+    if not has_triton:
+        raise ValueError(f"attention backend {name!r} needs triton, which is not installed")
+    from kernels.triton_attention import TritonBackend
+
+    if name == "triton":
+        return TritonBackend()
+    from kernels.flash_attention import FlashAttnBackend, load_flash_attn, unusable_reason
+
+    functions = load_flash_attn()
+    if functions is None:
+        if name == "flash_attn":
+            raise ValueError("attention backend 'flash_attn' needs the flash_attn package, which does not import")
+        return TritonBackend()
+    if name == "auto" and block_size is not None and unusable_reason(block_size) is not None:
+        return TritonBackend()
+    return FlashAttnBackend(*functions, fallback=TritonBackend())

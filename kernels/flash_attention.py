@@ -1,0 +1,92 @@
+"""flash-attn 2 on CUDA: paged attention through its block-table kernels.
+
+flash-attn has no KV-store op and pages only some caches, so the backend wraps a fallback (the
+Triton one in production) that stores KV always and attends whenever flash-attn cannot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kernels.metadata import AttentionBackend, AttentionMetadata
+
+# flash-attn 2's documented limits for paged KV (flash_attn_with_kvcache; varlen_fwd checks the same).
+PAGE_BLOCK_MULTIPLE = 256
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+
+
+def load_flash_attn() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None:
+    """(flash_attn_varlen_func, flash_attn_with_kvcache), or None when flash_attn does not import."""
+    try:
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+    except (ImportError, OSError):  # OSError: a wheel built against another torch or CUDA
+        return None
+    return flash_attn_varlen_func, flash_attn_with_kvcache
+
+
+def unusable_reason(block_size: int, dtype: torch.dtype | None = None, head_dim: int | None = None) -> str | None:
+    """Why flash-attn cannot page this KV cache, or None when it can; properties not given pass."""
+    if block_size % PAGE_BLOCK_MULTIPLE:
+        return f"flash-attn pages KV in blocks of a multiple of {PAGE_BLOCK_MULTIPLE} tokens, got {block_size}"
+    if dtype is not None and dtype not in SUPPORTED_DTYPES:
+        return f"flash-attn supports float16 and bfloat16 only, got {dtype}"
+    if head_dim is not None and head_dim > MAX_HEAD_DIM:
+        return f"flash-attn supports head_dim up to {MAX_HEAD_DIM}, got {head_dim}"
+    return None
+
+
+@dataclass(slots=True)
+class FlashAttnPlan:
+    """`cu_seqlens_k` int32 [B+1]: cumulative seq_lens from 0, which flash_attn_varlen_func reads as
+    each request's key count when k and v are paged; `fallback` is the fallback backend's plan."""
+
+    cu_seqlens_k: torch.Tensor
+    fallback: Any
+
+
+class FlashAttnBackend:
+    """Paged attention by flash-attn: decode-only steps through `flash_attn_with_kvcache`, the rest
+    through `flash_attn_varlen_func`, both with causal=True (aligned bottom-right, as raylm's
+    queries are the last positions of each context) and the block tables as they are.
+
+    Invariant: every call flash-attn cannot serve (see `unusable_reason`) goes to `fallback`, with
+    one warning naming the reason; `store_kv` always does.
+    """
+
+    name = "flash_attn"
+
+    def __init__(self, varlen_func: Callable[..., torch.Tensor], kvcache_func: Callable[..., torch.Tensor],
+                 fallback: AttentionBackend):
+        self.varlen_func, self.kvcache_func, self.fallback = varlen_func, kvcache_func, fallback
+
+    def plan(self, md: AttentionMetadata) -> FlashAttnPlan:
+        return FlashAttnPlan(cu_seqlens_k=F.pad(md.seq_lens.cumsum(0, dtype=torch.int32), (1, 0)),
+                             fallback=self.fallback.plan(md))
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        self.fallback.store_kv(k, v, kv_cache, slot_mapping)
+
+    def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+                        scale: float) -> torch.Tensor:
+        reason = unusable_reason(kv_cache.shape[2], kv_cache.dtype, kv_cache.shape[-1])
+        if reason is not None:
+            # The default warnings filter shows this once per process, not once per layer.
+            warnings.warn(f"flash_attn cannot serve this KV cache ({reason}); using {self.fallback.name}",
+                          stacklevel=2)
+            return self.fallback.paged_attention(q, kv_cache, dataclasses.replace(md, plan=md.plan.fallback), scale)
+        if md.max_query_len == 1:
+            out = self.kvcache_func(q.unsqueeze(1), kv_cache[0], kv_cache[1], cache_seqlens=md.seq_lens,
+                                    block_table=md.block_tables, softmax_scale=scale, causal=True)
+            return out.squeeze(1)
+        return self.varlen_func(q, kv_cache[0], kv_cache[1], md.query_start_loc, md.plan.cu_seqlens_k,
+                                md.max_query_len, md.max_seq_len, softmax_scale=scale, causal=True,
+                                block_table=md.block_tables)

@@ -1,0 +1,159 @@
+"""Paged attention in plain torch: raylm's CPU path, and the reference the GPU kernels are tested against.
+
+A step's requests are cut into a few groups of similar shape. Each group gathers its requests'
+KV blocks into one padded batch and makes one `scaled_dot_product_attention` call, whose CPU
+flash kernel is fused, multi-threaded and handles GQA without repeating KV heads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+import torch.nn.functional as F
+
+from kernels.metadata import AttentionMetadata
+
+# What one more group call (a few gathers and an SDPA launch, ~70 us on one core) is worth in
+# padded query x key pairs: about 150 padded decode keys, or a thousand padded prefill pairs.
+_GROUP_COST = 256
+
+
+@dataclass(slots=True)
+class _Group:
+    """Requests attended in one SDPA call, padded to `q_len` queries and `kv_len` keys each.
+
+    Invariants, for n requests: `tokens` [n * q_len] names the step's token row of each padded
+    query; a padding row repeats its request's last token, so every mask row keeps a key.
+    `real` [m] picks the rows that are real tokens (None when there is no padding row) and
+    `out_tokens` [m] names where they go. `block_tables` is [n, max_blocks]. `mask` is
+    [n, 1, q_len, kv_len] bool (True = attend), or None when `causal` is set: one request with no
+    cached context, for which SDPA's top-left causal mask is exact.
+    """
+
+    tokens: torch.Tensor
+    real: torch.Tensor | None
+    out_tokens: torch.Tensor
+    block_tables: torch.Tensor
+    mask: torch.Tensor | None
+    q_len: int
+    kv_len: int
+    causal: bool
+
+
+class TorchBackend:
+    """Batched over requests with SDPA; every index and mask is made once per step in `plan`.
+
+    Gathers copy whole blocks and pad to the group's longest context, so the unused tail of a
+    request's last block and padded table entries (block 0) are read and masked out: they must
+    hold finite values, as a zero-initialised cache written only by `store_kv` does. The gathered
+    blocks land in one scratch buffer that every call reuses (so calls must not overlap):
+    allocated afresh, its megabytes come back from the OS as new pages whose faults cost as much
+    as the attention itself.
+    """
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._scratch = torch.empty(0)
+
+    def plan(self, md: AttentionMetadata) -> list[_Group]:
+        starts = md.query_start_loc.tolist()
+        seq_lens = md.seq_lens.tolist()
+        q_lens = [end - start for start, end in pairwise(starts)]
+        return [_make_group(members, starts, q_lens, seq_lens, md.block_tables)
+                for members in _partition(q_lens, seq_lens)]
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        _, _, _, kv_heads, head_dim = kv_cache.shape
+        kv_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+        kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+    def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+                        scale: float) -> torch.Tensor:
+        out = q.new_empty(q.shape)
+        for group in md.plan:
+            k, v = self._gather_kv(kv_cache, group)
+            out.index_copy_(0, group.out_tokens, _attend(q, k, v, group, scale))
+        return out
+
+    def _gather_kv(self, kv_cache: torch.Tensor, g: _Group) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's keys and values, each [n, kv_heads, kv_len, head_dim], in the scratch buffer."""
+        _, _, block_size, kv_heads, head_dim = kv_cache.shape
+        blocks = g.block_tables[:, : -(-g.kv_len // block_size)].flatten()
+        shape = (2, blocks.numel(), block_size, kv_heads, head_dim)
+        size = math.prod(shape)
+        if self._scratch.numel() < size or self._scratch.dtype != kv_cache.dtype \
+                or self._scratch.device != kv_cache.device:
+            self._scratch = kv_cache.new_empty(size)
+        gathered = self._scratch[:size].view(shape)
+        # Whole blocks make the gather a few large row copies; the tail past kv_len is only sliced off.
+        for i in (0, 1):
+            torch.index_select(kv_cache[i], 0, blocks, out=gathered[i])
+        n = g.block_tables.shape[0]
+        k, v = (gathered[i].view(n, -1, kv_heads, head_dim)[:, : g.kv_len].transpose(1, 2) for i in (0, 1))
+        return k, v
+
+
+def _partition(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Requests sorted by shape (decodes first, by context length), cut greedily: a request joins
+    the current group unless the padding that adds exceeds the cost of a group of its own."""
+    groups: list[list[int]] = []
+    members: list[int] = []
+    max_q = max_s = 0
+    for b in sorted(range(len(q_lens)), key=lambda b: (q_lens[b], seq_lens[b])):
+        new_q, new_s = max(max_q, q_lens[b]), max(max_s, seq_lens[b])
+        padding = (len(members) + 1) * new_q * new_s - len(members) * max_q * max_s - q_lens[b] * seq_lens[b]
+        if members and padding > _GROUP_COST:
+            groups.append(members)
+            members, new_q, new_s = [], q_lens[b], seq_lens[b]
+        members.append(b)
+        max_q, max_s = new_q, new_s
+    return [*groups, members]
+
+
+def _make_group(members: list[int], starts: list[int], q_lens: list[int], seq_lens: list[int],
+                block_tables: torch.Tensor) -> _Group:
+    """Indices and mask of one group, built on CPU from python ints and moved once per step."""
+    device = block_tables.device
+    first = torch.tensor([starts[b] for b in members])
+    q_len_b = torch.tensor([q_lens[b] for b in members])
+    seq_len_b = torch.tensor([seq_lens[b] for b in members])
+    q_len, kv_len = int(q_len_b.max()), int(seq_len_b.max())
+    row = torch.arange(q_len).expand(len(members), q_len)
+    is_real = row < q_len_b[:, None]
+    clamped = torch.minimum(row, q_len_b[:, None] - 1)
+    tokens = (first[:, None] + clamped).flatten()
+    real = None if bool(is_real.all()) else is_real.flatten().nonzero().squeeze(1)
+    causal = len(members) == 1 and q_len == kv_len
+    mask = None
+    if not causal:
+        positions = seq_len_b[:, None] - q_len_b[:, None] + clamped
+        mask = (torch.arange(kv_len) <= positions[..., None]).unsqueeze(1).to(device)
+    return _Group(
+        tokens=tokens.to(device),
+        real=None if real is None else real.to(device),
+        out_tokens=(tokens if real is None else tokens[real]).to(device),
+        block_tables=block_tables[torch.tensor(members, device=device)],
+        mask=mask, q_len=q_len, kv_len=kv_len, causal=causal,
+    )
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: _Group, scale: float) -> torch.Tensor:
+    """Attention output of the group's real query rows, [m, num_heads, head_dim]."""
+    n, kv_heads, _, head_dim = k.shape
+    num_heads = q.shape[1]
+    qg = q.index_select(0, g.tokens)
+    if g.q_len == 1:
+        # Query heads sharing a KV head become that head's rows, so each KV page is read once.
+        out = F.scaled_dot_product_attention(qg.view(n, kv_heads, -1, head_dim), k, v, attn_mask=g.mask,
+                                             scale=scale)
+        rows = out.reshape(n, num_heads, head_dim)
+    else:
+        out = F.scaled_dot_product_attention(qg.view(n, g.q_len, num_heads, head_dim).transpose(1, 2), k, v,
+                                             attn_mask=g.mask, is_causal=g.causal, scale=scale, enable_gqa=True)
+        rows = out.transpose(1, 2).reshape(n * g.q_len, num_heads, head_dim)
+    return rows if g.real is None else rows.index_select(0, g.real)

@@ -1,0 +1,101 @@
+import pytest
+import torch
+
+from kernels import TorchBackend, select_backend
+from tests.kernels.reference import POISON, make_batch, naive_attention
+
+SCALE = 0.3
+
+# (q_lens, seq_lens): decodes (q_len 1), whole prompts (q_len == seq_len) and prefill chunks after
+# cached context, with lengths on both sides of block boundaries.
+CASES = {
+    "decode_only": ([1] * 6, [1, 7, 8, 9, 33, 64]),
+    "one_whole_prompt": ([37], [37]),
+    "one_chunk_after_context": ([20], [61]),
+    "mixed": ([1, 16, 1, 5, 24, 1], [40, 16, 1, 21, 24, 17]),
+    "many_short_prompts": ([3, 4, 2, 5, 1, 3], [3, 4, 6, 5, 9, 3]),
+}
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (3, 3), (1, 4)])
+@pytest.mark.parametrize("case", CASES)
+def test_paged_attention_matches_naive_reference(case, kv_heads, group, block_size):
+    q_lens, seq_lens = CASES[case]
+    batch = make_batch(q_lens, seq_lens, block_size=block_size, kv_heads=kv_heads, group=group)
+    backend = TorchBackend()
+    out = backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(backend), SCALE)
+    torch.testing.assert_close(out, naive_attention(batch, SCALE), rtol=0, atol=1e-5)
+
+
+def test_requests_of_very_different_shapes_split_into_padded_groups():
+    # Decodes spread over a wide range of contexts, and prefill chunks of different lengths, so
+    # that the plan holds several groups and some padded query rows.
+    q_lens = [1] * 12 + [3, 4, 30]
+    seq_lens = [2, 5, 40, 90, 150, 151, 200, 260, 300, 301, 390, 400] + [20, 21, 70]
+    batch = make_batch(q_lens, seq_lens, block_size=16, kv_heads=3, group=3, head_dim=16)
+    backend = TorchBackend()
+    md = batch.metadata(backend)
+    assert len(md.plan) > 2 and any(group.real is not None for group in md.plan)
+    out = backend.paged_attention(batch.q, batch.kv_cache, md, SCALE)
+    torch.testing.assert_close(out, naive_attention(batch, SCALE), rtol=0, atol=1e-5)
+
+
+def test_attention_reads_keys_just_stored_by_store_kv():
+    batch = make_batch([4, 1], [10, 5], block_size=8, kv_heads=2, group=2)
+    k, v = torch.randn(2, 5, 2, 32)
+    backend = TorchBackend()
+    backend.store_kv(k, v, batch.kv_cache, batch.slot_mapping)
+    out = backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(backend), SCALE)
+    torch.testing.assert_close(out, naive_attention(batch, SCALE), rtol=0, atol=1e-5)
+    flat_keys = batch.kv_cache[0].view(-1, 2, 32)
+    assert torch.equal(flat_keys[batch.slot_mapping], k)
+
+
+def test_store_kv_writes_exactly_the_named_slots():
+    num_layers, num_blocks, block_size, kv_heads, head_dim = 3, 6, 4, 2, 8
+    engine_cache = torch.full((2, num_layers, num_blocks, block_size, kv_heads, head_dim), POISON)
+    layer = engine_cache[:, 1]  # the view the model hands over: not contiguous across keys/values
+    slots = torch.tensor([5, 4, 22, 9, 23, 12])
+    qkv = torch.randn(len(slots), 3 * kv_heads * head_dim)  # k and v are strided views, as in the model
+    k, v = (qkv[:, i * kv_heads * head_dim:(i + 1) * kv_heads * head_dim].view(-1, kv_heads, head_dim)
+            for i in (1, 2))
+    TorchBackend().store_kv(k, v, layer, slots)
+
+    expected = torch.full_like(engine_cache, POISON)
+    for token, slot in enumerate(slots.tolist()):
+        expected[0, 1, slot // block_size, slot % block_size] = k[token]
+        expected[1, 1, slot // block_size, slot % block_size] = v[token]
+    assert torch.equal(engine_cache, expected)
+
+
+def test_build_runs_the_backends_plan_once():
+    class CountingBackend(TorchBackend):
+        plans = 0
+
+        def plan(self, md):
+            CountingBackend.plans += 1
+            return super().plan(md)
+
+    batch = make_batch([2, 1], [2, 9], block_size=8, kv_heads=1, group=1)
+    backend = CountingBackend()
+    md = batch.metadata(backend)
+    for _ in range(3):
+        backend.paged_attention(batch.q, batch.kv_cache, md, SCALE)
+    assert CountingBackend.plans == 1
+
+
+@pytest.mark.parametrize("name", ["auto", "torch"])
+def test_select_backend_picks_torch_on_cpu(name):
+    assert isinstance(select_backend(name, torch.device("cpu")), TorchBackend)
+
+
+@pytest.mark.parametrize("name", ["triton", "flash_attn"])
+def test_select_backend_refuses_gpu_backends_on_cpu(name):
+    with pytest.raises(ValueError, match=name):
+        select_backend(name, "cpu")
+
+
+def test_select_backend_rejects_unknown_names():
+    with pytest.raises(ValueError, match="flashinfer"):
+        select_backend("flashinfer", "cpu")

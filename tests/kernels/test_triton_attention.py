@@ -1,0 +1,85 @@
+"""The Triton kernels against the torch path: compiled on CUDA when there is a GPU, else on CPU
+tensors under the Triton interpreter."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    # @triton.jit reads this when it decorates, triton's own library included, so it must be set
+    # before triton's first import; on CPU nothing else in the suite uses triton.
+    assert "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1", \
+        "triton was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1 in the environment"
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from kernels import TorchBackend, flash_attention, select_backend  # noqa: E402
+from kernels.flash_attention import FlashAttnBackend  # noqa: E402
+from kernels.triton_attention import TritonBackend  # noqa: E402
+from tests.kernels.reference import POISON, make_batch  # noqa: E402
+
+SCALE = 0.25
+
+CASES = {
+    "decode_only": ([1] * 5, [1, 8, 9, 31, 70]),
+    "mixed": ([1, 12, 1, 7, 21], [45, 12, 17, 30, 21]),
+    "long_chunk_after_context": ([70], [100]),
+}
+
+
+def max_error_against_torch_path(batch):
+    batch = batch.to(DEVICE)
+    triton_backend, torch_backend = TritonBackend(), TorchBackend()
+    out = triton_backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(triton_backend), SCALE)
+    expected = torch_backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(torch_backend), SCALE)
+    return float((out - expected).abs().max())
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (3, 3), (1, 4)])
+@pytest.mark.parametrize("case", CASES)
+def test_paged_attention_matches_torch_path(case, kv_heads, group, block_size):
+    q_lens, seq_lens = CASES[case]
+    batch = make_batch(q_lens, seq_lens, block_size=block_size, kv_heads=kv_heads, group=group)
+    assert max_error_against_torch_path(batch) <= 1e-4
+
+
+def test_paged_attention_handles_head_dim_below_the_tile():
+    batch = make_batch([3, 1], [11, 6], block_size=16, kv_heads=2, group=3, head_dim=24)
+    assert max_error_against_torch_path(batch) <= 1e-4
+
+
+def test_store_kv_matches_torch_path_and_touches_nothing_else():
+    num_blocks, block_size, kv_heads, head_dim = 5, 8, 3, 16
+    engine_cache = torch.full((2, 2, num_blocks, block_size, kv_heads, head_dim), POISON, device=DEVICE)
+    expected = engine_cache.clone()
+    slots = torch.tensor([9, 8, 31, 17, 39, 10], device=DEVICE)
+    qkv = torch.randn(len(slots), 3, kv_heads, head_dim, device=DEVICE)
+    k, v = qkv[:, 1], qkv[:, 2]  # strided views, as the model passes them
+    TritonBackend().store_kv(k, v, engine_cache[:, 1], slots)
+    TorchBackend().store_kv(k, v, expected[:, 1], slots)
+    assert torch.equal(engine_cache, expected)
+
+
+# Selection on CUDA only builds backend objects, so it can be checked on any machine.
+FLASH_STAND_INS = (lambda *args, **kwargs: None, lambda *args, **kwargs: None)
+
+
+@pytest.mark.parametrize("flash_attn_imports,block_size,expected", [
+    (True, None, FlashAttnBackend), (True, 256, FlashAttnBackend), (True, 16, TritonBackend),
+    (False, None, TritonBackend),
+])
+def test_auto_on_cuda_prefers_flash_attn_then_triton(monkeypatch, flash_attn_imports, block_size, expected):
+    monkeypatch.setattr(flash_attention, "load_flash_attn", lambda: FLASH_STAND_INS if flash_attn_imports else None)
+    backend = select_backend("auto", "cuda", block_size=block_size)
+    assert type(backend) is expected
+    assert not isinstance(backend, FlashAttnBackend) or isinstance(backend.fallback, TritonBackend)
+
+
+def test_flash_attn_on_cuda_without_the_package_is_refused(monkeypatch):
+    monkeypatch.setattr(flash_attention, "load_flash_attn", lambda: None)
+    with pytest.raises(ValueError, match="flash_attn"):
+        select_backend("flash_attn", "cuda")
+    assert isinstance(select_backend("triton", "cuda"), TritonBackend)
