@@ -1,7 +1,24 @@
-"""Assembly: configs, engines, the offline LLM API, the Serve app and the CLI."""
+"""Assembly: configs, engines, the offline LLM API, the Serve app and the CLI.
 
-from cluster.config import EngineConfig
-from cluster.llm import LLM, Completion, GenerateOutput
-from scheduler import SamplingParams
+Exports resolve lazily: the scheduler actor imports `cluster.scheduler_actor`,
+and importing this package must not drag torch into that process.
+"""
 
-__all__ = ["LLM", "Completion", "EngineConfig", "GenerateOutput", "SamplingParams"]
+import importlib
+
+_EXPORTS = {
+    "LLM": "cluster.llm",
+    "Completion": "cluster.llm",
+    "GenerateOutput": "cluster.llm",
+    "EngineConfig": "cluster.config",
+    "SamplingParams": "scheduler",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cluster' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -6,6 +6,7 @@ import gc
 import random
 import statistics
 import time
+from dataclasses import dataclass, field
 
 from scheduler import ModelRunnerOutput, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.block_pool import BlockPool
@@ -135,20 +136,258 @@ def run_transformers_static(model_path: str, work, threads: int | None) -> float
 
 
 def bench_throughput(model: str | None = None, num_requests: int = 64, min_len: int = 32, max_len: int = 256,
-                     compare: list[str] = ("transformers",), **engine_kwargs) -> dict:
+                     compare: list[str] = ("transformers",), executor: str = "ray", address: str | None = None,
+                     **engine_kwargs) -> dict:
+    """raylm on ``executor``, then each baseline in ``compare`` ("inprocess": raylm without Ray;
+    "transformers": static batching), one at a time so they never share the cores."""
     from cluster.llm import LLM
 
-    llm = LLM(model=model, max_num_seqs=max(num_requests, 1), **engine_kwargs)
-    work = throughput_workload(num_requests, min_len, max_len, llm.engine.spec.vocab_size)
-    prompt_tokens = sum(len(p) for p, _ in work)
-    output_tokens = sum(n for _, n in work)
-    print(f"raylm bench throughput: {num_requests} requests, prompt and output lengths uniform in "
-          f"[{min_len}, {max_len}] (seed 0, ignore_eos), {prompt_tokens} prompt + {output_tokens} output tokens; "
-          f"model {llm.engine.model_path}, {llm.config.dtype}, device {llm.engine.worker.device}")
-    results = {"raylm": _report("raylm", run_raylm(llm, work), num_requests, prompt_tokens, output_tokens)}
+    results: dict[str, float] = {}
+    for name in [executor] + [c for c in compare if c in ("ray", "inprocess") and c != executor]:
+        llm = LLM(model=model, executor=name, address=address if name == "ray" else None,
+                  max_num_seqs=max(num_requests, 1), **engine_kwargs)
+        work = throughput_workload(num_requests, min_len, max_len, llm.engine.spec.vocab_size)
+        prompt_tokens, output_tokens = sum(len(p) for p, _ in work), sum(n for _, n in work)
+        if not results:
+            print(f"raylm bench throughput: {num_requests} requests, prompt and output lengths uniform in "
+                  f"[{min_len}, {max_len}] (seed 0, ignore_eos), {prompt_tokens} prompt + {output_tokens} output "
+                  f"tokens; model {llm.engine.model_path}, {llm.config.dtype}, device {llm.engine.device}, "
+                  f"tp {llm.config.tensor_parallel_size}")
+        model_path, threads = llm.engine.model_path, llm.config.num_threads
+        results[f"raylm ({name})"] = _report(f"raylm ({name})", run_raylm(llm, work), num_requests, prompt_tokens,
+                                             output_tokens)
+        llm.shutdown()
+    ours = results[f"raylm ({executor})"]
+    for name in results:
+        if name != f"raylm ({executor})":
+            print(f"  raylm ({executor}) / {name}, output tok/s: {ours / results[name]:.3f}x")
     if "transformers" in compare:
-        secs = run_transformers_static(llm.engine.model_path, work, llm.config.num_threads)
+        secs = run_transformers_static(model_path, work, threads)
         results["transformers"] = _report("transformers", secs, num_requests, prompt_tokens, output_tokens)
-        print(f"  raylm / transformers (static batching), output tok/s: "
-              f"{results['raylm'] / results['transformers']:.2f}x")
+        print(f"  raylm ({executor}) / transformers (static batching), output tok/s: "
+              f"{ours / results['transformers']:.2f}x")
     return results
+
+
+def _tiny_llama(path: str) -> str:
+    """A 2-layer random Llama (4 heads, 2 KV heads): splits over tp=2, unlike the default model's 9 heads."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
+    return path
+
+
+def _empty_step(step_id: int):
+    from scheduler import CachedRequestData, SchedulerOutput
+
+    return SchedulerOutput([], CachedRequestData(), {}, 0, set(), set(), step_id)
+
+
+class _RoundTrips:
+    """An async actor, like the scheduler actor, timing empty steps to the engine's ranks three ways."""
+
+    def __init__(self, workers: list) -> None:
+        self.workers = workers
+
+    async def plain(self, steps: int, put: bool) -> list[float]:
+        """The engine loop's own path (execute_step: the step by value), or one ray.put broadcast per step."""
+        import asyncio
+
+        import ray
+
+        from cluster.scheduler_actor import execute_step
+
+        times = []
+        for i in range(steps):
+            t0 = time.perf_counter()
+            if put:
+                ref = ray.put(_empty_step(i))
+                await asyncio.gather(*[w.execute_model.remote(ref) for w in self.workers])
+            else:
+                await execute_step(self.workers, _empty_step(i))
+            times.append(time.perf_counter() - t0)
+        return times
+
+    async def compiled(self, steps: int, idle_s: float) -> tuple[list[float], float]:
+        """Through a Ray compiled graph; also the CPU this process burns while it waits idle_s for nothing."""
+        import asyncio
+
+        from ray.dag import InputNode, MultiOutputNode
+
+        with InputNode() as step:
+            graph = MultiOutputNode([w.execute_model.bind(step) for w in self.workers])
+        dag = graph.experimental_compile(enable_asyncio=True)
+        try:
+            times = []
+            for i in range(steps):
+                t0 = time.perf_counter()
+                await asyncio.gather(*await dag.execute_async(_empty_step(i)))
+                times.append(time.perf_counter() - t0)
+            cpu0 = time.process_time()
+            await asyncio.sleep(idle_s)
+            return times, (time.process_time() - cpu0) / idle_s
+        finally:
+            dag.teardown()
+
+
+def bench_ray_overhead(model: str | None = None, tp_sizes: tuple[int, ...] = (1, 2), steps: int = 300,
+                       warmup: int = 30) -> dict:
+    """Round trip of an empty step (nothing scheduled) from an async actor to every rank of a Ray engine:
+    the engine loop's path (step by value), a ray.put broadcast, and a Ray compiled graph."""
+    import tempfile
+
+    import ray
+
+    from cluster.config import EngineConfig
+    from cluster.ray_engine import RayEngine
+
+    tmp = tempfile.TemporaryDirectory() if model is None else None
+    model = model or _tiny_llama(tmp.name)
+    print(f"raylm bench ray-overhead: empty-step round trip, {steps} steps after {warmup} warm-up; model {model}")
+    results: dict = {}
+    for tp in tp_sizes:
+        engine = RayEngine(EngineConfig(model=model, tensor_parallel_size=tp, kv_cache_bytes=1 << 22))
+        prober = ray.remote(_RoundTrips).options(num_cpus=0).remote(engine.workers)
+        try:
+            row = {"by value (engine loop)": ray.get(prober.plain.remote(warmup + steps, False))[warmup:],
+                   "ray.put broadcast": ray.get(prober.plain.remote(warmup + steps, True))[warmup:]}
+            try:
+                times, idle_cpu = ray.get(prober.compiled.remote(warmup + steps, 2.0))
+                row["compiled graph"] = times[warmup:]
+                print(f"  tp={tp} compiled graph: the waiting driver burns {idle_cpu:.2f} CPU cores while idle")
+                results[(tp, "compiled idle cores")] = idle_cpu
+            except Exception as e:  # noqa: BLE001 - compiled graphs are experimental; report, don't fail
+                print(f"  tp={tp} compiled graph failed: {type(e).__name__}: {e}")
+            for name, times in row.items():
+                times.sort()
+                med, p90 = statistics.median(times) * 1e6, times[int(0.9 * (len(times) - 1))] * 1e6
+                results[(tp, name)] = med
+                print(f"  tp={tp} {name:24s} median {med:7.0f} us   p90 {p90:7.0f} us")
+        finally:
+            ray.kill(prober)
+            engine.shutdown()
+    if tmp is not None:
+        tmp.cleanup()
+    return results
+
+
+@dataclass(slots=True)
+class StreamTimes:
+    """One streamed request as the client saw it: when it was sent, when each chunk with text came, the
+    tokens it reported (usage), and its error if it failed."""
+
+    sent: float
+    chunks: list[float] = field(default_factory=list)
+    end: float = 0.0
+    output_tokens: int = 0
+    error: str | None = None
+
+
+async def _stream_completion(session, url: str, payload: dict, headers: dict) -> StreamTimes:
+    import json
+
+    t = StreamTimes(time.perf_counter())
+    try:
+        async with session.post(f"{url}/v1/completions", json=payload, headers=headers) as resp:
+            if resp.status != 200:
+                t.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return t
+            async for line in resp.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    t.error = chunk["error"]["message"]
+                if chunk.get("usage"):
+                    t.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0]["text"]:
+                    t.chunks.append(time.perf_counter())
+    except Exception as e:  # noqa: BLE001 - a failed request is counted and reported, not fatal
+        t.error = f"{type(e).__name__}: {e}"
+    t.end = time.perf_counter()
+    return t
+
+
+async def _send_all(url: str, model: str, work, request_rate: float, api_key: str | None,
+                    seed: int) -> tuple[list[StreamTimes], float]:
+    import asyncio
+
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    rng = random.Random(seed)
+
+    def payload(prompt: list[int], max_tokens: int) -> dict:
+        return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
+                "stream": True, "stream_options": {"include_usage": True}}
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        warm = await _stream_completion(session, url, payload(work[0][0], 4), headers)
+        if warm.error:
+            raise RuntimeError(f"the warm-up request failed: {warm.error}")
+        t0 = time.perf_counter()
+        tasks = []
+        for prompt, out_len in work:
+            tasks.append(asyncio.create_task(_stream_completion(session, url, payload(prompt, out_len), headers)))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - t0
+
+
+def _ms_row(name: str, values: list[float]) -> dict:
+    import numpy as np
+
+    v = np.asarray(values or [float("nan")]) * 1e3
+    row = {"mean": float(v.mean()), "median": float(np.median(v)), "p99": float(np.percentile(v, 99))}
+    print(f"  {name:5s} ms   mean {row['mean']:9.1f}   median {row['median']:9.1f}   p99 {row['p99']:9.1f}")
+    return row
+
+
+def bench_serve(url: str = "http://127.0.0.1:8000", model: str | None = None, num_requests: int = 64,
+                request_rate: float = float("inf"), min_len: int = 32, max_len: int = 256,
+                api_key: str | None = None, seed: int = 0) -> dict:
+    """`raylm bench serve`: the throughput workload (token-id prompts, ignore_eos) streamed over HTTP to a running
+    server, all at once or at a Poisson rate; TTFT, TPOT, ITL and end-to-end latency, as `vllm bench serve`."""
+    import asyncio
+    import json
+    import urllib.request
+    from pathlib import Path
+
+    if model is None:
+        from workers.default_model import default_model_path
+        model = default_model_path()
+    vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    request = urllib.request.Request(f"{url}/v1/models", headers={"Authorization": f"Bearer {api_key}"} if api_key
+                                     else {})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        served = json.load(r)["data"][0]["id"]
+    work = throughput_workload(num_requests, min_len, max_len, vocab_size, seed)
+    prompt_tokens = sum(len(p) for p, _ in work)
+    rate = "all at once" if request_rate == float("inf") else f"Poisson {request_rate:g} req/s"
+    print(f"raylm bench serve: {num_requests} streaming requests to {url} ({served}), {rate}; prompt and output "
+          f"lengths uniform in [{min_len}, {max_len}] (seed {seed}, token-id prompts, ignore_eos), "
+          f"{prompt_tokens} prompt + {sum(n for _, n in work)} output tokens")
+    results, seconds = asyncio.run(_send_all(url, served, work, request_rate, api_key, seed))
+    for r in results:
+        if r.error is not None:
+            print(f"  failed: {r.error}")
+    done = [(p, r) for (p, _), r in zip(work, results) if r.error is None and r.chunks]
+    ok = [r for _, r in done]
+    output_tokens = sum(r.output_tokens for r in ok)
+    ok_prompt_tokens = sum(len(p) for p, _ in done)
+    print(f"  successful requests {len(ok)}/{num_requests}, duration {seconds:.1f} s, "
+          f"{len(ok) / seconds:.2f} req/s, {output_tokens / seconds:.1f} output tok/s, "
+          f"{(ok_prompt_tokens + output_tokens) / seconds:.1f} total tok/s")
+    return {
+        "duration_s": seconds, "completed": len(ok), "request_throughput": len(ok) / seconds,
+        "output_throughput": output_tokens / seconds, "total_throughput": (ok_prompt_tokens + output_tokens) / seconds,
+        "ttft": _ms_row("TTFT", [r.chunks[0] - r.sent for r in ok]),
+        "tpot": _ms_row("TPOT", [(r.end - r.chunks[0]) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
+        "itl": _ms_row("ITL", [b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:])]),
+        "e2el": _ms_row("E2EL", [r.end - r.sent for r in ok]),
+    }

@@ -15,13 +15,23 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--max-num-seqs", type=int, default=256, help="requests one engine batches at once")
+    p.add_argument("--placement-strategy", default="PACK", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
+    p.add_argument("--address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                 kv_cache_bytes=args.kv_cache_bytes, num_threads=args.num_threads,
-                enable_prefix_caching=args.enable_prefix_caching)
+                enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
+                max_num_seqs=args.max_num_seqs, placement_strategy=args.placement_strategy)
+
+
+def _executor_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--executor", default="ray", choices=["ray", "inprocess"],
+                   help="ray: scheduler and worker actors (default); inprocess: one process, tp=1, for debugging")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     _engine_args(gen)
+    _executor_arg(gen)
 
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -48,9 +59,16 @@ def main(argv: list[str] | None = None) -> None:
     thr.add_argument("--num-requests", type=int, default=64)
     thr.add_argument("--min-len", type=int, default=32)
     thr.add_argument("--max-len", type=int, default=256)
-    thr.add_argument("--compare", nargs="*", default=["transformers"], choices=["transformers"])
+    thr.add_argument("--compare", nargs="*", default=["transformers"], choices=["ray", "inprocess", "transformers"],
+                     help="baselines run after raylm, one at a time")
     _engine_args(thr)
+    _executor_arg(thr)
+    ovh = bench_sub.add_parser("ray-overhead", help="round trip of an empty step to every rank, three ways")
+    ovh.add_argument("--model", default=None, help="HF model directory (default: a tiny random Llama)")
+    ovh.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
+    ovh.add_argument("--steps", type=int, default=300)
 
+    _serve_parsers(sub, bench_sub)
     args = parser.parse_args(argv)
     try:
         _run(args)
@@ -58,12 +76,58 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"raylm: error: {e}\n")
 
 
+def _serve_parsers(sub, bench_sub) -> None:
+    srv = sub.add_parser("serve", help="serve a model over HTTP (OpenAI API) and gRPC with Ray Serve")
+    _engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="HTTP address (0.0.0.0 to listen on every interface)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--grpc-port", type=int, default=9000)
+    srv.add_argument("--min-replicas", type=int, default=1)
+    srv.add_argument("--max-replicas", type=int, default=1)
+    srv.add_argument("--target-ongoing-requests", type=float, default=None, help="default: max-num-seqs / 2")
+    srv.add_argument("--max-ongoing-requests", type=int, default=None, help="default: max-num-seqs")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $RAYLM_API_KEY)")
+    srv.add_argument("--served-model-name", default=None)
+    srv.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    bs = bench_sub.add_parser("serve", help="online serving over HTTP streaming: TTFT, TPOT, ITL, latency, throughput")
+    bs.add_argument("--url", default="http://127.0.0.1:8000")
+    bs.add_argument("--model", default=None, help="HF model directory, for its vocabulary (default: SmolLM2)")
+    bs.add_argument("--num-requests", type=int, default=64)
+    bs.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="Poisson arrivals, requests/s (default: all at once)")
+    bs.add_argument("--min-len", type=int, default=32)
+    bs.add_argument("--max-len", type=int, default=256)
+    bs.add_argument("--api-key", default=None, help="default: $RAYLM_API_KEY")
+
+
+def _serve_command(args: argparse.Namespace) -> None:
+    import os
+
+    if args.command == "bench":
+        from cluster.bench import bench_serve
+        bench_serve(args.url, args.model, args.num_requests, args.request_rate, args.min_len, args.max_len,
+                    args.api_key or os.environ.get("RAYLM_API_KEY"))
+        return
+    from cluster.config import EngineConfig
+    from cluster.serve import AppArgs, serve_until_interrupted
+
+    engine = EngineConfig(model=args.model, **_engine_kwargs(args))
+    app_args = AppArgs(engine=engine, served_model_name=args.served_model_name,
+                       api_key=args.api_key or os.environ.get("RAYLM_API_KEY"), min_replicas=args.min_replicas,
+                       max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
+                       max_ongoing_requests=args.max_ongoing_requests, max_body_bytes=args.max_body_bytes)
+    serve_until_interrupted(app_args, address=args.address, host=args.host, port=args.port,
+                            grpc_port=args.grpc_port)
+
+
 def _run(args: argparse.Namespace) -> None:
-    if args.command == "generate":
+    if args.command == "serve" or getattr(args, "bench", None) == "serve":
+        _serve_command(args)
+    elif args.command == "generate":
         from cluster.llm import LLM
         from scheduler import SamplingParams
 
-        llm = LLM(model=args.model, **_engine_kwargs(args))
+        llm = LLM(model=args.model, executor=args.executor, address=args.address, **_engine_kwargs(args))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed)
         prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
@@ -72,10 +136,15 @@ def _run(args: argparse.Namespace) -> None:
     elif args.bench == "scheduler":
         from cluster.bench import bench_scheduler
         bench_scheduler(tuple(args.sizes), args.prompt_len, args.block_size, args.steps)
+    elif args.bench == "ray-overhead":
+        from cluster.bench import bench_ray_overhead
+        bench_ray_overhead(args.model, tuple(args.tp_sizes), args.steps)
     else:
         from cluster.bench import bench_throughput
-        bench_throughput(args.model, args.num_requests, args.min_len, args.max_len, args.compare,
-                         **_engine_kwargs(args))
+        kwargs = _engine_kwargs(args)
+        kwargs.pop("max_num_seqs")  # the benchmark admits every request at once
+        bench_throughput(args.model, args.num_requests, args.min_len, args.max_len, args.compare, args.executor,
+                         args.address, **kwargs)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ class InProcessEngine:
         self.spec = read_model_spec(self.model_path)
         self.max_model_len = resolve_max_model_len(config, self.spec)
         self.worker = Worker(config.worker_config(self.model_path, self.max_model_len))
-        self.worker.init_device()
+        self.device = self.worker.init_device()
         self.worker.load_model()
         num_blocks = self.worker.determine_num_blocks()
         if num_blocks < 2:
@@ -89,3 +89,8 @@ class InProcessEngine:
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        """Drop the model and KV cache now rather than at garbage collection (a process building several
+        engines, like the benchmarks, would otherwise hold two at once)."""
+        self.worker = None

@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 
 from cluster.config import EngineConfig
 from cluster.engine import InProcessEngine, check_prompt
+from cluster.ray_engine import RayEngine
 from scheduler import SampledLogprobs, SamplingParams
 
 
@@ -42,15 +43,30 @@ class LLM:
     Prompts may be strings (tokenized here, chat template optional) or lists
     of token ids. Every prompt is checked before any runs, so a bad one raises
     ValueError naming it instead of failing its batch mid-way.
+
+    ``executor="ray"`` (the default) runs the Ray engine: a scheduler actor
+    and ``tensor_parallel_size`` worker actors, on the cluster at ``address``
+    or a local Ray. ``executor="inprocess"`` runs the scheduler and one worker
+    in this process, for tp=1 debugging.
     """
 
-    def __init__(self, model: str | None = None, *, executor: str = "inprocess", **engine_kwargs) -> None:
+    def __init__(self, model: str | None = None, *, executor: str = "ray", address: str | None = None,
+                 **engine_kwargs) -> None:
         self.config = EngineConfig(model=model, **engine_kwargs)
-        if executor != "inprocess":
-            raise ValueError(f"executor={executor!r} is not available yet")
-        self.engine = InProcessEngine(self.config)
+        if executor == "ray":
+            self.engine = RayEngine(self.config, address)
+        elif executor == "inprocess":
+            if address is not None:
+                raise ValueError(f"executor='inprocess' joins no cluster, address={address!r}")
+            self.engine = InProcessEngine(self.config)
+        else:
+            raise ValueError(f"executor={executor!r}: choose 'ray' or 'inprocess'")
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.engine.model_path)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Release the engine (for Ray: its actors and placement group) without waiting for garbage collection."""
+        self.engine.shutdown()
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,

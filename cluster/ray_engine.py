@@ -19,11 +19,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.config import EngineConfig
 from cluster.engine import check_prompt, resolve_max_model_len, stop_token_ids
 from cluster.scheduler_actor import RequestSteps, SchedulerActor
+from cluster.worker_actor import WorkerActor
 from scheduler import RequestOutput, SamplingParams, SchedulerStats
 from workers.model_loader import read_model_spec
-from workers.worker import Worker
 
-RayWorker = ray.remote(Worker)
+RayWorker = ray.remote(WorkerActor)
 RaySchedulerActor = ray.remote(SchedulerActor)
 SCHEDULER_CPUS = 1.0  # the scheduler's bundle; the actor mostly awaits, but Ray needs a non-empty bundle
 
@@ -38,7 +38,7 @@ class NodeInfo:
     free_port: int
 
 
-def _node_info(_worker: Worker) -> NodeInfo:
+def _node_info(_actor: WorkerActor) -> NodeInfo:
     """Runs inside a rank's actor (through ``__ray_call__``)."""
     with socket.socket() as s:
         s.bind(("", 0))
@@ -47,11 +47,11 @@ def _node_info(_worker: Worker) -> NodeInfo:
                     len(os.sched_getaffinity(0)), port)
 
 
-def _init_device(worker: Worker, num_threads: int) -> str:
+def _init_device(actor: WorkerActor, num_threads: int) -> str:
     """Runs inside a rank's actor: fix its torch thread count (Ray's OMP_NUM_THREADS follows num_cpus), then
     take its device."""
-    worker.config.num_threads = num_threads
-    return worker.init_device()
+    actor.worker.config.num_threads = num_threads
+    return actor.worker.init_device()
 
 
 def connect(address: str | None, min_cpus: float) -> None:
@@ -109,12 +109,13 @@ def resolve_device(device: str) -> str:
 
 
 def start_workers(config: EngineConfig, model_path: str, max_model_len: int, pg: PlacementGroup,
-                  device: str) -> list:
+                  first_bundle: int, device: str) -> list:
+    """Rank r goes to bundle ``first_bundle + 1 + r`` (``first_bundle`` is the scheduler's)."""
     wcfg = dataclasses.replace(config.worker_config(model_path, max_model_len), device=device)
     return [RayWorker.options(
         num_cpus=config.num_threads or 1, num_gpus=1 if device == "cuda" else 0,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=1 + rank),
-    ).remote(wcfg, rank) for rank in range(config.tensor_parallel_size)]
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + 1 + r),
+    ).remote(wcfg, r) for r in range(config.tensor_parallel_size)]
 
 
 def init_workers(workers: list, num_threads: int | None, device: str) -> int:
@@ -125,21 +126,21 @@ def init_workers(workers: list, num_threads: int | None, device: str) -> int:
     threads = [num_threads or max(1, i.num_cores // ranks_per_node[i.node_id]) for i in infos]
     ray.get([w.__ray_call__.remote(_init_device, n) for w, n in zip(workers, threads)])
     master = infos[0]
-    ray.get([w.init_distributed.remote(rank, len(workers), master.ip, master.free_port,
-                                       "nccl" if device == "cuda" else "gloo")
+    ray.get([w.call.remote("init_distributed", rank, len(workers), master.ip, master.free_port,
+                           "nccl" if device == "cuda" else "gloo")
              for rank, w in enumerate(workers)])
-    ray.get([w.load_model.remote() for w in workers])
-    num_blocks = min(ray.get([w.determine_num_blocks.remote() for w in workers]))
+    ray.get([w.call.remote("load_model") for w in workers])
+    num_blocks = min(ray.get([w.call.remote("determine_num_blocks") for w in workers]))
     if num_blocks < 2:
-        block_bytes = ray.get(workers[0].block_bytes.remote())
+        block_bytes = ray.get(workers[0].call.remote("block_bytes"))
         raise ValueError(f"the KV cache holds {num_blocks} blocks of {block_bytes} bytes; raise kv_cache_bytes "
                          f"or gpu_memory_utilization")
-    ray.get([w.init_cache.remote(num_blocks) for w in workers])
+    ray.get([w.call.remote("init_cache", num_blocks) for w in workers])
     return num_blocks
 
 
 def _release(pg: PlacementGroup | None, actors: list) -> None:
-    """Kill the engine's actors and free its placement group (idempotent through weakref.finalize)."""
+    """Kill the engine's actors and free its own placement group (run once, through weakref.finalize)."""
     if not ray.is_initialized():
         return
     for actor in actors:
@@ -154,12 +155,15 @@ class RayEngine:
     Invariants: once __init__ returns, every rank holds its model shard and a KV
     cache of the same ``num_blocks`` and the scheduler loop runs; if __init__
     fails it leaves no actor or placement group behind, and shutdown() (or
-    garbage collection) releases them. ``_unfinished`` maps each caller id added
+    garbage collection) releases them. Given a ``placement_group`` (a Serve
+    replica's, which Serve reserved with engine_bundles at ``first_bundle``), the
+    engine places itself there and leaves the group to its owner. ``_unfinished`` maps each caller id added
     through add_request to its samples still running, so step() knows without a
     round trip whether there is anything to wait for.
     """
 
-    def __init__(self, config: EngineConfig, address: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, address: str | None = None, *,
+                 placement_group: PlacementGroup | None = None, first_bundle: int = 0) -> None:
         self.config = config
         tp = config.tensor_parallel_size
         self.model_path = config.resolved_model()
@@ -167,23 +171,22 @@ class RayEngine:
         self.max_model_len = resolve_max_model_len(config, self.spec)
         connect(address, SCHEDULER_CPUS + tp * (config.num_threads or 1))
         self.device = resolve_device(config.device)
-        pg = place(engine_bundles(config, self.device == "cuda"), config.placement_strategy,
-                   config.placement_timeout_s)
+        pg = placement_group or place(engine_bundles(config, self.device == "cuda"), config.placement_strategy,
+                                      config.placement_timeout_s)
         self.placement_group = pg
         owned: list = []
-        self._finalizer = weakref.finalize(self, _release, pg, owned)
+        self._finalizer = weakref.finalize(self, _release, None if placement_group else pg, owned)
         self._unfinished: dict[str, int] = {}
         try:
-            self.workers = start_workers(config, self.model_path, self.max_model_len, pg, self.device)
+            self.workers = start_workers(config, self.model_path, self.max_model_len, pg, first_bundle, self.device)
             owned.extend(self.workers)
-            self.num_blocks = init_workers(self.workers, config.num_threads, self.device)
             self.actor = RaySchedulerActor.options(
                 num_cpus=SCHEDULER_CPUS,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-            ).remote(config.scheduler_config(self.num_blocks, self.max_model_len), self.spec.eos_token_id,
-                     self.workers)
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle),
+            ).remote(self.workers, self.spec.eos_token_id)
             owned.append(self.actor)
-            ray.get(self.actor.start.remote())
+            self.num_blocks = init_workers(self.workers, config.num_threads, self.device)
+            ray.get(self.actor.start.remote(config.scheduler_config(self.num_blocks, self.max_model_len)))
         except BaseException:
             self.shutdown()
             raise

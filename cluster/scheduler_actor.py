@@ -18,10 +18,11 @@ from scheduler import (
     ModelRunnerOutput, RequestOutput, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats,
 )
 
-# Prompt tokens above which a step is ray.put once and the ref broadcast. Below it each call carries
-# the step by value: a put costs ~3 ms here (plasma round trip per rank) while pickling a small
-# SchedulerOutput per rank costs tens of microseconds.
-PUT_PROMPT_TOKENS = 8192
+# New prompt tokens above which a step is ray.put once and the ref sent to every rank. Below that a
+# step pickles under Ray's 100 KiB inline limit and travels by value inside each call, which measured
+# 1.1 ms vs 2.3 ms per empty-step round trip at tp=1 (1.6 vs 3.2 ms at tp=2): a put is a plasma
+# round trip. Above it Ray would put the argument once per rank, so one explicit put is cheaper.
+PUT_PROMPT_TOKENS = 32768
 HISTORY_SIZE = 4096  # requests whose step numbers stats keep: bounded, a server runs for months
 
 
@@ -32,12 +33,14 @@ class RequestSteps:
     ``arrival_step`` counts the steps already scheduled when it arrived, so a
     request that joins the running batch at once has ``first_step ==
     arrival_step + 1``. ``finish_step`` is the step that produced its last delta
-    (for an abort or an error: the steps scheduled by then).
+    (for an abort or an error: the steps scheduled by then), ``finish_reason``
+    that of its last delta.
     """
 
     arrival_step: int
     first_step: int | None = None
     finish_step: int | None = None
+    finish_reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -57,7 +60,10 @@ def execute_step(workers: list, so: SchedulerOutput) -> asyncio.Future[list[Mode
     """Send one step to every rank (the same serialized step) and gather their replies; rank 0's is the output.
 
     Awaiting all ranks, not just rank 0, surfaces a dead rank at once instead of leaving rank 0 in a
-    collective, and keeps every rank's queue at most one step deep.
+    collective, and keeps every rank's queue at most one step deep. Plain actor calls, not a Ray
+    compiled graph: a graph cuts the empty-step round trip (0.7 vs 1.1 ms at tp=1, 0.9 vs 1.6 ms at
+    tp=2) but its channels busy-poll, and the waiting loop burns 0.7-1.0 of a core that a CPU node's
+    ranks need for torch (cluster/bench.py: bench_ray_overhead).
     """
     arg = so
     if len(workers) > 1 and sum(len(r.prompt_token_ids) for r in so.scheduled_new_reqs) > PUT_PROMPT_TOKENS:
@@ -95,9 +101,12 @@ class SchedulerActor:
       the ranks' states may disagree and a collective could hang.
     """
 
-    def __init__(self, config: SchedulerConfig, eos_token_id: int | None, workers: list) -> None:
-        self.scheduler = Scheduler(config, eos_token_id=eos_token_id)
+    def __init__(self, workers: list, eos_token_id: int | None) -> None:
+        # The Scheduler waits for start(): its size is known only once every rank has sized its cache,
+        # and creating the actor first lets its process boot while the ranks load the model.
+        self.scheduler: Scheduler | None = None
         self.workers = workers
+        self.eos_token_id = eos_token_id
         self.streams: dict[str, _Stream] = {}
         self.outbox: list[RequestOutput] = []
         self.outbox_ready = asyncio.Event()
@@ -106,8 +115,9 @@ class SchedulerActor:
         self.error: str | None = None
         self.loop_task: asyncio.Task | None = None
 
-    async def start(self) -> None:
+    async def start(self, config: SchedulerConfig) -> None:
         if self.loop_task is None:
+            self.scheduler = Scheduler(config, eos_token_id=self.eos_token_id)
             self.loop_task = asyncio.create_task(self._run())
 
     # ---- the engine loop ----------------------------------------------------------
@@ -157,14 +167,14 @@ class SchedulerActor:
                 stream.num_unfinished -= 1
                 if not stream.num_unfinished:
                     del streams[out.request_id]
-                    self._note_finish(out.request_id, step_id)
+                    self._note_finish(out.request_id, step_id, out.finish_reason)
         if self.outbox:
             self.outbox_ready.set()
 
-    def _note_finish(self, request_id: str, step_id: int) -> None:
+    def _note_finish(self, request_id: str, step_id: int, reason: str | None) -> None:
         steps = self.history.get(request_id)
         if steps is not None:
-            steps.finish_step = step_id
+            steps.finish_step, steps.finish_reason = step_id, reason
 
     def _fail(self, error: str) -> None:
         self.error = error
@@ -186,7 +196,7 @@ class SchedulerActor:
             self.streams[request_id] = _Stream(queue, params.n - len(finals))
             self.wake.set()
         else:
-            self._note_finish(request_id, self.scheduler.num_steps)
+            self._note_finish(request_id, self.scheduler.num_steps, finals[-1].finish_reason)
         return finals
 
     @ray.method(num_returns="streaming")
@@ -232,7 +242,7 @@ class SchedulerActor:
         finals = self.scheduler.abort(request_id)
         stream = self.streams.pop(request_id, None)
         if stream is not None:
-            self._note_finish(request_id, self.scheduler.num_steps)
+            self._note_finish(request_id, self.scheduler.num_steps, "abort")
             if stream.queue is not None:
                 for out in finals:
                     stream.queue.put_nowait(out)

@@ -1,9 +1,14 @@
-"""The offline engine end to end: greedy output token-identical to transformers, and its API."""
+"""The offline engine end to end: greedy output token-identical to transformers, and its API.
+
+The shared ``smol`` LLM runs on the Ray engine (the default executor); the
+scheduling variants run in-process, which takes the same step without actors.
+"""
 
 import subprocess
 import sys
 
 import pytest
+import ray
 import torch
 
 from cluster import LLM, EngineConfig, SamplingParams
@@ -39,8 +44,9 @@ def hf_greedy(model_dir: str, prompt_ids: list[list[int]], new_tokens: int) -> l
 
 
 @pytest.fixture(scope="module")
-def smol(default_model_dir):
+def smol(default_model_dir, ray_session):
     llm = LLM(model=default_model_dir)
+    assert type(llm.engine).__name__ == "RayEngine"
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     return llm, ids, hf_greedy(default_model_dir, ids, NEW_TOKENS)
 
@@ -71,14 +77,15 @@ def test_greedy_matches_transformers_with_prefix_caching(smol):
 
 def test_greedy_matches_transformers_without_prefix_caching(smol, default_model_dir):
     _, ids, expected = smol
-    llm = LLM(model=default_model_dir, enable_prefix_caching=False)
+    llm = LLM(model=default_model_dir, executor="inprocess", enable_prefix_caching=False)
     assert_same(llm.generate(ids, greedy(), use_tqdm=False), expected)
     assert llm.engine.stats().prefix_cache_hits == 0
 
 
 def test_greedy_matches_transformers_with_chunked_prefill(smol, default_model_dir):
     _, ids, expected = smol
-    llm = LLM(model=default_model_dir, max_num_batched_tokens=48, long_prefill_token_threshold=20)
+    llm = LLM(model=default_model_dir, executor="inprocess", max_num_batched_tokens=48,
+              long_prefill_token_threshold=20)
     steps = []
     engine = llm.engine
     original = engine.scheduler.schedule
@@ -98,9 +105,9 @@ def test_greedy_matches_transformers_with_chunked_prefill(smol, default_model_di
 
 def test_greedy_matches_transformers_under_preemption(smol, default_model_dir):
     _, ids, expected = smol
-    block_bytes = smol[0].engine.worker.block_bytes()
+    block_bytes = ray.get(smol[0].engine.workers[0].call.remote("block_bytes"))
     # Room for ~2 long requests at once: the others must be preempted and recomputed.
-    llm = LLM(model=default_model_dir, kv_cache_bytes=block_bytes * 24)
+    llm = LLM(model=default_model_dir, executor="inprocess", kv_cache_bytes=block_bytes * 24)
     assert_same(llm.generate(ids, greedy(), use_tqdm=False), expected)
     assert llm.engine.stats().num_preemptions > 0
 
@@ -172,12 +179,24 @@ def test_bad_input_raises_before_anything_runs(smol, tmp_path):
         LLM(model=str(tmp_path))
 
 
-def test_raylm_generate_cli(default_model_dir):
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", default_model_dir,
-                          "--prompt", "What is 2+2?", "--chat", "--max-tokens", "12"],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip()
+def test_executor_choice_is_checked(default_model_dir):
+    with pytest.raises(ValueError, match="executor='threads'"):
+        LLM(model=default_model_dir, executor="threads")
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        LLM(model=default_model_dir, executor="inprocess", tensor_parallel_size=2)
+
+
+def test_raylm_generate_cli(default_model_dir, ray_session):
+    """On the Ray engine, joining the session's cluster through --address; and in-process."""
+    address = ray.get_runtime_context().gcs_address
+    texts = []
+    for how in (["--address", address], ["--executor", "inprocess"]):
+        out = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", default_model_dir,
+                              "--prompt", "What is 2+2?", "--chat", "--max-tokens", "12", *how],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        texts.append(out.stdout.strip())
+    assert texts[0] and texts[0] == texts[1]
     bad = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", "/nonexistent/model",
                           "--prompt", "x"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "does not exist" in bad.stderr

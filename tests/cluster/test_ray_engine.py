@@ -1,0 +1,252 @@
+"""The Ray engine on a real (local) Ray: tensor parallelism, streaming, continuous batching, aborts,
+failures and placement. Tiny random models and few tokens keep it fast."""
+
+import asyncio
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import ray
+import torch
+
+from cluster.config import EngineConfig
+from cluster.engine import InProcessEngine
+from cluster.ray_engine import RayEngine
+from scheduler import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+WAIT_S = 10  # bound on anything asynchronous the tests wait for (a hang fails instead of stalling)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+_rng = torch.Generator().manual_seed(1)
+PROMPTS = [torch.randint(3, 256, (n,), generator=_rng).tolist() for n in (5, 19, 40, 70)]
+
+
+def config(model: str, **kw) -> EngineConfig:
+    return EngineConfig(model=model, block_size=8, max_model_len=256, max_num_batched_tokens=64,
+                        kv_cache_bytes=1 << 22, **kw)
+
+
+def run_to_completion(engine, prompts=PROMPTS, max_tokens=12) -> list[list[int]]:
+    """Greedy outputs through the synchronous interface (what the offline LLM drives)."""
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, greedy(max_tokens))
+    got = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            got[o.request_id].extend(o.new_token_ids)
+    return [got[str(i)] for i in range(len(prompts))]
+
+
+def wait_until(predicate, what: str, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"not within {timeout_s} s: {what}")
+        time.sleep(0.05)
+
+
+def is_drained(engine) -> bool:
+    s = engine.stats()
+    return s.num_running == 0 and s.num_waiting == 0 and s.kv_cache_usage == 0
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_dir) -> str:
+    return tiny_model_dir("llama", num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def reference(llama) -> list[list[int]]:
+    """tp=1 greedy outputs of the in-process engine (no Ray)."""
+    return run_to_completion(InProcessEngine(config(llama)))
+
+
+@pytest.fixture(scope="module")
+def engine(llama):
+    """A tp=2 engine shared by the tests that leave it healthy."""
+    e = RayEngine(config(llama, tensor_parallel_size=2))
+    yield e
+    e.shutdown()
+
+
+def test_tp2_greedy_matches_tp1_with_kv_heads_split(engine, reference):
+    assert run_to_completion(engine) == reference
+    assert engine.spec.kv_heads_per_rank(2) == 1
+
+
+def test_tp2_greedy_matches_tp1_with_kv_heads_replicated(tiny_model_dir):
+    model = tiny_model_dir("llama", num_attention_heads=4, num_key_value_heads=1)
+    expected = run_to_completion(InProcessEngine(config(model)))
+    e = RayEngine(config(model, tensor_parallel_size=2))
+    try:
+        assert run_to_completion(e) == expected
+    finally:
+        e.shutdown()
+
+
+def test_streaming_yields_each_token_as_it_is_sampled(engine, reference):
+    async def consume():
+        return [d async for d in engine.generate("stream", PROMPTS[1], greedy(8))]
+
+    deltas = asyncio.run(asyncio.wait_for(consume(), WAIT_S))
+    assert [len(d.new_token_ids) for d in deltas] == [1] * 8
+    assert [d.finished for d in deltas] == [False] * 7 + [True]
+    assert deltas[-1].finish_reason == "length" and deltas[-1].num_prompt_tokens == len(PROMPTS[1])
+    assert [t for d in deltas for t in d.new_token_ids] == reference[1][:8]
+
+
+def test_streaming_n_samples_reports_every_index(engine):
+    params = SamplingParams(n=3, seed=5, max_tokens=4, ignore_eos=True)
+
+    async def consume():
+        return [d async for d in engine.generate("n3", PROMPTS[0], params)]
+
+    deltas = asyncio.run(asyncio.wait_for(consume(), WAIT_S))
+    for index in range(3):
+        mine = [d for d in deltas if d.index == index]
+        assert sum(len(d.new_token_ids) for d in mine) == 4 and mine[-1].finished
+
+
+def test_dropping_a_stream_mid_way_aborts_it_and_frees_its_blocks(engine):
+    async def take_three_then_drop():
+        stream = engine.generate("dropped", PROMPTS[3], greedy(150))
+        got = [await anext(stream) for _ in range(3)]
+        await stream.aclose()
+        return got
+
+    got = asyncio.run(asyncio.wait_for(take_three_then_drop(), WAIT_S))
+    assert not any(d.finished for d in got)
+    wait_until(lambda: is_drained(engine), "the dropped request's blocks are freed")
+    assert engine.request_steps(["dropped"])["dropped"].finish_reason == "abort"
+
+
+def test_cancelling_a_consumer_aborts_its_request(engine):
+    async def cancel_after_first_token():
+        first = asyncio.Event()
+
+        async def consume():
+            async for _ in engine.generate("cancelled", PROMPTS[2], greedy(150)):
+                first.set()
+
+        task = asyncio.create_task(consume())
+        await first.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(asyncio.wait_for(cancel_after_first_token(), WAIT_S))
+    wait_until(lambda: is_drained(engine), "the cancelled request's blocks are freed")
+    assert engine.request_steps(["cancelled"])["cancelled"].finish_reason == "abort"
+
+
+def test_ray_cancel_of_the_actor_stream_aborts_its_request(engine):
+    """What Ray Serve does when an HTTP client disconnects: cancel the streaming call itself."""
+    async def cancel_raw_stream():
+        stream = engine.actor.generate.remote("raw", PROMPTS[2], greedy(150), 0)
+        await (await anext(stream))
+        ray.cancel(stream)
+
+    asyncio.run(asyncio.wait_for(cancel_raw_stream(), WAIT_S))
+    wait_until(lambda: is_drained(engine), "the cancelled stream's blocks are freed")
+    assert engine.request_steps(["raw"])["raw"].finish_reason == "abort"
+
+
+def test_a_new_request_joins_the_running_batch_at_the_next_step(engine):
+    async def scenario():
+        late: list[asyncio.Task] = []
+
+        async def consume(rid, prompt, params, on_token=None):
+            n = 0
+            async for d in engine.generate(rid, prompt, params):
+                n += len(d.new_token_ids)
+                if on_token:
+                    on_token(n)
+
+        def submit_c_after_four(n):
+            if n == 4 and not late:
+                late.append(asyncio.create_task(consume("C", PROMPTS[0], greedy(3))))
+
+        await asyncio.gather(consume("A", PROMPTS[1], greedy(40), submit_c_after_four),
+                             consume("B", PROMPTS[2], greedy(40)))
+        await late[0]
+
+    asyncio.run(asyncio.wait_for(scenario(), 2 * WAIT_S))
+    steps = engine.request_steps(["A", "B", "C"])
+    a, c = steps["A"], steps["C"]
+    assert a.first_step < c.arrival_step < a.finish_step  # C arrived while A was decoding
+    assert c.first_step == c.arrival_step + 1  # ... and ran in the very next step
+    assert c.finish_step < a.finish_step  # ... not after A was done
+
+
+def test_bad_prompt_is_refused_before_it_reaches_the_engine(engine):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request("bad", [1, 2, 10**6], greedy(4))
+
+    async def consume():
+        return [d async for d in engine.generate("bad", [], greedy(4))]
+
+    with pytest.raises(ValueError, match="empty"):
+        asyncio.run(consume())
+    engine.check_health()
+
+
+def test_scheduler_actor_process_never_imports_torch(engine):
+    assert not ray.get(engine.actor.__ray_call__.remote(lambda _: "torch" in sys.modules))
+
+
+def test_dead_worker_fails_in_flight_requests_and_health_then_a_new_engine_works(llama, reference):
+    e = RayEngine(config(llama, tensor_parallel_size=2))
+    try:
+        e.add_request("sync", PROMPTS[0], greedy(200))
+
+        async def kill_mid_generation():
+            streams = [e.generate(f"s{i}", p, greedy(200)) for i, p in enumerate(PROMPTS[1:3])]
+            for s in streams:
+                assert not (await anext(s)).finished
+            ray.kill(e.workers[1])
+            return [[d async for d in s][-1] for s in streams]
+
+        finals = asyncio.run(asyncio.wait_for(kill_mid_generation(), WAIT_S))
+
+        async def drain_sync():
+            outs = []
+            while e.has_unfinished_requests():
+                outs += await asyncio.to_thread(e.step)
+            return outs
+
+        finals.append(asyncio.run(asyncio.wait_for(drain_sync(), WAIT_S))[-1])
+        assert [(f.finished, f.finish_reason) for f in finals] == [(True, "error")] * 3
+        assert all("engine step failed" in f.error for f in finals)
+        with pytest.raises(RuntimeError, match="unhealthy"):
+            e.check_health()
+        with pytest.raises(RuntimeError, match="unhealthy"):
+            e.add_request("late", PROMPTS[0], greedy(4))
+    finally:
+        e.shutdown()
+    fresh = RayEngine(config(llama))
+    try:
+        assert run_to_completion(fresh) == reference
+        fresh.check_health()
+    finally:
+        fresh.shutdown()
+
+
+@pytest.mark.parametrize("overrides, missing", [
+    ({"device": "cuda"}, "GPU: 1"),  # no GPU in the cluster
+    ({"tensor_parallel_size": 2, "num_threads": 4}, "CPU: 1"),  # 1 + 2 * 4 CPUs; the session has 8
+])
+def test_unsatisfiable_placement_fails_within_the_timeout_and_cleans_up(llama, overrides, missing):
+    before = set(ray.util.placement_group_table())
+    with ThreadPoolExecutor(1) as pool:
+        building = pool.submit(RayEngine, config(llama, placement_timeout_s=1, **overrides))
+        with pytest.raises(RuntimeError, match=f"cannot place the engine.*missing: {missing}"):
+            building.result(timeout=WAIT_S)
+    table = ray.util.placement_group_table()
+    assert {table[pg]["state"] for pg in set(table) - before} == {"REMOVED"}
