@@ -1,0 +1,118 @@
+"""Token ids to text, a few tokens at a time: never half a character, never (part of) a stop string."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder renders an incomplete UTF-8 sequence as
+# Prompt tokens decoded in front of the output: tokenizers that drop or merge a leading space
+# (SentencePiece) render the first output token right only with its left neighbours.
+CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas in O(window) per step.
+
+    Invariants: ``ids[:read_offset]`` are the tokens whose text has been
+    returned; each step decodes only ``ids[prefix_offset:]`` (the last emitted
+    tokens as context, plus the new ones) and returns what it adds to the
+    decoding of ``ids[prefix_offset:read_offset]``. Text that ends in U+FFFD (a
+    multi-byte character split over tokens) is held back until a later token
+    completes it, so no delta ever holds half a character; ``flush()`` gives
+    what is still held when the sequence ends.
+    """
+
+    __slots__ = ("tokenizer", "ids", "prefix_offset", "read_offset", "skip_special_tokens")
+
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.skip_special_tokens = skip_special_tokens
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """The text the new tokens complete ("" while a character is still incomplete)."""
+        self.ids.extend(token_ids)
+        prefix, text = self._window()
+        if len(text) <= len(prefix) or text.endswith(REPLACEMENT_CHAR):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(prefix):]
+
+    def flush(self) -> str:
+        """The text still held back at the end (an incomplete character stays U+FFFD)."""
+        prefix, text = self._window()
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(prefix):]
+
+    def _window(self) -> tuple[str, str]:
+        decode, skip = self.tokenizer.decode, self.skip_special_tokens
+        return (decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip),
+                decode(self.ids[self.prefix_offset:], skip_special_tokens=skip))
+
+
+class StopStringMatcher:
+    """Cuts a text stream at the first stop string, holding back whatever could still become one.
+
+    Invariants: the emitted text never contains a stop string, nor any part
+    of the one that matched; ``held`` is the longest suffix of the text seen
+    that is a proper prefix of some stop string (so a stop string can never
+    begin inside text already emitted). Once ``stopped``, nothing more is
+    emitted.
+    """
+
+    __slots__ = ("stops", "held", "stopped")
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """The part of ``text`` (after what was held) that is safe to emit."""
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return text
+        text = self.held + text
+        hits = [i for s in self.stops if (i := text.find(s)) >= 0]
+        if hits:
+            self.stopped, self.held = True, ""
+            return text[:min(hits)]
+        keep = max((k for s in self.stops for k in range(1, min(len(s), len(text) + 1))
+                    if text.endswith(s[:k])), default=0)
+        self.held = text[len(text) - keep:]
+        return text[:len(text) - keep]
+
+    def flush(self) -> str:
+        """At the end of the stream what was held cannot become a stop string any more."""
+        held, self.held = self.held, ""
+        return "" if self.stopped else held
+
+
+class TextStream:
+    """One sample's text: incremental detokenization, then stop-string cutting.
+
+    ``stopped`` turns true when a stop string matched; the caller then stops
+    the sample (its later tokens are never shown).
+    """
+
+    __slots__ = ("detokenizer", "matcher")
+
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], stops: Sequence[str],
+                 skip_special_tokens: bool = True) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
+        self.matcher = StopStringMatcher(stops)
+
+    @property
+    def stopped(self) -> bool:
+        return self.matcher.stopped
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        return self.matcher.feed(self.detokenizer.add(token_ids))
+
+    def finish(self) -> str:
+        """The rest of the text once the sample ended for another reason (EOS, length)."""
+        text = self.matcher.feed(self.detokenizer.flush())
+        return text + self.matcher.flush()

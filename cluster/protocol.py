@@ -1,0 +1,353 @@
+"""The OpenAI-compatible wire format: request models (validated, naming the bad field), response
+models, and error bodies. vLLM's extensions (top_k, min_p, repetition_penalty, ignore_eos,
+stop_token_ids, priority, /tokenize, /detokenize) take vLLM's names and shapes."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+
+from scheduler import SamplingParams
+
+M = TypeVar("M", bound=BaseModel)
+TokenId = Annotated[int, Field(ge=0)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # what torch.Generator.manual_seed takes (plus n offsets)
+NumLogprobs = Annotated[int, Field(ge=0, le=20)]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class APIError(Exception):
+    """An error the client gets as an OpenAI-style JSON body with this HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "internal_server_error")
+
+    def __reduce__(self):  # picklable with all its fields: it crosses Ray (a gRPC stream's error does)
+        return APIError, (self.status, self.message, self.param, self.code, self.type)
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param, code)
+
+
+def parse(model: type[M], body: Any) -> M:
+    """Validate a decoded JSON body; the first problem becomes a 400 naming its parameter."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        param = _param_path(err["loc"])
+        raise bad_request(f"{param or 'body'}: {err['msg']} (got {_short(err.get('input'))})", param) from None
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "none"}
+
+
+def _param_path(loc: tuple[int | str, ...]) -> str | None:
+    """("messages", 1, "role") -> "messages[1].role", leaving out the union-member tags pydantic puts in
+    locations ("str", "list[constrained-int]"), which are no parameter names."""
+    parts = [f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc
+             if isinstance(p, int) or (p.isidentifier() and p not in _UNION_TAGS)]
+    return "".join(parts).lstrip(".") or None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What completions and chat share: sampling, stopping and scheduling knobs.
+
+    Ranges are checked here so that each error names the field; SamplingParams
+    re-checks them (and anything this misses becomes a 400 the same way).
+    """
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)  # OpenAI's cap; each sample is a sequence in the batch
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)  # -1 and 0 both mean off, as in vLLM
+    min_p: float = Field(0.0, ge=0, le=1)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0)
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    priority: int = 0
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        try:
+            return SamplingParams(
+                temperature=self.temperature, top_p=self.top_p, top_k=-1 if self.top_k == 0 else self.top_k,
+                min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
+                max_tokens=max_tokens, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids or [],
+                ignore_eos=self.ignore_eos, n=self.n, logprobs=logprobs)
+        except ValueError as e:  # "name=value is invalid: rule"
+            raise bad_request(str(e), str(e).split("=", 1)[0]) from None
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions. ``prompt`` is text or token ids (one prompt, or a list holding one)."""
+
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: NumLogprobs | None = None
+    echo: Literal[False] = False
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, str) or not p or isinstance(p[0], int):
+            return p
+        if len(p) != 1:
+            raise bad_request(f"prompt: got {len(p)} prompts; send one prompt per request", "prompt")
+        return p[0]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, str]:
+        """What chat templates expect: the content as one string."""
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return {"role": self.role, "content": content} | ({"name": self.name} if self.name else {})
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions. ``max_completion_tokens`` is the newer name for ``max_tokens``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: NumLogprobs | None = None
+    add_generation_prompt: bool = True
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeCompletionRequest(BaseModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(BaseModel):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+# ---- responses -------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] = Field(default_factory=list)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    """A chat stream's delta: only the fields that are set appear (OpenAI sends role once, then content)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _drop_unset(self) -> dict[str, str]:
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class StreamChunk(BaseModel):
+    """A streamed chunk: ``usage`` appears only when set (as null or a count), as OpenAI streams do
+    with and without ``stream_options.include_usage``."""
+
+    @model_serializer(mode="wrap")
+    def _usage_if_set(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        if "usage" not in self.model_fields_set:
+            data.pop("usage", None)
+        return data
+
+
+class ChatCompletionChunk(StreamChunk):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunk(StreamChunk):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "raylm"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,133 @@
+"""The wire format and the app's configuration, without a server: validation errors name the
+parameter, requests map onto SamplingParams, chunks serialize as OpenAI's do, and the CLI and the
+Serve config reach the deployment options."""
+
+import pickle
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from cluster import cli
+from cluster.protocol import (
+    APIError, ChatCompletionChunk, ChatCompletionRequest, ChatStreamChoice, CompletionChunk, CompletionRequest,
+    Delta, Usage, parse,
+)
+from cluster.serve import AppArgs, build_app, deployment_options
+
+SERVE_CONFIG = Path(__file__).parents[2] / "manifests" / "serve_config.yaml"
+
+
+@pytest.mark.parametrize(("model", "body", "param"), [
+    (CompletionRequest, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    (CompletionRequest, {"prompt": "x", "top_p": 2}, "top_p"),
+    (CompletionRequest, {"prompt": [1, -2]}, "prompt"),
+    (CompletionRequest, {}, "prompt"),
+    (CompletionRequest, "a string", None),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]},
+     "messages[1].role"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content"),
+])
+def test_validation_errors_are_400_naming_the_parameter(model, body, param):
+    with pytest.raises(APIError) as e:
+        parse(model, body)
+    assert (e.value.status, e.value.param, e.value.type) == (400, param, "invalid_request_error")
+    assert e.value.message.startswith(param or "body")
+
+
+def test_sampling_params_mapping():
+    req = parse(CompletionRequest, {"prompt": "x", "top_k": 0, "stop": "END", "seed": 3, "n": 2, "min_p": 0.1,
+                                    "repetition_penalty": 1.2, "stop_token_ids": [5], "ignore_eos": True})
+    params = req.sampling_params(max_tokens=7, logprobs=2)
+    assert (params.top_k, params.seed, params.n, params.min_p, params.repetition_penalty) == (-1, 3, 2, 0.1, 1.2)
+    assert (params.max_tokens, params.logprobs, params.stop_token_ids, params.ignore_eos) == (7, 2, [5], True)
+    assert req.stop_strings == ["END"]
+
+
+def test_what_only_sampling_params_checks_is_still_a_400():
+    req = parse(CompletionRequest, {"prompt": "x", "min_tokens": 9})
+    with pytest.raises(APIError) as e:
+        req.sampling_params(max_tokens=4, logprobs=None)
+    assert (e.value.status, e.value.param) == (400, "min_tokens")
+
+
+def test_single_prompt_unwraps_a_one_element_batch():
+    assert parse(CompletionRequest, {"prompt": [[1, 2]]}).single_prompt() == [1, 2]
+    assert parse(CompletionRequest, {"prompt": ["hi"]}).single_prompt() == "hi"
+
+
+def test_chat_fields():
+    req = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                                  {"type": "text", "text": "b"}]}],
+                                        "max_tokens": 5, "max_completion_tokens": 3, "logprobs": True})
+    assert req.requested_max_tokens == 3
+    assert req.num_logprobs == 0
+    assert req.messages[0].template_dict() == {"role": "user", "content": "ab"}
+
+
+def test_stream_chunks_carry_usage_only_when_asked():
+    assert "usage" not in CompletionChunk(id="a", created=0, model="m", choices=[]).model_dump()
+    assert CompletionChunk(id="a", created=0, model="m", choices=[], usage=None).model_dump()["usage"] is None
+    usage = Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3)
+    assert ChatCompletionChunk(id="a", created=0, model="m", choices=[], usage=usage).model_dump()["usage"][
+        "total_tokens"] == 3
+
+
+def test_chat_deltas_show_only_what_is_set():
+    choice = ChatStreamChoice(index=0, delta=Delta(content="hi"))
+    assert choice.model_dump()["delta"] == {"content": "hi"}
+    assert Delta(role="assistant", content="").model_dump() == {"role": "assistant", "content": ""}
+
+
+def test_api_errors_survive_pickling():  # they cross Ray when a gRPC stream fails
+    e = pickle.loads(pickle.dumps(APIError(404, "no such model", "model", "model_not_found")))
+    assert (e.status, e.message, e.param, e.code, e.type) == (404, "no such model", "model", "model_not_found",
+                                                               "invalid_request_error")
+
+
+# ---- configuration ------------------------------------------------------------------------------
+
+
+def test_autoscaling_defaults_follow_the_batch_size():
+    opts = deployment_options(AppArgs.from_flat({"max_num_seqs": 64, "max_replicas": 4}))
+    assert opts["max_ongoing_requests"] == 64
+    assert opts["autoscaling_config"] == {"min_replicas": 1, "initial_replicas": 1, "max_replicas": 4,
+                                          "target_ongoing_requests": 32}
+
+
+def test_flat_args_split_between_engine_and_app():
+    args = AppArgs.from_flat({"model": "/m", "tensor_parallel_size": "2", "api_key": "k",
+                              "target_ongoing_requests": "10", "max_ongoing_requests": 20})
+    assert (args.engine.model, args.engine.tensor_parallel_size, args.api_key) == ("/m", 2, "k")
+    opts = deployment_options(args)
+    assert (opts["autoscaling_config"]["target_ongoing_requests"], opts["max_ongoing_requests"]) == (10, 20)
+    with pytest.raises(ValidationError):
+        AppArgs.from_flat({"max_replica": 2})
+
+
+def test_the_serve_config_is_valid_and_builds():
+    from ray.serve.schema import ServeDeploySchema
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load(SERVE_CONFIG.read_text()))
+    (app,) = config.applications
+    assert app.import_path == "cluster.serve:build_app"
+    assert config.grpc_options.grpc_servicer_functions == ["cluster.raylm_pb2_grpc.add_RayLMServicer_to_server"]
+    opts = deployment_options(AppArgs.from_flat(app.args))
+    assert opts["autoscaling_config"]["max_replicas"] == app.args["max_replicas"]
+    assert build_app(app.args) is not None
+
+
+def test_cli_serve_reaches_the_app_args(monkeypatch):
+    seen = {}
+    monkeypatch.setattr("cluster.serve.serve_until_interrupted", lambda args, **kw: seen.update(args=args, **kw))
+    monkeypatch.setenv("RAYLM_API_KEY", "from-env")
+    cli.main(["serve", "--model", "/m", "--tensor-parallel-size", "2", "--max-num-seqs", "32", "--min-replicas", "2",
+              "--max-replicas", "5", "--port", "8123", "--host", "0.0.0.0", "--grpc-port", "9123"])
+    args = seen["args"]
+    assert (args.engine.model, args.engine.tensor_parallel_size, args.engine.max_num_seqs) == ("/m", 2, 32)
+    assert (args.min_replicas, args.max_replicas, args.api_key) == (2, 5, "from-env")
+    assert (seen["host"], seen["port"], seen["grpc_port"], seen["address"]) == ("0.0.0.0", 8123, 9123, None)
+    opts = deployment_options(args)
+    assert (opts["max_ongoing_requests"], opts["autoscaling_config"]["target_ongoing_requests"]) == (32, 16)

@@ -1,0 +1,422 @@
+"""The Serve app against one live server (the default model, an API key, small max_tokens): the OpenAI
+client, SSE framing, metrics, autoscaling config, bad input, the API key, gRPC, and aborts that free
+the engine's blocks (a stop string, a client that disconnects)."""
+
+import json
+import socket
+import time
+
+import grpc
+import httpx2 as httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
+
+from cluster import raylm_pb2, raylm_pb2_grpc
+from cluster.config import EngineConfig
+from cluster.serve import AppArgs, start
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_MODEL_LEN = 1024
+MAX_NUM_SEQS = 8
+LONG = 1000  # output tokens that take minutes here: a request still running after a few seconds was not stopped
+WAIT_S = 30  # bound on anything asynchronous the tests wait for (a hang fails instead of stalling)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir):
+    """One server for the module: HTTP URL and gRPC port."""
+    args = AppArgs(engine=EngineConfig(model=default_model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+                                       kv_cache_bytes=96 << 20),
+                   api_key=KEY, min_replicas=1, max_replicas=2, max_body_bytes=1 << 20)
+    grpc_port = free_port()
+    url = start(args, host="127.0.0.1", port=free_port(), grpc_port=grpc_port)
+    yield url, grpc_port
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def url(server) -> str:
+    return server[0]
+
+
+@pytest.fixture(scope="module")
+def client(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def post(url: str, path: str, body, headers=AUTH, **kw) -> httpx.Response:
+    if isinstance(body, (dict, list)):
+        return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=120, **kw)
+    return httpx.post(f"{url}{path}", content=body, headers=headers, timeout=120, **kw)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Every sample of /metrics, keyed 'name{label=value,...}' (labels sorted), parsed by prometheus_client."""
+    text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=30).text
+    return {f"{s.name}{{{','.join(f'{k}={v}' for k, v in sorted(s.labels.items()))}}}": s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def engine_value(url: str, name: str, model: str) -> float:
+    return metrics(url)[f"{name}{{model_name={model}}}"]
+
+
+def wait_drained(url: str, model: str) -> None:
+    """Until the engine runs nothing and holds no KV block; fails after WAIT_S."""
+    deadline = time.monotonic() + WAIT_S
+    while (engine_value(url, "vllm:num_requests_running", model),
+           engine_value(url, "vllm:kv_cache_usage_perc", model)) != (0, 0):
+        if time.monotonic() > deadline:
+            pytest.fail(f"the engine still runs a request {WAIT_S} s later: its blocks were not freed")
+        time.sleep(0.1)
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The payloads of a raw SSE body, checking the framing: 'data: ...' lines, each followed by a blank line."""
+    lines = response.text.split("\n")
+    assert lines[-2:] == ["", ""], "the stream must end with a blank line"
+    events = []
+    for i, line in enumerate(lines[:-2]):
+        if i % 2:
+            assert line == "", f"line {i} should separate events: {line!r}"
+        else:
+            assert line.startswith("data: "), line
+            events.append(line[len("data: "):])
+    return events
+
+
+# ---- the OpenAI client ---------------------------------------------------------------------
+
+
+def test_models_lists_the_served_model(client, default_model_dir):
+    (card,) = client.models.list().data
+    assert card.id == default_model_dir  # the model as it was named, as vLLM does
+    assert card.model_dump()["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_completion(client, model, url):
+    out = client.completions.create(model=model, prompt="The capital of France is", max_tokens=5, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    (choice,) = out.choices
+    assert choice.text and choice.finish_reason == "length"
+    prompt_len = post(url, "/tokenize", {"prompt": "The capital of France is"}).json()["count"]
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (prompt_len, 5)
+    assert out.usage.total_tokens == prompt_len + 5
+
+
+def test_token_id_prompt_is_the_same_as_its_text(client, model, url):
+    ids = post(url, "/tokenize", {"prompt": "The capital of France is"}).json()["tokens"]
+    by_text = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=4, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+def test_chat_uses_the_chat_template(client, model, url):
+    messages = [{"role": "user", "content": "Say hello."}]
+    out = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=6, temperature=0)
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert out.usage.prompt_tokens == post(url, "/tokenize", {"messages": messages}).json()["count"]
+
+
+def test_streaming_gives_the_same_text_as_not_streaming(client, model):
+    kw = dict(model=model, prompt="Once upon a time", max_tokens=8, temperature=0)
+    whole = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+
+def test_chat_streaming_sends_the_role_first(client, model):
+    kw = dict(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0)
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_n_samples(client, model):
+    out = client.completions.create(model=model, prompt="My favourite colour is", max_tokens=4, n=2, seed=7,
+                                    temperature=1.0, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    assert out.usage.completion_tokens == 8
+
+
+def test_completion_logprobs(client, model):
+    out = client.completions.create(model=model, prompt="1, 2, 3,", max_tokens=3, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 3
+    assert "".join(lp.tokens) == out.choices[0].text
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and len(top) == 2
+        assert top[token] == pytest.approx(logprob)  # greedy: the sampled token is the most likely one
+        assert max(top.values()) == pytest.approx(logprob)
+
+
+def test_chat_logprobs(client, model):
+    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                         temperature=0, logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
+
+
+def test_stop_string_cuts_the_text_and_frees_the_request(client, model, url):
+    kw = dict(model=model, prompt="1, 2, 3, 4,", temperature=0, extra_body={"ignore_eos": True})
+    free_text = client.completions.create(max_tokens=12, **kw).choices[0].text
+    stop = free_text[3:7]  # a few characters into the text: it usually straddles tokens
+    assert stop.strip(), free_text
+    out = client.completions.create(max_tokens=LONG, stop=[stop], **kw)
+    assert out.choices[0].text == free_text[:free_text.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+    wait_drained(url, model)  # aborted in the engine, not left to run LONG tokens
+    streamed = client.completions.create(max_tokens=LONG, stop=[stop], stream=True, **kw)
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == free_text[:free_text.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    wait_drained(url, model)
+
+
+def test_stop_token_ids(client, model, url):
+    comma = post(url, "/tokenize", {"prompt": ","}).json()["tokens"][0]
+    out = client.completions.create(model=model, prompt="1, 2, 3, 4,", temperature=0, max_tokens=20,
+                                    extra_body={"ignore_eos": True, "stop_token_ids": [comma]})
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens < 20  # greedy continues " 5, 6, ...": the first comma stops it
+
+
+# ---- raw HTTP: framing, errors, the API key ---------------------------------------------------
+
+
+def test_sse_framing_and_usage_chunk(url, model):
+    r = post(url, "/v1/completions", {"model": model, "prompt": "Hello", "max_tokens": 4, "stream": True,
+                                      "stream_options": {"include_usage": True}, "ignore_eos": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" and "usage" in c for c in chunks)
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_sse_framing(url, model):
+    r = post(url, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "Hi"}],
+                                           "max_tokens": 3, "stream": True})
+    events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+
+
+BAD_INPUT = [
+    # (path, body, status, param)
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": ', 400, None),
+    ("/v1/completions", b"\xff\xfe not json", 400, None),
+    ("/v1/completions", [1, 2], 400, None),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 1000}, 400, "n"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    ("/v1/completions", b'{"prompt": "hi", "repetition_penalty": Infinity}', 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "stop": 7}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi " * MAX_MODEL_LEN, "max_tokens": 1}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_MODEL_LEN}, 400,
+     "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-17"}, 404, "model"),
+    ("/tokenize", {"prompt": 3}, 400, "prompt"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
+    ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD_INPUT)
+def test_bad_input_is_an_openai_error_naming_the_parameter(url, path, body, status, param):
+    r = post(url, path, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert "code" in error
+
+
+def test_an_oversized_body_is_refused_before_parsing(url):
+    r = post(url, "/v1/completions", b"{" + b" " * (1 << 20) + b"}")
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
+
+
+def test_the_server_still_serves_after_bad_input(client, model):
+    assert client.completions.create(model=model, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}],
+                         ids=["none", "wrong", "no-bearer"])
+@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/models"), ("POST", "/v1/completions"),
+                                              ("POST", "/v1/chat/completions"), ("GET", "/metrics"),
+                                              ("POST", "/tokenize")])
+def test_a_wrong_api_key_is_401(url, headers, method, path):
+    r = httpx.request(method, f"{url}{path}", headers=headers, json={"prompt": "hi"}, timeout=30)
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "invalid_api_key"
+
+
+def test_health_needs_no_key(url):
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+
+
+def test_tokenize_round_trip(url):
+    tokens = post(url, "/tokenize", {"prompt": "Hello 😀 world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_MODEL_LEN
+    assert post(url, "/detokenize", {"tokens": tokens["tokens"]}).json() == {"prompt": "Hello 😀 world"}
+
+
+# ---- metrics and autoscaling ---------------------------------------------------------------------
+
+ENGINE_METRICS = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total"]
+HISTOGRAMS = ["vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds",
+              "vllm:e2e_request_latency_seconds"]
+
+
+def test_metrics_have_vllm_names_and_move_with_requests(client, model, url):
+    before = metrics(url)
+    for name in ENGINE_METRICS + [f"{h}_count" for h in HISTOGRAMS]:
+        assert f"{name}{{model_name={model}}}" in before, name
+    client.completions.create(model=model, prompt="Counting: 1, 2,", max_tokens=3, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = metrics(url)
+
+    def moved(name: str, labels: str = "") -> float:
+        key = f"{name}{{{labels}model_name={model}}}"
+        return after[key] - before.get(key, 0)
+
+    assert moved("vllm:generation_tokens_total") == 3
+    assert moved("vllm:prompt_tokens_total") > 0
+    assert moved("vllm:prefix_cache_queries_total") > 0
+    assert moved("vllm:request_success_total", "finished_reason=length,") == 1
+    for h in HISTOGRAMS:
+        assert moved(f"{h}_count") == 1, h
+        assert after[f"{h}_bucket{{le=+Inf,model_name={model}}}"] == after[f"{h}_count{{model_name={model}}}"]
+
+
+def test_autoscaling_config_reaches_serve(server):
+    from ray.serve.context import _get_global_client  # the controller's view; no public getter in Serve
+
+    details = _get_global_client().get_serve_details()
+    config = details["applications"]["raylm"]["deployments"]["LLMServer"]["deployment_config"]
+    auto = config["autoscaling_config"]
+    assert (auto["min_replicas"], auto["max_replicas"]) == (1, 2)
+    assert auto["target_ongoing_requests"] == MAX_NUM_SEQS // 2
+    assert config["max_ongoing_requests"] == MAX_NUM_SEQS
+
+
+def test_the_replica_reserves_its_engine_bundles(server):
+    """One placement group per replica: its own bundle, the scheduler's and one per rank, each held by its
+    actor (the engine makes no group of its own, and nothing of the group is left unused)."""
+    import ray
+
+    groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+    assert [list(g["bundles"].values()) for g in groups] == [[{"CPU": 1.0}] * 3]
+    group_cpus = f"CPU_group_{groups[0]['placement_group_id']}"
+    assert ray.cluster_resources()[group_cpus] == 3
+    assert ray.available_resources().get(group_cpus, 0) == 0
+
+
+# ---- gRPC -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with grpc.insecure_channel(f"127.0.0.1:{server[1]}") as channel:
+        yield raylm_pb2_grpc.RayLMStub(channel)
+
+
+GRPC_AUTH = [("authorization", f"Bearer {KEY}")]
+
+
+def test_grpc_streaming_round_trip(stub, client, model):
+    request = raylm_pb2.GenerateRequest(prompt="The capital of France is", max_tokens=5, temperature=0,
+                                        ignore_eos=True)
+    replies = list(stub.GenerateStream(request, metadata=GRPC_AUTH))
+    assert [r.finish_reason for r in replies][-1] == "length" and not any(r.finish_reason for r in replies[:-1])
+    assert sum(len(r.token_ids) for r in replies) == replies[-1].num_generated_tokens == 5
+    text = "".join(r.text for r in replies)
+    unary = stub.Generate(request, metadata=GRPC_AUTH)
+    assert unary.text == text and unary.num_generated_tokens == 5 and unary.finish_reason == "length"
+    http = client.completions.create(model=model, prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert http.choices[0].text == text
+
+
+@pytest.mark.parametrize(("request_kw", "metadata", "code"), [
+    (dict(prompt="hi", max_tokens=0), GRPC_AUTH, grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(prompt="hi", temperature=-1), GRPC_AUTH, grpc.StatusCode.INVALID_ARGUMENT),
+    (dict(prompt="hi", model="gpt-17"), GRPC_AUTH, grpc.StatusCode.NOT_FOUND),
+    (dict(prompt="hi"), [], grpc.StatusCode.UNAUTHENTICATED),
+], ids=["max_tokens", "temperature", "model", "no-key"])
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
+def test_grpc_errors_have_status_codes(stub, request_kw, metadata, code, method):
+    with pytest.raises(grpc.RpcError) as e:
+        reply = getattr(stub, method)(raylm_pb2.GenerateRequest(**request_kw), metadata=metadata)
+        if method == "GenerateStream":
+            list(reply)
+    assert e.value.code() == code
+
+
+# ---- aborts ------------------------------------------------------------------------------------------
+
+
+def test_a_client_disconnect_mid_stream_frees_the_request(url, model):
+    aborted = f"vllm:request_success_total{{finished_reason=abort,model_name={model}}}"
+    before = metrics(url).get(aborted, 0)
+    body = {"model": model, "prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=120) as http, http.stream("POST", f"{url}/v1/completions", json=body,
+                                                        headers=AUTH) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert engine_value(url, "vllm:num_requests_running", model) == 1
+        assert engine_value(url, "vllm:kv_cache_usage_perc", model) > 0
+    wait_drained(url, model)
+    assert metrics(url)[aborted] == before + 1
