@@ -7,6 +7,7 @@ import array
 import xxhash
 
 BlockHash = bytes  # 16 bytes of xxh3_128
+_digest = xxhash.xxh3_128_digest
 
 
 def hash_block_tokens(parent: BlockHash | None, token_ids: list[int], extra: str | None = None) -> BlockHash:
@@ -16,10 +17,9 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: list[int], extra: str
     tokens after different prefixes never share a cache entry. The cache salt
     (``extra``) only needs to enter the first block: the chain carries it on.
     """
-    h = xxhash.xxh3_128()
+    data = array.array("q", token_ids).tobytes()
     if parent is not None:
-        h.update(parent)
-    h.update(array.array("q", token_ids).tobytes())
+        data = parent + data
     if extra is not None:
-        h.update(extra.encode())
-    return h.digest()
+        data += extra.encode()
+    return _digest(data)  # one-shot over the concatenation: the same digest as streaming, fewer calls

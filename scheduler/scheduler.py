@@ -272,8 +272,9 @@ class Scheduler:
             request = running[i]
             rid = request.request_id
             all_ids = request.all_token_ids
+            num_all = len(all_ids)
             nc = request.num_computed_tokens
-            num_new = len(all_ids) - nc
+            num_new = num_all - nc
             if threshold and num_new > threshold:
                 num_new = threshold
             if num_new > budget:
@@ -300,10 +301,11 @@ class Scheduler:
             known = request.num_worker_tokens
             c_ids.append(rid)
             c_resumed.append(False)
-            c_tokens.append(all_ids[known:] if known < len(all_ids) else [])
+            # A decode knows all but its last sampled token: one element, no slice.
+            c_tokens.append([all_ids[-1]] if known == num_all - 1 else all_ids[known:])
             c_blocks.append(new_ids)
             c_computed.append(nc)
-            request.num_worker_tokens = len(all_ids)
+            request.num_worker_tokens = num_all
             request.num_computed_tokens = nc + num_new
             i += 1
 
@@ -402,13 +404,12 @@ class Scheduler:
         running = RequestStatus.RUNNING
         sampled = runner_output.sampled_token_ids
         parked = self.parked
-        for i, rid in enumerate(runner_output.req_ids):
+        for i, (rid, token) in enumerate(zip(runner_output.req_ids, sampled)):
             request = requests.get(rid)
             if request is None or request.status != running:
                 continue  # aborted or preempted while the step ran
             if request.num_computed_tokens % bs < num_scheduled[rid]:
                 cache_blocks(request)  # this step completed a block
-            token = sampled[i]
             all_ids = request.all_token_ids  # Request.append_output_token, inlined: this loop is the hot path
             out_ids = request.output_token_ids
             out_ids.append(token)
