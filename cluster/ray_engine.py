@@ -170,7 +170,10 @@ class RayEngine:
         self.spec = read_model_spec(self.model_path, tp)
         self.max_model_len = resolve_max_model_len(config, self.spec)
         connect(address, SCHEDULER_CPUS + tp * (config.num_threads or 1))
-        self.device = resolve_device(config.device)
+        # In a reserved group the bundles already say the device: deciding again could disagree with them
+        # (GPUs joining after the reservation) and leave a rank waiting for a GPU its bundle lacks.
+        self.device = (("cuda" if placement_group.bundle_specs[first_bundle + 1].get("GPU") else "cpu")
+                       if placement_group is not None and config.device == "auto" else resolve_device(config.device))
         pg = placement_group or place(engine_bundles(config, self.device == "cuda"), config.placement_strategy,
                                       config.placement_timeout_s)
         self.placement_group = pg

@@ -1,0 +1,170 @@
+"""The Kubernetes manifests and Serve configs (manifests/): every KubeRay manifest validates against
+KubeRay's CRD schemas, where an unknown key fails; every Serve config (serve_config.yaml and each RayService's
+serveConfigV2) parses with Ray Serve's own schema and its import path builds raylm's app; and what the
+manifests ask of the cluster fits what the Serve config asks of it.
+
+The CRD schemas live beside the repository, in ../shared/schemas/kuberay; without them the schema checks
+skip."""
+
+import copy
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+from ray import serve
+from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
+
+from cluster.serve import AppArgs, deployment_options
+
+ROOT = Path(__file__).resolve().parents[2]
+MANIFESTS = sorted((ROOT / "manifests").glob("*.yaml"))
+SCHEMAS = Path(__file__).resolve().parents[3] / "shared" / "schemas" / "kuberay"
+SCHEMA_FILES = {"RayService": "rayservice_v1.json", "RayCluster": "raycluster_v1.json"}
+GPU = "nvidia.com/gpu"
+
+
+def load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+KUBERAY = [p for p in MANIFESTS if "kind" in load(p)]
+SERVE_CONFIGS = {p.name: load(p) for p in MANIFESTS if "kind" not in load(p)} | {
+    f"{p.name}:serveConfigV2": yaml.safe_load(load(p)["spec"]["serveConfigV2"])
+    for p in KUBERAY if load(p)["kind"] == "RayService"}
+
+
+def validator(kind: str) -> jsonschema.Draft7Validator:
+    if not SCHEMAS.is_dir():
+        pytest.skip(f"the KubeRay CRD schemas are not at {SCHEMAS}")
+    return jsonschema.Draft7Validator(json.loads((SCHEMAS / SCHEMA_FILES[kind]).read_text()))
+
+
+def cluster_spec(manifest: dict) -> dict:
+    return manifest["spec"]["rayClusterConfig"] if manifest["kind"] == "RayService" else manifest["spec"]
+
+
+def groups(manifest: dict) -> list[dict]:
+    spec = cluster_spec(manifest)
+    return [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+
+
+def gpu_group(manifest: dict) -> dict:
+    (group,) = [g for g in cluster_spec(manifest)["workerGroupSpecs"]
+                if GPU in g["template"]["spec"]["containers"][0]["resources"]["limits"]]
+    return group
+
+
+def limits(group: dict) -> dict[str, float]:
+    """One pod's resources in Ray's terms."""
+    lim = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    return {"CPU": float(lim["cpu"]), "GPU": float(lim.get(GPU, 0))}
+
+
+# ---- KubeRay's schemas ------------------------------------------------------------------------------
+
+
+def test_the_manifests_are_a_rayservice_a_raycluster_and_a_serve_config():
+    # The checks below are parametrized over what these globs find: make sure they find it.
+    assert sorted(load(p)["kind"] for p in KUBERAY) == ["RayCluster", "RayService"]
+    assert list(SERVE_CONFIGS) == ["serve_config.yaml", "rayservice.yaml:serveConfigV2"]
+
+
+@pytest.mark.parametrize("path", KUBERAY, ids=lambda p: p.name)
+def test_manifest_validates_against_the_kuberay_crd(path):
+    manifest = load(path)
+    validator(manifest["kind"]).validate(manifest)
+
+
+def _rename(d: dict, old: str, new: str) -> None:
+    d[new] = d.pop(old)
+
+
+MISTAKES = {
+    "misspelled cluster key": (lambda m: _rename(cluster_spec(m), "enableInTreeAutoscaling", "enableInTreeAutoScaling"),
+                               "'enableInTreeAutoScaling' was unexpected"),
+    "misspelled container key": (lambda m: _rename(gpu_group(m)["template"]["spec"]["containers"][0],
+                                                   "readinessProbe", "readynessProbe"),
+                                 "'readynessProbe' was unexpected"),
+    "misspelled probe key": (lambda m: _rename(groups(m)[0]["template"]["spec"]["containers"][0]["livenessProbe"],
+                                               "exec", "execute"), "'execute' was unexpected"),
+    "rayStartParams value not a string": (lambda m: groups(m)[0]["rayStartParams"].update({"num-cpus": 0}),
+                                          "0 is not of type 'string'"),
+}
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+@pytest.mark.parametrize("path", KUBERAY, ids=lambda p: p.name)
+def test_a_mistake_in_a_manifest_fails_the_schema(path, mistake):
+    manifest = load(path)
+    v = validator(manifest["kind"])
+    mutate, message = MISTAKES[mistake]
+    bad = copy.deepcopy(manifest)
+    mutate(bad)
+    with pytest.raises(jsonschema.ValidationError, match=message):
+        v.validate(bad)
+
+
+# ---- the Serve configs ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SERVE_CONFIGS)
+def test_serve_config_parses_with_serves_schema_and_names_no_unknown_key(name):
+    raw = SERVE_CONFIGS[name]
+    config = ServeDeploySchema.model_validate(raw)
+    assert [app.name for app in config.applications] == ["raylm"]
+    # Serve's schemas drop keys they do not know, so a misspelled one would vanish without a word.
+    assert set(raw) <= set(ServeDeploySchema.model_fields)
+    for app in raw["applications"]:
+        assert set(app) <= set(ServeApplicationSchema.model_fields)
+
+
+@pytest.mark.parametrize("name", SERVE_CONFIGS)
+def test_serve_config_import_path_builds_the_app(name):
+    (app,) = ServeDeploySchema.model_validate(SERVE_CONFIGS[name]).applications
+    module, attr = app.import_path.split(":")
+    builder = getattr(importlib.import_module(module), attr)
+    assert isinstance(builder(app.args), serve.Application)
+
+
+# ---- what the cluster holds against what Serve asks -------------------------------------------------
+
+
+def serve_args(manifest: dict) -> dict[str, Any]:
+    (app,) = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"]
+    return app["args"]
+
+
+def test_rayservice_gpu_pods_hold_serves_min_and_max_replicas():
+    manifest = load(ROOT / "manifests" / "rayservice.yaml")
+    args = AppArgs.from_flat(serve_args(manifest))
+    # cuda, not auto: auto would follow the GPUs present when the app is built, before any GPU pod may be up.
+    assert args.engine.device == "cuda"
+    bundles = deployment_options(args)["placement_group_bundles"]  # one replica: its own, the engine's
+    assert sum(b.get("GPU", 0) for b in bundles) == args.engine.tensor_parallel_size
+    spec = cluster_spec(manifest)
+    assert spec["enableInTreeAutoscaling"] is True
+    head, workers = limits(spec["headGroupSpec"]), gpu_group(manifest)
+    pod = limits(workers)
+    for replicas, pods in ((args.min_replicas, workers["minReplicas"]), (args.max_replicas, workers["maxReplicas"])):
+        # Exactly the GPUs that many replicas use: fewer and the last replica never starts, more and they idle.
+        assert pods * pod["GPU"] == replicas * args.engine.tensor_parallel_size
+        need = replicas * sum(b["CPU"] for b in bundles)
+        assert need <= head["CPU"] + pods * pod["CPU"], f"{replicas} replica(s) need {need} CPUs"
+
+
+@pytest.mark.parametrize("path", KUBERAY, ids=lambda p: p.name)
+def test_every_ray_container_reads_the_model_from_the_pvc_and_has_probes(path):
+    manifest = load(path)
+    for group in groups(manifest):
+        pod = group["template"]["spec"]
+        claims = {v["name"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+        (container,) = pod["containers"]
+        mounts = [m["mountPath"] for m in container["volumeMounts"] if m["name"] in claims]
+        assert mounts, f"{group.get('groupName', 'head')} mounts no PVC"
+        if manifest["kind"] == "RayService":
+            assert any(serve_args(manifest)["model"].startswith(m + "/") for m in mounts)
+        assert "exec" in container["readinessProbe"] and "exec" in container["livenessProbe"]
