@@ -2,18 +2,22 @@
 
 A step's requests are cut into a few groups of similar shape. Each group gathers its requests'
 KV blocks into one padded batch and makes one `scaled_dot_product_attention` call, whose CPU
-flash kernel is fused, multi-threaded and handles GQA without repeating KV heads.
+flash kernel is fused, multi-threaded and handles GQA without repeating KV heads. On a CPU with
+an fp32 cache, single-token queries (decodes) skip the gather: the native kernel of
+cpu_decode.py reads their keys and values in place, all of them in one call.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_decode import load_paged_decode
 from kernels.metadata import AttentionMetadata
 
 # What one more group call (a few gathers and an SDPA launch, ~70 us on one core) is worth in
@@ -43,6 +47,18 @@ class _Group:
     causal: bool
 
 
+@dataclass(slots=True)
+class _DecodeGroup:
+    """Every single-token query of a step, for the native decode kernel: `tokens` [n] names each
+    query's row, `block_tables` [n, max_blocks] and `seq_lens` [n] are int32 and contiguous.
+    `fallback` rebuilds them as an SDPA group, for a cache the kernel does not take (not fp32 on CPU)."""
+
+    tokens: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    fallback: Callable[[], _Group]
+
+
 class TorchBackend:
     """Batched over requests with SDPA; every index and mask is made once per step in `plan`.
 
@@ -56,15 +72,26 @@ class TorchBackend:
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, native_decode: bool = True) -> None:
         self._scratch = torch.empty(0)
+        self._paged_decode = load_paged_decode() if native_decode else None
 
-    def plan(self, md: AttentionMetadata) -> list[_Group]:
+    def plan(self, md: AttentionMetadata) -> list[_Group | _DecodeGroup]:
         starts = md.query_start_loc.tolist()
         seq_lens = md.seq_lens.tolist()
         q_lens = [end - start for start, end in pairwise(starts)]
-        return [_make_group(members, starts, q_lens, seq_lens, md.block_tables)
-                for members in _partition(q_lens, seq_lens)]
+        groups: list[_Group | _DecodeGroup] = []
+        rest = range(len(q_lens))
+        if self._paged_decode is not None and md.block_tables.device.type == "cpu":
+            decodes = [b for b in rest if q_lens[b] == 1]
+            rest = [b for b in rest if q_lens[b] != 1]
+            if decodes:
+                groups.append(_make_decode_group(decodes, starts, q_lens, seq_lens, md))
+        if rest:
+            sub_q, sub_s = [q_lens[b] for b in rest], [seq_lens[b] for b in rest]
+            groups += [_make_group([rest[i] for i in members], starts, q_lens, seq_lens, md.block_tables)
+                       for members in _partition(sub_q, sub_s)]
+        return groups
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -76,6 +103,13 @@ class TorchBackend:
                         scale: float) -> torch.Tensor:
         out = q.new_empty(q.shape)
         for group in md.plan:
+            if isinstance(group, _DecodeGroup):
+                if kv_cache.dtype == q.dtype == torch.float32 and kv_cache.device.type == "cpu":
+                    rows = self._paged_decode(q.index_select(0, group.tokens), kv_cache[0], kv_cache[1],
+                                              group.block_tables, group.seq_lens, scale)
+                    out.index_copy_(0, group.tokens, rows)
+                    continue
+                group = group.fallback()
             k, v = self._gather_kv(kv_cache, group)
             out.index_copy_(0, group.out_tokens, _attend(q, k, v, group, scale))
         return out
@@ -139,6 +173,17 @@ def _make_group(members: list[int], starts: list[int], q_lens: list[int], seq_le
         out_tokens=(tokens if real is None else tokens[real]).to(device),
         block_tables=block_tables[torch.tensor(members, device=device)],
         mask=mask, q_len=q_len, kv_len=kv_len, causal=causal,
+    )
+
+
+def _make_decode_group(members: list[int], starts: list[int], q_lens: list[int], seq_lens: list[int],
+                       md: AttentionMetadata) -> _DecodeGroup:
+    index = torch.tensor(members)
+    return _DecodeGroup(
+        tokens=torch.tensor([starts[b] for b in members]),
+        block_tables=md.block_tables.index_select(0, index).contiguous(),
+        seq_lens=md.seq_lens.index_select(0, index).contiguous(),
+        fallback=lambda: _make_group(members, starts, q_lens, seq_lens, md.block_tables),
     )
 
 

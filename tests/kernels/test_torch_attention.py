@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from kernels import TorchBackend, select_backend
+from kernels.torch_attention import _DecodeGroup
 from tests.kernels.reference import POISON, make_batch, naive_attention
 
 SCALE = 0.3
@@ -17,13 +18,14 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("native_decode", [True, False], ids=["native-decode", "sdpa-only"])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("kv_heads,group", [(2, 1), (3, 3), (1, 4)])
 @pytest.mark.parametrize("case", CASES)
-def test_paged_attention_matches_naive_reference(case, kv_heads, group, block_size):
+def test_paged_attention_matches_naive_reference(case, kv_heads, group, block_size, native_decode):
     q_lens, seq_lens = CASES[case]
     batch = make_batch(q_lens, seq_lens, block_size=block_size, kv_heads=kv_heads, group=group)
-    backend = TorchBackend()
+    backend = TorchBackend(native_decode)
     out = backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(backend), SCALE)
     torch.testing.assert_close(out, naive_attention(batch, SCALE), rtol=0, atol=1e-5)
 
@@ -34,11 +36,31 @@ def test_requests_of_very_different_shapes_split_into_padded_groups():
     q_lens = [1] * 12 + [3, 4, 30]
     seq_lens = [2, 5, 40, 90, 150, 151, 200, 260, 300, 301, 390, 400] + [20, 21, 70]
     batch = make_batch(q_lens, seq_lens, block_size=16, kv_heads=3, group=3, head_dim=16)
-    backend = TorchBackend()
+    backend = TorchBackend(native_decode=False)
     md = batch.metadata(backend)
     assert len(md.plan) > 2 and any(group.real is not None for group in md.plan)
     out = backend.paged_attention(batch.q, batch.kv_cache, md, SCALE)
     torch.testing.assert_close(out, naive_attention(batch, SCALE), rtol=0, atol=1e-5)
+
+
+def test_native_kernel_attends_every_decode_in_one_call():
+    q_lens = [1] * 12 + [3, 30]
+    seq_lens = [2, 5, 40, 90, 150, 151, 200, 260, 300, 301, 390, 400] + [20, 70]
+    batch = make_batch(q_lens, seq_lens, block_size=16, kv_heads=3, group=3, head_dim=64)
+    backend = TorchBackend()
+    assert backend._paged_decode is not None, "the native decode kernel did not build"
+    md = batch.metadata(backend)
+    decode_groups = [g for g in md.plan if isinstance(g, _DecodeGroup)]
+    assert len(decode_groups) == 1 and decode_groups[0].tokens.tolist() == list(range(12))
+    out = backend.paged_attention(batch.q, batch.kv_cache, md, SCALE)
+    torch.testing.assert_close(out, naive_attention(batch, SCALE), rtol=0, atol=1e-5)
+
+
+def test_decodes_of_a_cache_the_kernel_does_not_take_fall_back_to_sdpa():
+    batch = make_batch([1, 1, 4], [9, 30, 12], block_size=8, kv_heads=2, group=2, dtype=torch.float64)
+    backend = TorchBackend()
+    out = backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(backend), SCALE)
+    torch.testing.assert_close(out, naive_attention(batch, SCALE), rtol=0, atol=1e-9)
 
 
 def test_attention_reads_keys_just_stored_by_store_kv():
