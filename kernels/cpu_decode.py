@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +22,15 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
 _loaded: Callable | None = None
 _tried = False
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the pinned ninja wheel's binary is there only in an
+    activated venv, so name its folder when no other ninja is found."""
+    if shutil.which("ninja") is None:
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def _build_dir() -> str:
@@ -42,6 +52,7 @@ def load_paged_decode() -> Callable | None:
     try:
         from torch.utils.cpp_extension import load
 
+        _ninja_on_path()
         load(name="raylm_paged_decode", sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
              build_directory=_build_dir(), is_python_module=False, verbose=False)
         _loaded = torch.ops.raylm.paged_decode
