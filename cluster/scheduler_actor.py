@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -45,14 +46,15 @@ class RequestSteps:
 
 @dataclass(slots=True)
 class _Stream:
-    """Where one caller's deltas go: its own queue (streaming callers) or, if None, the shared outbox.
+    """Where one caller's deltas go: its own queue (``generate``'s streaming callers) or, given a name, that
+    channel's outbox (fetched in batches by ``get_outputs``: one call per step for all of a process's requests).
 
     ``num_unfinished`` counts its samples (``n``) still running; the stream is
     dropped when it reaches 0, so a delta for an unknown id belongs to a caller
     that aborted and is discarded.
     """
 
-    queue: asyncio.Queue[RequestOutput] | None
+    sink: asyncio.Queue[RequestOutput] | str
     num_unfinished: int
 
 
@@ -108,8 +110,8 @@ class SchedulerActor:
         self.workers = workers
         self.eos_token_id = eos_token_id
         self.streams: dict[str, _Stream] = {}
-        self.outbox: list[RequestOutput] = []
-        self.outbox_ready = asyncio.Event()
+        self.outboxes: dict[str, list[RequestOutput]] = defaultdict(list)
+        self.outbox_ready: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
         self.wake = asyncio.Event()
         self.history: dict[str, RequestSteps] = {}
         self.error: str | None = None
@@ -159,17 +161,18 @@ class SchedulerActor:
             stream = streams.get(out.request_id)
             if stream is None:
                 continue
-            if stream.queue is None:
-                self.outbox.append(out)
+            if isinstance(stream.sink, str):
+                self.outboxes[stream.sink].append(out)
             else:
-                stream.queue.put_nowait(out)
+                stream.sink.put_nowait(out)
             if out.finished:
                 stream.num_unfinished -= 1
                 if not stream.num_unfinished:
                     del streams[out.request_id]
                     self._note_finish(out.request_id, step_id, out.finish_reason)
-        if self.outbox:
-            self.outbox_ready.set()
+        for channel, outbox in self.outboxes.items():
+            if outbox:
+                self.outbox_ready[channel].set()
 
     def _note_finish(self, request_id: str, step_id: int, reason: str | None) -> None:
         steps = self.history.get(request_id)
@@ -179,12 +182,13 @@ class SchedulerActor:
     def _fail(self, error: str) -> None:
         self.error = error
         self._route(self.scheduler.fail_all(error), self.scheduler.num_steps)
-        self.outbox_ready.set()  # a waiting get_outputs must wake to raise
+        for ready in self.outbox_ready.values():
+            ready.set()  # a waiting get_outputs must wake to raise
 
     # ---- requests in and out ------------------------------------------------------
 
     def _admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-               queue: asyncio.Queue | None) -> list[RequestOutput]:
+               sink: asyncio.Queue | str) -> list[RequestOutput]:
         if self.error is not None:
             raise RuntimeError(f"the engine is unhealthy and takes no new requests: {self.error}")
         finals = self.scheduler.add_request(request_id, prompt_token_ids, params, priority=priority,
@@ -193,7 +197,7 @@ class SchedulerActor:
             del self.history[next(iter(self.history))]
         self.history[request_id] = RequestSteps(self.scheduler.num_steps)
         if len(finals) < params.n:
-            self.streams[request_id] = _Stream(queue, params.n - len(finals))
+            self.streams[request_id] = _Stream(sink, params.n - len(finals))
             self.wake.set()
         else:
             self._note_finish(request_id, self.scheduler.num_steps, finals[-1].finish_reason)
@@ -221,18 +225,18 @@ class SchedulerActor:
                 self._abort(request_id)
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          priority: int = 0) -> list[RequestOutput]:
-        """Queue a request whose deltas go to the shared outbox (``get_outputs``); returns any immediate finals."""
-        return self._admit(request_id, prompt_token_ids, params, priority, None)
+                          priority: int = 0, channel: str = "sync") -> list[RequestOutput]:
+        """Queue a request whose deltas go to ``channel``'s outbox (``get_outputs``); returns any immediate finals."""
+        return self._admit(request_id, prompt_token_ids, params, priority, channel)
 
-    async def get_outputs(self) -> list[RequestOutput]:
-        """Every outbox delta so far, waiting until there is at least one."""
-        while not self.outbox:
+    async def get_outputs(self, channel: str = "sync") -> list[RequestOutput]:
+        """Every delta in ``channel``'s outbox so far, waiting until there is at least one."""
+        while not self.outboxes[channel]:
             if self.error is not None:
                 raise RuntimeError(f"the engine is unhealthy: {self.error}")
-            self.outbox_ready.clear()
-            await self.outbox_ready.wait()
-        outputs, self.outbox = self.outbox, []
+            self.outbox_ready[channel].clear()
+            await self.outbox_ready[channel].wait()
+        outputs, self.outboxes[channel] = self.outboxes[channel], []
         return outputs
 
     async def abort(self, request_id: str) -> list[RequestOutput]:
@@ -243,9 +247,9 @@ class SchedulerActor:
         stream = self.streams.pop(request_id, None)
         if stream is not None:
             self._note_finish(request_id, self.scheduler.num_steps, "abort")
-            if stream.queue is not None:
+            if not isinstance(stream.sink, str):
                 for out in finals:
-                    stream.queue.put_nowait(out)
+                    stream.sink.put_nowait(out)
         return finals
 
     # ---- observability --------------------------------------------------------------
