@@ -7,6 +7,7 @@ C++ compiler), `paged_decode` is None and the torch path attends decodes with SD
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -17,7 +18,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-# -march=native is safe because every node builds its own copy, in its own cache directory.
+# -march=native is safe because each CPU kind gets its own build directory (_build_dir).
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
 _loaded: Callable | None = None
@@ -33,9 +34,19 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+def _cpu_fingerprint() -> str:
+    """The CPU's feature flags, hashed: a -march=native build is only valid on CPUs with the same ones."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+
+
 def _build_dir() -> str:
     cache = Path(os.environ.get("RAYLM_CACHE_DIR") or Path.home() / ".cache" / "raylm")
-    path = cache / "torch_extensions" / os.uname().machine
+    # Keyed by CPU features as well: a home directory shared between nodes of different CPUs holds one build each.
+    path = cache / "torch_extensions" / f"{os.uname().machine}-{_cpu_fingerprint()}"
     path.mkdir(parents=True, exist_ok=True)
     return str(path)
 
