@@ -167,11 +167,11 @@ def bench_throughput(model: str | None = None, num_requests: int = 64, min_len: 
     cores; then the machine's matmul peak and the fraction of it each one reached."""
     from cluster.llm import LLM
 
+    engine_kwargs.setdefault("max_num_seqs", max(num_requests, 1))  # unless told otherwise, admit them all at once
     results: dict[str, float] = {}
     seconds: dict[str, float] = {}
     for name in [executor] + [c for c in compare if c in ("ray", "inprocess") and c != executor]:
-        llm = LLM(model=model, executor=name, address=address if name == "ray" else None,
-                  max_num_seqs=max(num_requests, 1), **engine_kwargs)
+        llm = LLM(model=model, executor=name, address=address if name == "ray" else None, **engine_kwargs)
         spec, model_path, threads = llm.engine.spec, llm.engine.model_path, llm.config.num_threads
         work = throughput_workload(num_requests, min_len, max_len, spec.vocab_size)
         prompt_tokens, output_tokens = sum(len(p) for p, _ in work), sum(n for _, n in work)

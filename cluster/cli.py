@@ -16,17 +16,22 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--max-num-seqs", type=int, default=256, help="requests one engine batches at once")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="requests one engine batches at once (default 256; bench throughput: all its requests)")
     p.add_argument("--placement-strategy", default="PACK", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
     p.add_argument("--address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                kv_cache_bytes=args.kv_cache_bytes, num_threads=args.num_threads,
-                enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
-                max_num_seqs=args.max_num_seqs, placement_strategy=args.placement_strategy)
+    """EngineConfig's fields from the flags; an unset --max-num-seqs is left to the config (or the benchmark)."""
+    kwargs = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                  max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                  kv_cache_bytes=args.kv_cache_bytes, num_threads=args.num_threads,
+                  enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
+                  placement_strategy=args.placement_strategy)
+    if args.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = args.max_num_seqs
+    return kwargs
 
 
 def _executor_arg(p: argparse.ArgumentParser) -> None:
@@ -104,11 +109,6 @@ def _serve_parsers(sub, bench_sub) -> None:
 def _serve_command(args: argparse.Namespace) -> None:
     import os
 
-    if args.command == "bench":
-        from cluster.bench import bench_serve
-        bench_serve(args.url, args.model, args.num_requests, args.request_rate, args.min_len, args.max_len,
-                    args.api_key or os.environ.get("RAYLM_API_KEY"))
-        return
     from cluster.config import EngineConfig
     from cluster.serve import AppArgs, serve_until_interrupted
 
@@ -122,7 +122,7 @@ def _serve_command(args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace) -> None:
-    if args.command == "serve" or getattr(args, "bench", None) == "serve":
+    if args.command == "serve":
         _serve_command(args)
     elif args.command == "generate":
         from cluster.llm import LLM
@@ -137,15 +137,19 @@ def _run(args: argparse.Namespace) -> None:
     elif args.bench == "scheduler":
         from cluster.bench import bench_scheduler
         bench_scheduler(tuple(args.sizes), args.prompt_len, args.block_size, args.steps)
+    elif args.bench == "serve":
+        import os
+
+        from cluster.bench import bench_serve
+        bench_serve(args.url, args.model, args.num_requests, args.request_rate, args.min_len, args.max_len,
+                    args.api_key or os.environ.get("RAYLM_API_KEY"))
     elif args.bench == "ray-overhead":
         from cluster.bench import bench_ray_overhead
         bench_ray_overhead(args.model, tuple(args.tp_sizes), args.steps)
     else:
         from cluster.bench import bench_throughput
-        kwargs = _engine_kwargs(args)
-        kwargs.pop("max_num_seqs")  # the benchmark admits every request at once
         bench_throughput(args.model, args.num_requests, args.min_len, args.max_len, args.compare, args.executor,
-                         args.address, **kwargs)
+                         args.address, **_engine_kwargs(args))
 
 
 if __name__ == "__main__":
