@@ -109,6 +109,12 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def bundle_device(pg: PlacementGroup, bundle: int) -> str:
+    """The device a reserved rank bundle was sized for. Deciding again from the cluster could disagree with it
+    (GPUs joining after the reservation) and leave a rank waiting for a GPU its bundle lacks."""
+    return "cuda" if pg.bundle_specs[bundle].get("GPU") else "cpu"
+
+
 def start_workers(config: EngineConfig, model_path: str, max_model_len: int, pg: PlacementGroup,
                   first_bundle: int, device: str) -> list:
     """Rank r goes to bundle ``first_bundle + 1 + r`` (``first_bundle`` is the scheduler's)."""
@@ -171,9 +177,7 @@ class RayEngine:
         self.spec = read_model_spec(self.model_path, tp)
         self.max_model_len = resolve_max_model_len(config, self.spec)
         connect(address, SCHEDULER_CPUS + tp * (config.num_threads or 1))
-        # In a reserved group the bundles already say the device: deciding again could disagree with them
-        # (GPUs joining after the reservation) and leave a rank waiting for a GPU its bundle lacks.
-        self.device = (("cuda" if placement_group.bundle_specs[first_bundle + 1].get("GPU") else "cpu")
+        self.device = (bundle_device(placement_group, first_bundle + 1)
                        if placement_group is not None and config.device == "auto" else resolve_device(config.device))
         pg = placement_group or place(engine_bundles(config, self.device == "cuda"), config.placement_strategy,
                                       config.placement_timeout_s)
