@@ -9,6 +9,7 @@ cpu_decode.py reads their keys and values in place, all of them in one call.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from collections.abc import Callable
@@ -183,7 +184,8 @@ def _make_decode_group(members: list[int], starts: list[int], q_lens: list[int],
         tokens=torch.tensor([starts[b] for b in members]),
         block_tables=md.block_tables.index_select(0, index).contiguous(),
         seq_lens=md.seq_lens.index_select(0, index).contiguous(),
-        fallback=lambda: _make_group(members, starts, q_lens, seq_lens, md.block_tables),
+        # Built once, on the first layer that needs it, then shared by the rest.
+        fallback=functools.cache(lambda: _make_group(members, starts, q_lens, seq_lens, md.block_tables)),
     )
 
 
