@@ -21,16 +21,18 @@ def run_on_three_nodes(model: str) -> dict:
 
     from cluster.ray_engine import RayEngine
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    # Each node could hold all three bundles ({CPU: 1} each): only the strategy keeps them apart.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3})
     for _ in range(2):
-        cluster.add_node(num_cpus=1)
+        cluster.add_node(num_cpus=3)
     cluster.wait_for_nodes()
     try:
         engine = RayEngine(config(model, tensor_parallel_size=2, placement_strategy="STRICT_SPREAD"),
                            address=cluster.address)
         where = lambda _: ray.get_runtime_context().get_node_id()  # noqa: E731
         nodes = ray.get([a.__ray_call__.remote(where) for a in [engine.actor, *engine.workers]])
-        return {"nodes": nodes, "outputs": run_to_completion(engine)}
+        strategy = ray.util.placement_group_table(engine.placement_group)["strategy"]
+        return {"nodes": nodes, "strategy": strategy, "outputs": run_to_completion(engine)}
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -42,6 +44,7 @@ def test_tp2_across_nodes_matches_tp1(tiny_model_dir):
                            capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr[-4000:]
     report = json.loads(child.stdout.strip().splitlines()[-1])
+    assert report["strategy"] == "STRICT_SPREAD"
     assert len(set(report["nodes"])) == 3  # scheduler, rank 0 and rank 1 each on their own node
     assert report["outputs"] == run_to_completion(InProcessEngine(config(model)))
 

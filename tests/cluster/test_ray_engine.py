@@ -3,8 +3,8 @@ failures and placement. Tiny random models and few tokens keep it fast."""
 
 import asyncio
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
@@ -50,6 +50,27 @@ def wait_until(predicate, what: str, timeout_s: float = WAIT_S) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"not within {timeout_s} s: {what}")
         time.sleep(0.05)
+
+
+def bounded(fn, what: str, timeout_s: float = WAIT_S):
+    """``fn()`` in a daemon thread, failing the test if it has not returned within ``timeout_s``. A hung call
+    then fails fast: a thread pool (or asyncio.to_thread) would wait for it when it shuts down."""
+    result: dict = {}
+
+    def target() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        pytest.fail(f"not within {timeout_s} s: {what}")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 def is_drained(engine) -> bool:
@@ -114,6 +135,18 @@ def test_streaming_n_samples_reports_every_index(engine):
         assert sum(len(d.new_token_ids) for d in mine) == 4 and mine[-1].finished
 
 
+def test_the_scheduler_actors_own_stream_yields_deltas_as_steps_end(engine, reference):
+    """The actor's streaming ``generate`` (DESIGN.md's interface), consumed as a raw Ray stream."""
+    async def consume():
+        return [await ref async for ref in engine.actor.generate.remote("actor", PROMPTS[1], greedy(8), 0)]
+
+    deltas = asyncio.run(asyncio.wait_for(consume(), WAIT_S))
+    assert len(deltas) > 1 and not any(d.finished for d in deltas[:-1])  # incremental, not one final batch
+    assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+    assert [t for d in deltas for t in d.new_token_ids] == reference[1][:8]
+    wait_until(lambda: is_drained(engine), "the finished request's blocks are freed")
+
+
 def test_dropping_a_stream_mid_way_aborts_it_and_frees_its_blocks(engine):
     async def take_three_then_drop():
         stream = engine.generate("dropped", PROMPTS[3], greedy(150))
@@ -147,7 +180,7 @@ def test_cancelling_a_consumer_aborts_its_request(engine):
 
 
 def test_ray_cancel_of_the_actor_stream_aborts_its_request(engine):
-    """What Ray Serve does when an HTTP client disconnects: cancel the streaming call itself."""
+    """A caller of the actor's own stream stops it the Ray way: cancel the streaming call itself."""
     async def cancel_raw_stream():
         stream = engine.actor.generate.remote("raw", PROMPTS[2], greedy(150), 0)
         await (await anext(stream))
@@ -201,7 +234,8 @@ def test_scheduler_actor_process_never_imports_torch(engine):
     assert not ray.get(engine.actor.__ray_call__.remote(lambda _: "torch" in sys.modules))
 
 
-def test_dead_worker_fails_in_flight_requests_and_health_then_a_new_engine_works(llama, reference):
+@pytest.mark.parametrize("dead_rank", [0, 1])
+def test_dead_worker_fails_in_flight_requests_and_health_then_a_new_engine_works(llama, reference, dead_rank):
     e = RayEngine(config(llama, tensor_parallel_size=2))
     try:
         e.add_request("sync", PROMPTS[0], greedy(200))
@@ -210,18 +244,18 @@ def test_dead_worker_fails_in_flight_requests_and_health_then_a_new_engine_works
             streams = [e.generate(f"s{i}", p, greedy(200)) for i, p in enumerate(PROMPTS[1:3])]
             for s in streams:
                 assert not (await anext(s)).finished
-            ray.kill(e.workers[1])
+            ray.kill(e.workers[dead_rank])
             return [[d async for d in s][-1] for s in streams]
 
         finals = asyncio.run(asyncio.wait_for(kill_mid_generation(), WAIT_S))
 
-        async def drain_sync():
+        def drain_sync():
             outs = []
             while e.has_unfinished_requests():
-                outs += await asyncio.to_thread(e.step)
+                outs += e.step()
             return outs
 
-        finals.append(asyncio.run(asyncio.wait_for(drain_sync(), WAIT_S))[-1])
+        finals.append(bounded(drain_sync, "the synchronous request fails")[-1])
         assert [(f.finished, f.finish_reason) for f in finals] == [(True, "error")] * 3
         assert all("engine step failed" in f.error for f in finals)
         with pytest.raises(RuntimeError, match="unhealthy"):
@@ -230,7 +264,7 @@ def test_dead_worker_fails_in_flight_requests_and_health_then_a_new_engine_works
             e.add_request("late", PROMPTS[0], greedy(4))
     finally:
         e.shutdown()
-    fresh = RayEngine(config(llama))
+    fresh = RayEngine(config(llama, tensor_parallel_size=2))
     try:
         assert run_to_completion(fresh) == reference
         fresh.check_health()
@@ -244,9 +278,7 @@ def test_dead_worker_fails_in_flight_requests_and_health_then_a_new_engine_works
 ])
 def test_unsatisfiable_placement_fails_within_the_timeout_and_cleans_up(llama, overrides, missing):
     before = set(ray.util.placement_group_table())
-    with ThreadPoolExecutor(1) as pool:
-        building = pool.submit(RayEngine, config(llama, placement_timeout_s=1, **overrides))
-        with pytest.raises(RuntimeError, match=f"cannot place the engine.*missing: {missing}"):
-            building.result(timeout=WAIT_S)
+    with pytest.raises(RuntimeError, match=f"cannot place the engine.*missing: {missing}"):
+        bounded(lambda: RayEngine(config(llama, placement_timeout_s=1, **overrides)), "placement gives up")
     table = ray.util.placement_group_table()
     assert {table[pg]["state"] for pg in set(table) - before} == {"REMOVED"}
