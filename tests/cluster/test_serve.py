@@ -183,6 +183,22 @@ def test_completion_logprobs(client):
         assert max(top.values()) == pytest.approx(logprob)
 
 
+def test_logprob_offsets_index_the_text_when_tokens_split_characters(client):
+    """Japanese takes several byte-level tokens per character: each decoded alone is U+FFFD, yet every offset
+    must point into the text returned (advancing one per token would run past its end)."""
+    kw = dict(model=MODEL, prompt="日本語のテキスト。日本語の", max_tokens=8, temperature=0, logprobs=0)
+    out = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw)]
+    streamed = ("".join(c.text for c in chunks), [t for c in chunks if c.logprobs for t in c.logprobs.tokens],
+                [o for c in chunks if c.logprobs for o in c.logprobs.text_offset])
+    for text, tokens, offsets in ((out.text, out.logprobs.tokens, out.logprobs.text_offset), streamed):
+        assert any("\ufffd" in t for t in tokens), f"no token split a character in {text!r}: nothing is exercised"
+        assert offsets[0] == 0 and offsets == sorted(offsets)
+        assert offsets[-1] <= len(text), (offsets, text)
+        for token, offset in zip(tokens, offsets):
+            assert "\ufffd" in token or text[offset:offset + len(token)] == token
+
+
 def test_chat_logprobs(client):
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
                                          temperature=0, logprobs=True, top_logprobs=3)
@@ -241,10 +257,21 @@ def test_chat_sse_framing(url):
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
 
 
+def test_chat_sse_with_usage_has_usage_on_every_chunk(url):
+    r = post(url, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                           "max_tokens": 3, "ignore_eos": True, "stream": True,
+                                           "stream_options": {"include_usage": True}})
+    chunks = [json.loads(e) for e in sse_events(r)[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])  # the role chunk too, as OpenAI sends
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+NOT_JSON = [b'{"prompt": "hi", "max_tokens": ', b"\xff\xfe not json", b"[" * 100_000]  # the last: too deep
+
 BAD_INPUT = [
     # (path, body, status, param)
-    ("/v1/completions", b'{"prompt": "hi", "max_tokens": ', 400, None),
-    ("/v1/completions", b"\xff\xfe not json", 400, None),
+    *[("/v1/completions", body, 400, None) for body in NOT_JSON],
     ("/v1/completions", [1, 2], 400, None),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt"),
@@ -268,6 +295,7 @@ BAD_INPUT = [
     ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}, 404, "model"),
+    ("/v1/completions", {"prompt": "hi", "priority": 1}, 400, "priority"),  # the server schedules fcfs
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
@@ -279,6 +307,7 @@ BAD_INPUT = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-17"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "priority": -2}, 400, "priority"),
     ("/tokenize", {"prompt": 3}, 400, "prompt"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
     ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
@@ -293,6 +322,13 @@ def test_bad_input_is_an_openai_error_naming_the_parameter(url, path, body, stat
     assert error["message"] and error["type"] == "invalid_request_error"
     assert error["param"] == param
     assert "code" in error
+
+
+@pytest.mark.parametrize("body", NOT_JSON, ids=["truncated", "not-utf8", "nested-too-deep"])
+def test_a_body_that_does_not_decode_is_invalid_json(url, body):
+    r = post(url, "/v1/completions", body)
+    assert r.status_code == 400, r.text  # never a 500
+    assert r.json()["error"]["code"] == "invalid_json" and "body" in r.json()["error"]["message"]
 
 
 def test_an_oversized_body_is_refused_before_parsing(url):
