@@ -13,6 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
+from transformers import AutoTokenizer
 
 from cluster import raylm_pb2, raylm_pb2_grpc
 from cluster.config import EngineConfig
@@ -140,12 +141,15 @@ def test_token_id_prompt_is_the_same_as_its_text(client, url):
     assert by_ids.choices[0].text == by_text.choices[0].text
 
 
-def test_chat_uses_the_chat_template(client, url):
-    messages = [{"role": "user", "content": "Say hello."}]
+def test_chat_uses_the_chat_template(client, url, default_model_dir):
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Say hello."}]
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
     out = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=6, temperature=0)
     assert out.choices[0].message.role == "assistant" and out.choices[0].message.content
     assert out.choices[0].finish_reason in ("stop", "length")
-    assert out.usage.prompt_tokens == post(url, "/tokenize", {"messages": messages}).json()["count"]
+    assert out.usage.prompt_tokens == len(expected)
+    assert post(url, "/tokenize", {"messages": messages}).json()["tokens"] == expected
 
 
 def test_streaming_gives_the_same_text_as_not_streaming(client):
@@ -170,6 +174,29 @@ def test_n_samples(client):
                                     temperature=1.0, extra_body={"ignore_eos": True})
     assert sorted(c.index for c in out.choices) == [0, 1]
     assert out.usage.completion_tokens == 8
+
+
+def test_a_seed_makes_sampling_reproducible(client):
+    kw = dict(model=MODEL, prompt="My favourite colour is", max_tokens=8, temperature=1.0,
+              extra_body={"ignore_eos": True})
+    first, again, *others = [client.completions.create(seed=s, **kw).choices[0].text for s in (11, 11, 12, 13, 14)]
+    assert again == first
+    assert any(t != first for t in others), "three other seeds all sampled the same 8 tokens: the seed is unused"
+
+
+def test_streaming_n_samples_gives_each_its_text(client):
+    kw = dict(model=MODEL, prompt="My favourite colour is", max_tokens=6, n=2, seed=7, temperature=1.0,
+              extra_body={"ignore_eos": True})
+    whole = {c.index: c.text for c in client.completions.create(**kw).choices}
+    streamed, finished = {0: "", 1: ""}, {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            assert c.index not in finished, "a choice went on after its finish_reason"
+            streamed[c.index] += c.text
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    assert finished == {0: "length", 1: "length"}
+    assert streamed == whole
 
 
 def test_completion_logprobs(client):
