@@ -224,13 +224,16 @@ class CompletionFormat:
     offsets: dict[int, int] = field(default_factory=dict)
     created: int = field(default_factory=now)
 
-    def opening(self, n: int) -> list[BaseModel]:
+    def opening(self, n: int, usage: bool) -> list[BaseModel]:
         return []
 
     def logprobs(self, p: Piece) -> CompletionLogprobs | None:
+        """Offsets index the returned text: a token decoded alone can show half a character as U+FFFD, or
+        text a stop string cut, so each advances by its own text but never past what its piece added."""
         if self.num_logprobs is None or not p.logprobs:
             return None
         out, offset = CompletionLogprobs(), self.offsets.get(p.index, 0)
+        end = offset + len(p.text)
         for token_id, lp in zip(p.token_ids, p.logprobs):
             token = _token_str(self.tokenizer, token_id)
             out.tokens.append(token)
@@ -238,8 +241,8 @@ class CompletionFormat:
             out.text_offset.append(offset)
             out.top_logprobs.append({_token_str(self.tokenizer, t): v
                                      for t, v in zip(lp.top_token_ids, lp.top_logprobs)})
-            offset += len(token)
-        self.offsets[p.index] = offset
+            offset = min(offset + len(token), end)
+        self.offsets[p.index] = end
         return out
 
     def chunk(self, pieces: list[Piece], usage: bool) -> BaseModel:
@@ -280,9 +283,10 @@ class ChatFormat:
     num_logprobs: int | None
     created: int = field(default_factory=now)
 
-    def opening(self, n: int) -> list[BaseModel]:
+    def opening(self, n: int, usage: bool) -> list[BaseModel]:
         return [ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[
-            ChatStreamChoice(index=i, delta=Delta(role="assistant", content="")) for i in range(n)])]
+            ChatStreamChoice(index=i, delta=Delta(role="assistant", content="")) for i in range(n)],
+            **({"usage": None} if usage else {}))]
 
     def _top(self, token_id: int, logprob: float) -> TopLogprob:
         token = _token_str(self.tokenizer, token_id)
@@ -323,7 +327,7 @@ def _sse(model: BaseModel) -> str:
 
 async def stream_sse(gen: Generation, fmt: Format, include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: ``data: {chunk}`` per delta, an error event if the engine fails, then [DONE]."""
-    for chunk in fmt.opening(len(gen.samples)):
+    for chunk in fmt.opening(len(gen.samples), include_usage):
         yield _sse(chunk)
     async with aclosing(gen.pieces()) as stream:
         async for pieces in stream:
@@ -376,6 +380,8 @@ async def read_json(request: Request, limit: int) -> Any:
         return json.loads(body)
     except ValueError as e:
         raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:  # the decoder recurses once per level of nesting
+        raise bad_request("the body is nested too deeply to decode as JSON", code="invalid_json") from None
 
 
 # Everything the deployment class uses is defined above it: Serve pickles the class by value while this
@@ -428,6 +434,7 @@ class LLMServer:
         self.model_name = args.model_name
         self.api_key = args.api_key
         self.max_body_bytes = args.max_body_bytes
+        self.scheduling_policy = args.engine.scheduling_policy
         self.metrics = ServeMetrics(self.model_name)
         self.created = now()
         cfg = args.engine
@@ -482,9 +489,17 @@ class LLMServer:
                               "context_length_exceeded")
         return requested or room
 
+    async def _generation(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int,
+                          num_logprobs: int | None) -> Generation:
+        # Under fcfs the scheduler ignores priority: refuse it rather than silently not honour it, as vLLM does.
+        if req.priority != 0 and self.scheduling_policy != "priority":
+            raise bad_request(f"priority={req.priority} needs the priority scheduling policy; this server schedules "
+                              f"{self.scheduling_policy} (serve with scheduling_policy=priority)", "priority")
+        return await Generation(self, prompt_ids, req.sampling_params(max_tokens, num_logprobs), req).start()
+
     async def _run(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int, num_logprobs: int | None,
                    fmt_type: Callable[..., Format], prefix: str) -> Response:
-        gen = await Generation(self, prompt_ids, req.sampling_params(max_tokens, num_logprobs), req).start()
+        gen = await self._generation(req, prompt_ids, max_tokens, num_logprobs)
         fmt = fmt_type(self.tokenizer, new_id(prefix), self.model_name, num_logprobs)
         if req.stream:
             return StreamingResponse(stream_sse(gen, fmt, req.include_usage), media_type="text/event-stream")
@@ -562,7 +577,7 @@ class LLMServer:
         self._check_model(req.model or None)
         ids = self._prompt_ids(req.single_prompt())
         max_tokens = self._max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt")
-        return await Generation(self, ids, req.sampling_params(max_tokens, None), req).start()
+        return await self._generation(req, ids, max_tokens, None)
 
     async def Generate(self, request: GenerateRequest, grpc_context: RayServegRPCContext) -> GenerateResponse:
         reply = GenerateResponse()

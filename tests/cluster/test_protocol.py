@@ -37,13 +37,26 @@ def test_validation_errors_are_400_naming_the_parameter(model, body, param):
     assert e.value.message.startswith(param or "body")
 
 
+SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "presence_penalty": 0.3,
+            "frequency_penalty": -0.4, "repetition_penalty": 1.2, "seed": 3, "stop_token_ids": [5, 6],
+            "ignore_eos": True, "n": 2, "min_tokens": 1}  # distinct values, so that a swap of two fields fails
+
+
 def test_sampling_params_mapping():
-    req = parse(CompletionRequest, {"prompt": "x", "top_k": 0, "stop": "END", "seed": 3, "n": 2, "min_p": 0.1,
-                                    "repetition_penalty": 1.2, "stop_token_ids": [5], "ignore_eos": True})
-    params = req.sampling_params(max_tokens=7, logprobs=2)
-    assert (params.top_k, params.seed, params.n, params.min_p, params.repetition_penalty) == (-1, 3, 2, 0.1, 1.2)
-    assert (params.max_tokens, params.logprobs, params.stop_token_ids, params.ignore_eos) == (7, 2, [5], True)
+    req = parse(CompletionRequest, {"prompt": "x", "stop": "END", "logprobs": 4} | SAMPLING)
+    params = req.sampling_params(max_tokens=7, logprobs=req.logprobs)
+    assert {k: getattr(params, k) for k in SAMPLING} == SAMPLING
+    assert (params.max_tokens, params.logprobs) == (7, 4)
     assert req.stop_strings == ["END"]
+    assert parse(CompletionRequest, {"prompt": "x", "top_k": 0}).sampling_params(7, None).top_k == -1  # vLLM's "off"
+
+
+def test_chat_sampling_params_mapping():
+    req = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "a"}], "logprobs": True,
+                                        "top_logprobs": 3} | SAMPLING)
+    params = req.sampling_params(max_tokens=7, logprobs=req.num_logprobs)
+    assert {k: getattr(params, k) for k in SAMPLING} == SAMPLING
+    assert params.logprobs == 3
 
 
 def test_what_only_sampling_params_checks_is_still_a_400():

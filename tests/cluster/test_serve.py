@@ -1,6 +1,7 @@
-"""The Serve app against one live server (the default model, an API key, small max_tokens): the OpenAI
-client, SSE framing, metrics, autoscaling config, bad input, the API key, gRPC, and aborts that free
-the engine's blocks (a stop string, a client that disconnects)."""
+"""The Serve app against one live server (the default model under the README's name, an API key, small
+max_tokens): the README's quick start, the OpenAI client, SSE framing, metrics, autoscaling config, bad
+input, the API key, gRPC, and aborts that free the engine's blocks (a stop string, a client that
+disconnects)."""
 
 import json
 import socket
@@ -12,6 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
+from transformers import AutoTokenizer
 
 from cluster import raylm_pb2, raylm_pb2_grpc
 from cluster.config import EngineConfig
@@ -20,6 +22,7 @@ from cluster.serve import AppArgs, start
 pytestmark = pytest.mark.usefixtures("ray_session")
 
 KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"  # the name the README's quick start sends
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_MODEL_LEN = 1024
 MAX_NUM_SEQS = 8
@@ -38,7 +41,7 @@ def server(default_model_dir):
     """One server for the module: HTTP URL and gRPC port."""
     args = AppArgs(engine=EngineConfig(model=default_model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
                                        kv_cache_bytes=96 << 20),
-                   api_key=KEY, min_replicas=1, max_replicas=2, max_body_bytes=1 << 20)
+                   served_model_name=MODEL, api_key=KEY, min_replicas=1, max_replicas=2, max_body_bytes=1 << 20)
     grpc_port = free_port()
     url = start(args, host="127.0.0.1", port=free_port(), grpc_port=grpc_port)
     yield url, grpc_port
@@ -55,11 +58,6 @@ def client(url) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def post(url: str, path: str, body, headers=AUTH, **kw) -> httpx.Response:
     if isinstance(body, (dict, list)):
         return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=120, **kw)
@@ -73,15 +71,15 @@ def metrics(url: str) -> dict[str, float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def engine_value(url: str, name: str, model: str) -> float:
-    return metrics(url)[f"{name}{{model_name={model}}}"]
+def engine_value(url: str, name: str) -> float:
+    return metrics(url)[f"{name}{{model_name={MODEL}}}"]
 
 
-def wait_drained(url: str, model: str) -> None:
+def wait_drained(url: str) -> None:
     """Until the engine runs nothing and holds no KV block; fails after WAIT_S."""
     deadline = time.monotonic() + WAIT_S
-    while (engine_value(url, "vllm:num_requests_running", model),
-           engine_value(url, "vllm:kv_cache_usage_perc", model)) != (0, 0):
+    while (engine_value(url, "vllm:num_requests_running"),
+           engine_value(url, "vllm:kv_cache_usage_perc")) != (0, 0):
         if time.monotonic() > deadline:
             pytest.fail(f"the engine still runs a request {WAIT_S} s later: its blocks were not freed")
         time.sleep(0.1)
@@ -106,12 +104,28 @@ def sse_events(response: httpx.Response) -> list[str]:
 
 def test_models_lists_the_served_model(client, default_model_dir):
     (card,) = client.models.list().data
-    assert card.id == default_model_dir  # the model as it was named, as vLLM does
+    assert card.id == MODEL == AppArgs().model_name  # what `raylm serve` with no --model serves
+    assert card.model_dump()["root"] == default_model_dir
     assert card.model_dump()["max_model_len"] == MAX_MODEL_LEN
 
 
-def test_completion(client, model, url):
-    out = client.completions.create(model=model, prompt="The capital of France is", max_tokens=5, temperature=0,
+def test_the_readme_quick_start(url, client):
+    """The README's three calls as written, but for the API key (and fewer tokens)."""
+    r = httpx.post(f"{url}/v1/completions", headers=AUTH | {"Content-Type": "application/json"}, timeout=120,
+                   content=b'{"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", '
+                           b'"max_tokens": 16, "temperature": 0}')
+    assert r.status_code == 200, r.text
+    assert r.json()["model"] == "SmolLM2-135M-Instruct" and r.json()["choices"][0]["text"]
+    out = client.completions.create(model="SmolLM2-135M-Instruct", prompt="def fibonacci(n):", max_tokens=8,
+                                    temperature=0)
+    assert out.choices[0].text
+    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", stream=True, max_tokens=8,
+                                            messages=[{"role": "user", "content": "Write a haiku about Ray."}])
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in stream)
+
+
+def test_completion(client, url):
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0,
                                     extra_body={"ignore_eos": True})
     (choice,) = out.choices
     assert choice.text and choice.finish_reason == "length"
@@ -120,31 +134,34 @@ def test_completion(client, model, url):
     assert out.usage.total_tokens == prompt_len + 5
 
 
-def test_token_id_prompt_is_the_same_as_its_text(client, model, url):
+def test_token_id_prompt_is_the_same_as_its_text(client, url):
     ids = post(url, "/tokenize", {"prompt": "The capital of France is"}).json()["tokens"]
-    by_text = client.completions.create(model=model, prompt="The capital of France is", max_tokens=4, temperature=0)
-    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=4, temperature=0)
+    by_text = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0)
     assert by_ids.choices[0].text == by_text.choices[0].text
 
 
-def test_chat_uses_the_chat_template(client, model, url):
-    messages = [{"role": "user", "content": "Say hello."}]
-    out = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=6, temperature=0)
+def test_chat_uses_the_chat_template(client, url, default_model_dir):
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Say hello."}]
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=6, temperature=0)
     assert out.choices[0].message.role == "assistant" and out.choices[0].message.content
     assert out.choices[0].finish_reason in ("stop", "length")
-    assert out.usage.prompt_tokens == post(url, "/tokenize", {"messages": messages}).json()["count"]
+    assert out.usage.prompt_tokens == len(expected)
+    assert post(url, "/tokenize", {"messages": messages}).json()["tokens"] == expected
 
 
-def test_streaming_gives_the_same_text_as_not_streaming(client, model):
-    kw = dict(model=model, prompt="Once upon a time", max_tokens=8, temperature=0)
+def test_streaming_gives_the_same_text_as_not_streaming(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0)
     whole = client.completions.create(**kw).choices[0].text
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
 
 
-def test_chat_streaming_sends_the_role_first(client, model):
-    kw = dict(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0)
+def test_chat_streaming_sends_the_role_first(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=6, temperature=0)
     whole = client.chat.completions.create(**kw).choices[0].message.content
     chunks = list(client.chat.completions.create(stream=True, **kw))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -152,15 +169,38 @@ def test_chat_streaming_sends_the_role_first(client, model):
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
-def test_n_samples(client, model):
-    out = client.completions.create(model=model, prompt="My favourite colour is", max_tokens=4, n=2, seed=7,
+def test_n_samples(client):
+    out = client.completions.create(model=MODEL, prompt="My favourite colour is", max_tokens=4, n=2, seed=7,
                                     temperature=1.0, extra_body={"ignore_eos": True})
     assert sorted(c.index for c in out.choices) == [0, 1]
     assert out.usage.completion_tokens == 8
 
 
-def test_completion_logprobs(client, model):
-    out = client.completions.create(model=model, prompt="1, 2, 3,", max_tokens=3, temperature=0, logprobs=2)
+def test_a_seed_makes_sampling_reproducible(client):
+    kw = dict(model=MODEL, prompt="My favourite colour is", max_tokens=8, temperature=1.0,
+              extra_body={"ignore_eos": True})
+    first, again, *others = [client.completions.create(seed=s, **kw).choices[0].text for s in (11, 11, 12, 13, 14)]
+    assert again == first
+    assert any(t != first for t in others), "three other seeds all sampled the same 8 tokens: the seed is unused"
+
+
+def test_streaming_n_samples_gives_each_its_text(client):
+    kw = dict(model=MODEL, prompt="My favourite colour is", max_tokens=6, n=2, seed=7, temperature=1.0,
+              extra_body={"ignore_eos": True})
+    whole = {c.index: c.text for c in client.completions.create(**kw).choices}
+    streamed, finished = {0: "", 1: ""}, {}
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            assert c.index not in finished, "a choice went on after its finish_reason"
+            streamed[c.index] += c.text
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    assert finished == {0: "length", 1: "length"}
+    assert streamed == whole
+
+
+def test_completion_logprobs(client):
+    out = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=3, temperature=0, logprobs=2)
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 3
     assert "".join(lp.tokens) == out.choices[0].text
@@ -170,33 +210,49 @@ def test_completion_logprobs(client, model):
         assert max(top.values()) == pytest.approx(logprob)
 
 
-def test_chat_logprobs(client, model):
-    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+def test_logprob_offsets_index_the_text_when_tokens_split_characters(client):
+    """Japanese takes several byte-level tokens per character: each decoded alone is U+FFFD, yet every offset
+    must point into the text returned (advancing one per token would run past its end)."""
+    kw = dict(model=MODEL, prompt="日本語のテキスト。日本語の", max_tokens=8, temperature=0, logprobs=0)
+    out = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw)]
+    streamed = ("".join(c.text for c in chunks), [t for c in chunks if c.logprobs for t in c.logprobs.tokens],
+                [o for c in chunks if c.logprobs for o in c.logprobs.text_offset])
+    for text, tokens, offsets in ((out.text, out.logprobs.tokens, out.logprobs.text_offset), streamed):
+        assert any("\ufffd" in t for t in tokens), f"no token split a character in {text!r}: nothing is exercised"
+        assert offsets[0] == 0 and offsets == sorted(offsets)
+        assert offsets[-1] <= len(text), (offsets, text)
+        for token, offset in zip(tokens, offsets):
+            assert "\ufffd" in token or text[offset:offset + len(token)] == token
+
+
+def test_chat_logprobs(client):
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
                                          temperature=0, logprobs=True, top_logprobs=3)
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens
     assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
 
 
-def test_stop_string_cuts_the_text_and_frees_the_request(client, model, url):
-    kw = dict(model=model, prompt="1, 2, 3, 4,", temperature=0, extra_body={"ignore_eos": True})
+def test_stop_string_cuts_the_text_and_frees_the_request(client, url):
+    kw = dict(model=MODEL, prompt="1, 2, 3, 4,", temperature=0, extra_body={"ignore_eos": True})
     free_text = client.completions.create(max_tokens=12, **kw).choices[0].text
     stop = free_text[3:7]  # a few characters into the text: it usually straddles tokens
     assert stop.strip(), free_text
     out = client.completions.create(max_tokens=LONG, stop=[stop], **kw)
     assert out.choices[0].text == free_text[:free_text.index(stop)]
     assert out.choices[0].finish_reason == "stop"
-    wait_drained(url, model)  # aborted in the engine, not left to run LONG tokens
+    wait_drained(url)  # aborted in the engine, not left to run LONG tokens
     streamed = client.completions.create(max_tokens=LONG, stop=[stop], stream=True, **kw)
     chunks = list(streamed)
     assert "".join(c.choices[0].text for c in chunks) == free_text[:free_text.index(stop)]
     assert chunks[-1].choices[0].finish_reason == "stop"
-    wait_drained(url, model)
+    wait_drained(url)
 
 
-def test_stop_token_ids(client, model, url):
+def test_stop_token_ids(client, url):
     comma = post(url, "/tokenize", {"prompt": ","}).json()["tokens"][0]
-    out = client.completions.create(model=model, prompt="1, 2, 3, 4,", temperature=0, max_tokens=20,
+    out = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=20,
                                     extra_body={"ignore_eos": True, "stop_token_ids": [comma]})
     assert out.choices[0].finish_reason == "stop"
     assert out.usage.completion_tokens < 20  # greedy continues " 5, 6, ...": the first comma stops it
@@ -205,8 +261,8 @@ def test_stop_token_ids(client, model, url):
 # ---- raw HTTP: framing, errors, the API key ---------------------------------------------------
 
 
-def test_sse_framing_and_usage_chunk(url, model):
-    r = post(url, "/v1/completions", {"model": model, "prompt": "Hello", "max_tokens": 4, "stream": True,
+def test_sse_framing_and_usage_chunk(url):
+    r = post(url, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "stream": True,
                                       "stream_options": {"include_usage": True}, "ignore_eos": True})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = sse_events(r)
@@ -218,8 +274,8 @@ def test_sse_framing_and_usage_chunk(url, model):
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
 
 
-def test_chat_sse_framing(url, model):
-    r = post(url, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "Hi"}],
+def test_chat_sse_framing(url):
+    r = post(url, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
                                            "max_tokens": 3, "stream": True})
     events = sse_events(r)
     assert events[-1] == "[DONE]"
@@ -228,10 +284,21 @@ def test_chat_sse_framing(url, model):
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
 
 
+def test_chat_sse_with_usage_has_usage_on_every_chunk(url):
+    r = post(url, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                           "max_tokens": 3, "ignore_eos": True, "stream": True,
+                                           "stream_options": {"include_usage": True}})
+    chunks = [json.loads(e) for e in sse_events(r)[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])  # the role chunk too, as OpenAI sends
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+NOT_JSON = [b'{"prompt": "hi", "max_tokens": ', b"\xff\xfe not json", b"[" * 100_000]  # the last: too deep
+
 BAD_INPUT = [
     # (path, body, status, param)
-    ("/v1/completions", b'{"prompt": "hi", "max_tokens": ', 400, None),
-    ("/v1/completions", b"\xff\xfe not json", 400, None),
+    *[("/v1/completions", body, 400, None) for body in NOT_JSON],
     ("/v1/completions", [1, 2], 400, None),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt"),
@@ -255,6 +322,7 @@ BAD_INPUT = [
     ("/v1/completions", {"prompt": [10**9]}, 400, "prompt"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}, 404, "model"),
+    ("/v1/completions", {"prompt": "hi", "priority": 1}, 400, "priority"),  # the server schedules fcfs
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
@@ -266,6 +334,7 @@ BAD_INPUT = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-17"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "priority": -2}, 400, "priority"),
     ("/tokenize", {"prompt": 3}, 400, "prompt"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
     ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
@@ -282,14 +351,21 @@ def test_bad_input_is_an_openai_error_naming_the_parameter(url, path, body, stat
     assert "code" in error
 
 
+@pytest.mark.parametrize("body", NOT_JSON, ids=["truncated", "not-utf8", "nested-too-deep"])
+def test_a_body_that_does_not_decode_is_invalid_json(url, body):
+    r = post(url, "/v1/completions", body)
+    assert r.status_code == 400, r.text  # never a 500
+    assert r.json()["error"]["code"] == "invalid_json" and "body" in r.json()["error"]["message"]
+
+
 def test_an_oversized_body_is_refused_before_parsing(url):
     r = post(url, "/v1/completions", b"{" + b" " * (1 << 20) + b"}")
     assert r.status_code == 413
     assert r.json()["error"]["code"] == "request_too_large"
 
 
-def test_the_server_still_serves_after_bad_input(client, model):
-    assert client.completions.create(model=model, prompt="hi", max_tokens=2).choices[0].text is not None
+def test_the_server_still_serves_after_bad_input(client):
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}],
@@ -321,16 +397,16 @@ HISTOGRAMS = ["vllm:time_to_first_token_seconds", "vllm:time_per_output_token_se
               "vllm:e2e_request_latency_seconds"]
 
 
-def test_metrics_have_vllm_names_and_move_with_requests(client, model, url):
+def test_metrics_have_vllm_names_and_move_with_requests(client, url):
     before = metrics(url)
     for name in ENGINE_METRICS + [f"{h}_count" for h in HISTOGRAMS]:
-        assert f"{name}{{model_name={model}}}" in before, name
-    client.completions.create(model=model, prompt="Counting: 1, 2,", max_tokens=3, temperature=0,
+        assert f"{name}{{model_name={MODEL}}}" in before, name
+    client.completions.create(model=MODEL, prompt="Counting: 1, 2,", max_tokens=3, temperature=0,
                               extra_body={"ignore_eos": True})
     after = metrics(url)
 
     def moved(name: str, labels: str = "") -> float:
-        key = f"{name}{{{labels}model_name={model}}}"
+        key = f"{name}{{{labels}model_name={MODEL}}}"
         return after[key] - before.get(key, 0)
 
     assert moved("vllm:generation_tokens_total") == 3
@@ -339,7 +415,7 @@ def test_metrics_have_vllm_names_and_move_with_requests(client, model, url):
     assert moved("vllm:request_success_total", "finished_reason=length,") == 1
     for h in HISTOGRAMS:
         assert moved(f"{h}_count") == 1, h
-        assert after[f"{h}_bucket{{le=+Inf,model_name={model}}}"] == after[f"{h}_count{{model_name={model}}}"]
+        assert after[f"{h}_bucket{{le=+Inf,model_name={MODEL}}}"] == after[f"{h}_count{{model_name={MODEL}}}"]
 
 
 def test_autoscaling_config_reaches_serve(server):
@@ -377,7 +453,7 @@ def stub(server):
 GRPC_AUTH = [("authorization", f"Bearer {KEY}")]
 
 
-def test_grpc_streaming_round_trip(stub, client, model):
+def test_grpc_streaming_round_trip(stub, client):
     request = raylm_pb2.GenerateRequest(prompt="The capital of France is", max_tokens=5, temperature=0,
                                         ignore_eos=True)
     replies = list(stub.GenerateStream(request, metadata=GRPC_AUTH))
@@ -386,7 +462,7 @@ def test_grpc_streaming_round_trip(stub, client, model):
     text = "".join(r.text for r in replies)
     unary = stub.Generate(request, metadata=GRPC_AUTH)
     assert unary.text == text and unary.num_generated_tokens == 5 and unary.finish_reason == "length"
-    http = client.completions.create(model=model, prompt="The capital of France is", max_tokens=5, temperature=0)
+    http = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0)
     assert http.choices[0].text == text
 
 
@@ -408,15 +484,15 @@ def test_grpc_errors_have_status_codes(stub, request_kw, metadata, code, method)
 # ---- aborts ------------------------------------------------------------------------------------------
 
 
-def test_a_client_disconnect_mid_stream_frees_the_request(url, model):
-    aborted = f"vllm:request_success_total{{finished_reason=abort,model_name={model}}}"
+def test_a_client_disconnect_mid_stream_frees_the_request(url):
+    aborted = f"vllm:request_success_total{{finished_reason=abort,model_name={MODEL}}}"
     before = metrics(url).get(aborted, 0)
-    body = {"model": model, "prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=120) as http, http.stream("POST", f"{url}/v1/completions", json=body,
                                                         headers=AUTH) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-        assert engine_value(url, "vllm:num_requests_running", model) == 1
-        assert engine_value(url, "vllm:kv_cache_usage_perc", model) > 0
-    wait_drained(url, model)
+        assert engine_value(url, "vllm:num_requests_running") == 1
+        assert engine_value(url, "vllm:kv_cache_usage_perc") > 0
+    wait_drained(url)
     assert metrics(url)[aborted] == before + 1
