@@ -453,5 +453,9 @@ def _stop_status(request: Request, token: int, max_model_len: int) -> RequestSta
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """One sample's params: n becomes 1 and a seed is offset so the samples differ yet stay reproducible."""
-    return dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+    """One sample's params: n becomes 1 and a seed is offset so the samples differ yet stay reproducible.
+
+    The offset wraps modulo 2**64, staying in torch.Generator's seed range (where
+    a negative seed already means seed + 2**64).
+    """
+    return dataclasses.replace(params, n=1, seed=None if params.seed is None else (params.seed + index) % 2**64)

@@ -57,10 +57,42 @@ def test_scheduler_package_never_imports_torch():
     ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"), ({"logprobs": 21}, "logprobs"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    # wrong types and non-finite values: ValueError here, not a TypeError or NaN later in the sampler
+    ({"temperature": float("inf")}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": "0.5"}, "temperature"), ({"temperature": True}, "temperature"),
+    ({"temperature": 10**400}, "temperature"), ({"top_p": None}, "top_p"), ({"min_p": "0"}, "min_p"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"), ({"presence_penalty": False}, "presence_penalty"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"max_tokens": True}, "max_tokens"), ({"max_tokens": 4.0}, "max_tokens"), ({"min_tokens": "1"}, "min_tokens"),
+    ({"n": 2.0}, "n"), ({"top_k": None}, "top_k"), ({"logprobs": True}, "logprobs"), ({"logprobs": 1.0}, "logprobs"),
+    ({"seed": "1"}, "seed"), ({"seed": 1.0}, "seed"), ({"seed": True}, "seed"),
+    ({"seed": 2**64}, "seed"), ({"seed": -2**63 - 1}, "seed"),
+    ({"stop_token_ids": 5}, "stop_token_ids"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"stop_token_ids": [True]}, "stop_token_ids"), ({"stop_token_ids": None}, "stop_token_ids"),
+    ({"ignore_eos": "no"}, "ignore_eos"),
 ])
 def test_sampling_params_reject_bad_values_naming_the_field(kw, field):
-    with pytest.raises(ValueError, match=field):
+    (value,) = [v for k, v in kw.items() if k == field]
+    with pytest.raises(ValueError, match=f"^{field}=") as e:
         SamplingParams(**kw)
+    assert repr(value) in str(e.value)
+
+
+def test_sampling_params_accept_the_edges_of_their_ranges():
+    p = SamplingParams(temperature=2, top_p=1, repetition_penalty=3, seed=2**64 - 1, stop_token_ids=(5,))
+    assert p.temperature == 2.0 and type(p.temperature) is float and p.stop_token_ids == [5]
+    assert SamplingParams(seed=-2**63).seed == -2**63  # torch.Generator.manual_seed's range
+    # Below 1e-5 a temperature would overflow the logits it divides: such rows are greedy, as in vLLM.
+    assert SamplingParams(temperature=1e-30).greedy and SamplingParams(temperature=9e-6).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
+def test_child_seeds_wrap_within_the_generator_seed_range():
+    sched, _ = make()
+    sched.add_request("p", [1, 2, 3], params(n=3, seed=2**64 - 2))
+    assert [sched.requests[f"p#{i}"].sampling_params.seed for i in range(3)] == [2**64 - 2, 2**64 - 1, 0]
+    sched.add_request("q", [1, 2, 3], params(n=2, seed=-1))  # -1 is the generator of 2**64 - 1
+    assert [sched.requests[f"q#{i}"].sampling_params.seed for i in range(2)] == [2**64 - 1, 0]
 
 
 def test_bad_requests_raise_value_errors_and_leave_the_scheduler_usable():
