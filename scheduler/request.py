@@ -158,13 +158,18 @@ class Request:
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id={request_id!r} is invalid: must be a non-empty string")
+        if not isinstance(prompt_token_ids, (list, tuple)):
+            raise ValueError(f"prompt_token_ids is a {type(prompt_token_ids).__name__}: must be a list of token ids")
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids=[] is invalid: the prompt must have at least one token")
-        if any(not isinstance(t, int) or t < 0 for t in prompt_token_ids):
-            bad = next(t for t in prompt_token_ids if not isinstance(t, int) or t < 0)
-            raise ValueError(f"prompt_token_ids contains {bad!r}: token ids must be non-negative integers")
+        for t in prompt_token_ids:
+            # Block hashing packs ids as int64, so larger ones are as invalid as negative ones.
+            if type(t) is not int or not 0 <= t < 2**63:
+                raise ValueError(f"prompt_token_ids contains {t!r}: token ids must be integers in [0, 2**63)")
         if not isinstance(priority, int):
             raise ValueError(f"priority={priority!r} is invalid: must be an integer")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt={cache_salt!r} is invalid: must be a string or None")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -103,6 +103,15 @@ def test_bad_requests_raise_value_errors_and_leave_the_scheduler_usable():
         sched.add_request("neg", [1, -3])
     with pytest.raises(ValueError, match="priority"):
         sched.add_request("prio", [1], priority="high")
+    with pytest.raises(ValueError, match=str(2**63)):  # block hashing packs ids as int64
+        sched.add_request("huge", [1, 2**63], params())
+    with pytest.raises(ValueError, match="True"):
+        sched.add_request("bool", [1, True], params())
+    with pytest.raises(ValueError, match="prompt_token_ids is a str"):
+        sched.add_request("text", "hello", params())
+    with pytest.raises(ValueError, match="cache_salt=5"):
+        sched.add_request("salt", [1], params(), cache_salt=5)
+    assert not sched.has_unfinished_requests() and sched.children == {}
     sched.add_request("ok", [1, 2, 3], params())
     with pytest.raises(ValueError, match="'ok'"):
         sched.add_request("ok", [4], params())
