@@ -326,6 +326,21 @@ def test_n_children_share_the_prompt_blocks_and_finish_separately():
     assert sched.abort("p") == [] and "p" not in sched.children
 
 
+def test_abort_of_a_parent_spares_an_unrelated_request_reusing_a_finished_child_id():
+    sched, worker = make(block_size=4)
+    sched.add_request("p", [1, 2, 3], params(n=2, max_tokens=2))
+    step(sched, worker)  # p#0 computes the prompt; p#1 is released
+    _, outs = step(sched, worker)
+    assert [(o.index, o.finished) for o in outs] == [(0, True), (1, False)]  # p#0 done, p#1 still running
+    assert sched.add_request("p#0", [4, 5], params(max_tokens=3)) == []  # an unrelated caller's id
+    (out,) = sched.abort("p")
+    assert (out.request_id, out.index, out.finish_reason) == ("p", 1, "abort")
+    assert sched.requests["p#0"].status == RequestStatus.WAITING and "p" not in sched.children
+    got = run_all(sched, worker)
+    assert list(got) == [("p#0", 0)] and len(got[("p#0", 0)][0]) == 3 and got[("p#0", 0)][1] == "length"
+    assert sched.children == {}
+
+
 def test_abort_of_a_parent_aborts_parked_children():
     sched, worker = make(block_size=4)
     sched.add_request("p", list(range(17)), params(n=2))
