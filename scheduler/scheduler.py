@@ -315,6 +315,7 @@ class Scheduler:
         if not preempted:
             waiting = self.waiting
             get_computed = self.kv.get_computed_blocks
+            record_lookup = self.kv.record_prefix_lookup
             block_ids = self.kv.get_block_ids
             while budget > 0 and len(running) < cfg.max_num_seqs:
                 request = waiting.peek()
@@ -331,6 +332,7 @@ class Scheduler:
                 if allocate(request, num_new, num_hit_tokens, hits) is None:
                     break
                 waiting.pop()
+                record_lookup(request, num_hit_tokens)
                 rid = request.request_id
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit_tokens

@@ -157,6 +157,26 @@ def test_prefix_hits_across_requests_in_the_scheduler():
     assert all(b.ref_cnt == 0 for b in sched.kv.block_pool.blocks)
 
 
+def test_prefix_stats_count_a_request_that_waits_for_memory_once():
+    # 6 usable blocks of 4 tokens.
+    sched, worker = make(num_blocks=7, block_size=4)
+    prompt = list(range(100, 109))  # 9 tokens: 2 full blocks get cached
+    sched.add_request("a", prompt, params(max_tokens=1))
+    step(sched, worker)
+    # "hog" takes 4 of the 6 blocks for 3 steps; "b" needs its 2 cached (free) blocks plus one more.
+    sched.add_request("hog", list(range(200, 213)), params(max_tokens=3))
+    sched.add_request("b", prompt[:8] + [7, 7, 7], params(max_tokens=1))
+    waited = 0
+    while True:
+        so, outs = step(sched, worker)
+        if "b" in so.num_scheduled_tokens:
+            break
+        waited += 1
+    assert waited == 3 and so.scheduled_new_reqs[0].num_computed_tokens == 8
+    st = sched.stats()
+    assert (st.prefix_cache_queries, st.prefix_cache_hits) == (9 + 13 + 11, 8)
+
+
 def test_prefix_caching_off_never_hits():
     sched, worker = make(block_size=4, enable_prefix_caching=False)
     prompt = list(range(13))
