@@ -220,6 +220,34 @@ def test_priority_policy_preempts_the_lowest_priority_even_if_earlier():
     assert preempted[0] == "low"
 
 
+def test_priority_victim_already_scheduled_this_step_is_taken_back():
+    # "low" runs first in the batch; the others join later, so the priority victim is running[0], not running[-1].
+    sched, worker = make(num_blocks=7, block_size=4, policy="priority")
+    sched.add_request("low", [1] * 6, params(max_tokens=8), priority=5)
+    step(sched, worker)
+    sched.add_request("high", [2] * 12, params(max_tokens=8), priority=0)
+    sched.add_request("mid", [3] * 2, params(max_tokens=8), priority=1)
+    step(sched, worker)
+    low = sched.requests["low"]
+    assert [r.request_id for r in sched.running] == ["low", "high", "mid"]
+    assert sched.kv.block_pool.num_free_blocks == 0 and (low.num_computed_tokens, low.num_worker_tokens) == (7, 7)
+    # low's decode is scheduled (its block has room), then high needs a block and low must go; mid still runs.
+    so = sched.schedule()
+    assert so.preempted_req_ids == {"low"} and low.status == RequestStatus.PREEMPTED
+    assert so.num_scheduled_tokens == {"high": 1, "mid": 1}
+    assert so.scheduled_cached_reqs.req_ids == ["high", "mid"]
+    assert so.total_num_scheduled_tokens == 2 and sched.stats().num_scheduled_tokens == 2  # low's token returned
+    assert (low.num_computed_tokens, low.num_worker_tokens) == (0, 7)  # the workers never saw its 8th token
+    sched.update_from_output(so, worker.execute(so))
+    got = {rid: tokens for (rid, _), (tokens, _) in run_all(sched, worker).items()}
+    roomy, roomy_worker = make(num_blocks=64, block_size=4, policy="priority")
+    for rid, prompt, priority in (("low", [1] * 6, 5), ("high", [2] * 12, 0), ("mid", [3] * 2, 1)):
+        roomy.add_request(rid, prompt, params(max_tokens=8), priority=priority)
+    expected = {rid: tokens for (rid, _), (tokens, _) in run_all(roomy, roomy_worker).items()}
+    assert {rid: len(t) for rid, t in got.items()} == {"low": 6, "high": 6, "mid": 6}  # 2 of each came before
+    assert all(got[rid] == expected[rid][2:] for rid in got)
+
+
 def test_preempted_request_resumes_with_its_tokens_and_finishes_identically():
     base = {}
     for blocks in (64, 10):
