@@ -52,10 +52,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += num_hit_tokens
-        return hits, num_hit_tokens
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count an admitted request's lookup: once per admission, not per attempt, or waiting inflates the stats."""
+        if self.enable_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
 
     def allocate_slots(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -14,8 +15,12 @@ class SamplingParams:
     """How to pick each next token, and when to stop.
 
     Validated once at construction so that nothing downstream (scheduler,
-    sampler) has to re-check: every bad value raises ValueError naming the
-    field and the value. Stop *strings* are a text concern and live in the
+    sampler) has to re-check: every bad value (wrong type, bool for a number,
+    non-finite, out of range) raises ValueError naming the field and the value.
+    The real-valued fields are stored as floats. ``seed`` takes
+    torch.Generator.manual_seed's range, [-2**63, 2**64): a negative seed is the
+    same generator as seed + 2**64. ``greedy`` rows are argmaxed, including
+    temperatures below 1e-5. Stop *strings* are a text concern and live in the
     serving layer; the scheduler only knows token-level stops.
     """
 
@@ -35,6 +40,11 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        for name in _REAL_FIELDS:
+            setattr(self, name, _real(name, getattr(self, name)))
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            _check(value is None and name in ("seed", "logprobs") or _is_int(value), name, value, "must be an integer")
         _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
         _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1")
@@ -42,21 +52,44 @@ class SamplingParams:
         _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "must be > 0")
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "must be an integer")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
-        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+        # torch.Generator.manual_seed's range; a negative seed means the same as seed + 2**64 there.
+        _check(self.seed is None or -2**63 <= self.seed < 2**64, "seed", self.seed, "must be in [-2**63, 2**64)")
+        _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
+        _check(0 <= self.min_tokens <= self.max_tokens,
                "min_tokens", self.min_tokens, f"must be in [0, max_tokens={self.max_tokens}]")
-        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "must be >= 1")
-        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+        _check(self.n >= 1, "n", self.n, "must be >= 1")
+        _check(self.logprobs is None or 0 <= self.logprobs <= 20,
                "logprobs", self.logprobs, "must be None or in [0, 20]")
-        for t in self.stop_token_ids:
-            _check(isinstance(t, int) and t >= 0, "stop_token_ids", self.stop_token_ids,
-                   "must be non-negative integers")
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "must be a bool")
+        stop = self.stop_token_ids
+        _check(isinstance(stop, (list, tuple)) and all(_is_int(t) and t >= 0 for t in stop),
+               "stop_token_ids", self.stop_token_ids, "must be a list of non-negative integers")
         self.stop_token_ids = list(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # Dividing logits by a temperature this small overflows them to inf/NaN; its argmax is the intent.
+        return self.temperature < _GREEDY_TEMPERATURE or self.top_k == 1
+
+
+_GREEDY_TEMPERATURE = 1e-5  # as vLLM's _SAMPLING_EPS
+_REAL_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_INT_FIELDS = ("top_k", "max_tokens", "min_tokens", "n", "seed", "logprobs")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _real(name: str, value: object) -> float:
+    """``value`` as a finite float, or ValueError: a bool, str or inf would only fail later, in the sampler."""
+    _check(isinstance(value, (int, float)) and not isinstance(value, bool), name, value, "must be a number")
+    try:
+        as_float = float(value)
+    except OverflowError:  # an int beyond float range
+        as_float = math.inf
+    _check(math.isfinite(as_float), name, value, "must be finite")
+    return as_float
 
 
 def _check(ok: bool, name: str, value: object, rule: str) -> None:
@@ -125,13 +158,18 @@ class Request:
     ) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id={request_id!r} is invalid: must be a non-empty string")
+        if not isinstance(prompt_token_ids, (list, tuple)):
+            raise ValueError(f"prompt_token_ids is a {type(prompt_token_ids).__name__}: must be a list of token ids")
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids=[] is invalid: the prompt must have at least one token")
-        if any(not isinstance(t, int) or t < 0 for t in prompt_token_ids):
-            bad = next(t for t in prompt_token_ids if not isinstance(t, int) or t < 0)
-            raise ValueError(f"prompt_token_ids contains {bad!r}: token ids must be non-negative integers")
+        for t in prompt_token_ids:
+            # Block hashing packs ids as int64, so larger ones are as invalid as negative ones.
+            if type(t) is not int or not 0 <= t < 2**63:
+                raise ValueError(f"prompt_token_ids contains {t!r}: token ids must be integers in [0, 2**63)")
         if not isinstance(priority, int):
             raise ValueError(f"priority={priority!r} is invalid: must be an integer")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt={cache_salt!r} is invalid: must be a string or None")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []

@@ -129,7 +129,8 @@ class Scheduler:
         self.eos_token_id = eos_token_id
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}  # live requests (children for n > 1)
-        self.children: dict[str, list[str]] = {}  # caller id -> its live request ids
+        # caller id -> its requests, by object: a finished child's id may be reused by an unrelated caller
+        self.children: dict[str, list[Request]] = {}
         self.parked: dict[str, list[Request]] = {}  # n > 1 siblings waiting for child 0's prompt
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
@@ -164,7 +165,7 @@ class Scheduler:
                 rid, prompt_token_ids, child_params, eos_token_id=self.eos_token_id, priority=priority,
                 arrival_time=arrival_time, block_size=self.block_size, cache_salt=cache_salt,
                 parent_id=request_id if n > 1 else None, index=i))
-        self.children[request_id] = ids
+        self.children[request_id] = children
         for child in children:
             self.requests[child.request_id] = child
         reason = self._infeasible_reason(children[0])
@@ -196,9 +197,8 @@ class Scheduler:
     def abort(self, request_id: str) -> list[RequestOutput]:
         """Abort a caller's request (all its children) in any state; unknown or finished ids are a no-op."""
         outputs = []
-        for rid in self.children.get(request_id, ()):
-            request = self.requests.get(rid)
-            if request is not None and not request.is_finished:
+        for request in self.children.get(request_id, ()):
+            if not request.is_finished:
                 outputs.append(self._finish(request, RequestStatus.FINISHED_ABORTED))
         return outputs
 
@@ -221,7 +221,7 @@ class Scheduler:
         self._release_parked(request)
         caller_id = request.parent_id or rid
         siblings = self.children.get(caller_id)
-        if siblings is not None and all(s not in self.requests for s in siblings):
+        if siblings is not None and all(s.is_finished for s in siblings):
             del self.children[caller_id]
         return RequestOutput(caller_id, request.index, [], True, FINISH_REASONS[status],
                              num_prompt_tokens=request.num_prompt_tokens,
@@ -315,6 +315,7 @@ class Scheduler:
         if not preempted:
             waiting = self.waiting
             get_computed = self.kv.get_computed_blocks
+            record_lookup = self.kv.record_prefix_lookup
             block_ids = self.kv.get_block_ids
             while budget > 0 and len(running) < cfg.max_num_seqs:
                 request = waiting.peek()
@@ -331,6 +332,7 @@ class Scheduler:
                 if allocate(request, num_new, num_hit_tokens, hits) is None:
                     break
                 waiting.pop()
+                record_lookup(request, num_hit_tokens)
                 rid = request.request_id
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit_tokens
@@ -453,5 +455,9 @@ def _stop_status(request: Request, token: int, max_model_len: int) -> RequestSta
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """One sample's params: n becomes 1 and a seed is offset so the samples differ yet stay reproducible."""
-    return dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+    """One sample's params: n becomes 1 and a seed is offset so the samples differ yet stay reproducible.
+
+    The offset wraps modulo 2**64, staying in torch.Generator's seed range (where
+    a negative seed already means seed + 2**64).
+    """
+    return dataclasses.replace(params, n=1, seed=None if params.seed is None else (params.seed + index) % 2**64)

@@ -42,10 +42,11 @@ class SamplingMetadata:
     Invariants, so that ``Sampler`` needs no per-row Python on the hot path:
     - A tensor field is ``None`` iff no row needs that stage; the ``no_*`` /
       ``all_*`` properties read this, so a flag can never disagree with its data.
-    - Greedy rows (temperature 0 or top_k 1) are argmaxed after min_tokens and
-      penalties. Temperature, min-p, top-k and top-p cannot change an argmax, so
-      greedy rows hold neutral values there (temperature 1, top_k V, top_p 1,
-      min_p 0) and do not turn those stages on.
+    - Greedy rows (``SamplingParams.greedy``: top_k 1, or a temperature below
+      1e-5, which would overflow the logits it divides) are argmaxed after
+      min_tokens and penalties. Temperature, min-p, top-k and top-p cannot
+      change an argmax, so greedy rows hold neutral values there (temperature
+      1, top_k V, top_p 1, min_p 0) and do not turn those stages on.
     - ``top_k`` is in [1, V]; rows with top-k off hold V, which keeps
       everything. ``max_top_k`` is the largest k among rows with top-k on (V if
       none), so one ``topk(max_top_k)`` covers every row that filters.

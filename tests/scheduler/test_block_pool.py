@@ -121,7 +121,18 @@ def test_prefix_hits_across_requests_sharing_a_prompt():
     assert [blk.ref_cnt for blk in hits] == [1, 1]
     kv.free(b)
     assert all(blk.ref_cnt == 0 for blk in kv.block_pool.blocks)
+    assert kv.prefix_cache_queries == 0  # a lookup alone is not an admission
+    kv.record_prefix_lookup(b, n)
     assert kv.prefix_cache_queries == 11 and kv.prefix_cache_hits == 8
+
+
+def test_manager_frees_a_requests_blocks_tail_first():
+    kv = make_manager(num_blocks=6, block_size=4)
+    a = Request("a", list(range(12)), block_size=4)
+    assert [b.block_id for b in kv.allocate_slots(a, 12)] == [1, 2, 3]
+    kv.free(a)
+    # The prompt head goes last, so it outlives the tail in the prefix cache.
+    assert free_ids(kv.block_pool) == [4, 5, 3, 2, 1]
 
 
 def test_no_hit_for_equal_blocks_after_different_prefixes():

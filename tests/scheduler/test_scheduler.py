@@ -57,10 +57,42 @@ def test_scheduler_package_never_imports_torch():
     ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"), ({"logprobs": 21}, "logprobs"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    # wrong types and non-finite values: ValueError here, not a TypeError or NaN later in the sampler
+    ({"temperature": float("inf")}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": "0.5"}, "temperature"), ({"temperature": True}, "temperature"),
+    ({"temperature": 10**400}, "temperature"), ({"top_p": None}, "top_p"), ({"min_p": "0"}, "min_p"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"), ({"presence_penalty": False}, "presence_penalty"),
+    ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"max_tokens": True}, "max_tokens"), ({"max_tokens": 4.0}, "max_tokens"), ({"min_tokens": "1"}, "min_tokens"),
+    ({"n": 2.0}, "n"), ({"top_k": None}, "top_k"), ({"logprobs": True}, "logprobs"), ({"logprobs": 1.0}, "logprobs"),
+    ({"seed": "1"}, "seed"), ({"seed": 1.0}, "seed"), ({"seed": True}, "seed"),
+    ({"seed": 2**64}, "seed"), ({"seed": -2**63 - 1}, "seed"),
+    ({"stop_token_ids": 5}, "stop_token_ids"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"stop_token_ids": [True]}, "stop_token_ids"), ({"stop_token_ids": None}, "stop_token_ids"),
+    ({"ignore_eos": "no"}, "ignore_eos"),
 ])
 def test_sampling_params_reject_bad_values_naming_the_field(kw, field):
-    with pytest.raises(ValueError, match=field):
+    (value,) = [v for k, v in kw.items() if k == field]
+    with pytest.raises(ValueError, match=f"^{field}=") as e:
         SamplingParams(**kw)
+    assert repr(value) in str(e.value)
+
+
+def test_sampling_params_accept_the_edges_of_their_ranges():
+    p = SamplingParams(temperature=2, top_p=1, repetition_penalty=3, seed=2**64 - 1, stop_token_ids=(5,))
+    assert p.temperature == 2.0 and type(p.temperature) is float and p.stop_token_ids == [5]
+    assert SamplingParams(seed=-2**63).seed == -2**63  # torch.Generator.manual_seed's range
+    # Below 1e-5 a temperature would overflow the logits it divides: such rows are greedy, as in vLLM.
+    assert SamplingParams(temperature=1e-30).greedy and SamplingParams(temperature=9e-6).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
+def test_child_seeds_wrap_within_the_generator_seed_range():
+    sched, _ = make()
+    sched.add_request("p", [1, 2, 3], params(n=3, seed=2**64 - 2))
+    assert [sched.requests[f"p#{i}"].sampling_params.seed for i in range(3)] == [2**64 - 2, 2**64 - 1, 0]
+    sched.add_request("q", [1, 2, 3], params(n=2, seed=-1))  # -1 is the generator of 2**64 - 1
+    assert [sched.requests[f"q#{i}"].sampling_params.seed for i in range(2)] == [2**64 - 1, 0]
 
 
 def test_bad_requests_raise_value_errors_and_leave_the_scheduler_usable():
@@ -71,6 +103,15 @@ def test_bad_requests_raise_value_errors_and_leave_the_scheduler_usable():
         sched.add_request("neg", [1, -3])
     with pytest.raises(ValueError, match="priority"):
         sched.add_request("prio", [1], priority="high")
+    with pytest.raises(ValueError, match=str(2**63)):  # block hashing packs ids as int64
+        sched.add_request("huge", [1, 2**63], params())
+    with pytest.raises(ValueError, match="True"):
+        sched.add_request("bool", [1, True], params())
+    with pytest.raises(ValueError, match="prompt_token_ids is a str"):
+        sched.add_request("text", "hello", params())
+    with pytest.raises(ValueError, match="cache_salt=5"):
+        sched.add_request("salt", [1], params(), cache_salt=5)
+    assert not sched.has_unfinished_requests() and sched.children == {}
     sched.add_request("ok", [1, 2, 3], params())
     with pytest.raises(ValueError, match="'ok'"):
         sched.add_request("ok", [4], params())
@@ -116,6 +157,26 @@ def test_prefix_hits_across_requests_in_the_scheduler():
     assert all(b.ref_cnt == 0 for b in sched.kv.block_pool.blocks)
 
 
+def test_prefix_stats_count_a_request_that_waits_for_memory_once():
+    # 6 usable blocks of 4 tokens.
+    sched, worker = make(num_blocks=7, block_size=4)
+    prompt = list(range(100, 109))  # 9 tokens: 2 full blocks get cached
+    sched.add_request("a", prompt, params(max_tokens=1))
+    step(sched, worker)
+    # "hog" takes 4 of the 6 blocks for 3 steps; "b" needs its 2 cached (free) blocks plus one more.
+    sched.add_request("hog", list(range(200, 213)), params(max_tokens=3))
+    sched.add_request("b", prompt[:8] + [7, 7, 7], params(max_tokens=1))
+    waited = 0
+    while True:
+        so, outs = step(sched, worker)
+        if "b" in so.num_scheduled_tokens:
+            break
+        waited += 1
+    assert waited == 3 and so.scheduled_new_reqs[0].num_computed_tokens == 8
+    st = sched.stats()
+    assert (st.prefix_cache_queries, st.prefix_cache_hits) == (9 + 13 + 11, 8)
+
+
 def test_prefix_caching_off_never_hits():
     sched, worker = make(block_size=4, enable_prefix_caching=False)
     prompt = list(range(13))
@@ -157,6 +218,34 @@ def test_priority_policy_preempts_the_lowest_priority_even_if_earlier():
         so, _ = step(sched, worker)
         preempted += sorted(so.preempted_req_ids)
     assert preempted[0] == "low"
+
+
+def test_priority_victim_already_scheduled_this_step_is_taken_back():
+    # "low" runs first in the batch; the others join later, so the priority victim is running[0], not running[-1].
+    sched, worker = make(num_blocks=7, block_size=4, policy="priority")
+    sched.add_request("low", [1] * 6, params(max_tokens=8), priority=5)
+    step(sched, worker)
+    sched.add_request("high", [2] * 12, params(max_tokens=8), priority=0)
+    sched.add_request("mid", [3] * 2, params(max_tokens=8), priority=1)
+    step(sched, worker)
+    low = sched.requests["low"]
+    assert [r.request_id for r in sched.running] == ["low", "high", "mid"]
+    assert sched.kv.block_pool.num_free_blocks == 0 and (low.num_computed_tokens, low.num_worker_tokens) == (7, 7)
+    # low's decode is scheduled (its block has room), then high needs a block and low must go; mid still runs.
+    so = sched.schedule()
+    assert so.preempted_req_ids == {"low"} and low.status == RequestStatus.PREEMPTED
+    assert so.num_scheduled_tokens == {"high": 1, "mid": 1}
+    assert so.scheduled_cached_reqs.req_ids == ["high", "mid"]
+    assert so.total_num_scheduled_tokens == 2 and sched.stats().num_scheduled_tokens == 2  # low's token returned
+    assert (low.num_computed_tokens, low.num_worker_tokens) == (0, 7)  # the workers never saw its 8th token
+    sched.update_from_output(so, worker.execute(so))
+    got = {rid: tokens for (rid, _), (tokens, _) in run_all(sched, worker).items()}
+    roomy, roomy_worker = make(num_blocks=64, block_size=4, policy="priority")
+    for rid, prompt, priority in (("low", [1] * 6, 5), ("high", [2] * 12, 0), ("mid", [3] * 2, 1)):
+        roomy.add_request(rid, prompt, params(max_tokens=8), priority=priority)
+    expected = {rid: tokens for (rid, _), (tokens, _) in run_all(roomy, roomy_worker).items()}
+    assert {rid: len(t) for rid, t in got.items()} == {"low": 6, "high": 6, "mid": 6}  # 2 of each came before
+    assert all(got[rid] == expected[rid][2:] for rid in got)
 
 
 def test_preempted_request_resumes_with_its_tokens_and_finishes_identically():
@@ -283,6 +372,21 @@ def test_n_children_share_the_prompt_blocks_and_finish_separately():
     assert [len(got[("p", i)][0]) for i in range(3)] == [1, 2, 2]
     assert all(why == "length" for _, why in got.values())
     assert sched.abort("p") == [] and "p" not in sched.children
+
+
+def test_abort_of_a_parent_spares_an_unrelated_request_reusing_a_finished_child_id():
+    sched, worker = make(block_size=4)
+    sched.add_request("p", [1, 2, 3], params(n=2, max_tokens=2))
+    step(sched, worker)  # p#0 computes the prompt; p#1 is released
+    _, outs = step(sched, worker)
+    assert [(o.index, o.finished) for o in outs] == [(0, True), (1, False)]  # p#0 done, p#1 still running
+    assert sched.add_request("p#0", [4, 5], params(max_tokens=3)) == []  # an unrelated caller's id
+    (out,) = sched.abort("p")
+    assert (out.request_id, out.index, out.finish_reason) == ("p", 1, "abort")
+    assert sched.requests["p#0"].status == RequestStatus.WAITING and "p" not in sched.children
+    got = run_all(sched, worker)
+    assert list(got) == [("p#0", 0)] and len(got[("p#0", 0)][0]) == 3 and got[("p#0", 0)][1] == "length"
+    assert sched.children == {}
 
 
 def test_abort_of_a_parent_aborts_parked_children():

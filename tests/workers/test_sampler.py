@@ -65,6 +65,19 @@ def test_all_greedy_is_argmax():
     assert sampled.tolist() == logits.argmax(-1).tolist()
 
 
+def test_tiny_temperatures_take_the_greedy_path():
+    # As fp32, 1e-40 is subnormal and 1e-50 is 0: dividing these logits by either overflows to inf and NaN.
+    logits = LOGITS.flip(0).repeat(3, 1)  # the argmax is the last token, not the first positive one
+    params = [SamplingParams(temperature=1e-40), SamplingParams(temperature=1e-50), SamplingParams(temperature=1.0)]
+    md = build(params)
+    assert md.greedy.tolist() == [True, True, False]
+    for _ in range(5):
+        sampled, _ = Sampler()(logits.clone(), md)
+        assert sampled[:2].tolist() == [V - 1, V - 1]
+    sampled, _ = Sampler()(logits[:2].clone(), build(params[:2]))
+    assert sampled.tolist() == [V - 1, V - 1]
+
+
 def test_greedy_rows_mixed_with_random_rows():
     torch.manual_seed(0)
     logits = torch.randn(4, V) * 0.3  # flat enough that random rows rarely hit their argmax
