@@ -98,7 +98,7 @@ class Worker:
         cfg = self.config
         tp = cfg.tensor_parallel_size
         self.spec = read_model_spec(cfg.model, tp)
-        backend = select_backend(cfg.attention_backend, self.device, cfg.block_size)
+        backend = select_backend(cfg.attention_backend, self.device, cfg.block_size, DTYPES[cfg.dtype])
         self.model = load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=self.device, attn_backend=backend,
                                 tp_rank=self.rank, tp_size=tp)
         self.runner = ModelRunner(self.model, backend, cfg.block_size, cfg.max_model_len, self.spec.vocab_size,
