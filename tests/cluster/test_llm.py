@@ -179,6 +179,39 @@ def test_bad_input_raises_before_anything_runs(smol, tmp_path):
         LLM(model=str(tmp_path))
 
 
+def test_generate_failing_part_way_leaves_nothing_running(tiny_model_dir, default_model_dir):
+    """A bad priority is refused before anything is submitted; an interrupt mid-generation (Ctrl-C, raised
+    here from the engine's third step) aborts the call's requests; the next generate() runs, and skips deltas
+    of requests it did not submit."""
+    llm = LLM(model=tiny_model_dir("llama"), tokenizer=default_model_dir, executor="inprocess",
+              scheduling_policy="priority", kv_cache_bytes=1 << 20)
+    engine = llm.engine
+    prompts = [[3 + i] * (5 + 7 * i) for i in range(4)]
+    with pytest.raises(ValueError, match=r"priority\[2\]='high' is not an int"):
+        llm.generate(prompts, greedy(8), priority=[0, 1, "high", 3], use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+
+    steps = 0
+
+    def interrupted_step():
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            raise KeyboardInterrupt
+        return InProcessEngine.step(engine)
+
+    engine.step = interrupted_step
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, greedy(8, ignore_eos=True), use_tqdm=False)
+    del engine.step
+    assert steps == 3 and not engine.has_unfinished_requests() and engine.stats().kv_cache_usage == 0
+
+    engine.add_request("not-generate's", prompts[0], greedy(4))
+    outs = llm.generate(prompts, greedy(8, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8] * 4
+    assert not engine.has_unfinished_requests()
+
+
 def test_executor_choice_is_checked(default_model_dir):
     with pytest.raises(ValueError, match="executor='threads'"):
         LLM(model=default_model_dir, executor="threads")
