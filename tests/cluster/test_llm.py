@@ -29,16 +29,20 @@ PROMPTS = [
 ]
 
 
-def hf_greedy(model_dir: str, prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:
+def hf_greedy(model_dir: str, prompt_ids: list[list[int]], new_tokens: int,
+              ignore_eos: bool = False) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # eos_token_id=None: generate all new_tokens, as SamplingParams(ignore_eos=True) does (min_new_tokens
+    # would instead mask EOS out of the greedy choice).
+    no_eos = {"eos_token_id": None} if ignore_eos else {}
     outs = []
     with torch.inference_mode():
         for ids in prompt_ids:
             x = torch.tensor([ids])
             y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
-                               pad_token_id=model.generation_config.eos_token_id)
+                               pad_token_id=model.generation_config.eos_token_id, **no_eos)
             outs.append(y[0, len(ids):].tolist())
     return outs
 
@@ -117,7 +121,7 @@ def test_tiny_random_models_match_transformers(tiny_model_dir, model_type, extra
     path = tiny_model_dir(model_type, **extra)
     rng = torch.Generator().manual_seed(1)
     ids = [torch.randint(3, 256, (n,), generator=rng).tolist() for n in (5, 19, 40, 70)]
-    expected = hf_greedy(path, ids, 16)
+    expected = hf_greedy(path, ids, 16, ignore_eos=True)
     engine = InProcessEngine(EngineConfig(model=path, block_size=8, max_num_batched_tokens=64))
     for i, p in enumerate(ids):
         engine.add_request(str(i), p, greedy(16, ignore_eos=True))
@@ -126,7 +130,7 @@ def test_tiny_random_models_match_transformers(tiny_model_dir, model_type, extra
         for o in engine.step():
             got[o.request_id].extend(o.new_token_ids)
     for i, want in enumerate(expected):
-        assert got[str(i)][:len(want)] == want, f"{model_type} prompt {i}"
+        assert len(want) == 16 and got[str(i)] == want, f"{model_type} prompt {i}"
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(smol):
