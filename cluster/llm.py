@@ -41,8 +41,9 @@ class LLM:
     """Runs a whole list of prompts to completion with continuous batching.
 
     Prompts may be strings (tokenized here, chat template optional) or lists
-    of token ids. Every prompt is checked before any runs, so a bad one raises
-    ValueError naming it instead of failing its batch mid-way.
+    of token ids. Every prompt, params and priority is checked before any runs, so
+    a bad one raises ValueError naming it instead of failing its batch mid-way; a
+    call that fails or is interrupted part-way aborts the requests it submitted.
 
     ``executor="ray"`` (the default) runs the Ray engine: a scheduler actor
     and ``tensor_parallel_size`` worker actors, on the cluster at ``address``
@@ -80,8 +81,14 @@ class LLM:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        for i, p in enumerate(params_list):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"params[{i}]={p!r} is not a SamplingParams")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        for i, p in enumerate(priority or ()):
+            if not isinstance(p, int) or isinstance(p, bool):
+                raise ValueError(f"priority[{i}]={p!r} is not an int")
         results = []
         for i, prompt in enumerate(prompts):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -98,6 +105,8 @@ class LLM:
 
         def absorb(outs) -> None:
             for o in outs:
+                if o.request_id not in by_id:  # a request of an earlier call's, aborted when that call failed
+                    continue
                 c = pending.get((o.request_id, o.index))
                 if c is None:
                     c = pending[(o.request_id, o.index)] = Completion(o.index, "", [], None, None)
@@ -109,11 +118,19 @@ class LLM:
                     by_id[o.request_id].num_cached_tokens = o.num_cached_tokens
                     bar.update(1)
 
-        for i, (r, p) in enumerate(zip(results, params_list)):
-            absorb(engine.add_request(r.request_id, r.prompt_token_ids, p, priority=priority[i] if priority else 0))
-        while engine.has_unfinished_requests():
-            absorb(engine.step())
-        bar.close()
+        submitted = 0
+        try:
+            for i, (r, p) in enumerate(zip(results, params_list)):
+                submitted += 1  # before the call: aborting a request the engine never took is a no-op
+                absorb(engine.add_request(r.request_id, r.prompt_token_ids, p, priority=priority[i] if priority else 0))
+            while engine.has_unfinished_requests():
+                absorb(engine.step())
+        except BaseException:  # KeyboardInterrupt too: no request of this call may run on
+            for r in results[:submitted]:
+                engine.abort(r.request_id)
+            raise
+        finally:
+            bar.close()
         for r in results:
             r.outputs = sorted((c for (rid, _), c in pending.items() if rid == r.request_id), key=lambda c: c.index)
             for c in r.outputs:

@@ -21,13 +21,14 @@ __all__ = ["AttentionBackend", "AttentionMetadata", "TorchBackend", "select_back
 BACKENDS = ("auto", "torch", "triton", "flash_attn")
 
 
-def select_backend(name: str, device: torch.device | str, block_size: int | None = None) -> AttentionBackend:
+def select_backend(name: str, device: torch.device | str, block_size: int | None = None,
+                   dtype: torch.dtype | None = None) -> AttentionBackend:
     """The backend called `name` for `device`.
 
-    "auto" is flash_attn when it imports on CUDA (and `block_size`, when given, meets its paged-KV
-    constraint), else triton on CUDA (when installed), else torch. An unknown name, or a backend
-    that cannot run on `device`, raises ValueError naming it. flash_attn itself falls back to
-    triton, with a warning, for caches it cannot page.
+    "auto" is flash_attn when it imports on CUDA (and `block_size` and `dtype`, when given, meet
+    its paged-KV constraints: fp32 does not), else triton on CUDA (when installed), else torch. An
+    unknown name, or a backend that cannot run on `device`, raises ValueError naming it. flash_attn
+    itself falls back to triton, with a warning, for caches it cannot page.
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
@@ -43,13 +44,14 @@ def select_backend(name: str, device: torch.device | str, block_size: int | None
 
     if name == "triton":
         return TritonBackend()
-    from kernels.flash_attention import FlashAttnBackend, load_flash_attn, unusable_reason
+    from kernels.flash_attention import PAGE_BLOCK_MULTIPLE, FlashAttnBackend, load_flash_attn, unusable_reason
 
     functions = load_flash_attn()
     if functions is None:
         if name == "flash_attn":
             raise ValueError("attention backend 'flash_attn' needs the flash_attn package, which does not import")
         return TritonBackend()
-    if name == "auto" and block_size is not None and unusable_reason(block_size) is not None:
+    # A property not given (None) is taken to suit flash-attn, as unusable_reason does.
+    if name == "auto" and unusable_reason(block_size or PAGE_BLOCK_MULTIPLE, dtype) is not None:
         return TritonBackend()
     return FlashAttnBackend(*functions, fallback=TritonBackend())

@@ -214,10 +214,10 @@ def load_model(
     tp_size: int = 1,
 ) -> nn.Module:
     """Build the model class config.json names and load rank `tp_rank`'s shard of its weights.
-    `attn_backend` defaults to `select_backend("auto", device)`."""
+    `attn_backend` defaults to `select_backend("auto", device, dtype=dtype)`."""
     spec = read_model_spec(path, tp_size)
     device = torch.device(device)
-    backend = attn_backend if attn_backend is not None else select_backend("auto", device)
+    backend = attn_backend if attn_backend is not None else select_backend("auto", device, dtype=dtype)
     with _default_dtype(dtype), device:
         model = MODEL_REGISTRY[spec.architecture](spec, backend, tp_rank, tp_size)
     load_weights(model, path)

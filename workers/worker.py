@@ -98,7 +98,7 @@ class Worker:
         cfg = self.config
         tp = cfg.tensor_parallel_size
         self.spec = read_model_spec(cfg.model, tp)
-        backend = select_backend(cfg.attention_backend, self.device, cfg.block_size)
+        backend = select_backend(cfg.attention_backend, self.device, cfg.block_size, DTYPES[cfg.dtype])
         self.model = load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=self.device, attn_backend=backend,
                                 tp_rank=self.rank, tp_size=tp)
         self.runner = ModelRunner(self.model, backend, cfg.block_size, cfg.max_model_len, self.spec.vocab_size,
@@ -115,18 +115,20 @@ class Worker:
         """Blocks this rank can hold. CPU: kv_cache_bytes. GPU: what is left after a peak-memory profile."""
         if self.device.type != "cuda":
             return max(self.config.kv_cache_bytes // self.block_bytes(), 0)
+        # blocks = (total * utilization - memory held before the profile - the profile's activation peak) // block.
+        # Held is read before the profile (weights, CUDA context, memory outside torch): read after, it would also
+        # count what the profile left in torch's caching allocator, which the peak already counts.
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        self._profile_run()
         free, total = torch.cuda.mem_get_info()
-        used = total - free
-        activation_peak = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
-        budget = total * self.config.gpu_memory_utilization - used - activation_peak
+        activation_peak = self._profile_run()
+        torch.cuda.empty_cache()  # hand the profile's blocks back, for the real cache
+        budget = total * self.config.gpu_memory_utilization - (total - free) - activation_peak
         return max(int(budget // self.block_bytes()), 0)
 
     @torch.inference_mode()
-    def _profile_run(self) -> None:
-        """A forward over the largest batch the scheduler may send, against a throwaway cache."""
+    def _profile_run(self) -> int:
+        """Peak bytes of a forward over the largest batch the scheduler may send, against a throwaway cache
+        (not counted: the real cache takes its place)."""
         cfg, spec = self.config, self.spec
         num_tokens = min(cfg.max_num_batched_tokens, cfg.max_model_len * cfg.max_num_seqs)
         seq = min(cfg.max_model_len, num_tokens)
@@ -136,6 +138,8 @@ class Worker:
                             spec.kv_heads_per_rank(cfg.tensor_parallel_size), spec.head_dim, DTYPES[cfg.dtype],
                             self.device)
         cache.bind(self.model.attention_layers)
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
         dev = self.device
         tables = torch.arange(1, len(lens) * blocks_per_seq + 1, dtype=torch.int32, device=dev).view(len(lens), -1)
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
@@ -147,8 +151,11 @@ class Worker:
                                      backend=self.runner.attn_backend)
         hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev), positions, md)
         self.model.compute_logits(hidden[cu[1:].long() - 1])
-        del cache, hidden
         torch.cuda.synchronize()
+        # The layers' views would keep the throwaway cache alive next to the real one.
+        for layer in self.model.attention_layers:
+            layer.kv_cache = torch.empty(0)
+        return torch.cuda.max_memory_allocated() - start
 
     def init_cache(self, num_blocks: int) -> None:
         cfg, spec = self.config, self.spec

@@ -29,16 +29,20 @@ PROMPTS = [
 ]
 
 
-def hf_greedy(model_dir: str, prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:
+def hf_greedy(model_dir: str, prompt_ids: list[list[int]], new_tokens: int,
+              ignore_eos: bool = False) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # eos_token_id=None: generate all new_tokens, as SamplingParams(ignore_eos=True) does (min_new_tokens
+    # would instead mask EOS out of the greedy choice).
+    no_eos = {"eos_token_id": None} if ignore_eos else {}
     outs = []
     with torch.inference_mode():
         for ids in prompt_ids:
             x = torch.tensor([ids])
             y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
-                               pad_token_id=model.generation_config.eos_token_id)
+                               pad_token_id=model.generation_config.eos_token_id, **no_eos)
             outs.append(y[0, len(ids):].tolist())
     return outs
 
@@ -117,7 +121,7 @@ def test_tiny_random_models_match_transformers(tiny_model_dir, model_type, extra
     path = tiny_model_dir(model_type, **extra)
     rng = torch.Generator().manual_seed(1)
     ids = [torch.randint(3, 256, (n,), generator=rng).tolist() for n in (5, 19, 40, 70)]
-    expected = hf_greedy(path, ids, 16)
+    expected = hf_greedy(path, ids, 16, ignore_eos=True)
     engine = InProcessEngine(EngineConfig(model=path, block_size=8, max_num_batched_tokens=64))
     for i, p in enumerate(ids):
         engine.add_request(str(i), p, greedy(16, ignore_eos=True))
@@ -126,7 +130,7 @@ def test_tiny_random_models_match_transformers(tiny_model_dir, model_type, extra
         for o in engine.step():
             got[o.request_id].extend(o.new_token_ids)
     for i, want in enumerate(expected):
-        assert got[str(i)][:len(want)] == want, f"{model_type} prompt {i}"
+        assert len(want) == 16 and got[str(i)] == want, f"{model_type} prompt {i}"
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(smol):
@@ -177,6 +181,39 @@ def test_bad_input_raises_before_anything_runs(smol, tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         LLM(model=str(tmp_path))
+
+
+def test_generate_failing_part_way_leaves_nothing_running(tiny_model_dir, default_model_dir):
+    """A bad priority is refused before anything is submitted; an interrupt mid-generation (Ctrl-C, raised
+    here from the engine's third step) aborts the call's requests; the next generate() runs, and skips deltas
+    of requests it did not submit."""
+    llm = LLM(model=tiny_model_dir("llama"), tokenizer=default_model_dir, executor="inprocess",
+              scheduling_policy="priority", kv_cache_bytes=1 << 20)
+    engine = llm.engine
+    prompts = [[3 + i] * (5 + 7 * i) for i in range(4)]
+    with pytest.raises(ValueError, match=r"priority\[2\]='high' is not an int"):
+        llm.generate(prompts, greedy(8), priority=[0, 1, "high", 3], use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+
+    steps = 0
+
+    def interrupted_step():
+        nonlocal steps
+        steps += 1
+        if steps == 3:
+            raise KeyboardInterrupt
+        return InProcessEngine.step(engine)
+
+    engine.step = interrupted_step
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, greedy(8, ignore_eos=True), use_tqdm=False)
+    del engine.step
+    assert steps == 3 and not engine.has_unfinished_requests() and engine.stats().kv_cache_usage == 0
+
+    engine.add_request("not-generate's", prompts[0], greedy(4))
+    outs = llm.generate(prompts, greedy(8, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8] * 4
+    assert not engine.has_unfinished_requests()
 
 
 def test_executor_choice_is_checked(default_model_dir):

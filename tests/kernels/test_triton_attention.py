@@ -67,13 +67,15 @@ def test_store_kv_matches_torch_path_and_touches_nothing_else():
 FLASH_STAND_INS = (lambda *args, **kwargs: None, lambda *args, **kwargs: None)
 
 
-@pytest.mark.parametrize("flash_attn_imports,block_size,expected", [
-    (True, None, FlashAttnBackend), (True, 256, FlashAttnBackend), (True, 16, TritonBackend),
-    (False, None, TritonBackend),
+@pytest.mark.parametrize("flash_attn_imports,block_size,dtype,expected", [
+    (True, None, None, FlashAttnBackend), (True, 256, torch.bfloat16, FlashAttnBackend),
+    (True, 16, None, TritonBackend), (True, 256, torch.float32, TritonBackend),
+    (True, None, torch.float32, TritonBackend),
+    (False, None, None, TritonBackend),
 ])
-def test_auto_on_cuda_prefers_flash_attn_then_triton(monkeypatch, flash_attn_imports, block_size, expected):
+def test_auto_on_cuda_prefers_flash_attn_then_triton(monkeypatch, flash_attn_imports, block_size, dtype, expected):
     monkeypatch.setattr(flash_attention, "load_flash_attn", lambda: FLASH_STAND_INS if flash_attn_imports else None)
-    backend = select_backend("auto", "cuda", block_size=block_size)
+    backend = select_backend("auto", "cuda", block_size=block_size, dtype=dtype)
     assert type(backend) is expected
     assert not isinstance(backend, FlashAttnBackend) or isinstance(backend.fallback, TritonBackend)
 
