@@ -31,6 +31,45 @@ def _check_shape(name: str, tensor: TensorSlice, expected: tuple[int, ...]) -> N
         raise ValueError(f"weight {name} has shape {list(shape)} in the checkpoint, expected {list(expected)}")
 
 
+# oneDNN chooses its blocked weight layout for a typical count of activation rows; the packed weight then serves
+# any count, from a decode step's few rows to a prefill's thousands.
+PACK_ROWS = 64
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] reordered once into oneDNN's blocked layout, for `linear`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b, through the packed weight when there is one."""
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def pack_for_cpu(model: nn.Module) -> None:
+    """Reorder every matmul weight of a loaded model into oneDNN's layout, once.
+
+    F.linear hands its weight to MKL's sgemm, which repacks it on every call: for a decode step's tens of rows
+    that repacking is a large part of the product. Prepacked, oneDNN ran SmolLM2's layer products 1.4x faster
+    at 64 rows and 1.2x at 2048, and its LM head 2x, still in fp32. The linear layers' plain weights are
+    dropped (the packed copy replaces them); the LM head keeps its plain weight, which is also the embedding
+    when the two are tied.
+    """
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.packed = pack_weight(module.weight)
+            module.weight = None
+    head = model.lm_head
+    head.packed_head = pack_weight(head.weight)
+
+
 def load_replicated(param: nn.Parameter, tensor: TensorSlice, name: str, _shard: str | None = None) -> None:
     """The loader of parameters that carry no `weight_loader`: weights every rank holds whole."""
     _check_shape(name, tensor, tuple(param.shape))
@@ -79,6 +118,7 @@ class ColumnParallelLinear(nn.Module):
         out = sum(s.size for s in shards.values())
         self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
         self.weight.weight_loader = self._load
+        self.packed: torch.Tensor | None = None  # set by pack_for_cpu, which drops self.weight
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
         if bias:
             self.bias.weight_loader = self._load
@@ -89,7 +129,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[s.offset : s.offset + s.size].copy_(tensor[s.start : s.start + s.size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.packed, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -103,6 +143,7 @@ class RowParallelLinear(nn.Module):
         self.input_size = input_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size // tp_size), requires_grad=False)
         self.weight.weight_loader = self._load_weight
+        self.packed: torch.Tensor | None = None  # set by pack_for_cpu, which drops self.weight
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
     def _load_weight(self, param: nn.Parameter, tensor: TensorSlice, name: str, _shard: None) -> None:
@@ -111,7 +152,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(tensor[:, self.rank * cols : (self.rank + 1) * cols])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, self.packed)
         if self.tp_size > 1:
             dist.all_reduce(y)
         return y if self.bias is None else y + self.bias
@@ -132,6 +173,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = rank * self.per_rank
         self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size), requires_grad=False)
         self.weight.weight_loader = self._load
+        self.packed_head: torch.Tensor | None = None  # the LM head's copy, set by pack_for_cpu
 
     def _load(self, param: nn.Parameter, tensor: TensorSlice, name: str, _shard: None) -> None:
         _check_shape(name, tensor, (self.vocab_size, param.shape[1]))
@@ -150,9 +192,12 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary fp32 logits on rank 0, None on the other ranks."""
-        # In vocabulary slices: each slice's weights stay in cache while every row uses them, which measured
-        # 15-25% faster than one [rows x vocab] product on a 2-core CPU at 8-128 rows.
-        local = torch.cat([F.linear(hidden, w) for w in self.weight.split(LOGITS_SLICE)], dim=-1).float()
+        if self.packed_head is not None:
+            local = linear(hidden, None, self.packed_head).float()
+        else:
+            # In vocabulary slices: each slice's weights stay in cache while every row uses them, which measured
+            # 15-25% faster than one [rows x vocab] product on a 2-core CPU at 8-128 rows.
+            local = torch.cat([F.linear(hidden, w) for w in self.weight.split(LOGITS_SLICE)], dim=-1).float()
         if self.tp_size == 1:
             return local
         parts = [torch.empty_like(local) for _ in range(self.tp_size)] if self.rank == 0 else None

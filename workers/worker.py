@@ -14,6 +14,7 @@ from kernels import AttentionMetadata, select_backend
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.cache_engine import CacheEngine
 from workers.model_loader import load_model, read_model_spec
+from workers.layers import can_pack, pack_for_cpu
 from workers.model_runner import ModelRunner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -101,6 +102,8 @@ class Worker:
         backend = select_backend(cfg.attention_backend, self.device, cfg.block_size, DTYPES[cfg.dtype])
         self.model = load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=self.device, attn_backend=backend,
                                 tp_rank=self.rank, tp_size=tp)
+        if can_pack(self.device, DTYPES[cfg.dtype]):
+            pack_for_cpu(self.model)
         self.runner = ModelRunner(self.model, backend, cfg.block_size, cfg.max_model_len, self.spec.vocab_size,
                                   self.spec.eos_token_id, self.device, is_driver=self.rank == 0,
                                   max_rows=min(cfg.max_num_seqs, 256))

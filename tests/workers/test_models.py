@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from kernels import AttentionMetadata, select_backend
+from workers.layers import ColumnParallelLinear, RowParallelLinear, pack_for_cpu
 from workers.model_loader import load_model, read_model_spec
 
 BLOCK_SIZE = 4  # small, so every sequence spans several (shuffled) blocks
@@ -109,31 +110,38 @@ def random_seqs(vocab: int) -> list[list[int]]:
     return [torch.randint(vocab, (n,), generator=g).tolist() for n in LENGTHS]
 
 
-def assert_matches_reference(path: str, seqs: list[list[int]], atol: float) -> None:
+def assert_matches_reference(path: str, seqs: list[list[int]], atol: float, packed: bool) -> None:
     model = load_model(path, attn_backend=select_backend("torch", torch.device("cpu")))
+    if packed:  # what a CPU worker runs: every matmul through oneDNN's prepacked weights
+        pack_for_cpu(model)
+        linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+        assert linears and all(m.weight is None and m.packed is not None for m in linears)
+        assert model.lm_head.packed_head is not None
     ours, ref = run_paged(model, seqs), reference_logits(path, seqs)
     for o, r in zip(ours, ref):
         torch.testing.assert_close(o, r, rtol=1e-4, atol=atol)
 
 
-def test_default_model_matches_transformers(default_model_dir):
+@pytest.mark.parametrize("packed", [False, True], ids=["F.linear", "packed"])
+def test_default_model_matches_transformers(default_model_dir, packed):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(default_model_dir)
     texts = ["The capital of France is Paris, and the", "Hello there", "def add(a, b):\n    return"]
     seqs = [tok(t)["input_ids"] for t in texts]
     seqs = [(s * 4)[:n] for s, n in zip(seqs, LENGTHS)]
-    assert_matches_reference(default_model_dir, seqs, atol=2e-4)
+    assert_matches_reference(default_model_dir, seqs, atol=2e-4, packed=packed)
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["F.linear", "packed"])
 @pytest.mark.parametrize("name", TINY_MODELS)
-def test_tiny_model_matches_transformers(tiny_model_dir, name):
+def test_tiny_model_matches_transformers(tiny_model_dir, name, packed):
     model_type, shard_size, overrides = TINY_MODELS[name]
     path = tiny_model_dir(model_type, shard_size, **overrides)
     if shard_size:  # the loader must gather weights from every file of a sharded checkpoint
         index = json.loads((Path(path) / "model.safetensors.index.json").read_text())
         assert len(set(index["weight_map"].values())) > 1
-    assert_matches_reference(path, random_seqs(256), atol=1e-5)
+    assert_matches_reference(path, random_seqs(256), atol=1e-5, packed=packed)
 
 
 def test_spec_reads_config(default_model_dir, tiny_model_dir):
