@@ -4,7 +4,7 @@ A step's requests are cut into a few groups of similar shape. Each group gathers
 KV blocks into one padded batch and makes one `scaled_dot_product_attention` call, whose CPU
 flash kernel is fused, multi-threaded and handles GQA without repeating KV heads. On a CPU with
 an fp32 cache, single-token queries (decodes) skip the gather: the native kernel of
-cpu_decode.py reads their keys and values in place, all of them in one call.
+cpu_ops.py reads their keys and values in place, all of them in one call.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_decode import load_paged_decode
+from kernels.cpu_ops import load_cpu_ops
 from kernels.metadata import AttentionMetadata
 
 # What one more group call (a few gathers and an SDPA launch, ~70 us on one core) is worth in
@@ -75,7 +75,7 @@ class TorchBackend:
 
     def __init__(self, native_decode: bool = True) -> None:
         self._scratch = torch.empty(0)
-        self._paged_decode = load_paged_decode() if native_decode else None
+        self._paged_decode = torch.ops.raylm.paged_decode if native_decode and load_cpu_ops() else None
 
     def plan(self, md: AttentionMetadata) -> list[_Group | _DecodeGroup]:
         starts = md.query_start_loc.tolist()

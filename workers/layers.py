@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionBackend, AttentionMetadata
+from kernels.cpu_ops import add_rms_norm
 
 
 class TensorSlice(Protocol):
@@ -219,8 +220,11 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = x if residual is None else x + residual
-        return self(residual), residual
+        """The residual is added to in place: it is the stream this model owns (the embedding's output, then
+        the running sum), never a tensor a caller still reads."""
+        if residual is None:
+            return self(x), x
+        return add_rms_norm(x, residual, self.weight, self.eps), residual
 
 
 @dataclass(slots=True, frozen=True)
@@ -268,12 +272,6 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, 1, head_dim / 2], ready to broadcast over heads."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each head of x [T, heads, head_dim] by its token's angle."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):

@@ -8,10 +8,10 @@ rank (`packed_modules` tells the loader which checkpoint tensors feed which fuse
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionBackend, AttentionMetadata
+from kernels.cpu_ops import rotary_, silu_and_mul
 from workers.layers import (
     Attention,
     ColumnParallelLinear,
@@ -19,7 +19,6 @@ from workers.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
-    apply_rotary,
     even_shards,
     qkv_shards,
 )
@@ -51,8 +50,9 @@ class LlamaAttention(nn.Module):
         qk = qk.view(t, h + kv, d)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
-        # q and k rotate by the same angles: one rotation over both halves the op count.
-        q, k = apply_rotary(qk, cos, sin).split([h, kv], dim=1)
+        # q and k rotate by the same angles: one rotation over both, in place.
+        rotary_(qk, cos, sin)
+        q, k = qk.split([h, kv], dim=1)
         out = self.attn(q, k, v.view(t, kv, d), attn_metadata)
         return self.o_proj(out.view(t, h * d))
 
@@ -69,8 +69,7 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

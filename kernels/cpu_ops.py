@@ -1,0 +1,103 @@
+"""raylm's native CPU ops (csrc/cpu_ops.cpp), built on first use for this machine: decode attention straight
+from the paged cache, and the Llama block's elementwise ops fused into one pass each.
+
+torch's extension builder compiles them once per machine (about a minute; later processes load the cached
+library, and concurrent ones wait on the builder's lock). Where they cannot be built (no C++ compiler),
+`load_cpu_ops` is False: attention takes SDPA for decodes and the fused ops below their torch equivalents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+# -march=native is safe because each CPU kind gets its own build directory (_build_dir).
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+
+_loaded = False
+_tried = False
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the pinned ninja wheel's binary is there only in an
+    activated venv, so name its folder when no other ninja is found."""
+    if shutil.which("ninja") is None:
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU's feature flags, hashed: a -march=native build is only valid on CPUs with the same ones."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+
+
+def _build_dir() -> str:
+    cache = Path(os.environ.get("RAYLM_CACHE_DIR") or Path.home() / ".cache" / "raylm")
+    # Keyed by CPU features as well: a home directory shared between nodes of different CPUs holds one build each.
+    path = cache / "torch_extensions" / f"{os.uname().machine}-{_cpu_fingerprint()}"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+def load_cpu_ops() -> bool:
+    """Whether `torch.ops.raylm` (paged_decode and the fused ops) is loaded, building it if needed; False
+    (logged once) where it cannot be built. Set RAYLM_NATIVE_DECODE=0 to never build or use it."""
+    global _loaded, _tried
+    if _tried:
+        return _loaded
+    _tried = True
+    if os.environ.get("RAYLM_NATIVE_DECODE", "1") == "0":
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        _ninja_on_path()
+        load(name="raylm_cpu_ops", sources=[str(SOURCE)], extra_cflags=CFLAGS,
+             extra_ldflags=["-fopenmp"], build_directory=_build_dir(), is_python_module=False, verbose=False)
+        _loaded = True
+    except Exception as e:  # noqa: BLE001 - any build failure means: use torch's ops
+        logger.warning("raylm: the native CPU ops could not be built (%s: %s); using torch's", type(e).__name__, e)
+    return _loaded
+
+
+def _native(x: torch.Tensor) -> bool:
+    return x.dtype == torch.float32 and x.device.type == "cpu" and load_cpu_ops()
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``residual += x`` in place, then RMSNorm of the sum: one pass per row on CPU."""
+    if _native(x) and x.is_contiguous() and residual.is_contiguous():
+        return torch.ops.raylm.add_rms_norm(x, residual, weight, eps)
+    residual += x
+    return F.rms_norm(residual, weight.shape, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up for x = [gate | up] along the last dimension."""
+    if _native(x) and x.is_contiguous() and x.dim() == 2:
+        return torch.ops.raylm.silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate each head of x [T, heads, D] in place, Neox style, by cos and sin [T, D/2] (or [T, 1, D/2])."""
+    if _native(x) and x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous():
+        torch.ops.raylm.rotary_(x, cos, sin)
+        return
+    cos, sin = cos.view(x.shape[0], 1, -1), sin.view(x.shape[0], 1, -1)
+    x1, x2 = x.chunk(2, dim=-1)
+    x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))

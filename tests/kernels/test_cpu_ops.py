@@ -1,0 +1,50 @@
+"""The fused elementwise CPU ops (kernels/cpu_ops.py) against the eager torch they replace, on the native path
+(fp32, built for this machine) and on the fallback every other dtype and device takes."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_ops import add_rms_norm, load_cpu_ops, rotary_, silu_and_mul
+
+DTYPES = [pytest.param(torch.float32, id="native"), pytest.param(torch.float64, id="fallback")]
+
+
+def test_the_native_ops_build_here():
+    assert load_cpu_ops(), "the native CPU ops did not build (see the logged warning)"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 37, 300])
+def test_add_rms_norm_adds_in_place_and_normalises(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x, residual = (torch.randn(rows, 576, generator=g, dtype=dtype) for _ in range(2))
+    weight = torch.randn(576, generator=g, dtype=dtype)
+    expected_sum = residual + x
+    out = add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(residual, expected_sum)  # the same fp additions, in place
+    torch.testing.assert_close(out, F.rms_norm(expected_sum, (576,), weight, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 64, 513])
+def test_silu_and_mul(dtype, rows):
+    x = torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows), dtype=dtype) * 6
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_and_mul(x), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_rotates_a_strided_view_in_place_and_nothing_else(dtype):
+    """q and k heads as the attention layer has them: the first 12 of 15 heads of each row of a fused qkv."""
+    g = torch.Generator().manual_seed(0)
+    t, d = 29, 64
+    qkv = torch.randn(t, 15 * d, generator=g, dtype=dtype)
+    before = qkv.clone()
+    cos, sin = (torch.randn(t, 1, d // 2, generator=g, dtype=dtype) for _ in range(2))
+    qk = qkv[:, : 12 * d].view(t, 12, d)
+    x1, x2 = before[:, : 12 * d].view(t, 12, d).chunk(2, dim=-1)
+    expected = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    rotary_(qk, cos, sin)
+    torch.testing.assert_close(qkv[:, : 12 * d].view(t, 12, d), expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, 12 * d :], before[:, 12 * d :])  # v untouched
