@@ -283,8 +283,10 @@ def bench_ray_overhead(model: str | None = None, tp_sizes: tuple[int, ...] = (1,
     import ray
 
     from cluster.config import EngineConfig
-    from cluster.ray_engine import RayEngine
+    from cluster.ray_engine import SCHEDULER_CPUS, RayEngine, connect
 
+    # A local Ray sized for the largest engine: the first, smaller one would otherwise size it too small.
+    connect(None, SCHEDULER_CPUS + max(tp_sizes))
     tmp = tempfile.TemporaryDirectory() if model is None else None
     model = model or _tiny_llama(tmp.name)
     print(f"raylm bench ray-overhead: empty-step round trip, {steps} steps after {warmup} warm-up; model {model}")
