@@ -109,6 +109,8 @@ def _serve_parsers(sub, bench_sub) -> None:
     bs.add_argument("--min-len", type=int, default=32)
     bs.add_argument("--max-len", type=int, default=256)
     bs.add_argument("--api-key", default=None, help="default: $RAYLM_API_KEY")
+    bs.add_argument("--seed", type=int, default=0,
+                    help="the workload's seed: a server keeps its prefix cache, so a repeated seed measures cache hits")
 
 
 def _serve_command(args: argparse.Namespace) -> None:
@@ -151,7 +153,7 @@ def _run(args: argparse.Namespace) -> None:
 
         from cluster.bench import bench_serve
         bench_serve(args.url, args.model, args.num_requests, args.request_rate, args.min_len, args.max_len,
-                    args.api_key or os.environ.get("RAYLM_API_KEY"))
+                    args.api_key or os.environ.get("RAYLM_API_KEY"), args.seed)
     elif args.bench == "ray-overhead":
         from cluster.bench import bench_ray_overhead
         bench_ray_overhead(args.model, tuple(args.tp_sizes), args.steps)
