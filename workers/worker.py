@@ -13,8 +13,8 @@ import torch.distributed as dist
 from kernels import AttentionMetadata, select_backend
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.cache_engine import CacheEngine
-from workers.model_loader import load_model, read_model_spec
 from workers.layers import can_pack, pack_for_cpu
+from workers.model_loader import load_model, read_model_spec
 from workers.model_runner import ModelRunner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
