@@ -38,6 +38,9 @@ class EngineConfig(BaseModel):
     placement_timeout_s: float = Field(60.0, gt=0)
     attention_backend: Literal["auto", "torch", "triton", "flash_attn"] = "auto"
     num_threads: int | None = Field(None, ge=1)
+    # Benchmarking only: each rank returns a token per request at once, with no model or KV cache, so a
+    # benchmark measures what the scheduler, Ray and the serving path alone can carry.
+    no_work_model: bool = False
 
     def resolved_model(self) -> str:
         if self.model is not None:
@@ -51,7 +54,8 @@ class EngineConfig(BaseModel):
             max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, tensor_parallel_size=self.tensor_parallel_size,
             kv_cache_bytes=self.kv_cache_bytes, gpu_memory_utilization=self.gpu_memory_utilization,
-            attention_backend=self.attention_backend, num_threads=self.num_threads)
+            attention_backend=self.attention_backend, num_threads=self.num_threads,
+            no_work=self.no_work_model)
 
     def scheduler_config(self, num_blocks: int, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(

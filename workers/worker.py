@@ -16,6 +16,7 @@ from workers.cache_engine import CacheEngine
 from workers.layers import can_pack, pack_for_cpu
 from workers.model_loader import load_model, read_model_spec
 from workers.model_runner import ModelRunner
+from workers.no_work import NoWorkRunner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # glibc's mallopt parameters. A step's activations (megabytes each) are above glibc's default mmap
@@ -51,6 +52,7 @@ class WorkerConfig:
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
     num_threads: int | None = None  # torch intra-op threads; None: all cores this process may use
+    no_work: bool = False  # benchmarking only: NoWorkRunner in place of the model (workers/no_work.py)
 
 
 class Worker:
@@ -67,7 +69,7 @@ class Worker:
         self.device = torch.device("cpu")
         self.model = None
         self.spec = None
-        self.runner: ModelRunner | None = None
+        self.runner: ModelRunner | NoWorkRunner | None = None
         self.cache: CacheEngine | None = None
 
     def init_device(self) -> str:
@@ -99,6 +101,9 @@ class Worker:
         cfg = self.config
         tp = cfg.tensor_parallel_size
         self.spec = read_model_spec(cfg.model, tp)
+        if cfg.no_work:
+            self.runner = NoWorkRunner(self.spec.vocab_size, is_driver=self.rank == 0)
+            return
         backend = select_backend(cfg.attention_backend, self.device, cfg.block_size, DTYPES[cfg.dtype])
         self.model = load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=self.device, attn_backend=backend,
                                 tp_rank=self.rank, tp_size=tp)
@@ -161,6 +166,8 @@ class Worker:
         return torch.cuda.max_memory_allocated() - start
 
     def init_cache(self, num_blocks: int) -> None:
+        if self.model is None:  # the no-work runner reads no KV
+            return
         cfg, spec = self.config, self.spec
         self.cache = CacheEngine(spec.num_layers, num_blocks, cfg.block_size,
                                  spec.kv_heads_per_rank(cfg.tensor_parallel_size), spec.head_dim,

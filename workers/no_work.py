@@ -1,0 +1,49 @@
+"""A model runner that does no tensor work, for measuring the serving path alone (benchmarking only)."""
+
+from __future__ import annotations
+
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+
+# Token ids it cycles through start past the special tokens every Llama-family tokenizer puts first, so
+# each one decodes to visible text and the serving path detokenizes, formats and streams it as it would
+# a real model's.
+FIRST_TOKEN_ID = 1000
+CYCLE = 997  # prime: consecutive tokens of a request differ, and so do requests at different lengths
+
+
+class NoWorkRunner:
+    """Returns one token per request whose scheduled tokens complete it, at once, with no forward pass.
+
+    It applies the step's diff exactly as ModelRunner does (the same rule for
+    who samples: computed + scheduled == the request's token count), so the
+    scheduler, the Ray round trip and everything downstream run unchanged;
+    only the model and the KV cache are gone. The token is a function of the
+    request's length, so a run is reproducible.
+    """
+
+    def __init__(self, vocab_size: int, is_driver: bool = True) -> None:
+        self.span = max(1, min(CYCLE, vocab_size - FIRST_TOKEN_ID))
+        self.first = min(FIRST_TOKEN_ID, vocab_size - 1)
+        self.is_driver = is_driver
+        self.num_tokens: dict[str, int] = {}
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        num_tokens = self.num_tokens
+        for rid in so.finished_req_ids:
+            num_tokens.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            num_tokens[new.req_id] = len(new.prompt_token_ids)
+        starts = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        for rid, new_tokens, computed in zip(cached.req_ids, cached.new_token_ids, cached.num_computed_tokens):
+            num_tokens[rid] += len(new_tokens)
+            starts[rid] = computed
+        if not self.is_driver:
+            return None
+        req_ids, sampled = [], []
+        for rid, n in so.num_scheduled_tokens.items():
+            total = num_tokens[rid]
+            if starts[rid] + n == total:
+                req_ids.append(rid)
+                sampled.append(self.first + total % self.span)
+        return ModelRunnerOutput(req_ids, sampled)
