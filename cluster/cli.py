@@ -24,6 +24,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash_attn"])
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--no-work-model", action="store_true",
+                   help="benchmarking only: ranks return a token per request at once, with no model or KV cache")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -33,7 +35,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                   kv_cache_bytes=args.kv_cache_bytes, num_threads=args.num_threads,
                   enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
                   placement_strategy=args.placement_strategy, placement_timeout_s=args.placement_timeout_s,
-                  attention_backend=args.attention_backend, scheduling_policy=args.scheduling_policy)
+                  attention_backend=args.attention_backend, scheduling_policy=args.scheduling_policy,
+                  no_work_model=args.no_work_model)
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs
     return kwargs
@@ -101,13 +104,27 @@ def _serve_parsers(sub, bench_sub) -> None:
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--max-body-bytes", type=int, default=8 << 20)
     bs = bench_sub.add_parser("serve", help="online serving over HTTP streaming: TTFT, TPOT, ITL, latency, throughput")
-    bs.add_argument("--url", default="http://127.0.0.1:8000")
-    bs.add_argument("--model", default=None, help="HF model directory, for its vocabulary (default: SmolLM2)")
+    bs.add_argument("--url", default="http://127.0.0.1:8000", help="the server to measure (unless --compare or "
+                    "--no-work-model, which start their own)")
+    bs.add_argument("--model", default=None, help="HF model directory (default: SmolLM2)")
+    bs.add_argument("--compare", nargs="+", default=[], choices=["vllm", "offline"],
+                    help="start raylm serve, then vllm serve (its own venv), one at a time, with the same client and "
+                         "requests; offline: also raylm's offline Ray engine on the same requests")
+    bs.add_argument("--no-work-model", action="store_true",
+                    help="the serving path's ceiling: a raylm serve whose ranks do no tensor work, at --concurrency")
+    bs.add_argument("--concurrency", type=int, nargs="+", default=[64, 256, 1024],
+                    help="with --no-work-model: concurrent streams per level")
+    bs.add_argument("--dataset", default="uniform", choices=["uniform", "random"],
+                    help="random: fixed --input-len / --output-len (vllm bench serve's); uniform: both in "
+                         "[--min-len, --max-len]")
+    bs.add_argument("--input-len", type=int, default=128)
+    bs.add_argument("--output-len", type=int, default=128)
     bs.add_argument("--num-requests", type=int, default=64)
     bs.add_argument("--request-rate", type=float, default=float("inf"),
                     help="Poisson arrivals, requests/s (default: all at once)")
     bs.add_argument("--min-len", type=int, default=32)
     bs.add_argument("--max-len", type=int, default=256)
+    bs.add_argument("--num-threads", type=int, default=None, help="torch threads of the servers it starts")
     bs.add_argument("--api-key", default=None, help="default: $RAYLM_API_KEY")
     bs.add_argument("--seed", type=int, default=0,
                     help="the workload's seed: a server keeps its prefix cache, so a repeated seed measures cache hits")
@@ -146,19 +163,25 @@ def _run(args: argparse.Namespace) -> None:
         (out,) = llm.generate(prompt, params, use_tqdm=False)
         print(out.outputs[0].text)
     elif args.bench == "scheduler":
-        from cluster.bench import bench_scheduler
+        from cluster.bench.scheduler import bench_scheduler
         bench_scheduler(tuple(args.sizes), args.prompt_len, args.block_size, args.steps)
+    elif args.bench == "serve" and args.no_work_model:
+        from cluster.bench.serve import bench_serve_ceiling
+        bench_serve_ceiling(args.model, tuple(args.concurrency), args.output_len, args.input_len, args.seed)
     elif args.bench == "serve":
         import os
 
-        from cluster.bench import bench_serve
-        bench_serve(args.url, args.model, args.num_requests, args.request_rate, args.min_len, args.max_len,
-                    args.api_key or os.environ.get("RAYLM_API_KEY"), args.seed)
+        from cluster.bench.serve import bench_serve
+        work = dict(dataset=args.dataset, num_requests=args.num_requests, input_len=args.input_len,
+                    output_len=args.output_len, min_len=args.min_len, max_len=args.max_len,
+                    request_rate=args.request_rate)
+        bench_serve(args.url, args.model, work, args.compare, args.api_key or os.environ.get("RAYLM_API_KEY"),
+                    args.seed, args.num_threads)
     elif args.bench == "ray-overhead":
-        from cluster.bench import bench_ray_overhead
+        from cluster.bench.ray_overhead import bench_ray_overhead
         bench_ray_overhead(args.model, tuple(args.tp_sizes), args.steps)
     else:
-        from cluster.bench import bench_throughput
+        from cluster.bench.throughput import bench_throughput
         bench_throughput(args.model, args.num_requests, args.min_len, args.max_len, args.compare, args.executor,
                          args.address, **_engine_kwargs(args))
 

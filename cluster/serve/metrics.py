@@ -48,9 +48,11 @@ class EngineStatsCollector(Collector):
             CounterMetricFamily("vllm:prefix_cache_hits", "Prefix-cache hits.", labels=["model_name"]),
             CounterMetricFamily("vllm:num_preemptions", "Preemptions (recompute) since start.",
                                 labels=["model_name"]),
+            CounterMetricFamily("raylm:engine_steps", "Engine steps (schedule, execute, update) since start.",
+                                labels=["model_name"]),
         ]
         values = (s.num_running, s.num_waiting, s.kv_cache_usage, s.prefix_cache_queries, s.prefix_cache_hits,
-                  s.num_preemptions)
+                  s.num_preemptions, s.num_steps)
         for family, value in zip(families, values):
             family.add_metric([self.model_name], value)
         return families

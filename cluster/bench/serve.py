@@ -1,0 +1,277 @@
+"""`raylm bench serve`: online serving over HTTP streaming, as `vllm bench serve` measures it.
+
+Three ways to run it:
+- against a running server (``--url``);
+- ``--compare vllm [offline]``: it starts `raylm serve`, then `vllm serve`, one at a time, drives both with the
+  same client and requests, and prints both rows and their ratios; ``offline`` adds raylm's offline Ray engine
+  on the same requests, and the latency of one prefill plus one decode step (what TTFT at a low rate should
+  approach);
+- ``--no-work-model``: the serving path's ceiling. `raylm serve --no-work-model` returns a token per request
+  per step with no tensor work, so streamed tokens/s, SSE chunks/s and engine steps/s at 64, 256 and 1,024
+  concurrent streams are what the scheduler, Ray and the HTTP path alone can carry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cluster.bench.servers import free_port, raylm_server, vllm_server
+from cluster.bench.throughput import throughput_workload
+
+NO_WORK_KV_BYTES = 1 << 40  # the no-work model allocates no KV cache: only the scheduler's block count
+
+
+@dataclass(slots=True)
+class Workload:
+    """The requests of one run: (prompt token ids, output length) pairs, and how they arrive."""
+
+    requests: list[tuple[list[int], int]]
+    request_rate: float
+    description: str
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p, _ in self.requests)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(n for _, n in self.requests)
+
+
+def make_workload(dataset: str, num_requests: int, vocab_size: int, *, input_len: int = 128, output_len: int = 128,
+                  min_len: int = 32, max_len: int = 256, request_rate: float = float("inf"), seed: int = 0) -> Workload:
+    """``random``: fixed input and output lengths, random token ids (vllm bench serve's random dataset with a
+    range ratio of 0); ``uniform``: both lengths uniform in [min_len, max_len] (the throughput benchmark's)."""
+    if dataset == "random":
+        rng = random.Random(seed)
+        requests = [([rng.randrange(100, vocab_size) for _ in range(input_len)], output_len)
+                    for _ in range(num_requests)]
+        shape = f"random {input_len} in / {output_len} out"
+    elif dataset == "uniform":
+        requests = throughput_workload(num_requests, min_len, max_len, vocab_size, seed)
+        shape = f"lengths uniform in [{min_len}, {max_len}]"
+    else:
+        raise ValueError(f"dataset={dataset!r}: expected 'random' or 'uniform'")
+    rate = "all at once" if request_rate == float("inf") else f"Poisson {request_rate:g} req/s"
+    return Workload(requests, request_rate, f"{num_requests} requests, {shape} (seed {seed}, token-id prompts, "
+                                            f"ignore_eos), {rate}")
+
+
+@dataclass(slots=True)
+class StreamTimes:
+    """One streamed request as the client saw it: when it was sent, when each chunk with text came, the
+    tokens it reported (usage), and its error if it failed."""
+
+    sent: float
+    chunks: list[float] = field(default_factory=list)
+    end: float = 0.0
+    output_tokens: int = 0
+    error: str | None = None
+
+
+def completion_payload(model: str, prompt: list[int], max_tokens: int) -> dict:
+    """The body `vllm bench serve` (openai-completions backend) sends, field for field."""
+    return {"model": model, "prompt": prompt, "temperature": 0.0, "repetition_penalty": 1.0,
+            "max_tokens": max_tokens, "logprobs": None, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+
+
+async def _stream_completion(session, url: str, payload: dict, headers: dict) -> StreamTimes:
+    t = StreamTimes(time.perf_counter())
+    try:
+        async with session.post(f"{url}/v1/completions", json=payload, headers=headers) as resp:
+            if resp.status != 200:
+                t.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return t
+            async for line in resp.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    t.error = chunk["error"]["message"]
+                if chunk.get("usage"):
+                    t.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0]["text"]:
+                    t.chunks.append(time.perf_counter())
+    except Exception as e:  # noqa: BLE001 - a failed request is counted and reported, not fatal
+        t.error = f"{type(e).__name__}: {e}"
+    t.end = time.perf_counter()
+    return t
+
+
+async def _send_all(url: str, model: str, work: Workload, api_key: str | None,
+                    seed: int) -> tuple[list[StreamTimes], float]:
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    rng = random.Random(seed)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        warm = await _stream_completion(session, url, completion_payload(model, work.requests[0][0], 4), headers)
+        if warm.error:
+            raise RuntimeError(f"the warm-up request failed: {warm.error}")
+        t0 = time.perf_counter()
+        tasks = []
+        for prompt, out_len in work.requests:
+            tasks.append(asyncio.create_task(_stream_completion(session, url, completion_payload(model, prompt, out_len),
+                                                                headers)))
+            if work.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(work.request_rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - t0
+
+
+def _ms_stats(values: list[float]) -> dict:
+    import numpy as np
+
+    v = np.asarray(values or [float("nan")]) * 1e3
+    return {"mean": float(v.mean()), "median": float(np.median(v)), "p99": float(np.percentile(v, 99))}
+
+
+def served_model(url: str, api_key: str | None) -> str:
+    request = urllib.request.Request(f"{url}/v1/models",
+                                     headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        return json.load(r)["data"][0]["id"]
+
+
+def engine_steps(url: str, api_key: str | None) -> float | None:
+    """raylm's engine step counter from /metrics (None from a server without it, like vllm)."""
+    request = urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {api_key}"} if api_key
+                                     else {})
+    with urllib.request.urlopen(request, timeout=30) as r:
+        m = re.search(r"^raylm:engine_steps_total\{[^}]*\} (\S+)$", r.read().decode(), re.MULTILINE)
+    return float(m.group(1)) if m else None
+
+
+def run_workload(name: str, url: str, work: Workload, api_key: str | None = None, seed: int = 0) -> dict:
+    """Drive ``work`` against the server at ``url``; print and return its row."""
+    model = served_model(url, api_key)
+    steps0 = engine_steps(url, api_key)
+    results, seconds = asyncio.run(_send_all(url, model, work, api_key, seed))
+    steps1 = engine_steps(url, api_key)
+    for r in results:
+        if r.error is not None:
+            print(f"  {name} failed: {r.error}")
+    done = [(p, r) for (p, _), r in zip(work.requests, results) if r.error is None and r.chunks]
+    ok = [r for _, r in done]
+    output_tokens = sum(r.output_tokens for r in ok)
+    chunks = sum(len(r.chunks) for r in ok)
+    row = {
+        "name": name, "duration_s": seconds, "completed": len(ok), "num_requests": len(work.requests),
+        "output_throughput": output_tokens / seconds,
+        "total_throughput": (sum(len(p) for p, _ in done) + output_tokens) / seconds,
+        "chunks_per_s": chunks / seconds, "tokens_per_chunk": output_tokens / max(chunks, 1),
+        "steps_per_s": (steps1 - steps0) / seconds if steps0 is not None and steps1 is not None else None,
+        "ttft": _ms_stats([r.chunks[0] - r.sent for r in ok]),
+        "tpot": _ms_stats([(r.end - r.chunks[0]) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
+        "itl": _ms_stats([b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:])]),
+        "e2el": _ms_stats([r.end - r.sent for r in ok]),
+    }
+    print_row(row)
+    return row
+
+
+def print_row(row: dict) -> None:
+    steps = f", {row['steps_per_s']:.1f} engine steps/s" if row["steps_per_s"] is not None else ""
+    print(f"  {row['name']}: {row['completed']}/{row['num_requests']} ok in {row['duration_s']:.1f} s, "
+          f"{row['output_throughput']:.1f} output tok/s, {row['total_throughput']:.1f} total tok/s, "
+          f"{row['chunks_per_s']:.0f} SSE chunks/s ({row['tokens_per_chunk']:.2f} tokens per chunk){steps}")
+    for key in ("ttft", "tpot", "itl", "e2el"):
+        s = row[key]
+        print(f"    {key.upper():5s} ms   mean {s['mean']:9.1f}   median {s['median']:9.1f}   p99 {s['p99']:9.1f}")
+
+
+def _ratios(ours: dict, theirs: dict) -> None:
+    print(f"  raylm / {theirs['name']}: output tok/s {ours['output_throughput'] / theirs['output_throughput']:.2f}x, "
+          + ", ".join(f"{k.upper()} {stat} {ours[k][stat] / theirs[k][stat]:.2f}x"
+                      for k in ("ttft", "tpot") for stat in ("mean", "median", "p99")))
+
+
+def offline_reference(model: str | None, work: Workload) -> tuple[dict, float]:
+    """The same requests through the offline Ray engine (output tok/s), and the median latency of one prefill
+    plus one decode step of the workload's first prompt, alone."""
+    from cluster.bench.throughput import run_raylm
+    from cluster.llm import LLM
+    from scheduler import SamplingParams
+
+    llm = LLM(model=model, max_num_seqs=max(len(work.requests), 256))
+    try:
+        seconds = run_raylm(llm, work.requests)
+        prompt = work.requests[0][0]
+        lat = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+            lat.append(time.perf_counter() - t0)
+    finally:
+        llm.shutdown()
+        import ray
+        ray.shutdown()
+    row = {"name": "raylm offline (Ray engine)", "output_throughput": work.output_tokens / seconds,
+           "duration_s": seconds}
+    print(f"  {row['name']}: {seconds:.1f} s, {row['output_throughput']:.1f} output tok/s")
+    one_step = sorted(lat)[len(lat) // 2]
+    print(f"  offline, one {len(prompt)}-token prefill plus one decode step: {one_step * 1e3:.1f} ms (median of 5)")
+    return row, one_step
+
+
+def bench_serve(url: str | None = None, model: str | None = None, work_args: dict | None = None,
+                compare: list[str] = (), api_key: str | None = None, seed: int = 0,
+                num_threads: int | None = None) -> dict:
+    """Against ``url``, or (with ``compare``) against servers it starts: raylm, then each peer."""
+    model_path = model
+    if model_path is None:
+        from workers.default_model import default_model_path
+        model_path = default_model_path()
+    vocab_size = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
+    work = make_workload(vocab_size=vocab_size, seed=seed, **(work_args or {}))
+    print(f"raylm bench serve: {work.description}, {work.prompt_tokens} prompt + {work.output_tokens} output tokens")
+    if not compare:
+        return {"raylm": run_workload(f"server at {url}", url, work, api_key, seed)}
+    rows: dict[str, dict] = {}
+    threads = ["--num-threads", str(num_threads)] if num_threads else []
+    model_args = ["--model", model] if model else []
+    max_seqs = str(max(len(work.requests), 256))
+    port = free_port()
+    with raylm_server(port, [*model_args, *threads, "--max-num-seqs", max_seqs]) as server:
+        rows["raylm"] = run_workload("raylm serve", server.url, work, seed=seed)
+        name = served_model(server.url, None)
+    if "vllm" in compare:
+        with vllm_server(port, model_path, name, int(max_seqs), num_threads) as server:
+            rows["vllm"] = run_workload("vllm serve", server.url, work, seed=seed)
+        _ratios(rows["raylm"], rows["vllm"])
+    if "offline" in compare:
+        rows["offline"], rows["one_step_s"] = offline_reference(model, work)
+        print(f"  raylm serve / offline, output tok/s: "
+              f"{rows['raylm']['output_throughput'] / rows['offline']['output_throughput']:.2f}x; "
+              f"TTFT median / one prefill + decode step: "
+              f"{rows['raylm']['ttft']['median'] / 1e3 / rows['one_step_s']:.2f}x")
+    return rows
+
+
+def bench_serve_ceiling(model: str | None = None, concurrency: tuple[int, ...] = (64, 256, 1024),
+                        output_len: int = 256, input_len: int = 32, seed: int = 0) -> dict:
+    """One `raylm serve --no-work-model` replica; each level sends that many streams at once."""
+    model_path = model
+    if model_path is None:
+        from workers.default_model import default_model_path
+        model_path = default_model_path()
+    vocab_size = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
+    print(f"raylm bench serve --no-work-model: one replica whose ranks do no tensor work; {input_len}-token prompts, "
+          f"{output_len} output tokens per stream, all streams at once")
+    rows = {}
+    args = ["--no-work-model", "--kv-cache-bytes", str(NO_WORK_KV_BYTES), "--max-num-seqs", str(max(concurrency)),
+            "--max-num-batched-tokens", str(max(2048, max(concurrency) * input_len))]
+    with raylm_server(free_port(), [*(["--model", model] if model else []), *args]) as server:
+        for c in concurrency:
+            work = make_workload("random", c, vocab_size, input_len=input_len, output_len=output_len, seed=seed)
+            rows[c] = run_workload(f"{c:5d} streams", server.url, work, seed=seed)
+    return rows

