@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import EngineConfig
 from cluster.engine import check_prompt, resolve_max_model_len, stop_token_ids
-from cluster.scheduler_actor import RequestSteps, SchedulerActor, merge_deltas
+from cluster.scheduler_actor import RequestSteps, SchedulerActor
 from cluster.worker_actor import WorkerActor
 from scheduler import RequestOutput, SamplingParams, SchedulerStats
 from workers.model_loader import read_model_spec
@@ -53,6 +53,20 @@ def _init_device(actor: WorkerActor, num_threads: int) -> str:
     take its device."""
     actor.worker.config.num_threads = num_threads
     return actor.worker.init_device()
+
+
+def merge_deltas(deltas: list[RequestOutput]) -> list[RequestOutput]:
+    """Fold the queued deltas of each sample into one, so a consumer that lags costs one object per sample."""
+    merged: dict[int, RequestOutput] = {}
+    for d in deltas:
+        m = merged.get(d.index)
+        if m is None:
+            merged[d.index] = d
+            continue
+        logprobs = (m.new_logprobs or []) + d.new_logprobs if d.new_logprobs else m.new_logprobs
+        merged[d.index] = dataclasses.replace(d, new_token_ids=m.new_token_ids + d.new_token_ids,
+                                              new_logprobs=logprobs)
+    return list(merged.values())
 
 
 def connect(address: str | None, min_cpus: float) -> None:

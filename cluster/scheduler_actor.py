@@ -7,10 +7,8 @@ torch, never the rest of cluster/). ray_engine.py places it and the workers.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import ray
@@ -46,15 +44,16 @@ class RequestSteps:
 
 @dataclass(slots=True)
 class _Stream:
-    """Where one caller's deltas go: its own queue (``generate``'s streaming callers) or, given a name, that
-    channel's outbox (fetched in batches by ``get_outputs``: one call per step for all of a process's requests).
+    """Where one caller's deltas go: its channel's outbox, fetched in batches by ``get_outputs`` (one call
+    per step for all of a process's requests, where a Ray stream per request would cost one object per
+    request per step).
 
     ``num_unfinished`` counts its samples (``n``) still running; the stream is
     dropped when it reaches 0, so a delta for an unknown id belongs to a caller
     that aborted and is discarded.
     """
 
-    sink: asyncio.Queue[RequestOutput] | str
+    channel: str
     num_unfinished: int
 
 
@@ -65,26 +64,12 @@ def execute_step(workers: list, so: SchedulerOutput) -> asyncio.Future[list[Mode
     collective, and keeps every rank's queue at most one step deep. Plain actor calls, not a Ray
     compiled graph: a graph cuts the empty-step round trip (0.7 vs 1.1 ms at tp=1, 0.9 vs 1.6 ms at
     tp=2) but its channels busy-poll, and the waiting loop burns 0.7-1.0 of a core that a CPU node's
-    ranks need for torch (cluster/bench.py: bench_ray_overhead).
+    ranks need for torch (cluster/bench/ray_overhead.py).
     """
     arg = so
     if len(workers) > 1 and sum(len(r.prompt_token_ids) for r in so.scheduled_new_reqs) > PUT_PROMPT_TOKENS:
         arg = ray.put(so)
     return asyncio.gather(*[w.execute_model.remote(arg) for w in workers])
-
-
-def merge_deltas(deltas: list[RequestOutput]) -> list[RequestOutput]:
-    """Fold the queued deltas of each sample into one, so a consumer that lags costs one object per sample."""
-    merged: dict[int, RequestOutput] = {}
-    for d in deltas:
-        m = merged.get(d.index)
-        if m is None:
-            merged[d.index] = d
-            continue
-        logprobs = (m.new_logprobs or []) + d.new_logprobs if d.new_logprobs else m.new_logprobs
-        merged[d.index] = dataclasses.replace(d, new_token_ids=m.new_token_ids + d.new_token_ids,
-                                              new_logprobs=logprobs)
-    return list(merged.values())
 
 
 class SchedulerActor:
@@ -161,10 +146,7 @@ class SchedulerActor:
             stream = streams.get(out.request_id)
             if stream is None:
                 continue
-            if isinstance(stream.sink, str):
-                self.outboxes[stream.sink].append(out)
-            else:
-                stream.sink.put_nowait(out)
+            self.outboxes[stream.channel].append(out)
             if out.finished:
                 stream.num_unfinished -= 1
                 if not stream.num_unfinished:
@@ -188,7 +170,7 @@ class SchedulerActor:
     # ---- requests in and out ------------------------------------------------------
 
     def _admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-               sink: asyncio.Queue | str) -> list[RequestOutput]:
+               channel: str) -> list[RequestOutput]:
         if self.error is not None:
             raise RuntimeError(f"the engine is unhealthy and takes no new requests: {self.error}")
         finals = self.scheduler.add_request(request_id, prompt_token_ids, params, priority=priority,
@@ -197,38 +179,16 @@ class SchedulerActor:
             del self.history[next(iter(self.history))]
         self.history[request_id] = RequestSteps(self.scheduler.num_steps)
         if len(finals) < params.n:
-            self.streams[request_id] = _Stream(sink, params.n - len(finals))
+            self.streams[request_id] = _Stream(channel, params.n - len(finals))
             self.wake.set()
         else:
             self._note_finish(request_id, self.scheduler.num_steps, finals[-1].finish_reason)
         return finals
 
-    @ray.method(num_returns="streaming")
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream the request's deltas as steps produce them; a cancelled or dropped stream aborts it."""
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        finals = self._admit(request_id, prompt_token_ids, params, priority, queue)
-        for out in finals:
-            yield out
-        remaining = params.n - len(finals)
-        try:
-            while remaining:
-                deltas = [await queue.get()]
-                while not queue.empty():
-                    deltas.append(queue.get_nowait())
-                for out in merge_deltas(deltas):
-                    remaining -= out.finished
-                    yield out
-        finally:
-            if remaining:
-                self._abort(request_id)
-
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           priority: int = 0, channel: str = "sync") -> list[RequestOutput]:
         """Queue a request whose deltas go to ``channel``'s outbox (``get_outputs``); returns any immediate finals."""
         return self._admit(request_id, prompt_token_ids, params, priority, channel)
-
     async def get_outputs(self, channel: str = "sync") -> list[RequestOutput]:
         """Every delta in ``channel``'s outbox so far, waiting until there is at least one."""
         while not self.outboxes[channel]:
@@ -244,12 +204,8 @@ class SchedulerActor:
 
     def _abort(self, request_id: str) -> list[RequestOutput]:
         finals = self.scheduler.abort(request_id)
-        stream = self.streams.pop(request_id, None)
-        if stream is not None:
+        if self.streams.pop(request_id, None) is not None:
             self._note_finish(request_id, self.scheduler.num_steps, "abort")
-            if not isinstance(stream.sink, str):
-                for out in finals:
-                    stream.sink.put_nowait(out)
         return finals
 
     # ---- observability --------------------------------------------------------------

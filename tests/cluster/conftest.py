@@ -4,6 +4,10 @@ to start on a 2-core machine, so starting one per module or test would dominate 
 import pytest
 import ray
 
+# The session's Ray serves through the same ingress as `raylm serve` (HAProxy, replicas serving HTTP), whose
+# settings Ray's processes read from the environment they start with.
+import cluster.serve  # noqa: F401
+
 # Logical CPUs only count reservations (the engine sets torch threads from the real cores): 8 hold
 # two tp=2 engines at once (1 scheduler + 2 rank bundles each) on these 2-core machines.
 SESSION_CPUS = 8

@@ -135,18 +135,6 @@ def test_streaming_n_samples_reports_every_index(engine):
         assert sum(len(d.new_token_ids) for d in mine) == 4 and mine[-1].finished
 
 
-def test_the_scheduler_actors_own_stream_yields_deltas_as_steps_end(engine, reference):
-    """The actor's streaming ``generate`` (DESIGN.md's interface), consumed as a raw Ray stream."""
-    async def consume():
-        return [await ref async for ref in engine.actor.generate.remote("actor", PROMPTS[1], greedy(8), 0)]
-
-    deltas = asyncio.run(asyncio.wait_for(consume(), WAIT_S))
-    assert len(deltas) > 1 and not any(d.finished for d in deltas[:-1])  # incremental, not one final batch
-    assert deltas[-1].finished and deltas[-1].finish_reason == "length"
-    assert [t for d in deltas for t in d.new_token_ids] == reference[1][:8]
-    wait_until(lambda: is_drained(engine), "the finished request's blocks are freed")
-
-
 def test_dropping_a_stream_mid_way_aborts_it_and_frees_its_blocks(engine):
     async def take_three_then_drop():
         stream = engine.generate("dropped", PROMPTS[3], greedy(150))
@@ -177,18 +165,6 @@ def test_cancelling_a_consumer_aborts_its_request(engine):
     asyncio.run(asyncio.wait_for(cancel_after_first_token(), WAIT_S))
     wait_until(lambda: is_drained(engine), "the cancelled request's blocks are freed")
     assert engine.request_steps(["cancelled"])["cancelled"].finish_reason == "abort"
-
-
-def test_ray_cancel_of_the_actor_stream_aborts_its_request(engine):
-    """A caller of the actor's own stream stops it the Ray way: cancel the streaming call itself."""
-    async def cancel_raw_stream():
-        stream = engine.actor.generate.remote("raw", PROMPTS[2], greedy(150), 0)
-        await (await anext(stream))
-        ray.cancel(stream)
-
-    asyncio.run(asyncio.wait_for(cancel_raw_stream(), WAIT_S))
-    wait_until(lambda: is_drained(engine), "the cancelled stream's blocks are freed")
-    assert engine.request_steps(["raw"])["raw"].finish_reason == "abort"
 
 
 def test_a_new_request_joins_the_running_batch_at_the_next_step(engine):

@@ -7,7 +7,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from cluster.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher, TextStream
+from cluster.serve.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher, TextStream
 
 TEXTS = ["Hello 😀 world", "日本語のテキスト", "a🎉b🎉c", "naïve café — ünïcödé",
          "plain ascii text, nothing odd."]

@@ -10,13 +10,13 @@ import yaml
 from pydantic import ValidationError
 
 from cluster import cli
-from cluster.protocol import (
+from cluster.serve.protocol import (
     APIError, ChatCompletionChunk, ChatCompletionRequest, ChatStreamChoice, CompletionChunk, CompletionRequest,
     Delta, Usage, parse,
 )
 from cluster.serve import AppArgs, build_app, deployment_options
 
-SERVE_CONFIG = Path(__file__).parents[2] / "manifests" / "serve_config.yaml"
+SERVE_CONFIG = Path(__file__).parents[3] / "manifests" / "serve_config.yaml"
 
 
 @pytest.mark.parametrize(("model", "body", "param"), [

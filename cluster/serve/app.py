@@ -1,0 +1,70 @@
+"""Assembling the application and starting it: Ray, Serve's HTTP and gRPC ingress, the deployment."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.request
+from typing import Any
+
+from ray import serve
+
+from cluster.ray_engine import connect, engine_bundles
+from cluster.serve.options import REPLICA_CPUS, AppArgs, deployment_options
+from cluster.serve.server import LLMServer
+
+APP_NAME = "raylm"
+GRPC_SERVICER = "cluster.raylm_pb2_grpc.add_RayLMServicer_to_server"
+
+
+def build_app(args: dict[str, Any] | AppArgs) -> serve.Application:
+    """The application, from ``serve run cluster.serve:build_app model=PATH max_replicas=4`` (or a Serve config's
+    ``args``, or ``raylm serve``). The API key is ``api_key`` or else $RAYLM_API_KEY."""
+    app_args = args if isinstance(args, AppArgs) else AppArgs.from_flat(args)
+    if app_args.api_key is None and os.environ.get("RAYLM_API_KEY"):
+        app_args = app_args.model_copy(update={"api_key": os.environ["RAYLM_API_KEY"]})
+    return LLMServer.options(**deployment_options(app_args)).bind(app_args)
+
+
+def start(args: AppArgs, *, address: str | None = None, host: str = "127.0.0.1", port: int = 8000,
+          grpc_port: int = 9000, timeout_s: float = 900.0) -> str:
+    """Start or join Ray, deploy the app with Serve's HTTP and gRPC proxies, and return the URL once /health answers."""
+    cfg = args.engine
+    # A local Ray gets logical CPUs for every replica's reservations (engine_bundles plus the replica's own).
+    connect(address, args.max_replicas * (REPLICA_CPUS + sum(b.get("CPU", 0) for b in engine_bundles(cfg, False))))
+    serve.start(http_options={"host": host, "port": port},
+                grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
+    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    wait_healthy(url, timeout_s)
+    return url
+
+
+def wait_healthy(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url}/health did not answer 200 within {timeout_s:g} s")
+        time.sleep(0.5)
+
+
+def serve_until_interrupted(args: AppArgs, *, address: str | None, host: str, port: int, grpc_port: int) -> None:
+    """`raylm serve`: deploy, print where, and keep serving until Ctrl-C (which deletes the app)."""
+    # A process manager's stop (SIGTERM), or Ctrl-C from a shell that started us in the background, is a Ctrl-C.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.default_int_handler)
+    url = start(args, address=address, host=host, port=port, grpc_port=grpc_port)
+    print(f"raylm: serving {args.model_name} at {url}/v1 (OpenAI API) and gRPC on port {grpc_port}; "
+          f"Ctrl-C stops", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.delete(APP_NAME)

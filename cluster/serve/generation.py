@@ -1,0 +1,119 @@
+"""One request driven through the engine: its deltas turned into text pieces, its samples finished once."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.serve.detokenize import TextStream
+from cluster.serve.metrics import ServeMetrics
+from cluster.serve.protocol import APIError, PromptTokensDetails, SamplingFields, Usage, bad_request, new_id
+from scheduler import RequestOutput, SampledLogprobs, SamplingParams
+
+
+@dataclass(slots=True)
+class Sample:
+    """One of a request's ``n`` choices: its text so far and how it ended (set exactly once)."""
+
+    text: TextStream
+    token_ids: list[int] = field(default_factory=list)
+    first_token_time: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Piece:
+    """What one engine delta adds to one choice: text already detokenized and cut at stop strings."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[SampledLogprobs] | None
+    finish_reason: str | None
+    error: str | None = None
+
+
+class Generation:
+    """One request driven through the engine, its deltas turned into Pieces.
+
+    Invariants: every sample finishes once (EOS / length / error from the
+    engine, or a stop string matched here, after which its late tokens are
+    dropped); when all have finished, or the consumer goes away (a client
+    disconnect cancels it), the engine stream is closed, which aborts what
+    still runs there and frees its KV blocks; metrics count each sample once.
+    """
+
+    def __init__(self, engine: Any, tokenizer: Any, metrics: ServeMetrics, prompt_ids: list[int],
+                 params: SamplingParams, req: SamplingFields) -> None:
+        self.metrics = metrics
+        self.prompt_ids = prompt_ids
+        self.samples = [Sample(TextStream(tokenizer, prompt_ids, req.stop_strings, req.skip_special_tokens))
+                        for _ in range(params.n)]
+        self.arrival = time.monotonic()
+        self.num_cached_tokens = 0
+        self.stream = engine.generate(new_id("req"), prompt_ids, params, req.priority)
+        self.first: RequestOutput | None = None
+
+    async def start(self) -> "Generation":
+        """Wait for the first delta, so that a request the engine refuses fails before any response starts."""
+        try:
+            self.first = await anext(self.stream)
+        except ValueError as e:
+            raise bad_request(str(e), "prompt") from None
+        except Exception as e:  # the engine's actors are gone or refuse work
+            raise APIError(503, f"the engine cannot take requests: {e}", code="engine_unavailable") from None
+        self.metrics.prompt_tokens.inc(len(self.prompt_ids))
+        return self
+
+    async def pieces(self) -> AsyncIterator[list[Piece]]:
+        try:
+            out = self.first
+            while out is not None:
+                yield self._absorb(out)
+                if all(s.finish_reason for s in self.samples):
+                    break
+                out = await anext(self.stream, None)
+        except Exception as e:
+            self._end_unfinished("error", f"the engine failed: {type(e).__name__}: {e}")
+            yield [Piece(i, "", [], None, "error", s.error) for i, s in enumerate(self.samples)]
+        finally:
+            await self.stream.aclose()  # aborts in the engine whatever has not finished there
+            self._end_unfinished("abort")
+
+    def _absorb(self, out: RequestOutput) -> list[Piece]:
+        s = self.samples[out.index]
+        if s.finish_reason is not None:
+            return []
+        t = time.monotonic()
+        if out.new_token_ids and s.first_token_time is None:
+            s.first_token_time = t
+        s.token_ids += out.new_token_ids
+        self.metrics.generation_tokens.inc(len(out.new_token_ids))
+        text = s.text.add(out.new_token_ids)
+        if s.text.stopped:
+            s.finish_reason = "stop"
+        elif out.finished:
+            s.finish_reason, s.error = out.finish_reason, out.error
+            self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+            text += s.text.finish()
+        if s.finish_reason is not None:
+            self.metrics.finished(s.finish_reason, len(s.token_ids), self.arrival, s.first_token_time, t)
+        return [Piece(out.index, text, out.new_token_ids, out.new_logprobs, s.finish_reason, s.error)]
+
+    def _end_unfinished(self, reason: str, error: str | None = None) -> None:
+        for s in self.samples:
+            if s.finish_reason is None:
+                s.finish_reason, s.error = reason, error
+                self.metrics.finished(reason, len(s.token_ids), self.arrival, s.first_token_time,
+                                             time.monotonic())
+
+    def usage(self) -> Usage:
+        completion = sum(len(s.token_ids) for s in self.samples)
+        return Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=completion,
+                     total_tokens=len(self.prompt_ids) + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens))
+
+

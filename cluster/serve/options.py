@@ -1,0 +1,66 @@
+"""What the application takes (AppArgs) and the Ray options of its deployment."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from pydantic import BaseModel, ConfigDict, Field
+
+from cluster.config import EngineConfig
+from cluster.ray_engine import engine_bundles, resolve_device
+
+REPLICA_CPUS = 1.0  # the replica tokenizes, detokenizes and formats every token it streams
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # workers.default_model.MODEL_NAME, without importing torch here
+
+
+class AppArgs(BaseModel):
+    """What ``build_app`` takes: an EngineConfig plus the serving knobs.
+
+    Autoscaling defaults suit an engine that batches: a replica runs up to
+    ``max_num_seqs`` requests at once, so it is sent that many
+    (``max_ongoing_requests``) and scales out when it averages half of that
+    (``target_ongoing_requests``); Serve's defaults (5 and 2) would starve
+    the batch.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    served_model_name: str | None = None
+    api_key: str | None = None
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float | None = Field(None, gt=0)
+    max_ongoing_requests: int | None = Field(None, ge=1)
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1)
+
+    @classmethod
+    def from_flat(cls, args: dict[str, Any]) -> "AppArgs":
+        """From one flat mapping (``serve run ... key=value``, a Serve config's ``args``): EngineConfig's
+        fields go to the engine, the rest are the serving knobs."""
+        engine = {k: v for k, v in args.items() if k in EngineConfig.model_fields}
+        return cls(engine=EngineConfig(**engine), **{k: v for k, v in args.items() if k not in engine})
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.engine.model or DEFAULT_MODEL_NAME
+
+
+def deployment_options(args: AppArgs) -> dict[str, Any]:
+    """Each replica reserves its own bundle plus its engine's (scheduler, one per rank) in one placement group,
+    so Serve only starts a replica, or scales up, where the whole engine fits."""
+    cfg = args.engine
+    use_gpu = resolve_device(cfg.device) == "cuda" if ray.is_initialized() else cfg.device == "cuda"
+    return dict(
+        ray_actor_options={"num_cpus": REPLICA_CPUS},
+        placement_group_bundles=[{"CPU": REPLICA_CPUS}] + engine_bundles(cfg, use_gpu),
+        placement_group_strategy=cfg.placement_strategy,
+        max_ongoing_requests=args.max_ongoing_requests or cfg.max_num_seqs,
+        autoscaling_config={
+            "min_replicas": args.min_replicas, "initial_replicas": args.min_replicas,
+            "max_replicas": args.max_replicas,
+            "target_ongoing_requests": args.target_ongoing_requests or max(1, cfg.max_num_seqs // 2),
+        },
+    )

@@ -1,0 +1,256 @@
+"""The replica: the OpenAI routes, /tokenize and /detokenize, health and metrics, and the gRPC methods.
+
+Everything the deployment class uses is imported by module path (the replica imports the installed
+package), never defined after the class: Serve pickles the class by value.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the routes' annotations (Request) through Serve's
+# wrappers, whose globals are not this module's, so they must be objects, not strings.
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import Any
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from google.protobuf.json_format import MessageToDict
+from ray import serve
+from ray.serve.grpc_util import RayServegRPCContext
+from starlette.exceptions import HTTPException
+from transformers import AutoTokenizer
+
+from cluster.ray_engine import RayEngine
+from cluster.raylm_pb2 import GenerateRequest, GenerateResponse
+from cluster.serve import grpc_status
+from cluster.serve.formats import ChatFormat, CompletionFormat, Format, collect, stream_sse
+from cluster.serve.generation import Generation
+from cluster.serve.http_io import json_response, read_json
+from cluster.serve.metrics import CONTENT_TYPE, ServeMetrics
+from cluster.serve.options import AppArgs
+from cluster.serve.protocol import (
+    APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+    ModelCard, ModelList, SamplingFields, TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse,
+    bad_request, new_id, now, parse,
+)
+
+
+app = FastAPI(title="raylm", description="OpenAI-compatible LLM serving on Ray")
+
+
+@app.exception_handler(APIError)
+async def _api_error(_: Request, e: APIError) -> Response:
+    return json_response(e.body(), e.status)
+
+
+@app.exception_handler(HTTPException)
+async def _http_error(_: Request, e: HTTPException) -> Response:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+    return json_response(APIError(e.status_code, str(e.detail), code=code).body(), e.status_code)
+
+
+@app.exception_handler(Exception)
+async def _internal_error(_: Request, e: Exception) -> Response:
+    return json_response(APIError(500, f"internal error: {type(e).__name__}: {e}").body(), 500)
+
+
+@serve.deployment(name="LLMServer")
+@serve.ingress(app)
+class LLMServer:
+    """One replica: a RayEngine, the tokenizer, and this replica's metrics.
+
+    Every request is validated (400 naming the parameter), sized against the
+    context and the KV cache, and tokenized here before it reaches the engine,
+    so the engine only sees requests it can run; the API key (when set) guards
+    everything but /health.
+    """
+
+    def __init__(self, args: AppArgs) -> None:
+        self.engine = RayEngine(args.engine, placement_group=ray.util.get_current_placement_group(), first_bundle=1)
+        self.tokenizer = AutoTokenizer.from_pretrained(args.engine.tokenizer or self.engine.model_path)
+        self.model_name = args.model_name
+        self.api_key = args.api_key
+        self.max_body_bytes = args.max_body_bytes
+        self.scheduling_policy = args.engine.scheduling_policy
+        self.metrics = ServeMetrics(self.model_name)
+        self.created = now()
+        cfg = args.engine
+        # The longest sequence (prompt + output) one request may reach: the context, or the whole KV cache
+        # (less block 0, the scheduler's null block). Longer ones are refused here with a 400 naming max_tokens.
+        self.max_seq_len = min(self.engine.max_model_len, (self.engine.num_blocks - 1) * cfg.block_size)
+
+    async def check_health(self) -> None:
+        """Serve's periodic check: raising restarts this replica (and so its engine)."""
+        await asyncio.to_thread(self.engine.check_health)
+
+    # ---- validation helpers ----
+
+    def _authorize(self, authorization: str | None) -> None:
+        if self.api_key is None:
+            return
+        given = (authorization or "").encode("latin-1", "replace")
+        if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    async def _body(self, request: Request) -> Any:
+        self._authorize(request.headers.get("authorization"))
+        return await read_json(request, self.max_body_bytes)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+
+    def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        try:
+            return list(self.tokenizer.apply_chat_template(
+                [m.template_dict() for m in messages], add_generation_prompt=add_generation_prompt,
+                tokenize=True, return_dict=False))
+        except Exception as e:  # templates raise on what they cannot render (roles out of order, ...)
+            raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """Token ids as they are: the engine rejects an empty prompt or ids outside the vocabulary (a 400)."""
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+
+    def _max_tokens(self, num_prompt: int, requested: int | None, param: str, prompt_param: str) -> int:
+        """The request's max_tokens (by default all the room left), or 400 if the sequence cannot fit."""
+        room = self.max_seq_len - num_prompt
+        limit = (f"this server's limit is {self.max_seq_len} tokens per sequence (prompt + output; "
+                 f"max_model_len={self.engine.max_model_len})")
+        if room < 1:
+            raise bad_request(f"the prompt has {num_prompt} tokens: {limit}", prompt_param, "context_length_exceeded")
+        if requested is not None and requested > room:
+            raise bad_request(f"{param}={requested} with a {num_prompt}-token prompt is too long: {limit}", param,
+                              "context_length_exceeded")
+        return requested or room
+
+    async def _generation(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int,
+                          num_logprobs: int | None) -> Generation:
+        # Under fcfs the scheduler ignores priority: refuse it rather than silently not honour it, as vLLM does.
+        if req.priority != 0 and self.scheduling_policy != "priority":
+            raise bad_request(f"priority={req.priority} needs the priority scheduling policy; this server schedules "
+                              f"{self.scheduling_policy} (serve with scheduling_policy=priority)", "priority")
+        params = req.sampling_params(max_tokens, num_logprobs)
+        return await Generation(self.engine, self.tokenizer, self.metrics, prompt_ids, params, req).start()
+
+    async def _run(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int, num_logprobs: int | None,
+                   fmt_type: Callable[..., Format], prefix: str) -> Response:
+        gen = await self._generation(req, prompt_ids, max_tokens, num_logprobs)
+        fmt = fmt_type(self.tokenizer, new_id(prefix), self.model_name, num_logprobs)
+        if req.stream:
+            return StreamingResponse(stream_sse(gen, fmt, req.include_usage), media_type="text/event-stream")
+        return json_response(await collect(gen, fmt))
+
+    # ---- OpenAI endpoints ----
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        req = parse(CompletionRequest, await self._body(request))
+        self._check_model(req.model)
+        ids = self._prompt_ids(req.single_prompt())
+        max_tokens = self._max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt")
+        return await self._run(req, ids, max_tokens, req.logprobs, CompletionFormat, "cmpl")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        req = parse(ChatCompletionRequest, await self._body(request))
+        self._check_model(req.model)
+        num_logprobs = req.num_logprobs
+        ids = self._chat_ids(req.messages, req.add_generation_prompt)
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self._max_tokens(len(ids), req.requested_max_tokens, param, "messages")
+        return await self._run(req, ids, max_tokens, num_logprobs, ChatFormat, "chatcmpl")
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> Response:
+        self._authorize(request.headers.get("authorization"))
+        return json_response(ModelList(data=[ModelCard(id=self.model_name, created=self.created,
+                                                       root=self.engine.model_path,
+                                                       max_model_len=self.engine.max_model_len)]))
+
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        body = await self._body(request)
+        is_chat = isinstance(body, dict) and "messages" in body
+        req = parse(TokenizeChatRequest if is_chat else TokenizeCompletionRequest, body)
+        self._check_model(req.model)
+        ids = (self._chat_ids(req.messages, req.add_generation_prompt) if is_chat
+               else self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        return json_response(TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids))
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        req = parse(DetokenizeRequest, await self._body(request))
+        self._check_model(req.model)
+        vocab = len(self.tokenizer)
+        if bad := next((t for t in req.tokens if t >= vocab), None):
+            raise bad_request(f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+        return json_response(DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens)))
+
+    # ---- operations ----
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        try:
+            await asyncio.to_thread(self.engine.check_health)
+        except Exception as e:
+            return json_response(APIError(503, f"the engine is unhealthy: {e}", code="engine_unhealthy").body(), 503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics(self, request: Request) -> Response:
+        self._authorize(request.headers.get("authorization"))
+        stats = await asyncio.to_thread(self.engine.stats)
+        return Response(self.metrics.render(stats), media_type=CONTENT_TYPE)
+
+    # ---- gRPC (method names are the .proto's) ----
+
+    async def _grpc_generation(self, request: GenerateRequest, context: RayServegRPCContext) -> Generation:
+        self._authorize(dict(context.invocation_metadata()).get("authorization"))
+        body = MessageToDict(request, preserving_proto_field_name=True)  # only the fields that are set
+        body["prompt"] = body.pop("prompt_token_ids", None) or request.prompt
+        req = parse(CompletionRequest, body)
+        self._check_model(req.model or None)
+        ids = self._prompt_ids(req.single_prompt())
+        max_tokens = self._max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt")
+        return await self._generation(req, ids, max_tokens, None)
+
+    async def Generate(self, request: GenerateRequest, grpc_context: RayServegRPCContext) -> GenerateResponse:
+        reply = GenerateResponse()
+        try:
+            gen = await self._grpc_generation(request, grpc_context)
+            async with aclosing(gen.pieces()) as stream:
+                async for pieces in stream:
+                    for p in pieces:
+                        grpc_status.check(p)
+                        reply.text += p.text
+                        reply.token_ids.extend(p.token_ids)
+                        reply.finish_reason = p.finish_reason or ""
+        except APIError as e:
+            grpc_status.abort(grpc_context, e)
+            return GenerateResponse()
+        reply.num_prompt_tokens, reply.num_generated_tokens = len(gen.prompt_ids), len(reply.token_ids)
+        return reply
+
+    async def GenerateStream(self, request: GenerateRequest,
+                             grpc_context: RayServegRPCContext) -> AsyncIterator[GenerateResponse]:
+        try:
+            gen = await self._grpc_generation(request, grpc_context)
+            sample = gen.samples[0]
+            async with aclosing(gen.pieces()) as stream:
+                async for pieces in stream:
+                    for p in pieces:
+                        grpc_status.check(p)
+                        yield GenerateResponse(text=p.text, token_ids=p.token_ids,
+                                               finish_reason=p.finish_reason or "",
+                                               num_prompt_tokens=len(gen.prompt_ids),
+                                               num_generated_tokens=len(sample.token_ids))
+        except APIError as e:
+            grpc_status.abort(grpc_context, e)
+            raise  # a streaming call ends with the status set only when it raises
+
+
