@@ -76,6 +76,10 @@ def connect(address: str | None, min_cpus: float) -> None:
     if address is not None or "RAY_ADDRESS" in os.environ:
         ray.init(address=address)
         return
+    # Ray starts its workers at nice 15, below its own daemons and every other process on the node. A rank's
+    # torch threads are the engine's critical path: at nice 15 any nice-0 process (a load generator, a build)
+    # takes their cores at once, and the other threads wait for the preempted one at the next barrier.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     # Logical CPUs only count reservations; the engine sets thread counts from the real cores.
     ray.init(num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)), include_dashboard=False)
 

@@ -104,7 +104,10 @@ def vllm_server(port: int, model: str, served_name: str, max_num_seqs: int, num_
     config = json.loads((Path(model) / "config.json").read_text())
     max_model_len = min(config.get("max_position_embeddings", 8192), 8192)
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
-    cmd = [str(venv / "bin" / "vllm"), "serve", model, "--port", str(port), "--host", "127.0.0.1",
+    # The API server's module rather than the `vllm` command, which looks up the distribution "vllm" (this one
+    # is "vllm-cpu") and fails before serving.
+    cmd = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--port", str(port), "--host", "127.0.0.1",
            "--dtype", "float32", "--served-model-name", served_name, "--max-num-seqs", str(max_num_seqs),
            "--max-model-len", str(max_model_len), "--max-num-batched-tokens", "2048"]
     return ServerProcess("vllm serve", cmd, port, env)

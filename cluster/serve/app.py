@@ -67,4 +67,7 @@ def serve_until_interrupted(args: AppArgs, *, address: str | None, host: str, po
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        serve.delete(APP_NAME)
+        if address is None and "RAY_ADDRESS" not in os.environ:
+            serve.shutdown()  # our own Ray: stop HAProxy too, before Ray's exit kills its manager under it
+        else:
+            serve.delete(APP_NAME)  # a shared cluster: leave Serve to its other apps

@@ -18,11 +18,25 @@ who sets either variable keeps their value.
 """
 
 import os
+import socket
 
 FAST_INGRESS_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+# HAProxy also listens on two fixed ports of every interface (its Prometheus metrics, 9101, and stats page,
+# 8404), so a second Serve on one host (another `raylm serve --port`, a test session beside a server) failed
+# to start its HAProxy; each Ray started here takes free ones instead.
+HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def use_fast_ingress() -> None:
     """Put the settings in this process's environment, unless already set, for Ray and its children."""
     for name, value in FAST_INGRESS_ENV.items():
         os.environ.setdefault(name, value)
+    for name in HAPROXY_PORT_ENV:
+        if name not in os.environ:
+            os.environ[name] = str(_free_port())

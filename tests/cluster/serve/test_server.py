@@ -274,6 +274,28 @@ def test_sse_framing_and_usage_chunk(url):
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
 
 
+def test_vllm_bench_serve_request_shape(url, default_model_dir):
+    """`vllm bench serve` works unchanged: its exact body (which `raylm bench serve` sends too), streamed with
+    usage, ends with a chunk of no choices holding the usage, and /v1/models names the model's root."""
+    from cluster.bench.serve import completion_payload
+
+    prompt = AutoTokenizer.from_pretrained(default_model_dir).encode("The capital of France is")
+    r = post(url, "/v1/completions", completion_payload(MODEL, prompt, 6))
+    assert r.status_code == 200, r.text
+    events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text_chunks, last = chunks[:-1], chunks[-1]
+    assert text_chunks and all(len(c["choices"]) == 1 and isinstance(c["choices"][0]["text"], str)
+                               for c in text_chunks)
+    assert "".join(c["choices"][0]["text"] for c in text_chunks)
+    assert text_chunks[-1]["choices"][0]["finish_reason"] == "length"  # ignore_eos: all 6 tokens
+    assert last["choices"] == []
+    assert last["usage"]["completion_tokens"] == 6 and last["usage"]["prompt_tokens"] == len(prompt)
+    models = httpx.get(f"{url}/v1/models", headers=AUTH, timeout=30).json()
+    assert models["data"][0]["id"] == MODEL and models["data"][0]["root"] == default_model_dir
+
+
 def test_chat_sse_framing(url):
     r = post(url, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
                                            "max_tokens": 3, "stream": True})
