@@ -57,16 +57,19 @@ def _init_device(actor: WorkerActor, num_threads: int) -> str:
 
 def merge_deltas(deltas: list[RequestOutput]) -> list[RequestOutput]:
     """Fold the queued deltas of each sample into one, so a consumer that lags costs one object per sample."""
-    merged: dict[int, RequestOutput] = {}
+    if len(deltas) == 1:
+        return deltas
+    by_index: dict[int, list[RequestOutput]] = {}
     for d in deltas:
-        m = merged.get(d.index)
-        if m is None:
-            merged[d.index] = d
-            continue
-        logprobs = (m.new_logprobs or []) + d.new_logprobs if d.new_logprobs else m.new_logprobs
-        merged[d.index] = dataclasses.replace(d, new_token_ids=m.new_token_ids + d.new_token_ids,
-                                              new_logprobs=logprobs)
-    return list(merged.values())
+        by_index.setdefault(d.index, []).append(d)
+    return [group[0] if len(group) == 1 else _fold(group) for group in by_index.values()]
+
+
+def _fold(group: list[RequestOutput]) -> RequestOutput:
+    last = group[-1]
+    logprobs = [lp for d in group for lp in d.new_logprobs or []] if any(d.new_logprobs for d in group) else None
+    return RequestOutput(last.request_id, last.index, [t for d in group for t in d.new_token_ids], last.finished,
+                         last.finish_reason, logprobs, last.num_prompt_tokens, last.num_cached_tokens, last.error)
 
 
 def connect(address: str | None, min_cpus: float) -> None:

@@ -12,8 +12,8 @@ import torch
 
 from cluster.config import EngineConfig
 from cluster.engine import InProcessEngine
-from cluster.ray_engine import RayEngine
-from scheduler import SamplingParams
+from cluster.ray_engine import RayEngine, merge_deltas
+from scheduler import RequestOutput, SampledLogprobs, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -258,3 +258,15 @@ def test_unsatisfiable_placement_fails_within_the_timeout_and_cleans_up(llama, o
         bounded(lambda: RayEngine(config(llama, placement_timeout_s=1, **overrides)), "placement gives up")
     table = ray.util.placement_group_table()
     assert {table[pg]["state"] for pg in set(table) - before} == {"REMOVED"}
+
+
+def test_merge_deltas_folds_each_sample_in_order():
+    lp = [SampledLogprobs(-float(i), [i], [-float(i)]) for i in range(4)]
+    deltas = [RequestOutput("r", 0, [1], new_logprobs=[lp[0]]), RequestOutput("r", 1, [7]),
+              RequestOutput("r", 0, [2, 3], new_logprobs=lp[1:3]),
+              RequestOutput("r", 0, [4], finished=True, finish_reason="length", new_logprobs=[lp[3]])]
+    first, second = merge_deltas(deltas)
+    assert (first.index, first.new_token_ids, first.finished, first.finish_reason) == (0, [1, 2, 3, 4], True, "length")
+    assert first.new_logprobs == lp
+    assert second.new_token_ids == [7] and second.new_logprobs is None and not second.finished
+    assert merge_deltas(deltas[:1]) == deltas[:1]
