@@ -10,6 +10,7 @@ import fcntl
 import os
 import socket
 import struct
+import time
 import weakref
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -82,15 +83,38 @@ def _init_device(actor: WorkerActor, num_threads: int) -> str:
     return actor.worker.init_device()
 
 
-def connect(address: str | None, min_cpus: float) -> None:
-    """Join the cluster at ``address`` (or $RAY_ADDRESS), else start a local Ray that can hold the engine."""
+def connect(address: str | None, min_cpus: float, timeout_s: float = 60.0) -> None:
+    """Join the cluster at ``address`` (or $RAY_ADDRESS), else start a local Ray that can hold the engine. A head
+    that does not answer within ``timeout_s`` is an error naming the address."""
     if ray.is_initialized():
         return
     if address is not None or "RAY_ADDRESS" in os.environ:
+        check_head_answers(address or os.environ["RAY_ADDRESS"], timeout_s)
         ray.init(address=address)
         return
     # Logical CPUs only count reservations; the engine sets thread counts from the real cores.
     ray.init(num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)), include_dashboard=False)
+
+
+def check_head_answers(address: str, timeout_s: float) -> None:
+    """Raise RuntimeError unless the head's GCS at ``address`` (HOST:PORT) accepts a connection within
+    ``timeout_s``: ray.init would retry an unreachable or wrong address silently for minutes. Other forms
+    ("auto", ray://...) are left to Ray."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=max(0.1, min(5.0, deadline - time.monotonic()))).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"no Ray head answers at {address} within placement_timeout_s={timeout_s:g} ({e}): check the "
+                    f"address (`ray start --head` prints it; the port is 6379 unless --port says otherwise) and "
+                    f"that this machine reaches that host and port") from None
+            time.sleep(0.5)
 
 
 def engine_bundles(config: EngineConfig, use_gpu: bool) -> list[dict[str, float]]:
@@ -237,7 +261,7 @@ class RayEngine:
         self.model_path = config.resolved_model()
         self.spec = read_model_spec(self.model_path, tp)
         self.max_model_len = resolve_max_model_len(config, self.spec)
-        connect(address, SCHEDULER_CPUS + tp * (config.num_threads or 1))
+        connect(address, SCHEDULER_CPUS + tp * (config.num_threads or 1), config.placement_timeout_s)
         self.device = (bundle_device(placement_group, first_bundle + 1)
                        if placement_group is not None and config.device == "auto" else resolve_device(config.device))
         pg = placement_group or place(engine_bundles(config, self.device == "cuda"), config.placement_strategy,
