@@ -6,12 +6,15 @@ The hosts: the head (1 CPU: only the scheduler fits there) and two workers (2 CP
 STRICT_SPREAD). w1 has a second interface on a link that reaches no other host, and its host name resolves to
 that interface's address: where gloo binds by default. Drivers run inside the head (hosts_driver.py)."""
 
+import re
+import subprocess
+import time
 from collections.abc import Iterator
 
 import pytest
 
 from cluster.engine import InProcessEngine
-from tests.cluster.hosts import Network, why_hosts_cannot_be_made
+from tests.cluster.hosts import VENV_BIN, Network, why_hosts_cannot_be_made
 from tests.cluster.test_ray_engine import config, run_to_completion
 
 DRIVER_TIMEOUT_S = 180
@@ -63,3 +66,26 @@ def test_gloo_on_an_interface_the_other_hosts_cannot_reach_fails_naming_the_sett
     assert "GLOO_SOCKET_IFNAME=lo" in report["error"] and "Set GLOO_SOCKET_IFNAME" in report["error"]
     assert report["elapsed_s"] < RENDEZVOUS_TIMEOUT_S + 30  # gloo's own connect timeout may come first
     assert set(report["groups"]) == {"REMOVED"}
+
+
+@pytest.mark.parametrize("case", ["no host at the address", "wrong port", "more hosts than exist"])
+def test_bad_input_fails_within_placement_timeout_naming_what_is_missing(tp_hosts, tiny_model_dir, case):
+    head = tp_hosts.hosts["head"]
+    # tp=3 needs a model whose heads split three ways; STRICT_SPREAD then wants 4 hosts, and there are 3.
+    model = tiny_model_dir("llama", hidden_size=96, intermediate_size=192, num_attention_heads=6,
+                           num_key_value_heads=3)
+    address, tp, expected = {
+        "no host at the address": (f"{tp_hosts.subnet}.99:6379", 1, f"no Ray head answers at {tp_hosts.subnet}.99"),
+        "wrong port": (f"{head.ip}:6380", 1, f"no Ray head answers at {head.ip}:6380"),
+        "more hosts than exist": (f"{head.ip}:6379", 3, "STRICT_SPREAD puts each bundle .* it needs 4 nodes"),
+    }[case]
+    start = time.monotonic()
+    done = subprocess.run(head.cmd(str(VENV_BIN / "raylm"), "generate", "--prompt", "hi", "--model", model,
+                                   "--address", address, "--tensor-parallel-size", str(tp), "--num-threads", "1",
+                                   "--placement-strategy", "STRICT_SPREAD",
+                                   "--placement-timeout-s", str(RENDEZVOUS_TIMEOUT_S)),
+                          capture_output=True, text=True, timeout=DRIVER_TIMEOUT_S)
+    elapsed = time.monotonic() - start
+    assert done.returncode != 0
+    assert re.search(expected, done.stderr), done.stderr[-3000:]
+    assert elapsed < RENDEZVOUS_TIMEOUT_S + 30  # the timeout, plus starting Python and torch
