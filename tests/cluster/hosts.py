@@ -94,6 +94,15 @@ class Host:
         return ["ip", "netns", "exec", self.ns, "env", f"RAY_TMPDIR={self.tmp}", "RAY_AUTH_MODE=disabled", *pairs,
                 *args]
 
+    def process_names(self) -> list[str]:
+        names = []
+        for pid in ip("netns", "pids", self.ns, check=False).stdout.split():
+            try:
+                names.append(Path(f"/proc/{pid}/comm").read_text().strip())
+            except OSError:  # gone meanwhile
+                pass
+        return names
+
     def kill(self) -> None:
         """The host dies: its Ray node and every actor on it."""
         kill_processes(self.ns)
@@ -108,6 +117,7 @@ class Network:
     dir: Path
     hosts: dict[str, Host] = field(default_factory=dict)
     links: list[str] = field(default_factory=list)
+    servers: list[subprocess.Popen] = field(default_factory=list)
 
     @classmethod
     def create(cls) -> Network:
@@ -134,6 +144,9 @@ class Network:
         ip("-n", host.ns, "addr", "add", f"{host.ip}/24", "dev", "eth0")
         ip("-n", host.ns, "link", "set", "eth0", "up")
         ip("-n", host.ns, "link", "set", "lo", "up")
+        # As on a real machine, a default route: Ray finds a node's own IP by the route out. Nothing is behind
+        # it: the bridge has no uplink and the root namespace no address on it.
+        ip("-n", host.ns, "route", "add", "default", "dev", "eth0")
         return host
 
     def add_dead_end(self, host: Host, subnet: str) -> str:
@@ -150,6 +163,41 @@ class Network:
         etc.mkdir(parents=True, exist_ok=True)
         (etc / "hosts").write_text(f"127.0.0.1 localhost\n{addr} {HOSTNAME}\n")
         return addr
+
+    def start_sshd(self, host: Host, authorized_keys: Path, home: Path, env: dict[str, str]) -> None:
+        """An SSH server on ``host``'s port 22 that logs in as root with the keys in ``authorized_keys``; its
+        sessions get ``env``. It runs in PID and mount namespaces of its own: there the bare `ray stop` that
+        `ray up` and `ray down` run stops only this host's Ray, not every Ray on the machine, and ``home`` is
+        mounted on /root, root's home as ssh reads it from the password database (it expands ``~`` in key
+        paths there, not from $HOME). close() ends it with the host."""
+        d = self.dir / f"{host.name}-sshd"
+        d.mkdir()
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / "host_key")], check=True,
+                       timeout=30)
+        (d / "sshd_config").write_text(f"""\
+ListenAddress {host.ip}:22
+HostKey {d}/host_key
+PidFile {d}/sshd.pid
+AuthorizedKeysFile {authorized_keys}
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+StrictModes no
+PrintMotd no
+SetEnv {" ".join(f"{k}={v}" for k, v in env.items())}
+""")
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation directory
+        with (d / "sshd.log").open("w") as log:
+            self.servers.append(subprocess.Popen(
+                ["ip", "netns", "exec", host.ns, "unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
+                 "sh", "-c", 'mount --bind "$0" /root && exec /usr/sbin/sshd -D -e -f "$1"', str(home),
+                 str(d / "sshd_config")], stdout=log, stderr=subprocess.STDOUT))
+        wait_for(lambda: self.reaches(host, host.ip, 22), f"sshd listening on {host.name}", 15)
+
+    def reaches(self, host: Host, ip: str, port: int) -> bool:
+        """Whether a TCP connection from ``host`` to ``ip``:``port`` succeeds."""
+        return subprocess.run(host.cmd("nc", "-z", "-w", "2", ip, str(port)), timeout=30).returncode == 0
 
     def start_ray(self, host: Host, num_cpus: int, head: Host | None = None,
                   env: dict[str, str] | None = None) -> None:
@@ -180,6 +228,8 @@ class Network:
     def close(self) -> None:
         for host in self.hosts.values():
             kill_namespace(host.ns)
+        for server in self.servers:
+            server.wait(timeout=30)
         for name in self.links:
             ip("link", "del", name, check=False)  # most went with their namespace
         shutil.rmtree(self.dir, ignore_errors=True)
