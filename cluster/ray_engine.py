@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import fcntl
 import os
 import socket
+import struct
+import time
 import weakref
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -27,6 +30,8 @@ from workers.model_loader import read_model_spec
 RayWorker = ray.remote(WorkerActor)
 RaySchedulerActor = ray.remote(SchedulerActor)
 SCHEDULER_CPUS = 1.0  # the scheduler's bundle; the actor mostly awaits, but Ray needs a non-empty bundle
+SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+SOCKET_IFNAME = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
 
 
 @dataclass(slots=True)
@@ -37,6 +42,7 @@ class NodeInfo:
     ip: str
     num_cores: int  # cores this process may run on (not Ray's logical CPUs, which only count reservations)
     free_port: int
+    ifname: str | None  # the interface holding ``ip``, when one does
 
 
 def _node_info(_actor: WorkerActor) -> NodeInfo:
@@ -44,8 +50,30 @@ def _node_info(_actor: WorkerActor) -> NodeInfo:
     with socket.socket() as s:
         s.bind(("", 0))
         port = s.getsockname()[1]
-    return NodeInfo(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
-                    len(os.sched_getaffinity(0)), port)
+    ip = ray.util.get_node_ip_address()
+    return NodeInfo(ray.get_runtime_context().get_node_id(), ip, len(os.sched_getaffinity(0)), port,
+                    interface_of(ip))
+
+
+def interface_of(ip: str) -> str | None:
+    """The network interface whose (primary) IPv4 address is ``ip`` on this host, or None."""
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on it
+                continue
+        if socket.inet_ntoa(packed[20:24]) == ip:
+            return name
+    return None
+
+
+def _socket_ifname(_actor: WorkerActor, var: str, default: str | None) -> str | None:
+    """Runs inside a rank's actor: the interface ``var`` names for the backend, set to ``default`` first when
+    the environment leaves it unset."""
+    if not os.environ.get(var) and default:
+        os.environ[var] = default
+    return os.environ.get(var)
 
 
 def _init_device(actor: WorkerActor, num_threads: int) -> str:
@@ -72,11 +100,13 @@ def _fold(group: list[RequestOutput]) -> RequestOutput:
                          last.finish_reason, logprobs, last.num_prompt_tokens, last.num_cached_tokens, last.error)
 
 
-def connect(address: str | None, min_cpus: float) -> None:
-    """Join the cluster at ``address`` (or $RAY_ADDRESS), else start a local Ray that can hold the engine."""
+def connect(address: str | None, min_cpus: float, timeout_s: float = 60.0) -> None:
+    """Join the cluster at ``address`` (or $RAY_ADDRESS), else start a local Ray that can hold the engine. A head
+    that does not answer within ``timeout_s`` is an error naming the address."""
     if ray.is_initialized():
         return
     if address is not None or "RAY_ADDRESS" in os.environ:
+        check_head_answers(address or os.environ["RAY_ADDRESS"], timeout_s)
         ray.init(address=address)
         return
     # Ray starts its workers at nice 15, below its own daemons and every other process on the node. A rank's
@@ -85,6 +115,27 @@ def connect(address: str | None, min_cpus: float) -> None:
     os.environ.setdefault("RAY_worker_niceness", "0")
     # Logical CPUs only count reservations; the engine sets thread counts from the real cores.
     ray.init(num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)), include_dashboard=False)
+
+
+def check_head_answers(address: str, timeout_s: float) -> None:
+    """Raise RuntimeError unless the head's GCS at ``address`` (HOST:PORT) accepts a connection within
+    ``timeout_s``: ray.init would retry an unreachable or wrong address silently for minutes. Other forms
+    ("auto", ray://...) are left to Ray."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=max(0.1, min(5.0, deadline - time.monotonic()))).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"no Ray head answers at {address} within placement_timeout_s={timeout_s:g} ({e}): check the "
+                    f"address (`ray start --head` prints it; the port is 6379 unless --port says otherwise) and "
+                    f"that this machine reaches that host and port") from None
+            time.sleep(0.5)
 
 
 def engine_bundles(config: EngineConfig, use_gpu: bool) -> list[dict[str, float]]:
@@ -120,6 +171,13 @@ def placement_error(bundles: list[dict[str, float]], strategy: str, timeout_s: f
     return msg + "; the resources exist but not free, or not on one node as the strategy requires"
 
 
+def lost_nodes(ranks: list[NodeInfo]) -> str:
+    """'; rank r's node IP (id) is dead' for each rank whose node Ray no longer counts alive, else ''."""
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    return "".join(f"; rank {r}'s node {i.ip} (node id {i.node_id}) is dead"
+                   for r, i in enumerate(ranks) if i.node_id not in alive)
+
+
 def _show(resources: dict[str, float], keys) -> str:
     return ", ".join(f"{k}: {resources.get(k, 0):g}" for k in sorted(keys))
 
@@ -146,17 +204,16 @@ def start_workers(config: EngineConfig, model_path: str, max_model_len: int, pg:
     ).remote(wcfg, r) for r in range(config.tensor_parallel_size)]
 
 
-def init_workers(workers: list, num_threads: int | None, device: str) -> int:
-    """Device, process group, model shard and KV cache on every rank; returns the blocks each rank holds."""
+def init_workers(workers: list, num_threads: int | None, device: str,
+                 timeout_s: float) -> tuple[int, list[NodeInfo]]:
+    """Device, process group, model shard and KV cache on every rank; returns the blocks each rank holds and
+    where each rank runs. The ranks must form their process group within ``timeout_s``."""
     infos: list[NodeInfo] = ray.get([w.__ray_call__.remote(_node_info) for w in workers])
     ranks_per_node = Counter(i.node_id for i in infos)
     # Co-located ranks share their node's cores: oversubscribed torch threads stall at every barrier.
     threads = [num_threads or max(1, i.num_cores // ranks_per_node[i.node_id]) for i in infos]
     ray.get([w.__ray_call__.remote(_init_device, n) for w, n in zip(workers, threads)])
-    master = infos[0]
-    ray.get([w.call.remote("init_distributed", rank, len(workers), master.ip, master.free_port,
-                           "nccl" if device == "cuda" else "gloo")
-             for rank, w in enumerate(workers)])
+    form_process_group(workers, infos, "nccl" if device == "cuda" else "gloo", timeout_s)
     ray.get([w.call.remote("load_model") for w in workers])
     num_blocks = min(ray.get([w.call.remote("determine_num_blocks") for w in workers]))
     if num_blocks < 2:
@@ -164,7 +221,35 @@ def init_workers(workers: list, num_threads: int | None, device: str) -> int:
         raise ValueError(f"the KV cache holds {num_blocks} blocks of {block_bytes} bytes; raise kv_cache_bytes "
                          f"or gpu_memory_utilization")
     ray.get([w.call.remote("init_cache", num_blocks) for w in workers])
-    return num_blocks
+    return num_blocks, infos
+
+
+def form_process_group(workers: list, infos: list[NodeInfo], backend: str, timeout_s: float) -> None:
+    """Join every rank to the process group at rank 0's node IP (the one Ray uses, so the other nodes reach
+    it), or raise RuntimeError naming the interface setting: a rank listening where the others cannot reach
+    fails deep in gloo, or waits out the group's 300 s timeout."""
+    # Gloo's default is the address the host name resolves to: often a loopback (127.0.1.1 on Debian) or an
+    # interface the other nodes cannot reach. So unless told otherwise, gloo listens on the interface holding
+    # the node's Ray IP. NCCL picks its interfaces by its own rules, unless NCCL_SOCKET_IFNAME says.
+    var = SOCKET_IFNAME[backend]
+    ifnames = ray.get([w.__ray_call__.remote(_socket_ifname, var, i.ifname if backend == "gloo" else None)
+                       for w, i in zip(workers, infos)])
+    master = infos[0]
+    refs = [w.call.remote("init_distributed", rank, len(workers), master.ip, master.free_port, backend)
+            for rank, w in enumerate(workers)]
+    try:
+        ray.get(refs, timeout=timeout_s)
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError) as e:
+        why = (f"not within placement_timeout_s={timeout_s:g}" if isinstance(e, ray.exceptions.GetTimeoutError)
+               else str(e.cause).strip().splitlines()[-1][-300:])
+        ranks = "; ".join(f"rank {r} on node {i.ip}, {var}={n or 'unset'}"
+                          for r, (i, n) in enumerate(zip(infos, ifnames)))
+        raise RuntimeError(
+            f"the {len(workers)} ranks did not form their {backend} process group at tcp://{master.ip}:"
+            f"{master.free_port} ({ranks}): {why}. Each rank listens on the interface {var} names, so every node "
+            f"must reach the others there. Set {var} to the interface that holds each node's Ray IP, in the "
+            f"environment `ray start` runs in (docs/multinode.md), and let that traffic through the nodes' "
+            f"firewalls") from None
 
 
 def _release(pg: PlacementGroup | None, actors: list) -> None:
@@ -197,7 +282,7 @@ class RayEngine:
         self.model_path = config.resolved_model()
         self.spec = read_model_spec(self.model_path, tp)
         self.max_model_len = resolve_max_model_len(config, self.spec)
-        connect(address, SCHEDULER_CPUS + tp * (config.num_threads or 1))
+        connect(address, SCHEDULER_CPUS + tp * (config.num_threads or 1), config.placement_timeout_s)
         self.device = (bundle_device(placement_group, first_bundle + 1)
                        if placement_group is not None and config.device == "auto" else resolve_device(config.device))
         pg = placement_group or place(engine_bundles(config, self.device == "cuda"), config.placement_strategy,
@@ -217,7 +302,8 @@ class RayEngine:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle),
             ).remote(self.workers, self.spec.eos_token_id)
             owned.append(self.actor)
-            self.num_blocks = init_workers(self.workers, config.num_threads, self.device)
+            self.num_blocks, self.rank_nodes = init_workers(self.workers, config.num_threads, self.device,
+                                                            config.placement_timeout_s)
             ray.get(self.actor.start.remote(config.scheduler_config(self.num_blocks, self.max_model_len)))
         except BaseException:
             self.shutdown()
@@ -267,11 +353,13 @@ class RayEngine:
         return ray.get(self.actor.request_steps.remote(request_ids))
 
     def check_health(self) -> None:
-        """Raise RuntimeError saying why when the engine cannot serve."""
+        """Raise RuntimeError saying why when the engine cannot serve, naming the nodes Ray lost under it."""
         try:
             ray.get(self.actor.check_health.remote())
         except ray.exceptions.RayActorError as e:
-            raise RuntimeError(f"the scheduler actor is gone: {e}") from None
+            raise RuntimeError(f"the scheduler actor is gone: {e}{lost_nodes(self.rank_nodes)}") from None
+        except ray.exceptions.RayTaskError as e:
+            raise RuntimeError(f"{e.cause}{lost_nodes(self.rank_nodes)}") from None
 
     # ---- async interface (the Serve app's) ---------------------------------------------------
 

@@ -1,53 +1,91 @@
-"""Tensor parallelism across nodes: a head and two worker nodes (ray.cluster_utils.Cluster), the ranks
-forced apart by STRICT_SPREAD, greedy output identical to the in-process tp=1 engine.
+"""Tensor parallelism across hosts: each Ray node on a host of its own (a network namespace with its own
+address and interfaces, tests/cluster/hosts.py), so the process group's traffic crosses links between hosts and
+an address or interface that only works locally fails here as it would between machines.
 
-The cluster lives in a child process so that it never meets the session's local Ray."""
+The hosts: the head (1 CPU: only the scheduler fits there) and two workers (2 CPUs: one rank each under
+STRICT_SPREAD). w1 has a second interface on a link that reaches no other host, and its host name resolves to
+that interface's address: where gloo binds by default. Drivers run inside the head (hosts_driver.py)."""
 
-import json
+import re
 import subprocess
-import sys
-from pathlib import Path
+import time
+from collections.abc import Iterator
+
+import pytest
 
 from cluster.engine import InProcessEngine
+from tests.cluster.hosts import VENV_BIN, Network, why_hosts_cannot_be_made
 from tests.cluster.test_ray_engine import config, run_to_completion
 
-ROOT = Path(__file__).resolve().parents[2]
+DRIVER_TIMEOUT_S = 180
+RENDEZVOUS_TIMEOUT_S = 10
 
 
-def run_on_three_nodes(model: str) -> dict:
-    """In the child: start the cluster, run the prompts at tp=2, report outputs and where each actor ran."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from cluster.ray_engine import RayEngine
-
-    # Each node could hold all three bundles ({CPU: 1} each): only the strategy keeps them apart.
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3})
-    for _ in range(2):
-        cluster.add_node(num_cpus=3)
-    cluster.wait_for_nodes()
+@pytest.fixture(scope="module")
+def tp_hosts() -> Iterator[Network]:
+    if reason := why_hosts_cannot_be_made():
+        pytest.skip(reason)
+    net = Network.create()
     try:
-        engine = RayEngine(config(model, tensor_parallel_size=2, placement_strategy="STRICT_SPREAD"),
-                           address=cluster.address)
-        where = lambda _: ray.get_runtime_context().get_node_id()  # noqa: E731
-        nodes = ray.get([a.__ray_call__.remote(where) for a in [engine.actor, *engine.workers]])
-        strategy = ray.util.placement_group_table(engine.placement_group)["strategy"]
-        return {"nodes": nodes, "strategy": strategy, "outputs": run_to_completion(engine)}
+        head, w1, w2 = (net.add_host(n) for n in ("head", "w1", "w2"))
+        net.add_dead_end(w1, "10.251.0")
+        net.start_ray(head, num_cpus=1)
+        for w in (w1, w2):
+            net.start_ray(w, num_cpus=2, head=head)
+        yield net
     finally:
-        ray.shutdown()
-        cluster.shutdown()
+        net.close()
 
 
-def test_tp2_across_nodes_matches_tp1(tiny_model_dir):
-    model = tiny_model_dir("llama", num_attention_heads=4, num_key_value_heads=2)
-    child = subprocess.run([sys.executable, "-m", "tests.cluster.test_multinode", model], cwd=ROOT,
-                           capture_output=True, text=True, timeout=300)
-    assert child.returncode == 0, child.stderr[-4000:]
-    report = json.loads(child.stdout.strip().splitlines()[-1])
+@pytest.fixture(scope="module")
+def model(tiny_model_dir) -> str:
+    return tiny_model_dir("llama", num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_tp2_across_hosts_matches_tp1_with_the_scheduler_on_the_head(tp_hosts, model):
+    head, w1, w2 = tp_hosts.hosts.values()
+    report = tp_hosts.driver(head, "tp2", model, timeout_s=DRIVER_TIMEOUT_S)
     assert report["strategy"] == "STRICT_SPREAD"
-    assert len(set(report["nodes"])) == 3  # scheduler, rank 0 and rank 1 each on their own node
+    scheduler, *ranks = report["ips"]
+    assert scheduler == head.ip and sorted(ranks) == sorted([w1.ip, w2.ip])
+    # The group meets at rank 0's address on the hosts' link, and every rank's gloo listens on that link
+    # (eth0), not where w1's host name points (its dead-end eth1).
+    assert report["master"] == ranks[0]
+    assert report["ifnames"] == ["eth0", "eth0"]
     assert report["outputs"] == run_to_completion(InProcessEngine(config(model)))
 
 
-if __name__ == "__main__":
-    print(json.dumps(run_on_three_nodes(sys.argv[1])))
+def test_gloo_on_an_interface_the_other_hosts_cannot_reach_fails_naming_the_setting(tp_hosts, model):
+    # `lo` is what a host name resolving to 127.0.1.1 (Debian's default) amounts to: each rank listens where
+    # only its own host can connect.
+    head = tp_hosts.hosts["head"]
+    report = tp_hosts.driver(head, "tp2_with_ifname", model, "lo", str(RENDEZVOUS_TIMEOUT_S),
+                             timeout_s=DRIVER_TIMEOUT_S)
+    assert report["error"] is not None, "the ranks met over loopback across hosts"
+    print(f"gloo on lo: failed after {report['elapsed_s']:.1f} s: {report['error']}")
+    assert "GLOO_SOCKET_IFNAME=lo" in report["error"] and "Set GLOO_SOCKET_IFNAME" in report["error"]
+    assert report["elapsed_s"] < RENDEZVOUS_TIMEOUT_S + 30  # gloo's own connect timeout may come first
+    assert set(report["groups"]) == {"REMOVED"}
+
+
+@pytest.mark.parametrize("case", ["no host at the address", "wrong port", "more hosts than exist"])
+def test_bad_input_fails_within_placement_timeout_naming_what_is_missing(tp_hosts, tiny_model_dir, case):
+    head = tp_hosts.hosts["head"]
+    # tp=3 needs a model whose heads split three ways; STRICT_SPREAD then wants 4 hosts, and there are 3.
+    model = tiny_model_dir("llama", hidden_size=96, intermediate_size=192, num_attention_heads=6,
+                           num_key_value_heads=3)
+    address, tp, expected = {
+        "no host at the address": (f"{tp_hosts.subnet}.99:6379", 1, f"no Ray head answers at {tp_hosts.subnet}.99"),
+        "wrong port": (f"{head.ip}:6380", 1, f"no Ray head answers at {head.ip}:6380"),
+        "more hosts than exist": (f"{head.ip}:6379", 3, "STRICT_SPREAD puts each bundle .* it needs 4 nodes"),
+    }[case]
+    start = time.monotonic()
+    done = subprocess.run(head.cmd(str(VENV_BIN / "raylm"), "generate", "--prompt", "hi", "--model", model,
+                                   "--address", address, "--tensor-parallel-size", str(tp), "--num-threads", "1",
+                                   "--placement-strategy", "STRICT_SPREAD",
+                                   "--placement-timeout-s", str(RENDEZVOUS_TIMEOUT_S)),
+                          capture_output=True, text=True, timeout=DRIVER_TIMEOUT_S)
+    elapsed = time.monotonic() - start
+    assert done.returncode != 0
+    assert re.search(expected, done.stderr), done.stderr[-3000:]
+    assert elapsed < RENDEZVOUS_TIMEOUT_S + 30  # the timeout, plus starting Python and torch

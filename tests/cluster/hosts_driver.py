@@ -1,0 +1,136 @@
+"""Drivers the multi-host tests run inside a test host, as ``python -m tests.cluster.hosts_driver FUNC HEAD_IP
+ARGS...``: each joins the hosts' Ray cluster at HEAD_IP from there (a driver must sit on a Ray node, and pytest's
+own process already has the session's local Ray), does one thing, and prints one JSON line for the test."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import aiohttp
+import ray
+
+from cluster.config import EngineConfig
+from cluster.ray_engine import RayEngine
+from cluster.serve import AppArgs, start
+from tests.cluster.test_ray_engine import config, run_to_completion
+
+
+def _where(_actor) -> str:
+    return ray.util.get_node_ip_address()
+
+
+def _gloo_ifname(_actor) -> str | None:
+    return os.environ.get("GLOO_SOCKET_IFNAME")
+
+
+def tp2(head_ip: str, model: str) -> dict:
+    """Greedy outputs of a tp=2 STRICT_SPREAD engine, where its actors ran and how its ranks met."""
+    engine = RayEngine(config(model, tensor_parallel_size=2, num_threads=2, placement_strategy="STRICT_SPREAD"),
+                       address=f"{head_ip}:6379")
+    try:
+        return {"ips": ray.get([a.__ray_call__.remote(_where) for a in [engine.actor, *engine.workers]]),
+                "strategy": ray.util.placement_group_table(engine.placement_group)["strategy"],
+                "master": engine.rank_nodes[0].ip,
+                "ifnames": ray.get([w.__ray_call__.remote(_gloo_ifname) for w in engine.workers]),
+                "outputs": run_to_completion(engine)}
+    finally:
+        engine.shutdown()
+
+
+def tp2_with_ifname(head_ip: str, model: str, ifname: str, timeout_s: str) -> dict:
+    """A tp=2 engine whose job sets GLOO_SOCKET_IFNAME=``ifname`` for every actor: its error and how long it took,
+    and the states of the placement groups left."""
+    ray.init(address=f"{head_ip}:6379", runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": ifname}},
+             log_to_driver=False)
+    start = time.monotonic()
+    try:
+        RayEngine(config(model, tensor_parallel_size=2, num_threads=2, placement_strategy="STRICT_SPREAD",
+                         placement_timeout_s=float(timeout_s)))
+    except RuntimeError as e:
+        return {"error": str(e), "elapsed_s": time.monotonic() - start,
+                "groups": [g["state"] for g in ray.util.placement_group_table().values()]}
+    return {"error": None}
+
+
+# ---- a host lost under Serve ------------------------------------------------------------------------
+
+STREAMS = 3
+ERROR_BOUND_S = 30.0  # kill to the last in-flight stream's error event
+SERVING_BOUND_S = 240.0  # kill to a completion answered by the replica Serve builds in its place
+
+
+def _rank_hosts(hosts: dict[str, str]) -> list[str]:
+    """The namespaces of the hosts holding the live replica's ranks (bundles 2 and 3 of its group)."""
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
+    (group,) = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+    return [hosts[ips[group["bundles_to_node_id"][b]]] for b in (2, 3)]
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, started: asyncio.Event) -> tuple[float, str]:
+    """Stream a long completion; once its first text has come, set ``started``. Returns when the stream ends
+    and what its last event said."""
+    body = {"prompt": [1, 2, 3], "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    last = ""
+    async with session.post(f"{url}/v1/completions", json=body) as r:
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                last = line.decode()
+                started.set()
+    return time.monotonic(), last
+
+
+def _get(url: str, data: dict | None = None) -> tuple[int, str]:
+    req = urllib.request.Request(url, data=json.dumps(data).encode() if data else None,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except OSError as e:
+        return 0, str(e)
+
+
+async def _kill_mid_generation(url: str, victim: str) -> tuple[float, list[tuple[float, str]]]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=ERROR_BOUND_S + 60)) as session:
+        started = [asyncio.Event() for _ in range(STREAMS)]
+        tasks = [asyncio.create_task(_stream(session, url, e)) for e in started]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        pids = subprocess.run(["ip", "netns", "pids", victim], capture_output=True, text=True).stdout.split()
+        subprocess.run(["kill", "-9", *pids])
+        killed = time.monotonic()
+        return killed, await asyncio.wait_for(asyncio.gather(*tasks), ERROR_BOUND_S + 30)
+
+
+def lost_host(head_ip: str, model: str, hosts_json: str) -> dict:
+    """Serve tp=2 across hosts, kill the host of rank 1 while streams run; report how the streams ended and
+    when, what /health said, and when a completion was answered again and by which hosts' ranks."""
+    hosts = json.loads(hosts_json)  # ip -> namespace
+    args = AppArgs(engine=EngineConfig(model=model, tensor_parallel_size=2, num_threads=2, block_size=8,
+                                       kv_cache_bytes=1 << 22))
+    url = start(args, address=f"{head_ip}:6379", host="0.0.0.0", port=8000, timeout_s=180)
+    before = _rank_hosts(hosts)
+    killed, ends = asyncio.run(_kill_mid_generation(url, before[1]))
+    health = (0, "")
+    while health[0] != 503 and time.monotonic() - killed < ERROR_BOUND_S:
+        health = _get(f"{url}/health")
+    serving = None
+    while time.monotonic() - killed < SERVING_BOUND_S:
+        status, _ = _get(f"{url}/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 4})
+        if status == 200:
+            serving = time.monotonic() - killed
+            break
+        time.sleep(1)
+    return {"victim": before[1], "error_after_s": [t - killed for t, _ in ends], "last_events": [e for _, e in ends],
+            "health": health, "serving_after_s": serving, "ranks_after": _rank_hosts(hosts) if serving else None}
+
+
+if __name__ == "__main__":
+    print(json.dumps(globals()[sys.argv[1]](*sys.argv[2:])), flush=True)

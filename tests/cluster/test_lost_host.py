@@ -1,0 +1,61 @@
+"""A host lost mid-generation: Serve runs tp=2 with each rank on a worker host of its own (tests/cluster/hosts.py);
+killing one rank's host (its Ray node and every process on it) must end every in-flight stream with an error
+within a bound, turn /health red naming the lost node, and Serve must replace the replica with an engine on the
+hosts that remain.
+
+The hosts: the head (2 CPUs: the replica and the scheduler) and three workers (2 CPUs: one rank each), so after
+one worker is lost two remain for the new engine's ranks. Every `ray start` sets GLOO_SOCKET_IFNAME=eth0, as
+docs/multinode.md says to."""
+
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.hosts import Network, why_hosts_cannot_be_made
+from tests.cluster.hosts_driver import ERROR_BOUND_S, SERVING_BOUND_S
+
+DRIVER_TIMEOUT_S = 420
+
+
+@pytest.fixture(scope="module")
+def serve_hosts() -> Iterator[Network]:
+    if reason := why_hosts_cannot_be_made():
+        pytest.skip(reason)
+    net = Network.create()
+    try:
+        head, *workers = (net.add_host(n) for n in ("head", "w1", "w2", "w3"))
+        net.start_ray(head, num_cpus=2)
+        for w in workers:
+            net.start_ray(w, num_cpus=2, head=head, env={"GLOO_SOCKET_IFNAME": "eth0"})
+        yield net
+    finally:
+        net.close()
+
+
+@pytest.fixture(scope="module")
+def served_model(tiny_model_dir, default_model_dir) -> str:
+    """A tiny random Llama that generates for minutes (4096 positions, ignore_eos), with the default model's
+    tokenizer so Serve can detokenize (its vocabulary covers the tiny model's 256 ids)."""
+    path = tiny_model_dir("llama", max_position_embeddings=4096)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(default_model_dir) / name, Path(path) / name)
+    return path
+
+
+def test_a_host_lost_mid_generation_fails_its_streams_and_serve_rebuilds_on_the_rest(serve_hosts, served_model):
+    hosts = {h.ip: h.ns for h in serve_hosts.hosts.values()}
+    head = serve_hosts.hosts["head"]
+    report = serve_hosts.driver(head, "lost_host", served_model, json.dumps(hosts), timeout_s=DRIVER_TIMEOUT_S)
+    victim_ip = next(ip for ip, ns in hosts.items() if ns == report["victim"])
+    print(f"\nlost host {victim_ip}: in-flight streams errored after "
+          f"{', '.join(f'{t:.2f}' for t in report['error_after_s'])} s; serving again after "
+          f"{report['serving_after_s'] and round(report['serving_after_s'], 1)} s; /health said {report['health']}")
+    assert all('"error"' in e for e in report["last_events"]), report["last_events"]
+    assert max(report["error_after_s"]) < ERROR_BOUND_S
+    status, body = report["health"]
+    assert status == 503 and victim_ip in body, report["health"]
+    assert report["serving_after_s"] is not None, f"not serving again within {SERVING_BOUND_S} s"
+    assert report["victim"] not in report["ranks_after"]
