@@ -33,7 +33,9 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     tl.store(v_cache_ptr + dst, tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=ok), mask=ok)
 
 
-@triton.jit
+# The table's row stride is its width, which changes with the longest context: specialised on (as Triton does
+# for ints divisible by 16), the first step whose width was a multiple of 16 would compile again mid-serving.
+@triton.jit(do_not_specialize=["stride_table"])
 def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
                             query_start_loc_ptr, scale,
                             stride_qt, stride_qh, stride_ot, stride_oh,
@@ -95,6 +97,7 @@ class TritonBackend:
     """
 
     name = "triton"
+    graph_capturable = True
 
     def plan(self, md: AttentionMetadata) -> None:
         return None

@@ -15,7 +15,7 @@ if DEVICE == "cpu":
         "triton was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1 in the environment"
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels import TorchBackend, flash_attention, select_backend  # noqa: E402
+from kernels import TorchBackend, default_block_size, flash_attention, select_backend  # noqa: E402
 from kernels.flash_attention import FlashAttnBackend  # noqa: E402
 from kernels.triton_attention import TritonBackend  # noqa: E402
 from tests.kernels.reference import POISON, make_batch  # noqa: E402
@@ -85,3 +85,31 @@ def test_flash_attn_on_cuda_without_the_package_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="flash_attn"):
         select_backend("flash_attn", "cuda")
     assert isinstance(select_backend("triton", "cuda"), TritonBackend)
+
+
+@pytest.mark.parametrize("name,device,dtype,flash_attn_imports,expected", [
+    ("auto", "cuda", None, True, 256), ("auto", "cuda", torch.bfloat16, True, 256),
+    ("auto", "cuda", torch.float32, True, 16), ("auto", "cuda", None, False, 16),
+    ("flash_attn", "cuda", None, False, 256), ("triton", "cuda", None, True, 16), ("auto", "cpu", None, True, 16),
+])
+def test_default_block_size_suits_the_backend_auto_picks(monkeypatch, name, device, dtype, flash_attn_imports,
+                                                          expected):
+    monkeypatch.setattr(flash_attention, "load_flash_attn", lambda: FLASH_STAND_INS if flash_attn_imports else None)
+    assert default_block_size(name, device, dtype) == expected
+    if name == "auto":
+        chosen = select_backend(name, device, expected, dtype)
+        assert (chosen.name == "flash_attn") == (expected == 256)
+
+
+def test_table_width_is_not_a_specialisation_key():
+    """Triton specialises int arguments divisible by 16; the table's row stride (its width) must not be one,
+    or the first step whose table width is a multiple of 16 compiles the kernel again while serving."""
+    from triton.runtime.jit import JITFunction
+
+    from kernels.triton_attention import _paged_attention_kernel
+
+    kernel = _paged_attention_kernel
+    jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
+    params = {p.name: p for p in jit.params}
+    assert params["stride_table"].do_not_specialize
+    assert not params["stride_qt"].do_not_specialize  # fixed per model: specialising on it is free
