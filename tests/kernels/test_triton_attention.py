@@ -26,6 +26,8 @@ CASES = {
     "decode_only": ([1] * 5, [1, 8, 9, 31, 70]),
     "mixed": ([1, 12, 1, 7, 21], [45, 12, 17, 30, 21]),
     "long_chunk_after_context": ([70], [100]),
+    # contexts over the 512-key partition: decode-only steps split each context and merge the partitions
+    "split_decode": ([1] * 4, [1100, 513, 7, 1024]),
 }
 
 
@@ -44,6 +46,21 @@ def test_paged_attention_matches_torch_path(case, kv_heads, group, block_size):
     q_lens, seq_lens = CASES[case]
     batch = make_batch(q_lens, seq_lens, block_size=block_size, kv_heads=kv_heads, group=group)
     assert max_error_against_torch_path(batch) <= 1e-4
+
+
+def test_long_decodes_take_the_split_path_and_match_unsplit(monkeypatch):
+    from kernels import triton_attention
+
+    batch = make_batch([1] * 3, [1100, 600, 9], block_size=16, kv_heads=2, group=4).to(DEVICE)
+    backend = TritonBackend()
+    calls = []
+    split = backend._split_decode
+    monkeypatch.setattr(backend, "_split_decode", lambda *a: calls.append(a[-1]) or split(*a))
+    out = backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(backend), SCALE)
+    assert calls == [3]  # cdiv(1100, 512) partitions
+    monkeypatch.setattr(triton_attention, "_SPLIT_BELOW_PROGRAMS", 0)
+    whole = backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(backend), SCALE)
+    assert calls == [3] and float((out - whole).abs().max()) <= 1e-5
 
 
 def test_paged_attention_handles_head_dim_below_the_tile():
