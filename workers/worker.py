@@ -19,7 +19,6 @@ from workers.model_loader import load_model, read_model_spec
 from workers.model_runner import ModelRunner, graph_batch_sizes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 # glibc's mallopt parameters. A step's activations (megabytes each) are above glibc's default mmap
 # threshold, so every one came from fresh pages and its page faults cost as much as the elementwise
 # op that filled it (16% of a 2048-token prefill step). Raising the threshold to its 32 MiB maximum
