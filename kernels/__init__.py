@@ -16,9 +16,24 @@ import torch
 from kernels.metadata import AttentionBackend, AttentionMetadata
 from kernels.torch_attention import TorchBackend
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "TorchBackend", "select_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "TorchBackend", "default_block_size", "select_backend"]
 
 BACKENDS = ("auto", "torch", "triton", "flash_attn")
+DEFAULT_BLOCK_SIZE = 16
+
+
+def default_block_size(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> int:
+    """The KV block size for backend `name` on `device` when none is configured: flash-attn's smallest
+    page (256 tokens) where it is named, or where "auto" would choose it (flash-attn installed and usable
+    for `dtype` on CUDA); else 16, which keeps prefix-cache hits fine-grained."""
+    from kernels.flash_attention import PAGE_BLOCK_MULTIPLE
+
+    if name == "flash_attn":
+        return PAGE_BLOCK_MULTIPLE
+    if name != "auto" or torch.device(device).type != "cuda":
+        return DEFAULT_BLOCK_SIZE
+    chosen = select_backend("auto", device, PAGE_BLOCK_MULTIPLE, dtype)
+    return PAGE_BLOCK_MULTIPLE if chosen.name == "flash_attn" else DEFAULT_BLOCK_SIZE
 
 
 def select_backend(name: str, device: torch.device | str, block_size: int | None = None,

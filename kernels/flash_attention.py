@@ -62,6 +62,7 @@ class FlashAttnBackend:
     """
 
     name = "flash_attn"
+    graph_capturable = True  # decodes go through flash_attn_with_kvcache, which reads lengths on the device
 
     def __init__(self, varlen_func: Callable[..., torch.Tensor], kvcache_func: Callable[..., torch.Tensor],
                  fallback: AttentionBackend):

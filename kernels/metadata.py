@@ -15,9 +15,12 @@ class AttentionBackend(Protocol):
     layer needs; `store_kv` and `paged_attention` run once per layer and only read that plan.
     `kv_cache` is `[2, num_blocks, block_size, num_kv_heads, head_dim]` (0 = keys, 1 = values),
     each half contiguous; the block size is read from it, never configured separately.
+    `graph_capturable`: a decode step's `plan`, `store_kv` and `paged_attention` read only device
+    tensors and make no host sync, so a CUDA graph captured once replays them on new inputs.
     """
 
     name: str
+    graph_capturable: bool
 
     def plan(self, md: AttentionMetadata) -> Any: ...
 

@@ -72,6 +72,7 @@ class TorchBackend:
     """
 
     name = "torch"
+    graph_capturable = False  # plan reads the lengths on the host and builds per-step index tensors
 
     def __init__(self, native_decode: bool = True) -> None:
         self._scratch = torch.empty(0)

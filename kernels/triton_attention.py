@@ -16,6 +16,31 @@ from kernels.metadata import AttentionMetadata
 _PREFILL_ROWS = 64
 _MIN_ROWS = 16
 _KEYS_PER_STEP = 32
+# Decode-only steps with fewer (request, KV head) programs than this split each context into partitions of
+# _PARTITION keys, one program each, merged by a second kernel: otherwise a few long contexts would each be
+# read by one program while most of the GPU's SMs idle (flash-decoding).
+_SPLIT_BELOW_PROGRAMS = 256
+_PARTITION = 512
+
+
+@triton.jit
+def _fold_keys(q, m, denom, acc, pos, pos_ok, visible, table_row_ptr, k_cache_ptr, v_cache_ptr, kv_head,
+               stride_block, stride_slot, stride_head, d, d_ok, qk_scale,
+               BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
+    """The keys and values at positions `pos` (where `pos_ok`) folded into each row's running softmax (max
+    `m`, sum `denom`, weighted values `acc`, base 2), scores outside `visible` [rows, keys] masked."""
+    block = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+    offset = block.to(tl.int64) * stride_block + (pos % BLOCK_SIZE) * stride_slot + kv_head * stride_head
+    kv_ok = pos_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_cache_ptr + offset[:, None] + d[None, :], mask=kv_ok, other=0.0)
+    v = tl.load(v_cache_ptr + offset[:, None] + d[None, :], mask=kv_ok, other=0.0)
+    s = tl.where(visible, tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    denom = denom * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, denom, acc
 
 
 @triton.jit
@@ -33,7 +58,9 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     tl.store(v_cache_ptr + dst, tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=ok), mask=ok)
 
 
-@triton.jit
+# The table's row stride is its width, which changes with the longest context: specialised on (as Triton does
+# for ints divisible by 16), the first step whose width was a multiple of 16 would compile again mid-serving.
+@triton.jit(do_not_specialize=["stride_table"])
 def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
                             query_start_loc_ptr, scale,
                             stride_qt, stride_qh, stride_ot, stride_oh,
@@ -68,23 +95,80 @@ def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tabl
         for start in range(0, kv_end, KEYS):
             pos = start + tl.arange(0, KEYS)
             pos_ok = pos < kv_end
-            block = tl.load(block_tables_ptr + req * stride_table + pos // BLOCK_SIZE, mask=pos_ok, other=0)
-            offset = block.to(tl.int64) * stride_block + (pos % BLOCK_SIZE) * stride_slot + kv_head * stride_head
-            kv_ok = pos_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_cache_ptr + offset[:, None] + d[None, :], mask=kv_ok, other=0.0)
-            v = tl.load(v_cache_ptr + offset[:, None] + d[None, :], mask=kv_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
             # Key 0 is visible to every row, so each row's running max is finite after the first step.
-            s = tl.where((pos[None, :] <= q_pos[:, None]) & pos_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m - m_new)
-            denom = denom * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+            visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+            m, denom, acc = _fold_keys(q, m, denom, acc, pos, pos_ok, visible, block_tables_ptr + req * stride_table,
+                                       k_cache_ptr, v_cache_ptr, kv_head, stride_block, stride_slot, stride_head,
+                                       d, d_ok, qk_scale, BLOCK_SIZE, PRECISION)
         out = acc / denom[:, None]
         tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["stride_table"])
+def _paged_decode_split_kernel(part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                               seq_lens_ptr, query_start_loc_ptr, scale,
+                               stride_qt, stride_qh, stride_block, stride_slot, stride_head, stride_table,
+                               NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                               HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr,
+                               KEYS: tl.constexpr, PARTITION: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                               PRECISION: tl.constexpr):
+    """One program: the single query of one request, its GROUP heads on one KV head, against the keys of one
+    partition of its context. Writes the partition's normalised output and log-sum-exp (base 2); a partition
+    past the context writes 0 and -inf, so the merge needs no length."""
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tl.arange(0, ROWS)
+    head = kv_head * GROUP + rows
+    row_ok = rows < GROUP
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    part = ((req * NUM_HEADS + head) * NUM_SPLITS + split).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + req)
+    start = split * PARTITION
+    if start < seq_len:
+        token = tl.load(query_start_loc_ptr + req)
+        q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        end = tl.minimum(seq_len, start + PARTITION)
+        qk_scale = scale * 1.4426950408889634
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        denom = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
+        for key in range(start, end, KEYS):
+            pos = key + tl.arange(0, KEYS)
+            pos_ok = pos < end
+            # The query is its context's last token: every key before `end` is visible, no causal cut.
+            m, denom, acc = _fold_keys(q, m, denom, acc, pos, pos_ok, pos_ok[None, :],
+                                       block_tables_ptr + req * stride_table, k_cache_ptr, v_cache_ptr, kv_head,
+                                       stride_block, stride_slot, stride_head, d, d_ok, qk_scale, BLOCK_SIZE,
+                                       PRECISION)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], acc / denom[:, None], mask=row_ok[:, None])
+        tl.store(part_lse_ptr + part, m + tl.log2(denom), mask=row_ok)
+    else:
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32),
+                 mask=row_ok[:, None])
+        tl.store(part_lse_ptr + part, tl.full([ROWS], float("-inf"), tl.float32), mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, stride_ot, stride_oh,
+                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """One program: one request's head, its partitions weighted by their share of the softmax mass."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    ok = splits < NUM_SPLITS
+    d = tl.arange(0, HEAD_DIM_PAD)
+    base = (req * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + splits, mask=ok, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))  # partition 0 is never empty, so the max is finite
+    parts = tl.load(part_out_ptr + (base + splits)[:, None] * HEAD_DIM_PAD + d[None, :], mask=ok[:, None], other=0.0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    token = tl.load(query_start_loc_ptr + req)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 class TritonBackend:
@@ -95,6 +179,7 @@ class TritonBackend:
     """
 
     name = "triton"
+    graph_capturable = True
 
     def plan(self, md: AttentionMetadata) -> None:
         return None
@@ -114,6 +199,9 @@ class TritonBackend:
                         scale: float) -> torch.Tensor:
         _, _, block_size, kv_heads, head_dim = kv_cache.shape
         group = q.shape[1] // kv_heads
+        num_splits = triton.cdiv(md.max_seq_len, _PARTITION)
+        if md.max_query_len == 1 and num_splits > 1 and md.seq_lens.shape[0] * kv_heads < _SPLIT_BELOW_PROGRAMS:
+            return self._split_decode(q, kv_cache, md, scale, num_splits)
         # A decode-only step needs one token per tile; bigger tiles would only hold masked rows.
         rows = max(_MIN_ROWS, triton.next_power_of_2(group)) if md.max_query_len == 1 \
             else max(_PREFILL_ROWS, triton.next_power_of_2(group))
@@ -128,5 +216,30 @@ class TritonBackend:
             GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
             BLOCK_SIZE=block_size, TOKENS_PER_TILE=tokens_per_tile, ROWS=rows, KEYS=_KEYS_PER_STEP,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        )
+        return out
+
+    def _split_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
+                      num_splits: int) -> torch.Tensor:
+        _, _, block_size, kv_heads, head_dim = kv_cache.shape
+        num_reqs, num_heads = md.seq_lens.shape[0], q.shape[1]
+        head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+        part_out = q.new_empty((num_reqs, num_heads, num_splits, head_dim_pad), dtype=torch.float32)
+        part_lse = q.new_empty((num_reqs, num_heads, num_splits), dtype=torch.float32)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        group = num_heads // kv_heads
+        _paged_decode_split_kernel[(num_reqs, kv_heads, num_splits)](
+            part_out, part_lse, q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            md.block_tables.stride(0),
+            NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
+            ROWS=max(_MIN_ROWS, triton.next_power_of_2(group)), KEYS=_KEYS_PER_STEP, PARTITION=_PARTITION,
+            NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        )
+        out = q.new_empty(q.shape)
+        _merge_splits_kernel[(num_reqs, num_heads)](
+            out, part_out, part_lse, md.query_start_loc, out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
         )
         return out

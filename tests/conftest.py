@@ -1,12 +1,22 @@
 """Shared fixtures: the converted default model, and tiny random-weight Hugging Face model
 directories to compare our models against transformers' on."""
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Everything outside tests/gpu is the CPU suite. On a GPU machine device="auto" would pick CUDA (and bf16,
+    which breaks fp32 equality with transformers), tp=2 tests would wait for a second GPU, and module-scoped
+    engines would take 90% of the GPU: hide the GPUs from a run that does not name tests/gpu (before anything
+    initialises CUDA; Ray and its workers inherit it). tests/gpu runs on its own: `pytest tests/gpu`."""
+    if not any("tests/gpu" in str(arg) for arg in config.args):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 
 TINY_CONFIG = dict(
     vocab_size=256,

@@ -10,7 +10,17 @@ import torch
 from kernels import AttentionMetadata
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import SamplingParams
-from workers.sampler import Sampler, SamplingMetadata
+from workers.sampler import PenaltyState, Sampler, SamplingMetadata, has_penalties
+
+# Decode batch sizes captured as CUDA graphs (vLLM's and nano-vllm's choice): every size up to 4, then
+# every multiple of 8. A step of n decodes runs the smallest captured size >= n, padded.
+_GRAPH_SIZES = (1, 2, 4, *range(8, 1025, 8))
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The captured sizes for an engine of `max_num_seqs`: up to the first size that holds them all."""
+    sizes = [s for s in _GRAPH_SIZES if s < max_num_seqs]
+    return sizes + [next(s for s in _GRAPH_SIZES if s >= max_num_seqs)]
 
 
 @dataclass(slots=True)
@@ -18,24 +28,79 @@ class CachedRequestState:
     """What a worker remembers of one request between steps (the scheduler sends only diffs).
 
     ``row`` indexes the runner's persistent token and block tables, which hold
-    this request's tokens and block ids; the lists here are the same tokens in
-    Python form for the sampler's penalties. A preempted request keeps its
-    state (``parked``) until it resumes with a new block table.
+    this request's tokens and block ids; ``output_token_ids`` are its outputs in
+    Python form (for their count; penalties read the runner's PenaltyState). A
+    preempted request keeps its state (``parked``) until it resumes with a new
+    block table.
     """
 
     req_id: str
     row: int
-    prompt_token_ids: list[int]
+    num_prompt_tokens: int
     output_token_ids: list[int]
     num_blocks: int
     num_computed_tokens: int
     sampling_params: SamplingParams
     generator: torch.Generator | None
+    penalized: bool
     parked: bool = False
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
+
+
+_BUFFERS = {  # name: (dtype, sized by tokens (T), requests (R), R + 1, or R x blocks per request)
+    "input_ids": (torch.int64, "T"), "positions": (torch.int64, "T"), "slot_mapping": (torch.int64, "T"),
+    "query_start_loc": (torch.int32, "R+1"), "seq_lens": (torch.int32, "R"), "block_tables": (torch.int32, "RxB"),
+    "logits_indices": (torch.int64, "R"),
+}
+
+
+class InputBuffers:
+    """A step's input tensors, allocated once for the largest step (`max_tokens` tokens, `max_reqs`
+    requests of up to `max_blocks` blocks) and rewritten in place every step.
+
+    Invariants: a step writes the host side through numpy views (``np``) and ``upload`` copies
+    each used prefix once to the device side (``dev``) without blocking; on CPU the two sides are
+    one tensor and nothing is copied. The device tensors keep their addresses for the runner's
+    life, so a captured CUDA graph reads each step's inputs in place. On CUDA the host side is
+    pinned, so the copies are truly asynchronous; it is rewritten only after the previous step's
+    tokens were read back, by which time those copies have finished.
+    """
+
+    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device) -> None:
+        shapes = {"T": (max_tokens,), "R": (max_reqs,), "R+1": (max_reqs + 1,), "RxB": (max_reqs, max_blocks)}
+        self.copies = device.type == "cuda"
+        host = {name: torch.zeros(shapes[size], dtype=dtype, pin_memory=self.copies)
+                for name, (dtype, size) in _BUFFERS.items()}
+        self.np = {name: t.numpy() for name, t in host.items()}
+        self.host = host
+        self.dev = {name: t.to(device) for name, t in host.items()} if self.copies else host
+
+    def upload(self, num_tokens: int, num_reqs: int, num_logits: int) -> dict[str, torch.Tensor]:
+        """The device tensors' used prefixes, after queueing their copies."""
+        counts = {"T": num_tokens, "R": num_reqs, "R+1": num_reqs + 1, "RxB": num_reqs}
+        out = {}
+        for name, (_, size) in _BUFFERS.items():
+            n = num_logits if name == "logits_indices" else counts[size]
+            out[name] = self.dev[name][:n]
+            if self.copies:
+                out[name].copy_(self.host[name][:n], non_blocking=True)
+        return out
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's model inputs (device tensors, views of InputBuffers) and what sampling needs.
+    ``graph_size`` is the padded decode batch a captured graph can run, or 0 for an eager step."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling_states: list[CachedRequestState]
+    graph_size: int
 
 
 class ModelRunner:
@@ -46,11 +111,22 @@ class ModelRunner:
     reuse. Logits are computed only at the last scheduled position of requests
     whose tokens are then all computed — the same rule the scheduler uses to
     expect a sampled token.
+
+    A step has no avoidable host work or sync: inputs are built with numpy into
+    persistent buffers and copied without blocking, sampling tensors are made
+    before the forward is queued, penalty statistics are updated on the device,
+    and the sampled ids come back in one transfer, the step's only sync. With
+    ``decode_sizes``, a decode-only step of n <= max(decode_sizes) requests is
+    padded to the next size (padding rows are one-token requests on the null
+    block: they write slot 0 and read only block 0), so that its forward is one
+    of a few fixed shapes, each captured as a CUDA graph by
+    ``capture_decode_graphs``.
     """
 
     def __init__(self, model: torch.nn.Module, attn_backend, block_size: int, max_model_len: int,
                  vocab_size: int, eos_token_id: int | None, device: torch.device, is_driver: bool = True,
-                 max_rows: int = 64) -> None:
+                 max_rows: int = 64, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 decode_sizes: list[int] | None = None) -> None:
         self.model = model
         self.attn_backend = attn_backend
         self.block_size = block_size
@@ -61,10 +137,16 @@ class ModelRunner:
         self.device = device
         self.is_driver = is_driver
         self.sampler = Sampler()
+        self.penalty_state = PenaltyState(vocab_size, device)
         self.requests: dict[str, CachedRequestState] = {}
         self.token_ids = np.zeros((max_rows, max_model_len), dtype=np.int64)
         self.block_table = np.zeros((max_rows, self.max_blocks_per_req), dtype=np.int32)
         self.free_rows = list(range(max_rows - 1, -1, -1))
+        self.decode_sizes = sorted(decode_sizes or [])
+        max_reqs = max(max_num_seqs, *self.decode_sizes, 1)
+        self.buffers = InputBuffers(max(max_num_batched_tokens, max_reqs), max_reqs, self.max_blocks_per_req, device)
+        self.sampled_host = torch.zeros(max_reqs, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     # ---- applying the diff ------------------------------------------------------
 
@@ -90,11 +172,14 @@ class ModelRunner:
             if params.seed is not None:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(params.seed)
-            prompt = list(new.prompt_token_ids)
+            prompt = new.prompt_token_ids
             self.token_ids[row, :len(prompt)] = prompt
             self.block_table[row, :len(new.block_ids)] = new.block_ids
+            penalized = self.is_driver and has_penalties(params)
+            if penalized:
+                self.penalty_state.start(row, prompt, self.token_ids.shape[0])
             self.requests[new.req_id] = CachedRequestState(
-                new.req_id, row, prompt, [], len(new.block_ids), new.num_computed_tokens, params, gen)
+                new.req_id, row, len(prompt), [], len(new.block_ids), new.num_computed_tokens, params, gen, penalized)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self.requests[rid]
@@ -114,52 +199,150 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------
 
-    def prepare_inputs(self, so: SchedulerOutput):
-        """Flatten the scheduled tokens of all requests into one batch (numpy, no per-token Python)."""
+    def prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        """Flatten the scheduled tokens of all requests into one batch (numpy, no per-token Python),
+        written into the persistent buffers and queued for the device."""
         states = [self.requests[rid] for rid in so.num_scheduled_tokens]
         num_reqs = len(states)
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
         num_new = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
-        cu = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(num_new, out=cu[1:])
-        total = int(cu[-1])
+        buf = self.buffers.np
+        cu = buf["query_start_loc"]
+        cu[0] = 0
+        np.cumsum(num_new, out=cu[1:num_reqs + 1])
+        total = int(cu[num_reqs])
         token_req = np.repeat(np.arange(num_reqs), num_new)
-        positions = np.arange(total) - np.repeat(cu[:-1] - starts, num_new)
-        input_ids = self.token_ids[rows[token_req], positions]
+        positions = buf["positions"][:total]
+        np.subtract(np.arange(total), np.repeat(cu[:num_reqs] - starts, num_new), out=positions)
+        buf["input_ids"][:total] = self.token_ids[rows[token_req], positions]
         seq_lens = starts + num_new
-        max_seq_len = int(seq_lens.max())
-        block_tables = self.block_table[rows, :-(-max_seq_len // self.block_size)]
+        buf["seq_lens"][:num_reqs] = seq_lens
+        block_tables = buf["block_tables"]
+        np.take(self.block_table, rows, axis=0, out=block_tables[:num_reqs])
         bs = self.block_size
-        slot_mapping = block_tables[token_req, positions // bs].astype(np.int64) * bs + positions % bs
+        buf["slot_mapping"][:total] = block_tables[token_req, positions // bs].astype(np.int64) * bs + positions % bs
         num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
         sampling = np.nonzero(seq_lens == num_tokens)[0]
-        dev = self.device
+        buf["logits_indices"][:len(sampling)] = cu[1:num_reqs + 1][sampling] - 1
+        graph_size = self._decode_size(num_reqs, total)
+        if graph_size:
+            self._pad_decode(num_reqs, graph_size)
+            num_reqs = total = graph_size
+        dev = self.buffers.upload(total, num_reqs, len(sampling))
         md = AttentionMetadata.build(
-            query_start_loc=torch.from_numpy(cu.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables)).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-            max_query_len=int(num_new.max()), max_seq_len=max_seq_len, backend=self.attn_backend)
-        logits_indices = torch.from_numpy(cu[1:][sampling] - 1).to(dev)
-        return (torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), md,
-                logits_indices, [states[i] for i in sampling])
+            query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"], block_tables=dev["block_tables"],
+            slot_mapping=dev["slot_mapping"], max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()),
+            backend=self.attn_backend)
+        return StepInputs(dev["input_ids"], dev["positions"], md, dev["logits_indices"],
+                          [states[i] for i in sampling], graph_size)
+
+    def _decode_size(self, num_reqs: int, num_tokens: int) -> int:
+        """The padded size of a decode-only step that fits a captured size, else 0."""
+        if num_tokens != num_reqs or not self.decode_sizes or num_reqs > self.decode_sizes[-1]:
+            return 0
+        return next(s for s in self.decode_sizes if s >= num_reqs)
+
+    def _pad_decode(self, start: int, end: int) -> None:
+        """Rows start..end-1 become one-token requests on the null block (slot 0, context of 1)."""
+        buf = self.buffers.np
+        for name in ("input_ids", "positions", "slot_mapping", "block_tables"):
+            buf[name][start:end] = 0
+        buf["seq_lens"][start:end] = 1
+        buf["query_start_loc"][start + 1:end + 1] = np.arange(start + 1, end + 1)
+
+    def prepare_sampling(self, states: list[CachedRequestState]) -> tuple[SamplingMetadata, torch.Tensor | None,
+                                                                          torch.Tensor | None]:
+        """The step's sampling metadata, and which sampled rows (and runner rows) count for penalties."""
+        params = [s.sampling_params for s in states]
+        penalized = [i for i, s in enumerate(states) if s.penalized]
+        penalties = index = rows = None
+        if penalized:
+            index = torch.tensor(penalized).to(self.device, non_blocking=True)
+            rows = torch.tensor([states[i].row for i in penalized]).to(self.device, non_blocking=True)
+            all_rows = torch.tensor([s.row for s in states]).to(self.device, non_blocking=True)
+            penalties = self.penalty_state.penalties(params, all_rows)
+        md = SamplingMetadata.build(params, [s.generator for s in states], [len(s.output_token_ids) for s in states],
+                                    self.eos_token_id, self.vocab_size, self.device, penalties)
+        return md, index, rows
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states of the step's tokens (padding rows included), by graph replay when one is captured."""
+        captured = self.graphs.get(inputs.graph_size)
+        if captured is not None:
+            graph, hidden = captured
+            graph.replay()
+            return hidden
+        return self.model(inputs.input_ids, inputs.positions, inputs.metadata)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         self.update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], []) if self.is_driver else None
-        input_ids, positions, md, logits_indices, sampling_states = self.prepare_inputs(so)
-        hidden = self.model(input_ids, positions, md)
-        logits = self.model.compute_logits(hidden[logits_indices]) if len(sampling_states) else None
+        inputs = self.prepare_inputs(so)
+        states = inputs.sampling_states
+        sampling = self.prepare_sampling(states) if self.is_driver and states else None
+        hidden = self.forward(inputs)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]) if states else None
         if not self.is_driver:
             return None
         if logits is None:
             return ModelRunnerOutput([], [])
-        smd = SamplingMetadata.build(
-            [s.sampling_params for s in sampling_states], [s.generator for s in sampling_states],
-            [s.prompt_token_ids for s in sampling_states], [s.output_token_ids for s in sampling_states],
-            self.eos_token_id, self.vocab_size, self.device)
+        smd, penalized, penalized_rows = sampling
         sampled, logprobs = self.sampler(logits.float(), smd)
-        return ModelRunnerOutput([s.req_id for s in sampling_states], sampled.tolist(), logprobs)
+        if penalized is not None:
+            self.penalty_state.count(penalized_rows, sampled.index_select(0, penalized))
+        return ModelRunnerOutput([s.req_id for s in states], self._to_host(sampled), logprobs)
+
+    def _to_host(self, sampled: torch.Tensor) -> list[int]:
+        """The step's one device-to-host transfer, into pinned memory, and its one sync."""
+        if self.device.type != "cuda":
+            return sampled.tolist()
+        host = self.sampled_host[:sampled.shape[0]]
+        host.copy_(sampled, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        return host.tolist()
+
+    # ---- start-up -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def profile_sampling(self, hidden: torch.Tensor, num_rows: int) -> None:
+        """Logits and every sampler stage at `num_rows` rows, from rows of `hidden`: the memory a full
+        batch of requests using penalties, top-k, top-p, min-p, seeds and logprobs takes at once."""
+        logits = self.model.compute_logits(hidden[torch.arange(num_rows, device=hidden.device) % hidden.shape[0]])
+        if not self.is_driver:
+            return
+        params = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                                 presence_penalty=0.5, frequency_penalty=0.5, seed=0, logprobs=20)] * num_rows
+        rows = max(num_rows, self.token_ids.shape[0])
+        for row in range(num_rows):
+            self.penalty_state.start(row, [0], rows)
+        gen = torch.Generator(device=self.device)
+        penalties = self.penalty_state.penalties(params, torch.arange(num_rows, device=self.device))
+        smd = SamplingMetadata.build(params, [gen] * num_rows, [0] * num_rows, self.eos_token_id, self.vocab_size,
+                                     self.device, penalties)
+        self.sampler(logits.float(), smd)
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self) -> None:
+        """Capture the decode forward at each of `decode_sizes`, largest first so that the smaller
+        graphs reuse its memory pool. Needs the KV cache bound: the graphs hold its address."""
+        dev = self.buffers.dev
+        pool = None
+        for size in reversed(self.decode_sizes):
+            self._pad_decode(0, size)
+            self.buffers.upload(size, size, 0)
+            md = AttentionMetadata.build(
+                query_start_loc=dev["query_start_loc"][:size + 1], seq_lens=dev["seq_lens"][:size],
+                block_tables=dev["block_tables"][:size], slot_mapping=dev["slot_mapping"][:size], max_query_len=1,
+                max_seq_len=self.max_model_len, backend=self.attn_backend)
+            args = (dev["input_ids"][:size], dev["positions"][:size], md)
+            self.model(*args)  # outside the capture: Triton compiles, cuBLAS picks its kernels
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                hidden = self.model(*args)
+            pool = graph.pool()
+            self.graphs[size] = (graph, hidden)
+        torch.cuda.synchronize()

@@ -1,7 +1,8 @@
 """Batched token sampling: penalties, temperature, min-p, top-k, top-p, seeds, logprobs.
 
 The model runner builds one ``SamplingMetadata`` per step (Python lists to
-tensors, once); ``Sampler`` then works on the whole batch with tensor ops.
+tensors, once, before it queues the forward); penalties read a ``PenaltyState`` the
+runner keeps up to date on the device. ``Sampler`` then works on the whole batch with tensor ops.
 Everything a batch does not use is ``None`` in the metadata, so the common
 cases (all greedy, no penalties, no top-k/top-p/min-p) skip that work entirely.
 """
@@ -98,12 +99,14 @@ class SamplingMetadata:
         cls,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
-        prompt_token_ids: list[list[int]],
-        output_token_ids: list[list[int]],
+        num_outputs: list[int],
         eos_token_id: int | None,
         vocab_size: int,
         device: torch.device | str,
+        penalties: Penalties | None = None,
     ) -> SamplingMetadata:
+        """`num_outputs[i]`: tokens row i's request has generated (for min_tokens); `penalties` from
+        `PenaltyState.penalties`, None when no row has any."""
         greedy = [p.greedy for p in params]
         rand = [p for p, g in zip(params, greedy) if not g]
 
@@ -111,7 +114,7 @@ class SamplingMetadata:
             return [neutral if g else getattr(p, field) for p, g in zip(params, greedy)]
 
         def fp32(values: list) -> Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return _to_device(values, torch.float32, device)
 
         def fp32_if_used(field: str, neutral: float) -> Tensor | None:
             return fp32(per_row(field, neutral)) if any(getattr(p, field) != neutral for p in rand) else None
@@ -122,57 +125,84 @@ class SamplingMetadata:
         asked = [k for k in logprobs if k is not None]
         return cls(
             temperature=fp32(per_row("temperature", 1.0)) if rand else None,
-            greedy=torch.tensor(greedy, device=device) if any(greedy) else None,
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device) if top_k_on else None,
+            greedy=_to_device(greedy, torch.bool, device) if any(greedy) else None,
+            top_k=_to_device(top_k, torch.int64, device) if top_k_on else None,
             max_top_k=max(top_k_on, default=vocab_size),
             top_p=fp32_if_used("top_p", 1.0),
             min_p=fp32_if_used("min_p", 0.0),
-            penalties=_build_penalties(params, prompt_token_ids, output_token_ids, vocab_size, device),
-            banned=_build_banned(params, output_token_ids, eos_token_id, vocab_size, device),
+            penalties=penalties,
+            banned=_build_banned(params, num_outputs, eos_token_id, vocab_size, device),
             generators={i: gen for i, gen in enumerate(generators) if gen is not None and not greedy[i]},
             num_logprobs=logprobs,
             max_num_logprobs=max(asked) if asked else None,
         )
 
 
-def _build_penalties(
-    params: list[SamplingParams],
-    prompt_token_ids: list[list[int]],
-    output_token_ids: list[list[int]],
-    vocab_size: int,
-    device: torch.device | str,
-) -> Penalties | None:
-    neutral = (1.0, 0.0, 0.0)
-    triples = [(p.repetition_penalty, p.presence_penalty, p.frequency_penalty) for p in params]
-    if all(t == neutral for t in triples):
-        return None
-    rep, pres, freq = torch.tensor(triples, dtype=torch.float32, device=device).unbind(1)
-    output_counts = _token_counts(output_token_ids, vocab_size, device)
-    seen = (_token_counts(prompt_token_ids, vocab_size, device) > 0) | (output_counts > 0)
-    return Penalties(rep, pres, freq, seen, output_counts)
+def _to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    # Built on the host, copied without waiting for the device: the runner does this before it queues
+    # the forward, so on CUDA the copy never waits behind a step's kernels.
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
-def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device | str) -> Tensor:
-    """[S, V] fp32 occurrence counts of each row's token ids."""
-    width = max(map(len, rows), default=0)
-    # Ragged rows are padded with id V, which lands in an extra column that is cut off.
-    ids = torch.tensor([r + [vocab_size] * (width - len(r)) for r in rows], dtype=torch.int64, device=device)
-    counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-    return counts[:, :vocab_size]
+NEUTRAL_PENALTIES = (1.0, 0.0, 0.0)
+
+
+def has_penalties(p: SamplingParams) -> bool:
+    return (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) != NEUTRAL_PENALTIES
+
+
+class PenaltyState:
+    """The token statistics penalties act on, one row per runner row, kept on the sampling device.
+
+    Invariants, for each row a live request with penalties holds: ``prompt_seen[row]`` is True
+    exactly at its prompt's tokens and ``output_counts[row, t]`` is how often it sampled t.
+    ``start`` sets a row up once per request, ``count`` adds each step's sampled tokens on the
+    device, so a step costs O(rows) and never rebuilds the statistics from every token of every
+    request. The [rows, V] tensors are allocated for the first request with penalties (most batches
+    have none) and grow with the runner's rows.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+        self.vocab_size, self.device = vocab_size, torch.device(device)
+        self.prompt_seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=self.device)
+        self.output_counts = torch.zeros(0, vocab_size, dtype=torch.float32, device=self.device)
+
+    def start(self, row: int, prompt_token_ids: list[int], num_rows: int) -> None:
+        """Row `row` now belongs to a new request with penalties (the runner has `num_rows` rows)."""
+        if self.prompt_seen.shape[0] < num_rows:
+            grow = num_rows - self.prompt_seen.shape[0]
+            self.prompt_seen = torch.cat([self.prompt_seen, self.prompt_seen.new_zeros(grow, self.vocab_size)])
+            self.output_counts = torch.cat([self.output_counts, self.output_counts.new_zeros(grow, self.vocab_size)])
+        self.prompt_seen[row] = False
+        self.output_counts[row] = 0
+        self.prompt_seen[row, _to_device(prompt_token_ids, torch.int64, self.device)] = True
+
+    def count(self, rows: Tensor, tokens: Tensor) -> None:
+        """One more output of `tokens[i]` for row `rows[i]` (at most one per row)."""
+        self.output_counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.float32),
+                                      accumulate=True)
+
+    def penalties(self, params: list[SamplingParams], rows: Tensor) -> Penalties | None:
+        """The penalties of a batch whose row i is runner row rows[i]; None when every row is neutral."""
+        triples = [(p.repetition_penalty, p.presence_penalty, p.frequency_penalty) for p in params]
+        if all(t == NEUTRAL_PENALTIES for t in triples):
+            return None
+        rep, pres, freq = _to_device(triples, torch.float32, self.device).unbind(1)
+        output_counts = self.output_counts.index_select(0, rows)
+        return Penalties(rep, pres, freq, self.prompt_seen.index_select(0, rows) | (output_counts > 0), output_counts)
 
 
 def _build_banned(
     params: list[SamplingParams],
-    output_token_ids: list[list[int]],
+    num_outputs: list[int],
     eos_token_id: int | None,
     vocab_size: int,
     device: torch.device | str,
 ) -> tuple[Tensor, Tensor] | None:
     rows: list[int] = []
     tokens: list[int] = []
-    for i, (p, out) in enumerate(zip(params, output_token_ids)):
-        if len(out) >= p.min_tokens:
+    for i, (p, n) in enumerate(zip(params, num_outputs)):
+        if n >= p.min_tokens:
             continue
         # EOS is banned even with ignore_eos: min_tokens promises that many real tokens.
         ids = {*p.stop_token_ids, *([] if eos_token_id is None else [eos_token_id])}
@@ -182,7 +212,7 @@ def _build_banned(
         tokens += ids
     if not rows:
         return None
-    return torch.tensor(rows, device=device), torch.tensor(tokens, device=device)
+    return _to_device(rows, torch.int64, device), _to_device(tokens, torch.int64, device)
 
 
 class Sampler:

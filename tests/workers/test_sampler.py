@@ -9,7 +9,7 @@ import torch
 
 from scheduler.outputs import SampledLogprobs
 from scheduler.request import SamplingParams
-from workers.sampler import Sampler, SamplingMetadata
+from workers.sampler import PenaltyState, Sampler, SamplingMetadata
 
 V = 10
 # Distinct values, and top-p / min-p cut-offs used below sit far from any boundary.
@@ -17,10 +17,23 @@ LOGITS = torch.tensor([2.0, 1.5, 1.1, 0.6, 0.3, 0.0, -0.4, -1.0, -2.0, -3.0])
 NEG_INF = float("-inf")
 
 
+def penalty_state(prompts, outputs, vocab=V):
+    """A PenaltyState whose row i holds prompts[i], then outputs[i] counted one step at a time."""
+    state = PenaltyState(vocab, "cpu")
+    for row, prompt in enumerate(prompts):
+        state.start(row, prompt, len(prompts))
+    for step in range(max(map(len, outputs), default=0)):
+        rows = [r for r, out in enumerate(outputs) if step < len(out)]
+        state.count(torch.tensor(rows), torch.tensor([outputs[r][step] for r in rows]))
+    return state
+
+
 def build(params, *, prompts=None, outputs=None, generators=None, eos=None, vocab=V):
     n = len(params)
+    outputs = outputs or [[]] * n
+    penalties = penalty_state(prompts or [[0]] * n, outputs, vocab).penalties(params, torch.arange(n))
     return SamplingMetadata.build(
-        params, generators or [None] * n, prompts or [[0]] * n, outputs or [[]] * n, eos, vocab, "cpu")
+        params, generators or [None] * n, [len(o) for o in outputs], eos, vocab, "cpu", penalties)
 
 
 def processed_probs(logits, params, **kw):
@@ -193,6 +206,19 @@ def test_neutral_penalties_build_no_token_statistics():
     one = build([SamplingParams(), SamplingParams(presence_penalty=0.1)], outputs=[[1, 1], [2]])
     assert not one.no_penalties
     assert one.penalties.output_counts[0].tolist() == [0, 2] + [0] * (V - 2)
+
+
+def test_penalty_state_counts_each_step_and_resets_a_reused_row():
+    state = penalty_state([[1, 2], [3]], [[4, 4, 5], [6]])
+    assert state.output_counts[0].tolist() == [0, 0, 0, 0, 2, 1] + [0] * (V - 6)
+    assert state.prompt_seen[1].nonzero().flatten().tolist() == [3]
+    state.start(0, [7], 2)  # row 0 now holds a new request: nothing of the old one may remain
+    assert state.output_counts[0].sum() == 0 and state.prompt_seen[0].nonzero().flatten().tolist() == [7]
+    assert state.output_counts[1].tolist() == [0] * 6 + [1] + [0] * (V - 7)
+    state.start(3, [2], 4)  # the runner grew to 4 rows
+    assert state.output_counts.shape == (4, V) and state.prompt_seen[3, 2]
+    penalties = state.penalties([SamplingParams(presence_penalty=1.0)] * 2, torch.tensor([1, 3]))
+    assert penalties.seen.nonzero().tolist() == [[0, 3], [0, 6], [1, 2]]
 
 
 def test_min_tokens_bans_eos_and_stop_ids_until_reached():

@@ -1,0 +1,29 @@
+"""EngineConfig's resolution of what is left unset: the block size both the scheduler and the ranks use."""
+
+import pytest
+import torch
+
+from cluster import EngineConfig
+from kernels import flash_attention
+
+FLASH_STAND_INS = (lambda *args, **kwargs: None, lambda *args, **kwargs: None)
+
+
+@pytest.fixture
+def cuda_with_flash_attn(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(flash_attention, "load_flash_attn", lambda: FLASH_STAND_INS)
+
+
+def test_unset_block_size_is_flash_attns_page_where_it_serves(cuda_with_flash_attn):
+    assert EngineConfig().block_size == 256  # device auto sees a GPU, dtype auto is half precision there
+    assert EngineConfig(dtype="float32").block_size == 16  # flash-attn refuses fp32: Triton, with small blocks
+    assert EngineConfig(attention_backend="triton").block_size == 16
+    assert EngineConfig(device="cpu").block_size == 16
+    assert EngineConfig(block_size=32).block_size == 32
+    assert EngineConfig().worker_config("m", 64).block_size == EngineConfig().scheduler_config(9, 64).block_size
+
+
+def test_unset_block_size_on_cpu_is_16_and_dtype_auto_passes_to_the_ranks():
+    config = EngineConfig(device="cpu")
+    assert config.block_size == 16 and config.worker_config("m", 64).dtype == "auto"

@@ -1,0 +1,79 @@
+"""The step pipeline on CPU: padded decode steps (what CUDA graphs replay), penalties kept across steps,
+and the order of a step's work."""
+
+import torch
+
+from cluster import EngineConfig, SamplingParams
+from cluster.engine import InProcessEngine
+
+
+def run(engine: InProcessEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            got[o.request_id].extend(o.new_token_ids)
+    return [got[str(i)] for i in range(len(prompts))]
+
+
+def prompts(n: int, seed: int = 1) -> list[list[int]]:
+    rng = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 256, (5 + 13 * i,), generator=rng).tolist() for i in range(n)]
+
+
+def engine(path: str, **kw) -> InProcessEngine:
+    return InProcessEngine(EngineConfig(**{"model": path, "device": "cpu", "block_size": 8, **kw}))
+
+
+def test_decodes_padded_to_graph_sizes_give_the_same_tokens(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    ids = prompts(5)
+    # The batch shrinks as requests finish: 5, 4, 3, 2 and 1 decodes pad to 8, 4, 4, 2 and 1 rows.
+    params = [SamplingParams(temperature=0.0, max_tokens=3 + 3 * i, ignore_eos=True) for i in range(5)]
+    expected = run(engine(path), ids, params)
+    padded = engine(path)  # all five prompts fit one step, so all five then decode together
+    runner = padded.worker.runner
+    runner.decode_sizes = [1, 2, 4, 8]
+    shapes = []
+    forward = runner.forward
+
+    def record(inputs):
+        shapes.append((len(inputs.sampling_states), inputs.input_ids.shape[0], inputs.graph_size))
+        return forward(inputs)
+
+    runner.forward = record
+    assert run(padded, ids, params) == expected
+    assert {(5, 8, 8), (3, 4, 4), (2, 2, 2), (1, 1, 1)} <= set(shapes)
+
+
+def test_repetition_penalty_matches_transformers_across_steps_and_reused_rows(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_dir("llama")
+    ids = prompts(4, seed=2)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = []
+    with torch.inference_mode():
+        for p in ids:
+            x = torch.tensor([p])
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False,
+                                 repetition_penalty=1.8, eos_token_id=None, pad_token_id=0)
+            expected.append(out[0, len(p):].tolist())
+    # Two rows for four requests: the last two reuse rows whose statistics must start afresh.
+    eng = engine(path, max_num_seqs=2)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.8, max_tokens=12, ignore_eos=True)] * 4
+    assert run(eng, ids, params) == expected
+    assert eng.worker.runner.penalty_state.output_counts.shape[0] == 2
+
+
+def test_sampling_is_prepared_before_the_forward_is_queued(tiny_model_dir):
+    eng = engine(tiny_model_dir("llama"))
+    runner = eng.worker.runner
+    order = []
+    for name in ("prepare_inputs", "prepare_sampling", "forward", "_to_host"):
+        method = getattr(runner, name)
+        setattr(runner, name, lambda *a, _m=method, _n=name: order.append(_n) or _m(*a))
+    run(eng, prompts(2), [SamplingParams(max_tokens=2, presence_penalty=0.5, top_p=0.9, seed=3)] * 2)
+    step = ["prepare_inputs", "prepare_sampling", "forward", "_to_host"]
+    assert order == step * (len(order) // 4) and len(order) >= 8

@@ -1,0 +1,97 @@
+"""A rank's start-up decisions, checked on CPU: its dtype, its GPU, and how large its KV cache may be."""
+
+import pytest
+import torch
+
+from workers.worker import MemorySnapshot, Worker, WorkerConfig, cuda_index, kv_cache_budget, resolve_dtype
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize("checkpoint,bf16_supported,expected", [
+    (torch.bfloat16, True, torch.bfloat16),
+    (torch.float16, True, torch.float16),
+    (torch.float32, True, torch.bfloat16),   # an fp32 checkpoint runs in half precision on a GPU
+    (None, True, torch.bfloat16),            # config.json records no dtype
+    (torch.float32, False, torch.float16),   # pre-Ampere GPUs have no bf16
+    (torch.bfloat16, False, torch.float16),
+])
+def test_auto_dtype_on_cuda_is_the_checkpoints_half_dtype(checkpoint, bf16_supported, expected):
+    assert resolve_dtype("auto", checkpoint, CUDA, bf16_supported) == expected
+
+
+@pytest.mark.parametrize("checkpoint", [torch.bfloat16, torch.float16, torch.float32, None])
+def test_auto_dtype_on_cpu_is_fp32_and_a_named_dtype_is_kept(checkpoint):
+    assert resolve_dtype("auto", checkpoint, CPU) == torch.float32
+    assert resolve_dtype("float16", checkpoint, CPU) == torch.float16
+    assert resolve_dtype("float32", checkpoint, CUDA) == torch.float32
+
+
+def test_worker_runs_a_bf16_checkpoint_in_fp32_on_cpu(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.bfloat16).save_pretrained(tmp_path)
+    worker = Worker(WorkerConfig(model=str(tmp_path), device="cpu"))
+    worker.init_device()
+    worker.load_model()
+    assert worker.spec.dtype == torch.bfloat16
+    assert worker.dtype == torch.float32 and worker.model.lm_head.weight.dtype == torch.float32
+
+
+# Ray's GPU ids under both settings of RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES, on a node of 4 GPUs.
+@pytest.mark.parametrize("gpu_ids,visible,expected", [
+    ([2], "2", 0),               # unset: Ray masks the actor to its GPU
+    ([3], "3", 0),
+    ([2], None, 2),              # set, and nobody masks: every GPU is visible
+    ([3], None, 3),
+    ([3], "0,1,2,3", 3),         # set, the operator's list
+    ([3], "3,2,1,0", 0),
+    (["GPU-b1"], "GPU-a0,GPU-b1", 1),  # UUIDs, as some clusters list them
+    ([], None, 0),               # no Ray: the first GPU
+])
+def test_cuda_index_follows_rays_gpu_ids(gpu_ids, visible, expected):
+    assert cuda_index(gpu_ids, visible) == expected
+
+
+def test_cuda_index_refuses_a_gpu_it_cannot_see():
+    with pytest.raises(ValueError, match="does not list it"):
+        cuda_index([5], "0,1")
+
+
+def test_budget_takes_out_the_profile_peak_and_memory_outside_torch():
+    total = 80 * GiB
+    # Before: weights and context (20 GiB in use, 16 of them torch's); after: NCCL took 1 GiB outside torch.
+    before = MemorySnapshot(used=20 * GiB, torch_reserved=16 * GiB)
+    after = MemorySnapshot(used=21 * GiB + 512 * 2**20, torch_reserved=16 * GiB + 512 * 2**20)
+    budget = kv_cache_budget(total, 0.9, before, after, profile_peak=6 * GiB)
+    assert budget == int(72 * GiB) - 20 * GiB - 6 * GiB - 1 * GiB
+    # Memory torch kept (the profile's persistent state) is not growth outside torch.
+    same = MemorySnapshot(used=21 * GiB, torch_reserved=17 * GiB)
+    assert kv_cache_budget(total, 0.9, before, same, 6 * GiB) == int(72 * GiB) - 26 * GiB
+    # Memory outside torch that shrank (another process left) is not a credit.
+    shrunk = MemorySnapshot(used=18 * GiB, torch_reserved=16 * GiB)
+    assert kv_cache_budget(total, 0.9, before, shrunk, 6 * GiB) == int(72 * GiB) - 26 * GiB
+
+
+def test_profile_runs_the_sampler_at_full_width_with_every_feature(tiny_model_dir):
+    worker = Worker(WorkerConfig(model=tiny_model_dir("llama"), device="cpu", max_model_len=64, max_num_seqs=96,
+                                 max_num_batched_tokens=80))
+    worker.init_device()
+    worker.load_model()
+    cache = worker._new_cache(worker._profile_blocks())
+    cache.bind(worker.model.attention_layers)
+    seen = {}
+    sampler = worker.runner.sampler
+
+    def spy(logits, md):
+        seen["rows"], seen["md"] = logits.shape[0], md
+        return sampler(logits, md)
+
+    worker.runner.sampler = spy
+    worker.profile_forward()
+    md = seen["md"]
+    assert seen["rows"] == 96  # max_num_seqs rows, though the forward had 80 tokens
+    assert not (md.all_greedy or md.no_penalties or md.no_top_k or md.no_top_p or md.no_min_p)
+    assert md.max_num_logprobs == 20 and md.generators
+    assert md.penalties.output_counts.shape == (96, worker.spec.vocab_size)
