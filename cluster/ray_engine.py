@@ -294,6 +294,7 @@ class RayEngine:
         self._queues: dict[str, asyncio.Queue] = {}  # generate's callers, by request id
         self._pump: asyncio.Task | None = None
         self._channel = f"async-{os.getpid()}-{id(self)}"
+        self._received = {"sync": 0, self._channel: 0}  # the last batch number each channel got (get_outputs)
         try:
             self.workers = start_workers(config, self.model_path, self.max_model_len, pg, first_bundle, self.device)
             owned.extend(self.workers)
@@ -331,7 +332,7 @@ class RayEngine:
         """The deltas of add_request's requests that arrived since the last call (waits for at least one)."""
         if not self._unfinished:
             return []
-        outputs = ray.get(self.actor.get_outputs.remote())
+        self._received["sync"], outputs = ray.get(self.actor.get_outputs.remote("sync", self._received["sync"]))
         for out in outputs:
             if out.finished and out.request_id in self._unfinished:
                 self._unfinished[out.request_id] -= 1
@@ -404,11 +405,12 @@ class RayEngine:
     async def _pump_outputs(self) -> None:
         """Hand each batch of the channel's deltas to the callers' queues, for as long as the loop lives; on
         failure every waiting caller gets the exception. Cancelled (its loop closing), it cancels the call it
-        waits on in the actor, which would otherwise take deltas meant for a later pump."""
+        waits on in the actor; should that call still return a batch, the next pump's acknowledgement
+        (``received``) gets the batch sent again."""
         while True:
-            ref = self.actor.get_outputs.remote(self._channel)
+            ref = self.actor.get_outputs.remote(self._channel, self._received[self._channel])
             try:
-                outputs = await ref
+                self._received[self._channel], outputs = await ref
             except asyncio.CancelledError:
                 ray.cancel(ref)
                 raise

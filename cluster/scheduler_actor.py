@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 
@@ -57,6 +57,33 @@ class _Stream:
     num_unfinished: int
 
 
+@dataclass(slots=True)
+class _Outbox:
+    """One channel's deltas on their way to its caller, kept until the caller acknowledges them.
+
+    ``pending`` are deltas not yet sent; ``unacked`` is batch ``number``, sent
+    but not yet acknowledged. A caller passes the number of the last batch it
+    received, so a batch whose call was lost (a cancelled caller whose cancel
+    came after the call had taken the batch) is sent again, never dropped,
+    and a batch the caller has is never sent twice.
+    """
+
+    pending: list[RequestOutput] = field(default_factory=list)
+    unacked: list[RequestOutput] = field(default_factory=list)
+    number: int = 0
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def take(self, received: int) -> tuple[int, list[RequestOutput]] | None:
+        """The next batch for a caller holding batch ``received`` (None: nothing to send yet)."""
+        if received == self.number:
+            self.unacked = []
+        if not self.pending and not self.unacked:
+            return None
+        self.unacked, self.pending = self.unacked + self.pending, []
+        self.number += 1
+        return self.number, self.unacked
+
+
 def execute_step(workers: list, so: SchedulerOutput) -> asyncio.Future[list[ModelRunnerOutput | None]]:
     """Send one step to every rank (the same serialized step) and gather their replies; rank 0's is the output.
 
@@ -95,8 +122,7 @@ class SchedulerActor:
         self.workers = workers
         self.eos_token_id = eos_token_id
         self.streams: dict[str, _Stream] = {}
-        self.outboxes: dict[str, list[RequestOutput]] = defaultdict(list)
-        self.outbox_ready: dict[str, asyncio.Event] = defaultdict(asyncio.Event)
+        self.outboxes: dict[str, _Outbox] = defaultdict(_Outbox)
         self.wake = asyncio.Event()
         self.history: dict[str, RequestSteps] = {}
         self.error: str | None = None
@@ -146,15 +172,15 @@ class SchedulerActor:
             stream = streams.get(out.request_id)
             if stream is None:
                 continue
-            self.outboxes[stream.channel].append(out)
+            self.outboxes[stream.channel].pending.append(out)
             if out.finished:
                 stream.num_unfinished -= 1
                 if not stream.num_unfinished:
                     del streams[out.request_id]
                     self._note_finish(out.request_id, step_id, out.finish_reason)
-        for channel, outbox in self.outboxes.items():
-            if outbox:
-                self.outbox_ready[channel].set()
+        for outbox in self.outboxes.values():
+            if outbox.pending:
+                outbox.ready.set()
 
     def _note_finish(self, request_id: str, step_id: int, reason: str | None) -> None:
         steps = self.history.get(request_id)
@@ -164,8 +190,8 @@ class SchedulerActor:
     def _fail(self, error: str) -> None:
         self.error = error
         self._route(self.scheduler.fail_all(error), self.scheduler.num_steps)
-        for ready in self.outbox_ready.values():
-            ready.set()  # a waiting get_outputs must wake to raise
+        for outbox in self.outboxes.values():
+            outbox.ready.set()  # a waiting get_outputs must wake to raise
 
     # ---- requests in and out ------------------------------------------------------
 
@@ -189,15 +215,17 @@ class SchedulerActor:
                           priority: int = 0, channel: str = "sync") -> list[RequestOutput]:
         """Queue a request whose deltas go to ``channel``'s outbox (``get_outputs``); returns any immediate finals."""
         return self._admit(request_id, prompt_token_ids, params, priority, channel)
-    async def get_outputs(self, channel: str = "sync") -> list[RequestOutput]:
-        """Every delta in ``channel``'s outbox so far, waiting until there is at least one."""
-        while not self.outboxes[channel]:
+
+    async def get_outputs(self, channel: str = "sync", received: int = 0) -> tuple[int, list[RequestOutput]]:
+        """The channel's next batch of deltas and its number, waiting until there is one. ``received`` is the
+        number of the last batch the caller got (0 at first): until then that batch is kept and sent again."""
+        outbox = self.outboxes[channel]
+        while (batch := outbox.take(received)) is None:
             if self.error is not None:
                 raise RuntimeError(f"the engine is unhealthy: {self.error}")
-            self.outbox_ready[channel].clear()
-            await self.outbox_ready[channel].wait()
-        outputs, self.outboxes[channel] = self.outboxes[channel], []
-        return outputs
+            outbox.ready.clear()
+            await outbox.ready.wait()
+        return batch
 
     async def abort(self, request_id: str) -> list[RequestOutput]:
         return self._abort(request_id)
