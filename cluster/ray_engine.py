@@ -171,11 +171,32 @@ def placement_error(bundles: list[dict[str, float]], strategy: str, timeout_s: f
     return msg + "; the resources exist but not free, or not on one node as the strategy requires"
 
 
-def lost_nodes(ranks: list[NodeInfo]) -> str:
-    """'; rank r's node IP (id) is dead' for each rank whose node Ray no longer counts alive, else ''."""
+def lost_ranks(workers: list, ranks: list[NodeInfo], timeout_s: float = 5.0) -> str:
+    """'; rank r on node IP (node id ...) is lost: why' for each rank whose actor is gone or does not answer
+    within ``timeout_s``, else ''. Asked of the actors themselves: Ray marks a lost node dead only after its
+    own health checks, seconds later, while a dead actor's call fails at once."""
+    refs = [w.check_health.remote() for w in workers]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    return "".join(f"; rank {r}'s node {i.ip} (node id {i.node_id}) is dead"
-                   for r, i in enumerate(ranks) if i.node_id not in alive)
+    notes = []
+    for r, (ref, info) in enumerate(zip(refs, ranks)):
+        where = f"; rank {r} on node {info.ip} (node id {info.node_id}"
+        if info.node_id not in alive:
+            notes.append(f"{where}) is lost: Ray reports the node dead")
+        elif ref not in ready:
+            notes.append(f"{where}) does not answer within {timeout_s:g} s")
+        else:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                notes.append(f"{where}) is lost: {type(e).__name__}")
+    return "".join(notes)
+
+
+def brief(reason: str) -> str:
+    """A failure's first and last lines: a rank's error arrives with its whole traceback in between."""
+    lines = [line for line in reason.strip().splitlines() if line.strip()]
+    return lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1].strip()}"
 
 
 def _show(resources: dict[str, float], keys) -> str:
@@ -354,13 +375,14 @@ class RayEngine:
         return ray.get(self.actor.request_steps.remote(request_ids))
 
     def check_health(self) -> None:
-        """Raise RuntimeError saying why when the engine cannot serve, naming the nodes Ray lost under it."""
+        """Raise RuntimeError saying why when the engine cannot serve, naming the ranks lost and their nodes."""
         try:
             ray.get(self.actor.check_health.remote())
         except ray.exceptions.RayActorError as e:
-            raise RuntimeError(f"the scheduler actor is gone: {e}{lost_nodes(self.rank_nodes)}") from None
+            raise RuntimeError(f"the scheduler actor is gone: {brief(str(e))}"
+                               f"{lost_ranks(self.workers, self.rank_nodes)}") from None
         except ray.exceptions.RayTaskError as e:
-            raise RuntimeError(f"{e.cause}{lost_nodes(self.rank_nodes)}") from None
+            raise RuntimeError(f"{brief(str(e.cause))}{lost_ranks(self.workers, self.rank_nodes)}") from None
 
     # ---- async interface (the Serve app's) ---------------------------------------------------
 
