@@ -6,11 +6,6 @@ import dataclasses
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # Before triton is imported: on CPU the Triton tests (tests/kernels) run it under TRITON_INTERPRET=1, which
-    # must be set before triton's first import.
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-
 from kernels.flash_attention import PAGE_BLOCK_MULTIPLE, load_flash_attn
 from kernels.triton_attention import TritonBackend, _paged_attention_kernel
 from tests.kernels.reference import make_batch, naive_attention
