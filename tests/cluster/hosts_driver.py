@@ -66,11 +66,11 @@ ERROR_BOUND_S = 30.0  # kill to the last in-flight stream's error event
 SERVING_BOUND_S = 240.0  # kill to a completion answered by the replica Serve builds in its place
 
 
-def _rank_hosts(hosts: dict[str, str]) -> list[str]:
-    """The namespaces of the hosts holding the live replica's ranks (bundles 2 and 3 of its group)."""
+def _group_hosts(hosts: dict[str, str]) -> list[str]:
+    """The namespaces of the hosts holding the live replica's bundles: replica, scheduler, rank 0, rank 1."""
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
     (group,) = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
-    return [hosts[ips[group["bundles_to_node_id"][b]]] for b in (2, 3)]
+    return [hosts[ips[group["bundles_to_node_id"][b]]] for b in range(4)]
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, started: asyncio.Event) -> tuple[float, str]:
@@ -110,14 +110,18 @@ async def _kill_mid_generation(url: str, victim: str) -> tuple[float, list[tuple
 
 
 def lost_host(head_ip: str, model: str, hosts_json: str) -> dict:
-    """Serve tp=2 across hosts, kill the host of rank 1 while streams run; report how the streams ended and
+    """Serve tp=2 across hosts, kill a rank's host while streams run; report how the streams ended and
     when, what /health said, and when a completion was answered again and by which hosts' ranks."""
     hosts = json.loads(hosts_json)  # ip -> namespace
     args = AppArgs(engine=EngineConfig(model=model, tensor_parallel_size=2, num_threads=2, block_size=8,
                                        kv_cache_bytes=1 << 22))
     url = start(args, address=f"{head_ip}:6379", host="0.0.0.0", port=8000, timeout_s=180)
-    before = _rank_hosts(hosts)
-    killed, ends = asyncio.run(_kill_mid_generation(url, before[1]))
+    before = _group_hosts(hosts)
+    # PACK decides where the bundles go: lose a rank's host that holds neither the head (this driver, the GCS)
+    # nor the replica or the scheduler.
+    rank = next(r for r in (1, 0) if before[2 + r] not in (hosts[head_ip], *before[:2]))
+    victim = before[2 + rank]
+    killed, ends = asyncio.run(_kill_mid_generation(url, victim))
     health = (0, "")
     while health[0] != 503 and time.monotonic() - killed < ERROR_BOUND_S:
         health = _get(f"{url}/health")
@@ -128,8 +132,8 @@ def lost_host(head_ip: str, model: str, hosts_json: str) -> dict:
             serving = time.monotonic() - killed
             break
         time.sleep(1)
-    return {"victim": before[1], "error_after_s": [t - killed for t, _ in ends], "last_events": [e for _, e in ends],
-            "health": health, "serving_after_s": serving, "ranks_after": _rank_hosts(hosts) if serving else None}
+    return {"victim": victim, "rank": rank, "error_after_s": [t - killed for t, _ in ends], "last_events": [e for _, e in ends],
+            "health": health, "serving_after_s": serving, "ranks_after": _group_hosts(hosts)[2:] if serving else None}
 
 
 if __name__ == "__main__":

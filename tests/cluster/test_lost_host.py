@@ -56,6 +56,6 @@ def test_a_host_lost_mid_generation_fails_its_streams_and_serve_rebuilds_on_the_
     assert all('"error"' in e for e in report["last_events"]), report["last_events"]
     assert max(report["error_after_s"]) < ERROR_BOUND_S
     status, body = report["health"]
-    assert status == 503 and victim_ip in body, report["health"]
+    assert status == 503 and f"rank {report['rank']} on node {victim_ip}" in body, report["health"]
     assert report["serving_after_s"] is not None, f"not serving again within {SERVING_BOUND_S} s"
     assert report["victim"] not in report["ranks_after"]
