@@ -197,8 +197,8 @@ class LLMServer:
     async def health(self) -> Response:
         try:
             await asyncio.to_thread(self.engine.check_health)
-        except Exception as e:
-            return json_response(APIError(503, f"the engine is unhealthy: {e}", code="engine_unhealthy").body(), 503)
+        except Exception as e:  # RayEngine.check_health's reason says what is wrong; the code says it is unhealthy
+            return json_response(APIError(503, str(e), code="engine_unhealthy").body(), 503)
         return Response(status_code=200)
 
     @app.get("/metrics")
