@@ -56,6 +56,9 @@ def parse(model: type[M], body: Any) -> M:
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         param = _param_path(err["loc"])
+        if err["type"] == "extra_forbidden":
+            raise bad_request(f"{param}: this server does not support this field; leave it out", param,
+                              "unsupported_field") from None
         raise bad_request(f"{param or 'body'}: {err['msg']} (got {_short(err.get('input'))})", param) from None
 
 
@@ -83,10 +86,13 @@ class SamplingFields(BaseModel):
     """What completions and chat share: sampling, stopping and scheduling knobs.
 
     Ranges are checked here so that each error names the field; SamplingParams
-    re-checks them (and anything this misses becomes a 400 the same way).
+    re-checks them (and anything this misses becomes a 400 the same way). A
+    field this server does not honour is refused (400 naming it), never
+    dropped: a constraint silently ignored fails open. ``user`` and
+    ``metadata`` carry no behaviour and are accepted.
     """
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=128)  # OpenAI's cap; each sample is a sequence in the batch
@@ -107,6 +113,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    metadata: dict[str, str] | None = None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -151,7 +158,9 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """A message of the history; fields it does not honour (tool calls, ...) are refused, not dropped."""
+
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None

@@ -8,7 +8,6 @@ that interface's address: where gloo binds by default. Drivers run inside the he
 
 import re
 import subprocess
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -64,7 +63,6 @@ def test_gloo_on_an_interface_the_other_hosts_cannot_reach_fails_naming_the_sett
     assert report["error"] is not None, "the ranks met over loopback across hosts"
     print(f"gloo on lo: failed after {report['elapsed_s']:.1f} s: {report['error']}")
     assert "GLOO_SOCKET_IFNAME=lo" in report["error"] and "Set GLOO_SOCKET_IFNAME" in report["error"]
-    assert report["elapsed_s"] < RENDEZVOUS_TIMEOUT_S + 30  # gloo's own connect timeout may come first
     assert set(report["groups"]) == {"REMOVED"}
 
 
@@ -79,13 +77,12 @@ def test_bad_input_fails_within_placement_timeout_naming_what_is_missing(tp_host
         "wrong port": (f"{head.ip}:6380", 1, f"no Ray head answers at {head.ip}:6380"),
         "more hosts than exist": (f"{head.ip}:6379", 3, "STRICT_SPREAD puts each bundle .* it needs 4 nodes"),
     }[case]
-    start = time.monotonic()
+    # Bounded: a silent wait instead of the error fails the test by TimeoutExpired (the timeout, plus starting
+    # Python and torch).
     done = subprocess.run(head.cmd(str(VENV_BIN / "raylm"), "generate", "--prompt", "hi", "--model", model,
                                    "--address", address, "--tensor-parallel-size", str(tp), "--num-threads", "1",
                                    "--placement-strategy", "STRICT_SPREAD",
                                    "--placement-timeout-s", str(RENDEZVOUS_TIMEOUT_S)),
-                          capture_output=True, text=True, timeout=DRIVER_TIMEOUT_S)
-    elapsed = time.monotonic() - start
+                          capture_output=True, text=True, timeout=RENDEZVOUS_TIMEOUT_S + 30)
     assert done.returncode != 0
     assert re.search(expected, done.stderr), done.stderr[-3000:]
-    assert elapsed < RENDEZVOUS_TIMEOUT_S + 30  # the timeout, plus starting Python and torch

@@ -29,6 +29,11 @@ SERVE_CONFIG = Path(__file__).parents[3] / "manifests" / "serve_config.yaml"
      "messages[1].role"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content"),
+    (CompletionRequest, {"prompt": "x", "suffix": "y"}, "suffix"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+    (ChatCompletionRequest, {"messages": [{"role": "assistant", "content": "", "tool_calls": []}]},
+     "messages[0].tool_calls"),
 ])
 def test_validation_errors_are_400_naming_the_parameter(model, body, param):
     with pytest.raises(APIError) as e:
@@ -144,3 +149,11 @@ def test_cli_serve_reaches_the_app_args(monkeypatch):
     assert (seen["host"], seen["port"], seen["grpc_port"], seen["address"]) == ("0.0.0.0", 8123, 9123, None)
     opts = deployment_options(args)
     assert (opts["max_ongoing_requests"], opts["autoscaling_config"]["target_ongoing_requests"]) == (32, 16)
+
+
+def test_unknown_fields_are_refused_and_harmless_ones_accepted():
+    with pytest.raises(APIError) as e:
+        parse(CompletionRequest, {"prompt": "x", "logit_bias": {"5": 100}})
+    assert e.value.code == "unsupported_field" and "does not support" in e.value.message
+    req = parse(CompletionRequest, {"prompt": "x", "user": "u", "metadata": {"k": "v"}})
+    assert req.metadata == {"k": "v"}
