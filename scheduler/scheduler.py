@@ -251,21 +251,36 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """One step: running requests first, then waiting ones unless this step had to preempt."""
         cfg = self.config
-        budget = cfg.max_num_batched_tokens
-        threshold = cfg.long_prefill_token_threshold
-        bs = self.block_size
         num_scheduled: dict[str, int] = {}
         cached = CachedRequestData()
+        preempted: list[Request] = []
+        budget = self._schedule_running(cfg.max_num_batched_tokens, num_scheduled, cached, preempted)
+        new_data: list[NewRequestData] = []
+        num_admitted = 0
+        if not preempted:
+            budget, num_admitted = self._schedule_waiting(budget, num_scheduled, cached, new_data)
+        finished = self.finished_req_ids
+        self.finished_req_ids = set()
+        total = cfg.max_num_batched_tokens - budget
+        self.num_steps += 1
+        self.last_num_scheduled_tokens = total
+        self.last_num_admitted = num_admitted
+        return SchedulerOutput(new_data, cached, num_scheduled, total, finished,
+                               {r.request_id for r in preempted}, self.num_steps)
+
+    def _schedule_running(self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData,
+                          preempted: list[Request]) -> int:
+        """Running requests, in order, preempting from the low-priority end when memory runs out; returns the
+        budget left. This loop is the decode hot path: it writes the step's diff as it goes."""
+        threshold = self.config.long_prefill_token_threshold
+        bs = self.block_size
         c_ids, c_resumed, c_tokens, c_blocks, c_computed = (
             cached.req_ids, cached.resumed_from_preemption, cached.new_token_ids, cached.new_block_ids,
             cached.num_computed_tokens)
-        preempted: list[Request] = []
         allocate = self.kv.allocate_slots
         req_to_blocks = self.kv.req_to_blocks
-
-        # 1. Running requests, in order; preempt from the low-priority end when memory runs out.
-        #    This loop is the decode hot path: it writes the step's diff as it goes.
         running = self.running
         i = 0
         while i < len(running) and budget > 0:
@@ -308,60 +323,59 @@ class Scheduler:
             request.num_worker_tokens = num_all
             request.num_computed_tokens = nc + num_new
             i += 1
+        return budget
 
-        # 2. Waiting requests, in policy order, unless this step had to preempt.
-        new_data: list[NewRequestData] = []
+    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData,
+                          new_data: list[NewRequestData]) -> tuple[int, int]:
+        """Waiting requests, in policy order, until one does not fit; returns the budget left and how many
+        were admitted."""
+        cfg = self.config
+        threshold = cfg.long_prefill_token_threshold
+        running, waiting = self.running, self.waiting
+        allocate, get_computed = self.kv.allocate_slots, self.kv.get_computed_blocks
         num_admitted = 0
-        if not preempted:
-            waiting = self.waiting
-            get_computed = self.kv.get_computed_blocks
-            record_lookup = self.kv.record_prefix_lookup
-            block_ids = self.kv.get_block_ids
-            while budget > 0 and len(running) < cfg.max_num_seqs:
-                request = waiting.peek()
-                if request is None:
+        while budget > 0 and len(running) < cfg.max_num_seqs:
+            request = waiting.peek()
+            if request is None:
+                break
+            hits, num_hit_tokens = get_computed(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if num_new > budget:
+                if not cfg.enable_chunked_prefill:
                     break
-                hits, num_hit_tokens = get_computed(request)
-                num_new = request.num_tokens - num_hit_tokens
-                if threshold and num_new > threshold:
-                    num_new = threshold
-                if num_new > budget:
-                    if not cfg.enable_chunked_prefill:
-                        break
-                    num_new = budget
-                if allocate(request, num_new, num_hit_tokens, hits) is None:
-                    break
-                waiting.pop()
-                record_lookup(request, num_hit_tokens)
-                rid = request.request_id
-                if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_hit_tokens
-                if request.status == RequestStatus.PREEMPTED:
-                    known = request.num_worker_tokens
-                    c_ids.append(rid)
-                    c_resumed.append(True)
-                    c_tokens.append(request.all_token_ids[known:])
-                    c_blocks.append(block_ids(rid))
-                    c_computed.append(num_hit_tokens)
-                else:
-                    new_data.append(NewRequestData(rid, request.all_token_ids.copy(), request.sampling_params,
-                                                   block_ids(rid), num_hit_tokens))
-                request.num_worker_tokens = request.num_tokens
-                request.num_computed_tokens = num_hit_tokens + num_new
-                request.status = RequestStatus.RUNNING
-                running.append(request)
-                num_scheduled[rid] = num_new
-                budget -= num_new
-                num_admitted += 1
+                num_new = budget
+            if allocate(request, num_new, num_hit_tokens, hits) is None:
+                break
+            waiting.pop()
+            self.kv.record_prefix_lookup(request, num_hit_tokens)
+            self._admit(request, num_hit_tokens, cached, new_data)
+            request.num_computed_tokens = num_hit_tokens + num_new
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            num_admitted += 1
+        return budget, num_admitted
 
-        finished = self.finished_req_ids
-        self.finished_req_ids = set()
-        total = cfg.max_num_batched_tokens - budget
-        self.num_steps += 1
-        self.last_num_scheduled_tokens = total
-        self.last_num_admitted = num_admitted
-        return SchedulerOutput(new_data, cached, num_scheduled, total, finished,
-                               {r.request_id for r in preempted}, self.num_steps)
+    def _admit(self, request: Request, num_hit_tokens: int, cached: CachedRequestData,
+               new_data: list[NewRequestData]) -> None:
+        """Into the running batch, and into the step's diff: whole as new, or its block table anew if resumed."""
+        rid = request.request_id
+        block_ids = self.kv.get_block_ids(rid)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        if request.status == RequestStatus.PREEMPTED:
+            cached.req_ids.append(rid)
+            cached.resumed_from_preemption.append(True)
+            cached.new_token_ids.append(request.all_token_ids[request.num_worker_tokens:])
+            cached.new_block_ids.append(block_ids)
+            cached.num_computed_tokens.append(num_hit_tokens)
+        else:
+            new_data.append(NewRequestData(rid, request.all_token_ids.copy(), request.sampling_params, block_ids,
+                                           num_hit_tokens))
+        request.num_worker_tokens = request.num_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     def _unschedule(self, request: Request, num_scheduled: dict[str, int], cached: CachedRequestData) -> int:
         """Take back a request already scheduled this step (a priority victim); returns its tokens."""
