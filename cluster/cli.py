@@ -14,6 +14,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=None, help="default: 256 where flash-attn serves, else 16")
     p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
+    p.add_argument("--swap-space-bytes", type=int, default=0,
+                   help="host-memory KV tier per rank: swapped-out requests and evicted prefix-cache blocks (0: off)")
+    p.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"],
+                   help="swap needs --swap-space-bytes; auto swaps when copying costs less than recomputing")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -33,7 +37,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig's fields from the flags; an unset --max-num-seqs is left to the config (or the benchmark)."""
     kwargs = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                  kv_cache_bytes=args.kv_cache_bytes, num_threads=args.num_threads,
+                  kv_cache_bytes=args.kv_cache_bytes, swap_space_bytes=args.swap_space_bytes,
+                  preemption_mode=args.preemption_mode, num_threads=args.num_threads,
                   enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
                   placement_strategy=args.placement_strategy, placement_timeout_s=args.placement_timeout_s,
                   attention_backend=args.attention_backend, scheduling_policy=args.scheduling_policy,

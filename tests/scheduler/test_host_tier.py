@@ -120,3 +120,12 @@ def test_evicted_prefix_comes_back_from_the_host_tier():
     # the copied-back blocks are device cache entries again once the step returned
     assert all(sched.kv.block_pool.get_cached_block(h) is not None for h in again.block_hashes[:3])
     run_all(sched, worker)
+
+
+def test_bad_tier_settings_are_named():
+    with pytest.raises(ValueError, match="preemption_mode='sometimes' is invalid"):
+        SchedulerConfig(num_blocks=4, preemption_mode="sometimes")
+    with pytest.raises(ValueError, match="preemption_mode='swap' needs a host tier, but num_host_blocks=0"):
+        SchedulerConfig(num_blocks=4, preemption_mode="swap")
+    with pytest.raises(ValueError, match="num_host_blocks=1 is invalid"):
+        SchedulerConfig(num_blocks=4, num_host_blocks=1)
