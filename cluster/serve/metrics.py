@@ -46,7 +46,7 @@ class EngineStatsCollector(Collector):
                               labels=["model_name"]),
             CounterMetricFamily("vllm:prefix_cache_queries", "Prefix-cache queries.", labels=["model_name"]),
             CounterMetricFamily("vllm:prefix_cache_hits", "Prefix-cache hits.", labels=["model_name"]),
-            CounterMetricFamily("vllm:num_preemptions", "Preemptions (recompute) since start.",
+            CounterMetricFamily("vllm:num_preemptions", "Preemptions (recompute or swap) since start.",
                                 labels=["model_name"]),
             CounterMetricFamily("raylm:engine_steps", "Engine steps (schedule, execute, update) since start.",
                                 labels=["model_name"]),
