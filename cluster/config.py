@@ -40,6 +40,9 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     kv_cache_bytes: int = Field(1 << 30, ge=1)
+    # The host tier, per rank (pinned host memory on CUDA): swapped-out requests and evicted prefix-cache blocks.
+    swap_space_bytes: int = Field(0, ge=0)
+    preemption_mode: Literal["auto", "recompute", "swap"] = "auto"
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     placement_timeout_s: float = Field(60.0, gt=0)
@@ -48,6 +51,21 @@ class EngineConfig(BaseModel):
     # benchmark measures what the scheduler, Ray and the serving path alone can carry.
     no_work_model: bool = False
     enforce_eager: bool = False  # CUDA: run decodes eagerly instead of replaying captured CUDA graphs
+
+    @field_validator("swap_space_bytes")
+    @classmethod
+    def _swap_space_fits(cls, swap_space_bytes: int) -> int:
+        from workers.cache_engine import check_swap_space
+
+        check_swap_space(swap_space_bytes)
+        return swap_space_bytes
+
+    @field_validator("preemption_mode")
+    @classmethod
+    def _swap_needs_space(cls, mode: str, info: ValidationInfo) -> str:
+        if mode == "swap" and not info.data.get("swap_space_bytes"):
+            raise ValueError("preemption_mode='swap' needs a host tier: set swap_space_bytes")
+        return mode
 
     @field_validator("block_size")
     @classmethod
@@ -70,13 +88,17 @@ class EngineConfig(BaseModel):
             model=model_path, dtype=self.dtype, device=self.device, block_size=self.block_size,
             max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, tensor_parallel_size=self.tensor_parallel_size,
-            kv_cache_bytes=self.kv_cache_bytes, gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_cache_bytes=self.kv_cache_bytes, swap_space_bytes=self.swap_space_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             attention_backend=self.attention_backend, num_threads=self.num_threads, enforce_eager=self.enforce_eager,
             no_work=self.no_work_model)
 
-    def scheduler_config(self, num_blocks: int, max_model_len: int) -> SchedulerConfig:
+    def scheduler_config(self, num_blocks: int, max_model_len: int, num_host_blocks: int = 0,
+                         swap_cost_per_block: float = 1.0) -> SchedulerConfig:
         return SchedulerConfig(
             num_blocks=num_blocks, block_size=self.block_size, max_model_len=max_model_len,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
-            enable_prefix_caching=self.enable_prefix_caching, policy=self.scheduling_policy)
+            enable_prefix_caching=self.enable_prefix_caching, policy=self.scheduling_policy,
+            num_host_blocks=num_host_blocks, swap_cost_per_block=swap_cost_per_block,
+            preemption_mode=self.preemption_mode)

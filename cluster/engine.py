@@ -62,9 +62,11 @@ class InProcessEngine:
         if num_blocks < 2:
             raise ValueError(f"the KV cache holds {num_blocks} blocks of {self.worker.block_bytes()} bytes; "
                              f"raise kv_cache_bytes (now {config.kv_cache_bytes}) or gpu_memory_utilization")
-        self.worker.init_cache(num_blocks)
+        num_host_blocks = self.worker.determine_num_host_blocks()
+        self.worker.init_cache(num_blocks, num_host_blocks)
         self.num_blocks = num_blocks
-        self.scheduler = Scheduler(config.scheduler_config(num_blocks, self.max_model_len),
+        self.scheduler = Scheduler(config.scheduler_config(num_blocks, self.max_model_len, num_host_blocks,
+                                                           self.worker.swap_cost_per_block()),
                                    eos_token_id=self.spec.eos_token_id)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

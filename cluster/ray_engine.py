@@ -226,9 +226,9 @@ def start_workers(config: EngineConfig, model_path: str, max_model_len: int, pg:
 
 
 def init_workers(workers: list, num_threads: int | None, device: str,
-                 timeout_s: float) -> tuple[int, list[NodeInfo]]:
-    """Device, process group, model shard and KV cache on every rank; returns the blocks each rank holds and
-    where each rank runs. The ranks must form their process group within ``timeout_s``."""
+                 timeout_s: float) -> tuple[int, int, list[NodeInfo]]:
+    """Device, process group, model shard and KV cache on every rank; returns the blocks each rank holds (device,
+    host tier) and where each rank runs. The ranks must form their process group within ``timeout_s``."""
     infos: list[NodeInfo] = ray.get([w.__ray_call__.remote(_node_info) for w in workers])
     ranks_per_node = Counter(i.node_id for i in infos)
     # Co-located ranks share their node's cores: oversubscribed torch threads stall at every barrier.
@@ -241,8 +241,9 @@ def init_workers(workers: list, num_threads: int | None, device: str,
         block_bytes = ray.get(workers[0].call.remote("block_bytes"))
         raise ValueError(f"the KV cache holds {num_blocks} blocks of {block_bytes} bytes; raise kv_cache_bytes "
                          f"or gpu_memory_utilization")
-    ray.get([w.call.remote("init_cache", num_blocks) for w in workers])
-    return num_blocks, infos
+    num_host_blocks = min(ray.get([w.call.remote("determine_num_host_blocks") for w in workers]))
+    ray.get([w.call.remote("init_cache", num_blocks, num_host_blocks) for w in workers])
+    return num_blocks, num_host_blocks, infos
 
 
 def form_process_group(workers: list, infos: list[NodeInfo], backend: str, timeout_s: float) -> None:
@@ -324,9 +325,11 @@ class RayEngine:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle),
             ).remote(self.workers, self.spec.eos_token_id)
             owned.append(self.actor)
-            self.num_blocks, self.rank_nodes = init_workers(self.workers, config.num_threads, self.device,
-                                                            config.placement_timeout_s)
-            ray.get(self.actor.start.remote(config.scheduler_config(self.num_blocks, self.max_model_len)))
+            self.num_blocks, num_host_blocks, self.rank_nodes = init_workers(
+                self.workers, config.num_threads, self.device, config.placement_timeout_s)
+            swap_cost = ray.get(self.workers[0].call.remote("swap_cost_per_block"))
+            ray.get(self.actor.start.remote(config.scheduler_config(self.num_blocks, self.max_model_len,
+                                                                    num_host_blocks, swap_cost)))
         except BaseException:
             self.shutdown()
             raise

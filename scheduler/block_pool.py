@@ -81,6 +81,12 @@ class BlockPool:
     - for every other block, ``ref_cnt == 0`` ⇔ it is in the free queue;
     - a block is in ``cached_blocks`` under h ⇔ its ``block_hash`` is h;
     - ``num_free_blocks + blocks with ref_cnt > 0 == num_blocks - 1``.
+
+    The host tier (KVCacheManager.host_pool) is a second BlockPool with the
+    same rules over host-memory blocks (its block 0 is unused too, so that
+    both tiers share this code). With ``evicted`` set to a list, every
+    eviction appends ``(block_id, block_hash)`` to it, so the caller can keep
+    the content in the next tier before the block is overwritten.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -94,6 +100,7 @@ class BlockPool:
         # Several blocks may hold the same content (computed concurrently before
         # either was cached), so each hash maps to its blocks by id.
         self.cached_blocks: dict[BlockHash, dict[int, KVCacheBlock]] = {}
+        self.evicted: list[tuple[int, BlockHash]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -121,6 +128,8 @@ class BlockPool:
         return out
 
     def _evict(self, block: KVCacheBlock) -> None:
+        if self.evicted is not None:
+            self.evicted.append((block.block_id, block.block_hash))
         same = self.cached_blocks[block.block_hash]
         del same[block.block_id]
         if not same:
@@ -167,3 +176,7 @@ class BlockPool:
             block.block_hash = None
         self.cached_blocks.clear()
         return True
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Enter one block, known to hold exactly the tokens ``block_hash`` names, into the cache."""
+        self.cache_full_blocks([block], [block_hash], 0, 1)

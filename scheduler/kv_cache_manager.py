@@ -1,4 +1,4 @@
-"""The scheduler's only door to KV memory: prefix lookup, slot allocation, freeing."""
+"""The scheduler's only door to KV memory: prefix lookup, slot allocation, freeing, and the host tier."""
 
 from __future__ import annotations
 
@@ -16,9 +16,24 @@ class KVCacheManager:
       returned (``cache_computed_blocks``), so a hit never reads KV that a
       failed or preempted step left unwritten.
     - ``num_cached_blocks[r]`` blocks at the head of r's table are hashed.
+
+    The host tier (``num_host_blocks > 0``) is a second pool in host memory.
+    It holds the blocks of requests preempted by swap (``req_to_host_blocks``:
+    a request is in at most one of the two tables) and, as a second level of
+    the prefix cache, the content of hashed device blocks the device pool
+    evicts. Each step's copies accumulate in ``blocks_to_swap_out`` (device id,
+    host id) and ``blocks_to_swap_in`` (host id, device id) until ``take_swaps`` hands them to the
+    step; the workers run every swap-out, then every swap-in, then the
+    forward. That order is safe because:
+    - a device block is swapped out only while its content is still its own
+      (a victim's, or an evicted hash's), before this step's forward or a
+      swap-in can write it;
+    - a host block a step copies from or to stays referenced (``held``) until
+      the step's plan is final, so no other copy of the same step targets it.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_host_blocks: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size={block_size} is invalid: must be >= 1")
         self.block_size = block_size
@@ -27,7 +42,17 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_queries = 0  # tokens looked up
-        self.prefix_cache_hits = 0  # tokens found
+        self.prefix_cache_hits = 0  # tokens found (either tier)
+        self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None
+        if self.host_pool is not None and enable_caching:
+            self.block_pool.evicted = []
+        self.req_to_host_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.held: list[KVCacheBlock] = []  # host blocks this step copies from or to
+        self.blocks_to_swap_out: list[tuple[int, int]] = []
+        self.blocks_to_swap_in: list[tuple[int, int]] = []
+        self.host_prefix_cache_hits = 0  # tokens found in the host tier
+        self.num_blocks_swapped_out = 0
+        self.num_blocks_swapped_in = 0
 
     @property
     def num_usable_blocks(self) -> int:
@@ -35,6 +60,9 @@ class KVCacheManager:
 
     def usage(self) -> float:
         return self.block_pool.usage()
+
+    def host_usage(self) -> float:
+        return self.host_pool.usage() if self.host_pool is not None else 0.0
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest chain of cached blocks for the request's tokens, capped so the last token is computed.
@@ -54,11 +82,26 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def record_prefix_lookup(self, request: Request, num_hit_tokens: int) -> None:
+    def get_host_hits(self, request: Request, num_device_hits: int) -> list[KVCacheBlock]:
+        """Where the device chain of hits ends, its continuation in the host tier (same cap as the device's)."""
+        host = self.host_pool
+        if host is None or not self.enable_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[num_device_hits:max_blocks]:
+            block = host.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def record_prefix_lookup(self, request: Request, num_hit_tokens: int, num_host_hit_tokens: int = 0) -> None:
         """Count an admitted request's lookup: once per admission, not per attempt, or waiting inflates the stats."""
         if self.enable_caching:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_tokens
+            self.host_prefix_cache_hits += num_host_hit_tokens
 
     def allocate_slots(
         self,
@@ -67,11 +110,15 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         num_lookahead_tokens: int = 0,
+        host_hits: list[KVCacheBlock] | None = None,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` more tokens after the computed ones (and the cache hits).
 
-        Returns the newly allocated blocks (possibly none), or None — touching
-        nothing — when the pool cannot hold them; the caller then preempts.
+        ``num_new_computed_tokens`` counts the device hits (``new_computed_blocks``)
+        and then the host hits (``host_hits``), whose content is swapped into the
+        first new blocks this step. Returns the newly allocated blocks (possibly
+        none), or None — touching nothing — when the pool cannot hold them; the
+        caller then preempts.
         """
         blocks = self.req_to_blocks.get(request.request_id)
         if blocks is None:
@@ -93,9 +140,92 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = len(blocks)
         if num_needed <= 0:
             return []
-        new_blocks = pool.get_new_blocks(num_needed)
+        if host_hits:
+            # Held before the device allocation, whose evictions take host blocks from the host LRU.
+            self.host_pool.touch(host_hits)
+            self.held.extend(host_hits)
+        new_blocks = self._get_device_blocks(num_needed)
+        if host_hits:
+            self._add_swap_in(host_hits, new_blocks)
         blocks.extend(new_blocks)
         return new_blocks
+
+    def _get_device_blocks(self, n: int) -> list[KVCacheBlock]:
+        """New device blocks; hashed blocks this evicts keep their content in the host tier when it has room."""
+        new_blocks = self.block_pool.get_new_blocks(n)
+        evicted = self.block_pool.evicted
+        if evicted:
+            self._offload(evicted)
+            evicted.clear()
+        return new_blocks
+
+    def _offload(self, evicted: list[tuple[int, bytes]]) -> None:
+        host = self.host_pool
+        for block_id, block_hash in evicted:
+            if host.get_cached_block(block_hash) is not None or not host.num_free_blocks:
+                continue
+            (target,) = host.get_new_blocks(1)
+            host.cache_block(target, block_hash)
+            self.held.append(target)
+            self.blocks_to_swap_out.append((block_id, target.block_id))
+            self.num_blocks_swapped_out += 1
+
+    def _add_swap_in(self, host_blocks: list[KVCacheBlock], device_blocks: list[KVCacheBlock]) -> None:
+        self.blocks_to_swap_in.extend((h.block_id, d.block_id) for h, d in zip(host_blocks, device_blocks))
+        self.num_blocks_swapped_in += len(host_blocks)
+
+    # ---- preemption by swap ------------------------------------------------------------------
+
+    def swap_out(self, request: Request) -> bool:
+        """Move the blocks holding the request's computed tokens to the host tier and free its device blocks;
+        False, changing nothing, when the host tier cannot hold them."""
+        host = self.host_pool
+        num_keep = -(-request.num_computed_tokens // self.block_size)
+        if host is None or num_keep == 0 or num_keep > host.num_free_blocks:
+            return False
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid)
+        self.num_cached_blocks.pop(rid, None)
+        host_blocks = host.get_new_blocks(num_keep)
+        for block, target in zip(blocks, host_blocks):
+            if block.block_hash is not None and self.enable_caching:
+                host.cache_block(target, block.block_hash)  # the copy is a host-tier cache entry too
+            self.blocks_to_swap_out.append((block.block_id, target.block_id))
+        self.num_blocks_swapped_out += num_keep
+        self.req_to_host_blocks[rid] = host_blocks
+        self.block_pool.free_blocks(reversed(blocks))
+        return True
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        """Give a swapped request device blocks for its computed tokens plus ``num_new_tokens`` and copy its KV
+        back into them this step; False, changing nothing, when the device pool cannot hold them."""
+        rid = request.request_id
+        host_blocks = self.req_to_host_blocks[rid]
+        num_needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        if num_needed > self.block_pool.num_free_blocks:
+            return False
+        del self.req_to_host_blocks[rid]
+        self.held.extend(host_blocks)  # their references pass to the step
+        blocks = self._get_device_blocks(num_needed)
+        self._add_swap_in(host_blocks, blocks)
+        self.req_to_blocks[rid] = blocks
+        self.num_cached_blocks[rid] = 0  # hashed again once the step that copies them back has returned
+        return True
+
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The step's (device, host) swap-outs and (host, device) swap-ins; its plan is final, so the host
+        blocks it copies are released (the next step's copies run after these on every rank)."""
+        out, into = self.blocks_to_swap_out, self.blocks_to_swap_in
+        if self.held:
+            self.host_pool.free_blocks(reversed(self.held))
+            self.held = []
+        self.blocks_to_swap_out, self.blocks_to_swap_in = [], []
+        return out, into
+
+    def num_prefix_cached_tokens(self, request: Request) -> int:
+        """Computed tokens in the request's hashed blocks: after a recompute preemption the prefix cache (device
+        or host tier) gives them back without recomputing."""
+        return min(self.num_cached_blocks.get(request.request_id, 0) * self.block_size, request.num_computed_tokens)
 
     def cache_computed_blocks(self, request: Request) -> None:
         """Enter the request's blocks that are now full and computed into the prefix cache."""
@@ -110,14 +240,22 @@ class KVCacheManager:
         self.num_cached_blocks[rid] = num_full
 
     def free(self, request: Request) -> None:
-        """Release a request's blocks, tail first, so its shared prompt head is evicted last."""
+        """Release a request's blocks (device, or host when swapped), tail first, so its shared prompt head is
+        evicted last."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
+        host_blocks = self.req_to_host_blocks.pop(request.request_id, None)
+        if host_blocks:
+            self.host_pool.free_blocks(reversed(host_blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        if self.host_pool is not None and self.host_pool.num_free_blocks != self.host_pool.num_blocks - 1:
+            return False
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        return self.host_pool is None or self.host_pool.reset_prefix_cache()

@@ -57,6 +57,13 @@ class SchedulerOutput:
     worker's own copy of prompt + outputs). ``finished_req_ids`` (finished or
     aborted since the last step) and ``preempted_req_ids`` tell workers whose
     state to drop or park.
+
+    ``blocks_to_swap_out`` are (device block, host block) pairs and
+    ``blocks_to_swap_in`` (host block, device block) pairs. Every rank applies
+    all swap-outs, then all swap-ins, then the forward: a swap-out reads a
+    device block this step's swap-ins or forward may write, and a swap-in
+    writes a block this step's forward reads (KVCacheManager says why the
+    scheduler's plan is safe in that order).
     """
 
     scheduled_new_reqs: list[NewRequestData]
@@ -66,6 +73,8 @@ class SchedulerOutput:
     finished_req_ids: set[str]
     preempted_req_ids: set[str]
     step_id: int = 0
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -28,6 +28,10 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # or "priority": lower value runs first, ties by arrival
+    num_host_blocks: int = 0  # the host tier, including its unused block 0; 0: no host tier
+    preemption_mode: str = "auto"  # "recompute", "swap" (to the host tier) or "auto" (see Scheduler._swap_pays)
+    # The time to copy one block to the host tier and back, in units of the time to compute one token.
+    swap_cost_per_block: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -37,6 +41,14 @@ class SchedulerConfig:
             raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold} is invalid: must be >= 0")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy={self.policy!r} is invalid: must be 'fcfs' or 'priority'")
+        if self.preemption_mode not in ("recompute", "swap", "auto"):
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} is invalid: must be 'recompute', 'swap' "
+                             f"or 'auto'")
+        if self.preemption_mode == "swap" and self.num_host_blocks < 2:
+            raise ValueError(f"preemption_mode='swap' needs a host tier, but num_host_blocks={self.num_host_blocks} "
+                             f"(set swap_space_bytes)")
+        if self.num_host_blocks == 1 or self.num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks={self.num_host_blocks} is invalid: 0 (no host tier) or >= 2")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is invalid: without chunked prefill it "
@@ -54,6 +66,11 @@ class SchedulerStats:
     num_steps: int
     num_scheduled_tokens: int  # in the last step
     num_admitted: int  # requests that entered the running batch in the last step
+    num_swapped: int = 0  # requests preempted by swap, their KV in the host tier
+    host_cache_usage: float = 0.0
+    host_prefix_cache_hits: int = 0  # tokens, of prefix_cache_hits, that came from the host tier
+    num_blocks_swapped_out: int = 0  # device -> host copies since start (preemption and evicted hashed blocks)
+    num_blocks_swapped_in: int = 0  # host -> device copies since start
 
 
 class WaitingQueue:
@@ -120,20 +137,26 @@ class Scheduler:
     - a request that samples this step is exactly one whose computed count
       reaches its token count (the workers use the same rule);
     - a finished request holds no blocks and is reported once in
-      ``finished_req_ids`` so the workers drop it.
+      ``finished_req_ids`` so the workers drop it;
+    - a request preempted by swap (in ``swapped``) keeps its computed tokens in
+      host blocks; swapped requests resume, KV intact, before any waiting
+      request is admitted (the order of vLLM v0).
     """
 
     def __init__(self, config: SchedulerConfig, eos_token_id: int | None = None) -> None:
         self.config = config
         self.block_size = config.block_size
         self.eos_token_id = eos_token_id
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 config.num_host_blocks)
         self.requests: dict[str, Request] = {}  # live requests (children for n > 1)
         # caller id -> its requests, by object: a finished child's id may be reused by an unrelated caller
         self.children: dict[str, list[Request]] = {}
         self.parked: dict[str, list[Request]] = {}  # n > 1 siblings waiting for child 0's prompt
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self.swapped_in: list[Request] = []  # this step's requests whose blocks are copied back from the host
         self.finished_req_ids: set[str] = set()  # to tell the workers next step
         self.num_preemptions = 0
         self.num_steps = 0
@@ -212,6 +235,8 @@ class Scheduler:
             self.running.remove(request)
         elif rid in self.waiting.members:
             self.waiting.remove(request)
+        elif request in self.swapped:
+            self.swapped.remove(request)
         request.status = status
         request.error = error
         self.kv.free(request)
@@ -246,21 +271,30 @@ class Scheduler:
             kv_cache_usage=self.kv.usage(), prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits, num_preemptions=self.num_preemptions,
             num_steps=self.num_steps, num_scheduled_tokens=self.last_num_scheduled_tokens,
-            num_admitted=self.last_num_admitted)
+            num_admitted=self.last_num_admitted, num_swapped=len(self.swapped), host_cache_usage=self.kv.host_usage(),
+            host_prefix_cache_hits=self.kv.host_prefix_cache_hits,
+            num_blocks_swapped_out=self.kv.num_blocks_swapped_out,
+            num_blocks_swapped_in=self.kv.num_blocks_swapped_in)
 
     # ---- one step ----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """One step: running requests first, then waiting ones unless this step had to preempt."""
+        """One step: running requests first, then swapped ones, then waiting ones, unless this step had to preempt
+        (and waiting ones only once no request is left swapped)."""
         cfg = self.config
         num_scheduled: dict[str, int] = {}
         cached = CachedRequestData()
         preempted: list[Request] = []
+        self.swapped_in = []
         budget = self._schedule_running(cfg.max_num_batched_tokens, num_scheduled, cached, preempted)
         new_data: list[NewRequestData] = []
         num_admitted = 0
-        if not preempted:
-            budget, num_admitted = self._schedule_waiting(budget, num_scheduled, cached, new_data)
+        if not preempted and self.swapped:
+            budget, num_admitted = self._schedule_swapped(budget, num_scheduled, cached)
+        if not preempted and not self.swapped:
+            budget, num_waiting_admitted = self._schedule_waiting(budget, num_scheduled, cached, new_data)
+            num_admitted += num_waiting_admitted
+        swap_out, swap_in = self.kv.take_swaps()
         finished = self.finished_req_ids
         self.finished_req_ids = set()
         total = cfg.max_num_batched_tokens - budget
@@ -268,7 +302,7 @@ class Scheduler:
         self.last_num_scheduled_tokens = total
         self.last_num_admitted = num_admitted
         return SchedulerOutput(new_data, cached, num_scheduled, total, finished,
-                               {r.request_id for r in preempted}, self.num_steps)
+                               {r.request_id for r in preempted}, self.num_steps, swap_out, swap_in)
 
     def _schedule_running(self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData,
                           preempted: list[Request]) -> int:
@@ -333,12 +367,16 @@ class Scheduler:
         threshold = cfg.long_prefill_token_threshold
         running, waiting = self.running, self.waiting
         allocate, get_computed = self.kv.allocate_slots, self.kv.get_computed_blocks
+        get_host_hits, host_tier = self.kv.get_host_hits, self.kv.host_pool is not None
         num_admitted = 0
         while budget > 0 and len(running) < cfg.max_num_seqs:
             request = waiting.peek()
             if request is None:
                 break
             hits, num_hit_tokens = get_computed(request)
+            host_hits = get_host_hits(request, len(hits)) if host_tier else ()
+            num_host_hit_tokens = len(host_hits) * self.block_size
+            num_hit_tokens += num_host_hit_tokens
             num_new = request.num_tokens - num_hit_tokens
             if threshold and num_new > threshold:
                 num_new = threshold
@@ -346,16 +384,42 @@ class Scheduler:
                 if not cfg.enable_chunked_prefill:
                     break
                 num_new = budget
-            if allocate(request, num_new, num_hit_tokens, hits) is None:
+            if allocate(request, num_new, num_hit_tokens, hits, host_hits=host_hits) is None:
                 break
             waiting.pop()
-            self.kv.record_prefix_lookup(request, num_hit_tokens)
+            if host_hits:
+                self.swapped_in.append(request)
+            self.kv.record_prefix_lookup(request, num_hit_tokens, num_host_hit_tokens)
             self._admit(request, num_hit_tokens, cached, new_data)
             request.num_computed_tokens = num_hit_tokens + num_new
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             num_admitted += 1
         return budget, num_admitted
+
+    def _schedule_swapped(self, budget: int, num_scheduled: dict[str, int],
+                          cached: CachedRequestData) -> tuple[int, int]:
+        """Swapped requests, highest priority first, until one does not fit: each gets device blocks, its KV is
+        copied back this step, and it goes on from its computed tokens. Returns the budget left and how many
+        resumed."""
+        cfg = self.config
+        threshold = cfg.long_prefill_token_threshold
+        key = _priority_key if cfg.policy == "priority" else _arrival_key
+        num_resumed = 0
+        while self.swapped and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            request = min(self.swapped, key=key)
+            nc = request.num_computed_tokens
+            num_new = min(request.num_tokens - nc, budget, threshold or budget)
+            if not self.kv.swap_in(request, num_new):
+                break
+            self.swapped.remove(request)
+            self.swapped_in.append(request)
+            self._admit(request, nc, cached, [])
+            request.num_computed_tokens = nc + num_new
+            num_scheduled[request.request_id] = num_new
+            budget -= num_new
+            num_resumed += 1
+        return budget, num_resumed
 
     def _admit(self, request: Request, num_hit_tokens: int, cached: CachedRequestData,
                new_data: list[NewRequestData]) -> None:
@@ -381,6 +445,7 @@ class Scheduler:
         """Take back a request already scheduled this step (a priority victim); returns its tokens."""
         j = cached.req_ids.index(request.request_id)
         request.num_worker_tokens -= len(cached.new_token_ids[j])
+        request.num_computed_tokens = cached.num_computed_tokens[j]
         for column in (cached.req_ids, cached.resumed_from_preemption, cached.new_token_ids,
                        cached.new_block_ids, cached.num_computed_tokens):
             del column[j]
@@ -389,16 +454,34 @@ class Scheduler:
     def _pick_victim(self) -> Request:
         if self.config.policy == "fcfs":
             return self.running[-1]
-        return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return max(self.running, key=_priority_key)
 
     def _preempt(self, request: Request) -> None:
+        """Swap the victim's KV out to the host tier when that pays (``_swap_pays``) and fits, else recompute:
+        free its blocks and send it back to the front of the waiting queue."""
         self.running.remove(request)
-        self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        if self._swap_pays(request) and self.kv.swap_out(request):
+            self.swapped.append(request)
+            return
+        self.kv.free(request)
+        request.num_computed_tokens = 0
         self.waiting.add(request, front=True)
+
+    def _swap_pays(self, request: Request) -> bool:
+        """The cost model of ``preemption_mode="auto"``: recomputing costs one unit per computed token that the
+        prefix cache would not give back (those outside the request's hashed blocks); swapping costs
+        ``swap_cost_per_block`` units per block holding computed tokens (out, then back in)."""
+        mode = self.config.preemption_mode
+        if mode == "recompute" or self.kv.host_pool is None:
+            return False
+        if mode == "swap":
+            return True
+        nc = request.num_computed_tokens
+        recompute = nc - self.kv.num_prefix_cached_tokens(request)
+        return -(-nc // self.block_size) * self.config.swap_cost_per_block < recompute
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[RequestOutput]:
@@ -407,6 +490,8 @@ class Scheduler:
         bs = self.block_size
         cache_blocks = self.kv.cache_computed_blocks
         num_scheduled = scheduler_output.num_scheduled_tokens
+        for request in self.swapped_in:  # their copied-back blocks hold their tokens now
+            cache_blocks(request)
         if len(num_scheduled) != len(runner_output.req_ids):
             # Some requests ran a prefill chunk without sampling: they may have completed blocks too.
             for rid, n in num_scheduled.items():
@@ -453,6 +538,14 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time
+
+
+def _arrival_key(request: Request) -> float:
+    return request.arrival_time
 
 
 def _stop_status(request: Request, token: int, max_model_len: int) -> RequestStatus | None:

@@ -1,25 +1,53 @@
-"""This rank's share of the KV cache: one preallocated tensor, viewed per layer."""
+"""This rank's share of the KV cache: one preallocated tensor, viewed per layer, and its host tier."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 
+def host_memory_available() -> int:
+    """Bytes of host memory this process could still take (MemAvailable; free pages where /proc is absent)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_swap_space(swap_space_bytes: int, where: str = "this host") -> None:
+    """Refuse a host tier larger than the host's available memory, before anything big is loaded."""
+    available = host_memory_available()
+    if swap_space_bytes > available:
+        raise ValueError(f"swap_space_bytes={swap_space_bytes} is more than {where} can give: "
+                         f"{available} bytes of memory are available")
+
+
 class CacheEngine:
-    """Holds ``[2, num_layers, num_blocks, block_size, kv_heads_per_rank, head_dim]``.
+    """Holds ``[2, num_layers, num_blocks, block_size, kv_heads_per_rank, head_dim]``, and the same shape with
+    ``num_host_blocks`` blocks in host memory (pinned on CUDA) when the host tier is on.
 
     One tensor rather than one per layer so that the memory is claimed once
     (and counted once when sizing the cache); each attention layer gets the
     view ``kv_cache[:, layer]``. Block 0 is the scheduler's null block: it is
-    allocated here but never written through a real slot.
+    allocated here but never written through a real slot. ``swap`` moves whole
+    blocks across all layers in one gather and one scatter per direction.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, num_host_blocks: int = 0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.kv_cache = torch.zeros(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim,
                                     dtype=dtype, device=device)
+        self.host_cache = None
+        if num_host_blocks:
+            self.host_cache = torch.zeros(2, num_layers, num_host_blocks, block_size, num_kv_heads, head_dim,
+                                          dtype=dtype, pin_memory=device.type == "cuda")
 
     @staticmethod
     def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -31,3 +59,23 @@ class CacheEngine:
             raise ValueError(f"model has {len(attention_layers)} attention layers, cache has {self.kv_cache.shape[1]}")
         for i, layer in enumerate(attention_layers):
             layer.kv_cache = self.kv_cache[:, i]
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copy (device, host) pairs out, then (host, device) pairs in, before the step's forward.
+
+        The order is the step's contract (SchedulerOutput): a swap-out reads a
+        device block that a swap-in or the forward of the same step may then
+        write. On CUDA the gather runs on the compute stream, so it reads the
+        blocks before any later kernel writes them.
+        """
+        dev = self.kv_cache.device
+        if swap_out:
+            src, dst = zip(*swap_out)
+            blocks = self.kv_cache.index_select(2, torch.tensor(src, device=dev))
+            self.host_cache.index_copy_(2, torch.tensor(dst), blocks.cpu())
+        if swap_in:
+            src, dst = zip(*swap_in)
+            blocks = self.host_cache.index_select(2, torch.tensor(src))
+            if dev.type == "cuda":
+                blocks = blocks.pin_memory().to(dev, non_blocking=True)
+            self.kv_cache.index_copy_(2, torch.tensor(dst, device=dev), blocks)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from kernels import AttentionMetadata, select_backend
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
-from workers.cache_engine import CacheEngine
+from workers.cache_engine import CacheEngine, check_swap_space
 from workers.layers import can_pack, pack_for_cpu
 from workers.model_loader import load_model, read_model_spec
 from workers.model_runner import ModelRunner, graph_batch_sizes
@@ -25,6 +25,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # op that filled it (16% of a 2048-token prefill step). Raising the threshold to its 32 MiB maximum
 # and keeping freed memory keeps those buffers in the heap, reused step after step.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+# Round figures for the preemption cost model (swap_cost_per_block): dense matmul rate a forward reaches, and
+# host <-> KV-cache copy bandwidth (a memcpy on CPU, pinned PCIe on CUDA).
+FLOPS_PER_S = {"cpu": 1e11, "cuda": 1e14}
+HOST_LINK_BYTES_PER_S = {"cpu": 1e10, "cuda": 2e10}
 
 
 def keep_freed_memory() -> None:
@@ -119,6 +123,7 @@ class WorkerConfig:
     max_num_batched_tokens: int = 2048
     tensor_parallel_size: int = 1
     kv_cache_bytes: int = 1 << 30  # CPU: the KV cache's size
+    swap_space_bytes: int = 0  # the host tier's size on this rank; 0: none
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
     num_threads: int | None = None  # torch intra-op threads; None: all cores this process may use
@@ -154,6 +159,7 @@ class Worker:
             torch.cuda.set_device(self.device)
         else:
             keep_freed_memory()
+        check_swap_space(self.config.swap_space_bytes, f"rank {self.rank}'s host")
         # Ray sets OMP_NUM_THREADS from the actor's num_cpus (often 1); choose on purpose instead.
         threads = cfg.num_threads or len(os.sched_getaffinity(0))
         torch.set_num_threads(threads)
@@ -190,10 +196,10 @@ class Worker:
                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   decode_sizes=graph_batch_sizes(cfg.max_num_seqs) if graphs else None)
 
-    def _new_cache(self, num_blocks: int) -> CacheEngine:
+    def _new_cache(self, num_blocks: int, num_host_blocks: int = 0) -> CacheEngine:
         cfg, spec = self.config, self.spec
         return CacheEngine(spec.num_layers, num_blocks, cfg.block_size, spec.kv_heads_per_rank(cfg.tensor_parallel_size),
-                           spec.head_dim, self.dtype, self.device)
+                           spec.head_dim, self.dtype, self.device, num_host_blocks)
 
     def block_bytes(self) -> int:
         spec = self.spec
@@ -226,6 +232,24 @@ class Worker:
                                  MemorySnapshot.take(), peak)
         return max(budget // self.block_bytes(), 0)
 
+    def determine_num_host_blocks(self) -> int:
+        """Blocks of the host tier: swap_space_bytes of them, or 0 (no tier) when that is under 2 blocks (the
+        host pool, like the device one, keeps a block 0 unused) or there is no KV cache at all."""
+        if self.model is None:
+            return 0
+        n = self.config.swap_space_bytes // self.block_bytes()
+        return n if n >= 2 else 0
+
+    def swap_cost_per_block(self) -> float:
+        """The time to copy one block to the host tier and back, in units of the time to compute one token: the
+        cost model of preemption_mode="auto" (Scheduler._swap_pays), from round figures for this device."""
+        spec, device = self.spec, self.device.type
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        params = spec.num_layers * spec.hidden_size * (2 * q + 2 * kv + 3 * spec.intermediate_size)
+        params += spec.vocab_size * spec.hidden_size
+        token_s = 2 * params / FLOPS_PER_S[device]  # a forward does 2 FLOPs per weight per token
+        return 2 * self.block_bytes() / HOST_LINK_BYTES_PER_S[device] / token_s
+
     def _profile_lens(self) -> list[int]:
         cfg = self.config
         num_tokens = min(cfg.max_num_batched_tokens, cfg.max_model_len * cfg.max_num_seqs)
@@ -256,16 +280,20 @@ class Worker:
         hidden = self.model(torch.zeros(sum(lens), dtype=torch.long, device=dev), positions, md)
         self.runner.profile_sampling(hidden, cfg.max_num_seqs)
 
-    def init_cache(self, num_blocks: int) -> None:
+    def init_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         if self.model is None:  # the no-work runner reads no KV
             return
-        self.cache = self._new_cache(num_blocks)
+        self.cache = self._new_cache(num_blocks, num_host_blocks)
         self.cache.bind(self.model.attention_layers)
         if self.runner.decode_sizes:
             self.runner.capture_decode_graphs()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.runner.execute_model(scheduler_output)
+        so = scheduler_output
+        if (so.blocks_to_swap_out or so.blocks_to_swap_in) and self.cache is not None:
+            with torch.inference_mode():
+                self.cache.swap(so.blocks_to_swap_out, so.blocks_to_swap_in)  # before the forward: its contract
+        return self.runner.execute_model(so)
 
     def check_health(self) -> bool:
         return self.runner is not None

@@ -46,7 +46,7 @@ class EngineStatsCollector(Collector):
                               labels=["model_name"]),
             CounterMetricFamily("vllm:prefix_cache_queries", "Prefix-cache queries.", labels=["model_name"]),
             CounterMetricFamily("vllm:prefix_cache_hits", "Prefix-cache hits.", labels=["model_name"]),
-            CounterMetricFamily("vllm:num_preemptions", "Preemptions (recompute) since start.",
+            CounterMetricFamily("vllm:num_preemptions", "Preemptions (recompute or swap) since start.",
                                 labels=["model_name"]),
             CounterMetricFamily("raylm:engine_steps", "Engine steps (schedule, execute, update) since start.",
                                 labels=["model_name"]),
@@ -55,7 +55,29 @@ class EngineStatsCollector(Collector):
                   s.num_preemptions, s.num_steps)
         for family, value in zip(families, values):
             family.add_metric([self.model_name], value)
-        return families
+        return families + host_tier_families(s, self.model_name)
+
+
+def host_tier_families(s: SchedulerStats, model_name: str) -> list[Metric]:
+    """The KV cache's host tier: vLLM v0's names where it had them (swapped requests, CPU cache usage), its
+    prefix-cache counter's name with v0's ``cpu_`` for hits served from the host, raylm's for block copies."""
+    families = [
+        GaugeMetricFamily("vllm:num_requests_swapped", "Requests preempted by swap, their KV in host memory.",
+                          labels=["model_name"]),
+        GaugeMetricFamily("vllm:cpu_cache_usage_perc", "Host-tier KV-cache usage: 1 means every block is in use.",
+                          labels=["model_name"]),
+        CounterMetricFamily("vllm:cpu_prefix_cache_hits", "Prefix-cache hits (tokens) served from the host tier.",
+                            labels=["model_name"]),
+        CounterMetricFamily("raylm:kv_blocks_swapped_out", "KV blocks copied from the device to the host tier.",
+                            labels=["model_name"]),
+        CounterMetricFamily("raylm:kv_blocks_swapped_in", "KV blocks copied from the host tier to the device.",
+                            labels=["model_name"]),
+    ]
+    values = (s.num_swapped, s.host_cache_usage, s.host_prefix_cache_hits, s.num_blocks_swapped_out,
+              s.num_blocks_swapped_in)
+    for family, value in zip(families, values):
+        family.add_metric([model_name], value)
+    return families
 
 
 class ServeMetrics:

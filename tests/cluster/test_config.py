@@ -24,6 +24,24 @@ def test_unset_block_size_is_flash_attns_page_where_it_serves(cuda_with_flash_at
     assert EngineConfig().worker_config("m", 64).block_size == EngineConfig().scheduler_config(9, 64).block_size
 
 
+@pytest.mark.parametrize("value, message", [
+    (-1, "greater than or equal to 0"), ("lots", "valid integer"), (1.5, "valid integer"),
+    (1 << 60, r"is more than this host can give: \d+ bytes of memory are available"),
+])
+def test_bad_swap_space_is_refused_naming_the_field(value, message):
+    with pytest.raises(ValueError, match=message) as e:
+        EngineConfig(swap_space_bytes=value)
+    assert "swap_space_bytes" in str(e.value)
+
+
+def test_swap_preemption_needs_a_host_tier():
+    with pytest.raises(ValueError, match="preemption_mode='swap' needs a host tier"):
+        EngineConfig(preemption_mode="swap")
+    config = EngineConfig(device="cpu", swap_space_bytes=1 << 20, preemption_mode="swap")
+    assert config.worker_config("m", 64).swap_space_bytes == 1 << 20
+    assert config.scheduler_config(9, 64, num_host_blocks=4).preemption_mode == "swap"
+
+
 def test_unset_block_size_on_cpu_is_16_and_dtype_auto_passes_to_the_ranks():
     config = EngineConfig(device="cpu")
     assert config.block_size == 16 and config.worker_config("m", 64).dtype == "auto"

@@ -116,6 +116,35 @@ def test_greedy_matches_transformers_under_preemption(smol, default_model_dir):
     assert llm.engine.stats().num_preemptions > 0
 
 
+def test_greedy_matches_transformers_under_swap_preemption_without_recomputing(smol, default_model_dir):
+    _, ids, expected = smol
+    block_bytes = ray.get(smol[0].engine.workers[0].call.remote("block_bytes"))
+    llm = LLM(model=default_model_dir, executor="inprocess", kv_cache_bytes=block_bytes * 24,
+              swap_space_bytes=block_bytes * 64, preemption_mode="swap", enable_prefix_caching=False)
+    computed = []
+    schedule = llm.engine.scheduler.schedule
+    llm.engine.scheduler.schedule = lambda: computed.append((so := schedule()).total_num_scheduled_tokens) or so
+    assert_same(llm.generate(ids, greedy(), use_tqdm=False), expected)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.num_blocks_swapped_in > 0 and stats.num_swapped == 0
+    # Each token's KV was computed once: a swapped request went on from where it stopped.
+    assert sum(computed) == sum(len(p) + len(out) - 1 for p, out in zip(ids, expected))
+
+
+def test_greedy_matches_transformers_with_prefix_hits_from_the_host_tier(smol, default_model_dir):
+    _, ids, expected = smol
+    block_bytes = ray.get(smol[0].engine.workers[0].call.remote("block_bytes"))
+    llm = LLM(model=default_model_dir, executor="inprocess", kv_cache_bytes=block_bytes * 24,
+              swap_space_bytes=block_bytes * 128, max_num_seqs=2)
+    assert_same(llm.generate(ids, greedy(), use_tqdm=False), expected)
+    before = llm.engine.stats()
+    # Again: the later prompts pushed the earlier ones' blocks out of the device pool, into the host tier.
+    assert_same(llm.generate(ids, greedy(), use_tqdm=False), expected)
+    after = llm.engine.stats()
+    assert after.host_prefix_cache_hits > before.host_prefix_cache_hits
+    assert after.num_blocks_swapped_in > before.num_blocks_swapped_in
+
+
 @pytest.mark.parametrize("model_type, extra", [("qwen2", {}), ("qwen3", {"head_dim": 16}), ("llama", {})])
 def test_tiny_random_models_match_transformers(tiny_model_dir, model_type, extra):
     path = tiny_model_dir(model_type, **extra)

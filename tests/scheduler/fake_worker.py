@@ -1,8 +1,11 @@
 """A worker without a model: rebuilds request state from SchedulerOutput diffs alone and checks it.
 
-It keeps a fake KV cache (the token id written at each slot) so that any
-prefix-cache hit whose blocks do not hold exactly the request's tokens, or a
-block overwritten while another request still reads it, fails loudly.
+It keeps a fake KV cache (the token id written at each slot), and a fake host
+tier the step's swaps copy whole blocks to and from (out, then in, then the
+step's writes, as the real workers do), so that any prefix-cache hit whose
+blocks do not hold exactly the request's tokens, a swap that brings back the
+wrong content, or a block overwritten while another request still reads it,
+fails loudly.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ class FakeState:
 
 class FakeWorker:
     def __init__(self, block_size: int, num_blocks: int, vocab_size: int = 1000, eos_token_id: int | None = None,
-                 eos_every: int = 0) -> None:
+                 eos_every: int = 0, num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.host: list[list[int | None]] = [[None] * block_size for _ in range(num_host_blocks)]
         self.states: dict[str, FakeState] = {}
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -40,6 +44,14 @@ class FakeWorker:
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.steps += 1
+        assert len({h for _, h in so.blocks_to_swap_out}) == len(so.blocks_to_swap_out), "two copies to a host block"
+        assert len({d for _, d in so.blocks_to_swap_in}) == len(so.blocks_to_swap_in), "two copies to a device block"
+        out = [(h, list(self.kv[d])) for d, h in so.blocks_to_swap_out]
+        for h, content in out:
+            self.host[h] = content
+        into = [(d, list(self.host[h])) for h, d in so.blocks_to_swap_in]
+        for d, content in into:
+            self.kv[d] = content
         for rid in so.finished_req_ids:
             del self.states[rid]
         for rid in so.preempted_req_ids:

@@ -1,8 +1,11 @@
-"""Random add / schedule / fake-output / abort histories must never corrupt the block pool.
+"""Random add / schedule / fake-output / abort histories must never corrupt the block pools.
 
 Adds and aborts also land between ``schedule()`` and ``update_from_output()``,
 as they do in the Ray actor while the workers run a step; some requests can
-never fit, and some reuse an id that may still be live.
+never fit, and some reuse an id that may still be live. With a host tier,
+preemption swaps (mode swap or auto), evicted hashed blocks move to the host,
+and prefix hits come back from it: both pools keep their invariants, and the
+fake worker's copies show every hashed block holds exactly its tokens.
 """
 
 from collections import Counter
@@ -12,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scheduler import RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from scheduler.block_pool import BlockPool
 from tests.scheduler.fake_worker import FakeWorker
 
 BLOCK = 4
@@ -30,8 +34,7 @@ steps = st.tuples(st.just("step"), st.lists(st.one_of(adds, aborts), max_size=2)
 ops = st.one_of(adds, adds, aborts, steps, steps)
 
 
-def check_invariants(sched: Scheduler) -> None:
-    pool = sched.kv.block_pool
+def check_pool(pool: BlockPool) -> None:
     free = {b.block_id for b in pool.free_queue}
     assert 0 not in free
     for b in pool.blocks[1:]:
@@ -45,6 +48,23 @@ def check_invariants(sched: Scheduler) -> None:
         assert blocks
         for block_id, blk in blocks.items():
             assert blk.block_hash == h and pool.blocks[block_id] is blk
+
+
+def check_invariants(sched: Scheduler) -> None:
+    kv = sched.kv
+    pool = kv.block_pool
+    check_pool(pool)
+    assert not kv.held and not kv.blocks_to_swap_out and not kv.blocks_to_swap_in  # a step's copies all went out with it
+    host_refs = Counter(b.block_id for blocks in kv.req_to_host_blocks.values() for b in blocks)
+    if kv.host_pool is not None:
+        check_pool(kv.host_pool)
+        for b in kv.host_pool.blocks[1:]:
+            assert b.ref_cnt == host_refs[b.block_id], b
+    assert not {r for r, b in kv.req_to_blocks.items() if b} & set(kv.req_to_host_blocks)  # one tier per request
+    assert {r.request_id for r in sched.swapped} == set(kv.req_to_host_blocks)
+    for r in sched.swapped:
+        assert r.status == RequestStatus.PREEMPTED and r.request_id not in sched.waiting.members
+        assert 0 < r.num_computed_tokens <= len(kv.req_to_host_blocks[r.request_id]) * BLOCK
     refs = Counter()
     for rid, blocks in sched.kv.req_to_blocks.items():
         for b in blocks:
@@ -61,15 +81,36 @@ def check_invariants(sched: Scheduler) -> None:
             assert r.request_id not in sched.kv.req_to_blocks or not sched.kv.req_to_blocks[r.request_id]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def check_contents(sched: Scheduler, worker: FakeWorker, block_tokens: dict) -> None:
+    """Every hashed block, in either tier, holds exactly the tokens its hash names (after the step's copies)."""
+    for r in sched.requests.values():
+        for i, h in enumerate(r.block_hashes):
+            block_tokens[h] = r.all_token_ids[i * BLOCK:(i + 1) * BLOCK]
+    tiers = [(sched.kv.block_pool, worker.kv), (sched.kv.host_pool, worker.host)]
+    for pool, content in tiers:
+        for b in pool.blocks[1:] if pool is not None else ():
+            if b.block_hash is not None:
+                assert content[b.block_id] == block_tokens[b.block_hash], (pool is sched.kv.host_pool, b)
+
+
+# host tier: (host blocks, preemption mode, swap cost per block); the first is today's engine
+tiers = st.sampled_from([(0, "auto", 1.0), (0, "recompute", 1.0), (6, "swap", 1.0), (24, "swap", 1.0),
+                         (24, "auto", 0.5), (24, "auto", 3.0), (24, "recompute", 1.0)])
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(history=st.lists(ops, min_size=15, max_size=60), policy=st.sampled_from(["fcfs", "priority"]),
-       caching=st.booleans(), threshold=st.sampled_from([0, 5]))
-def test_random_histories_keep_the_pool_consistent(history, policy, caching, threshold):
+       caching=st.booleans(), threshold=st.sampled_from([0, 5]), tier=tiers)
+def test_random_histories_keep_the_pool_consistent(history, policy, caching, threshold, tier):
+    num_host_blocks, mode, swap_cost = tier
     cfg = SchedulerConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK, max_model_len=MAX_MODEL_LEN, max_num_seqs=6,
                           max_num_batched_tokens=24, long_prefill_token_threshold=threshold,
-                          enable_prefix_caching=caching, policy=policy)
+                          enable_prefix_caching=caching, policy=policy, num_host_blocks=num_host_blocks,
+                          preemption_mode=mode, swap_cost_per_block=swap_cost)
     sched = Scheduler(cfg, eos_token_id=EOS)
-    worker = FakeWorker(BLOCK, NUM_BLOCKS, vocab_size=50, eos_token_id=EOS, eos_every=11)
+    worker = FakeWorker(BLOCK, NUM_BLOCKS, vocab_size=50, eos_token_id=EOS, eos_every=11,
+                        num_host_blocks=num_host_blocks)
+    block_tokens: dict = {}
     prefixes = [[7] * 8, [9] * 8, [7] * 4 + [9] * 4, []]
     n_added = 0
     live: dict[str, set[int]] = {}  # caller id -> indexes of its samples not yet finished
@@ -129,6 +170,7 @@ def test_random_histories_keep_the_pool_consistent(history, policy, caching, thr
         else:
             apply(op)
         check_invariants(sched)
+        check_contents(sched, worker, block_tokens)
 
     for _ in range(500):
         if not sched.has_unfinished_requests():
@@ -136,9 +178,12 @@ def test_random_histories_keep_the_pool_consistent(history, policy, caching, thr
         so = sched.schedule()
         note(sched.update_from_output(so, worker.execute(so)))
         check_invariants(sched)
+        check_contents(sched, worker, block_tokens)
     assert not sched.has_unfinished_requests() and live == {} and sched.children == {}
     assert all(b.ref_cnt == 0 for b in sched.kv.block_pool.blocks)
-    assert sched.kv.req_to_blocks == {}
+    assert sched.kv.req_to_blocks == {} and sched.kv.req_to_host_blocks == {} and sched.swapped == []
+    if sched.kv.host_pool is not None:
+        assert all(b.ref_cnt == 0 for b in sched.kv.host_pool.blocks)
     so = sched.schedule()
     worker.execute(so)
     assert worker.states == {}  # every request the workers held was reported finished

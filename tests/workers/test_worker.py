@@ -95,3 +95,10 @@ def test_profile_runs_the_sampler_at_full_width_with_every_feature(tiny_model_di
     assert not (md.all_greedy or md.no_penalties or md.no_top_k or md.no_top_p or md.no_min_p)
     assert md.max_num_logprobs == 20 and md.generators
     assert md.penalties.output_counts.shape == (96, worker.spec.vocab_size)
+
+
+def test_a_rank_refuses_a_host_tier_its_host_cannot_give_before_loading_the_model():
+    worker = Worker(WorkerConfig(model="/not/loaded", device="cpu", swap_space_bytes=1 << 60), rank=1)
+    with pytest.raises(ValueError, match=r"swap_space_bytes=\d+ is more than rank 1's host can give: \d+ bytes"):
+        worker.init_device()
+    assert worker.model is None

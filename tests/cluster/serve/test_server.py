@@ -414,7 +414,9 @@ def test_tokenize_round_trip(url):
 # ---- metrics and autoscaling ---------------------------------------------------------------------
 
 ENGINE_METRICS = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total"]
+                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                  "vllm:num_requests_swapped", "vllm:cpu_cache_usage_perc", "vllm:cpu_prefix_cache_hits_total",
+                  "raylm:kv_blocks_swapped_out_total", "raylm:kv_blocks_swapped_in_total"]
 HISTOGRAMS = ["vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds",
               "vllm:e2e_request_latency_seconds"]
 

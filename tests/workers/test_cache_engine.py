@@ -1,0 +1,42 @@
+"""The CacheEngine's host tier: whole blocks, every layer, copied out and back bit for bit, in the step's order."""
+
+import pytest
+import torch
+
+from workers.cache_engine import CacheEngine, check_swap_space, host_memory_available
+
+
+def engine(num_host_blocks=6, dtype=torch.bfloat16) -> CacheEngine:
+    cache = CacheEngine(num_layers=3, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype,
+                        device=torch.device("cpu"), num_host_blocks=num_host_blocks)
+    cache.kv_cache.copy_(torch.randn(cache.kv_cache.shape).to(dtype))
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_bytes_identical_after_a_round_trip(dtype):
+    cache = engine(dtype=dtype)
+    original = cache.kv_cache.clone()
+    cache.swap([(3, 1), (5, 4), (6, 2)], [])
+    assert cache.host_cache.shape == (2, 3, 6, 4, 2, 8) and cache.host_cache.dtype == dtype
+    cache.kv_cache.zero_()
+    cache.swap([], [(4, 2), (1, 7), (2, 3)])  # back into other device blocks
+    for dev, orig in ((2, 5), (7, 3), (3, 6)):
+        assert torch.equal(cache.kv_cache[:, :, dev].view(torch.uint8), original[:, :, orig].view(torch.uint8))
+    assert not cache.kv_cache[:, :, [0, 1, 4, 5, 6]].any()  # nothing else was written
+
+
+def test_swap_out_reads_a_block_before_the_same_steps_swap_in_overwrites_it():
+    cache = engine()
+    original = cache.kv_cache.clone()
+    # Block 3 leaves for host block 1 while host block 2's content (from an earlier step) arrives in it.
+    cache.swap([(5, 2)], [])
+    cache.swap([(3, 1)], [(2, 3)])
+    assert torch.equal(cache.host_cache[:, :, 1], original[:, :, 3])
+    assert torch.equal(cache.kv_cache[:, :, 3], original[:, :, 5])
+
+
+def test_swap_space_larger_than_the_host_is_refused_naming_the_memory():
+    check_swap_space(1 << 20)
+    with pytest.raises(ValueError, match=r"swap_space_bytes=\d+ is more than this host can give: \d+ bytes"):
+        check_swap_space(host_memory_available() * 2)
