@@ -72,7 +72,7 @@ class EngineConfig(BaseModel):
             max_num_batched_tokens=self.max_num_batched_tokens, tensor_parallel_size=self.tensor_parallel_size,
             kv_cache_bytes=self.kv_cache_bytes, gpu_memory_utilization=self.gpu_memory_utilization,
             attention_backend=self.attention_backend, num_threads=self.num_threads, enforce_eager=self.enforce_eager,
-            no_work=self.no_work_model)
+            no_work=self.no_work_model, tokenizer=self.tokenizer)
 
     def scheduler_config(self, num_blocks: int, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(

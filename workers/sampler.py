@@ -16,6 +16,7 @@ from torch import Tensor
 
 from scheduler.outputs import SampledLogprobs
 from scheduler.request import SamplingParams
+from workers.structured_output import apply_bitmask
 
 
 @dataclass(slots=True)
@@ -56,6 +57,11 @@ class SamplingMetadata:
       stream does not depend on which steps it shared with whom.
     - ``banned`` is (row ids, token ids) set to -inf while a row has fewer
       than ``min_tokens`` outputs: its EOS and stop ids.
+    - ``bias`` is (row ids, token ids, values) added for ``logit_bias``;
+      ``allowed`` is (row ids, [rows, V] bool) for rows with ``allowed_token_ids``;
+      ``grammar`` is (row ids, [rows, ceil(V / 32)] int32 bitmasks) for rows with
+      a structured-output constraint, set by the runner after it has queued the
+      forward (the masks are filled on the host while the device computes).
     """
 
     temperature: Tensor | None  # [S] fp32; None iff all rows are greedy
@@ -69,6 +75,9 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]
     num_logprobs: list[int | None]
     max_num_logprobs: int | None
+    bias: tuple[Tensor, Tensor, Tensor] | None = None
+    allowed: tuple[Tensor, Tensor] | None = None
+    grammar: tuple[Tensor, Tensor] | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -135,6 +144,8 @@ class SamplingMetadata:
             generators={i: gen for i, gen in enumerate(generators) if gen is not None and not greedy[i]},
             num_logprobs=logprobs,
             max_num_logprobs=max(asked) if asked else None,
+            bias=_build_bias(params, vocab_size, device),
+            allowed=_build_allowed(params, vocab_size, device),
         )
 
 
@@ -215,6 +226,28 @@ def _build_banned(
     return _to_device(rows, torch.int64, device), _to_device(tokens, torch.int64, device)
 
 
+def _build_bias(params: list[SamplingParams], vocab_size: int,
+                device: torch.device | str) -> tuple[Tensor, Tensor, Tensor] | None:
+    entries = [(i, t, v) for i, p in enumerate(params) if p.logit_bias
+               for t, v in p.logit_bias.items() if t < vocab_size]
+    if not entries:
+        return None
+    rows, tokens, values = zip(*entries)
+    return (_to_device(rows, torch.int64, device), _to_device(tokens, torch.int64, device),
+            _to_device(values, torch.float32, device))
+
+
+def _build_allowed(params: list[SamplingParams], vocab_size: int,
+                   device: torch.device | str) -> tuple[Tensor, Tensor] | None:
+    rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not rows:
+        return None
+    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
+    for j, i in enumerate(rows):
+        mask[j, [t for t in params[i].allowed_token_ids if t < vocab_size]] = True
+    return _to_device(rows, torch.int64, device), mask.to(device, non_blocking=True)
+
+
 class Sampler:
     """Picks one token per row of a [S, V] fp32 logits batch.
 
@@ -242,6 +275,14 @@ class Sampler:
 
     def process_logits(self, logits: Tensor, md: SamplingMetadata) -> Tensor:
         """The logits random rows sample from (greedy rows: the logits they argmax)."""
+        if md.allowed is not None:
+            rows, mask = md.allowed
+            logits[rows] = logits[rows].masked_fill(~mask, float("-inf"))
+        if md.bias is not None:
+            rows, tokens, values = md.bias
+            logits.index_put_((rows, tokens), values, accumulate=True)
+        if md.grammar is not None:
+            apply_bitmask(logits, *md.grammar)
         if md.banned is not None:
             logits[md.banned] = float("-inf")
         if md.penalties is not None:
