@@ -79,11 +79,11 @@ class InProcessEngine:
                                    eos_token_id=self.spec.eos_token_id)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> list[RequestOutput]:
+                    priority: int = 0, cache_salt: str | None = None) -> list[RequestOutput]:
         check_prompt(prompt_token_ids, self.spec.vocab_size, self.max_model_len)
         check_params(params, self.spec.vocab_size)
         return self.scheduler.add_request(request_id, prompt_token_ids, stop_token_ids(params, self.spec),
-                                          priority=priority, arrival_time=time.monotonic())
+                                          priority=priority, arrival_time=time.monotonic(), cache_salt=cache_salt)
 
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()

@@ -343,9 +343,10 @@ class RayEngine:
     # ---- synchronous interface (InProcessEngine's) --------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> list[RequestOutput]:
+                    priority: int = 0, cache_salt: str | None = None) -> list[RequestOutput]:
         params = self._vet(prompt_token_ids, params)
-        finals = ray.get(self.actor.add_request.remote(request_id, list(prompt_token_ids), params, priority))
+        finals = ray.get(self.actor.add_request.remote(request_id, list(prompt_token_ids), params, priority,
+                                                       "sync", cache_salt))
         if len(finals) < params.n:
             self._unfinished[request_id] = params.n - len(finals)
         return finals
@@ -388,7 +389,7 @@ class RayEngine:
     # ---- async interface (the Serve app's) ---------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """The request's deltas as they come; leaving the loop early (or being cancelled) aborts it.
 
         Every generate of this engine shares one channel: a single pump fetches each step's deltas for all
@@ -401,7 +402,7 @@ class RayEngine:
         try:
             self._ensure_pump()
             finals = await self.actor.add_request.remote(request_id, list(prompt_token_ids), params, priority,
-                                                        self._channel)
+                                                        self._channel, cache_salt)
             for out in finals:
                 remaining -= 1
                 yield out

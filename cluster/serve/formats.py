@@ -23,7 +23,9 @@ def _token_str(tokenizer, token_id: int) -> str:
 
 @dataclass(slots=True)
 class CompletionFormat:
-    """Builds /v1/completions chunks and responses; ``offsets`` keeps each choice's logprob text_offset."""
+    """Builds /v1/completions chunks and responses; ``offsets`` keeps each choice's logprob text_offset.
+    ``echo`` (the prompt's text, for ``echo=true``) leads each choice's first chunk; ``echoed`` holds
+    the choices that have had it."""
 
     tokenizer: Any
     id: str
@@ -31,6 +33,14 @@ class CompletionFormat:
     num_logprobs: int | None
     offsets: dict[int, int] = field(default_factory=dict)
     created: int = field(default_factory=now)
+    echo: str = ""
+    echoed: set[int] = field(default_factory=set)
+
+    def _text(self, p: Piece) -> str:
+        if not self.echo or p.index in self.echoed:
+            return p.text
+        self.echoed.add(p.index)
+        return self.echo + p.text
 
     def opening(self, n: int, usage: bool) -> list[BaseModel]:
         return []
@@ -54,7 +64,7 @@ class CompletionFormat:
         return out
 
     def chunk(self, pieces: list[Piece], usage: bool) -> BaseModel:
-        choices = [CompletionChoice(index=p.index, text=p.text, logprobs=self.logprobs(p),
+        choices = [CompletionChoice(index=p.index, text=self._text(p), logprobs=self.logprobs(p),
                                     finish_reason=p.finish_reason) for p in pieces]
         return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
                                **({"usage": None} if usage else {}))
@@ -63,7 +73,7 @@ class CompletionFormat:
         return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
 
     def response(self, gen: Generation, texts: list[str], logprobs: list[list[BaseModel]]) -> BaseModel:
-        choices = [CompletionChoice(index=i, text=t, finish_reason=s.finish_reason,
+        choices = [CompletionChoice(index=i, text=self.echo + t, finish_reason=s.finish_reason,
                                     logprobs=_merge_completion_logprobs(lps) if self.num_logprobs is not None
                                     else None)
                    for i, (s, t, lps) in enumerate(zip(gen.samples, texts, logprobs))]

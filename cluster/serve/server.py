@@ -138,9 +138,9 @@ class LLMServer:
         return await Generation(self.engine, self.tokenizer, self.metrics, prompt_ids, params, req).start()
 
     async def _run(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int, num_logprobs: int | None,
-                   fmt_type: Callable[..., Format], prefix: str) -> Response:
+                   fmt_type: Callable[..., Format], prefix: str, **fmt_fields: Any) -> Response:
         gen = await self._generation(req, prompt_ids, max_tokens, num_logprobs)
-        fmt = fmt_type(self.tokenizer, new_id(prefix), self.model_name, num_logprobs)
+        fmt = fmt_type(self.tokenizer, new_id(prefix), self.model_name, num_logprobs, **fmt_fields)
         if req.stream:
             return StreamingResponse(stream_sse(gen, fmt, req.include_usage), media_type="text/event-stream")
         return json_response(await collect(gen, fmt))
@@ -151,9 +151,11 @@ class LLMServer:
     async def completions(self, request: Request) -> Response:
         req = parse(CompletionRequest, await self._body(request))
         self._check_model(req.model)
-        ids = self._prompt_ids(req.single_prompt())
+        prompt = req.single_prompt()
+        ids = self._prompt_ids(prompt)
         max_tokens = self._max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt")
-        return await self._run(req, ids, max_tokens, req.logprobs, CompletionFormat, "cmpl")
+        echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)) if req.echo else ""
+        return await self._run(req, ids, max_tokens, req.logprobs, CompletionFormat, "cmpl", echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
