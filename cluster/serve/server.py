@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response, StreamingResponse
 from google.protobuf.json_format import MessageToDict
 from ray import serve
@@ -32,12 +33,22 @@ from cluster.serve.metrics import CONTENT_TYPE, ServeMetrics
 from cluster.serve.options import AppArgs
 from cluster.serve.protocol import (
     APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
-    ModelCard, ModelList, SamplingFields, TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse,
+    ModelCard, ModelList, SamplingFields, openapi_request_bodies, TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse,
     bad_request, new_id, now, parse,
 )
 
 
 app = FastAPI(title="raylm", description="OpenAI-compatible LLM serving on Ray")
+
+
+def _openapi() -> dict[str, Any]:
+    if app.openapi_schema is None:
+        app.openapi_schema = openapi_request_bodies(get_openapi(title=app.title, version=app.version,
+                                                                description=app.description, routes=app.routes))
+    return app.openapi_schema
+
+
+app.openapi = _openapi
 
 
 @app.exception_handler(APIError)
