@@ -60,7 +60,8 @@ class SamplingParams:
 
     ``logit_bias`` adds its value (in [-100, 100], OpenAI's range) to each
     listed token's logit; ``allowed_token_ids`` restricts sampling to those
-    ids; ``structured_outputs`` restricts it to what keeps the output inside a
+    ids; ``bad_words_token_ids`` are token sequences never completed (the
+    serving layer tokenizes vLLM's ``bad_words``); ``structured_outputs`` restricts it to what keeps the output inside a
     grammar. All three act on the processed logits, so logprobs still
     describe the model's own distribution.
     """
@@ -81,6 +82,7 @@ class SamplingParams:
     logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -117,6 +119,10 @@ class SamplingParams:
         _check(allowed is None or isinstance(allowed, (list, tuple)) and len(allowed) > 0
                and all(_is_int(t) and t >= 0 for t in allowed), "allowed_token_ids", allowed,
                "must be a non-empty list of non-negative integers")
+        bad = self.bad_words_token_ids
+        _check(bad is None or isinstance(bad, (list, tuple)) and all(
+            isinstance(w, (list, tuple)) and w and all(_is_int(t) and t >= 0 for t in w) for w in bad),
+            "bad_words_token_ids", bad, "must be a list of non-empty token id lists")
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams")
 

@@ -278,7 +278,8 @@ class ModelRunner:
             all_rows = torch.tensor([s.row for s in states]).to(self.device, non_blocking=True)
             penalties = self.penalty_state.penalties(params, all_rows)
         md = SamplingMetadata.build(params, [s.generator for s in states], [len(s.output_token_ids) for s in states],
-                                    self.eos_token_id, self.vocab_size, self.device, penalties)
+                                    self.eos_token_id, self.vocab_size, self.device, penalties,
+                                    [s.output_token_ids for s in states])
         return md, index, rows
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:

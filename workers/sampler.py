@@ -55,8 +55,9 @@ class SamplingMetadata:
     - ``generators`` maps random rows that have a seed to their own generator
       (on the sampling device); greedy rows draw nothing, so a seeded request's
       stream does not depend on which steps it shared with whom.
-    - ``banned`` is (row ids, token ids) set to -inf while a row has fewer
-      than ``min_tokens`` outputs: its EOS and stop ids.
+    - ``banned`` is (row ids, token ids) set to -inf: while a row has fewer
+      than ``min_tokens`` outputs, its EOS and stop ids; and the last token of
+      each bad word whose other tokens end the row's output.
     - ``bias`` is (row ids, token ids, values) added for ``logit_bias``;
       ``allowed`` is (row ids, [rows, V] bool) for rows with ``allowed_token_ids``;
       ``grammar`` is (row ids, [rows, ceil(V / 32)] int32 bitmasks) for rows with
@@ -113,9 +114,11 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device | str,
         penalties: Penalties | None = None,
+        outputs: list[list[int]] | None = None,
     ) -> SamplingMetadata:
         """`num_outputs[i]`: tokens row i's request has generated (for min_tokens); `penalties` from
-        `PenaltyState.penalties`, None when no row has any."""
+        `PenaltyState.penalties`, None when no row has any; `outputs[i]`: those tokens (for bad words; only
+        rows with bad words are read)."""
         greedy = [p.greedy for p in params]
         rand = [p for p, g in zip(params, greedy) if not g]
 
@@ -140,7 +143,7 @@ class SamplingMetadata:
             top_p=fp32_if_used("top_p", 1.0),
             min_p=fp32_if_used("min_p", 0.0),
             penalties=penalties,
-            banned=_build_banned(params, num_outputs, eos_token_id, vocab_size, device),
+            banned=_build_banned(params, num_outputs, eos_token_id, vocab_size, device, outputs),
             generators={i: gen for i, gen in enumerate(generators) if gen is not None and not greedy[i]},
             num_logprobs=logprobs,
             max_num_logprobs=max(asked) if asked else None,
@@ -209,10 +212,19 @@ def _build_banned(
     eos_token_id: int | None,
     vocab_size: int,
     device: torch.device | str,
+    outputs: list[list[int]] | None = None,
 ) -> tuple[Tensor, Tensor] | None:
     rows: list[int] = []
     tokens: list[int] = []
     for i, (p, n) in enumerate(zip(params, num_outputs)):
+        if p.bad_words_token_ids:
+            # vLLM's rule: a bad word's last token is banned when the output ends with the rest of it.
+            out = outputs[i] if outputs is not None else []
+            ids = {w[-1] for w in p.bad_words_token_ids
+                   if len(w) == 1 or len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] == w[:-1]}
+            ids = [t for t in ids if t < vocab_size]
+            rows += [i] * len(ids)
+            tokens += ids
         if n >= p.min_tokens:
             continue
         # EOS is banned even with ignore_eos: min_tokens promises that many real tokens.

@@ -4,11 +4,13 @@ stop_token_ids, priority, /tokenize, /detokenize) take vLLM's names and shapes."
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+from pydantic.json_schema import models_json_schema
 
 from scheduler import SamplingParams, StructuredOutputsParams
 from workers.structured_output import compile_grammar
@@ -156,6 +158,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     include_stop_str_in_output: bool = False
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
     logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
     response_format: ResponseFormat | None = None
@@ -212,9 +215,19 @@ class SamplingFields(BaseModel):
             raise bad_request(f"best_of={self.best_of}: only best_of equal to n={self.n} is supported "
                               f"(this server does not rank samples)", "best_of")
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        tool_constraint: StructuredOutputsParams | None = None,
+                        bad_words_token_ids: list[list[int]] | None = None) -> SamplingParams:
+        """``tool_constraint``: the grammar a forced tool_choice imposes (the server builds it from tools);
+        ``bad_words_token_ids``: ``bad_words`` tokenized (by the server, which holds the tokenizer)."""
         self.check_policy()
         constraint = self.constraint()
+        if tool_constraint is not None:
+            if constraint is not None:
+                raise bad_request("tool_choice forces a tool call, which response_format or structured_outputs "
+                                  "would constrain as well; send one", "tool_choice")
+            compile_grammar(tool_constraint)  # built from tools' parameters: each was checked by the client's schema
+            constraint = tool_constraint
         try:
             return SamplingParams(
                 temperature=self.temperature, top_p=self.top_p, top_k=-1 if self.top_k == 0 else self.top_k,
@@ -222,7 +235,8 @@ class SamplingFields(BaseModel):
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
                 max_tokens=max_tokens, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids or [],
                 ignore_eos=self.ignore_eos, n=self.n, logprobs=logprobs, logit_bias=self.logit_bias,
-                allowed_token_ids=self.allowed_token_ids, structured_outputs=constraint)
+                allowed_token_ids=self.allowed_token_ids, structured_outputs=constraint,
+                bad_words_token_ids=bad_words_token_ids)
         except ValueError as e:  # "name=value is invalid: rule"
             raise bad_request(str(e), str(e).split("=", 1)[0]) from None
 
@@ -256,25 +270,82 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # calls forced by tool_choice always follow parameters; auto ones are parsed as given
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
-    """A message of the history; fields it does not honour (tool calls, ...) are refused, not dropped."""
+    """A message of the history; fields it does not honour are refused, not dropped."""
 
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
-    def template_dict(self) -> dict[str, str]:
-        """What chat templates expect: the content as one string."""
+    def template_dict(self, native_tools: bool = False) -> dict[str, Any]:
+        """What chat templates expect: the content as one string. Earlier tool calls go as the template's
+        ``tool_calls`` (arguments as objects) when it renders tools, else as Hermes text in the content."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": self.role, "content": content} | ({"name": self.name} if self.name else {})
+        out: dict[str, Any] = {"role": self.role, "content": content} | ({"name": self.name} if self.name else {})
+        calls = [{"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}
+                 for c in self.tool_calls or []]
+        if calls and native_tools:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": f}
+                                 for c, f in zip(self.tool_calls, calls)]
+        elif calls:
+            out["content"] = "\n".join([content] * bool(content) + [
+                f"<tool_call>\n{json.dumps(f)}\n</tool_call>" for f in calls])
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _json_or_text(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
 
 
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions. ``max_completion_tokens`` is the newer name for ``max_tokens``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -290,6 +361,22 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
+
+def openapi_request_bodies(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` (FastAPI's OpenAPI document) with each route's request body schema: the routes read their
+    bodies themselves (to name the bad parameter), so FastAPI cannot see them. The schemas are the request
+    models', so /openapi.json states exactly the field policy that ``parse`` enforces."""
+    _, defs = models_json_schema([(m, "validation") for m in REQUEST_BODIES.values()],
+                                 ref_template="#/components/schemas/{model}")
+    spec.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+    for path, model in REQUEST_BODIES.items():
+        spec["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    return spec
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -380,7 +467,30 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class StreamedFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer
+    def _drop_unset(self) -> dict[str, str]:
+        return {k: v for k, v in (("name", self.name), ("arguments", self.arguments)) if v is not None}
+
+
+class StreamedToolCall(BaseModel):
+    """A chat stream's tool call delta: the first for a call carries its id and name, later ones arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: StreamedFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -404,10 +514,11 @@ class Delta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[StreamedToolCall] | None = None
 
-    @model_serializer
-    def _drop_unset(self) -> dict[str, str]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatStreamChoice(BaseModel):

@@ -250,8 +250,8 @@ CONSTRAINED_SCHEMA = {"type": "object", "properties": {
 
 
 def constrained(max_tokens=64, **kw):
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                          structured_outputs=StructuredOutputsParams(json=CONSTRAINED_SCHEMA), **kw)
+    return SamplingParams(max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(json=CONSTRAINED_SCHEMA),
+                          **{"temperature": 0.0} | kw)
 
 
 def test_structured_output_under_preemption_and_chunked_prefill_equals_unpreempted(smol, default_model_dir):

@@ -315,3 +315,11 @@ def test_a_grammar_bitmask_leaves_only_its_tokens():
     apply_bitmask(logits, torch.tensor([1]), bitmask)
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [0, 5, 31, 33]
     assert torch.isfinite(logits[[0, 2]]).all()
+
+
+def test_bad_words_ban_the_token_that_would_complete_them():
+    params = [SamplingParams(temperature=0, bad_words_token_ids=[[0], [4, 5, 1]])] * 3
+    outputs = [[], [4], [7, 4, 5]]  # row 2 has written all of [4, 5, 1] but its last token
+    md = SamplingMetadata.build(params, [None] * 3, [len(o) for o in outputs], None, V, "cpu", None, outputs)
+    logits = Sampler().process_logits(LOGITS.repeat(3, 1), md)
+    assert [torch.isinf(row).nonzero().flatten().tolist() for row in logits] == [[0], [0], [0, 1]]

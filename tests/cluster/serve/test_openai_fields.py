@@ -150,6 +150,12 @@ def test_logit_bias_and_allowed_token_ids(client, url):
     assert out.choices[0].text == " x" * 4
 
 
+def test_bad_words_are_never_completed(client):
+    kw = dict(model=MODEL, prompt="1, 2, 3,", max_tokens=4, temperature=0)
+    assert client.completions.create(**kw).choices[0].text.startswith(" 4")
+    assert "4" not in client.completions.create(**kw, extra_body={"bad_words": ["4"]}).choices[0].text
+
+
 def test_echo_and_include_stop_str_in_output(client):
     plain = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=8, temperature=0).choices[0].text
     echoed = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=8, temperature=0, echo=True)
@@ -180,8 +186,10 @@ REFUSED = [
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "echo": True, "logprobs": 2}, "echo"),
     ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
-    ({"prompt": "x", "bad_words": ["x"]}, "bad_words"),
+    ({"prompt": "x", "bad_words": [""]}, "bad_words[0]"),
     ({"prompt": "x", "structured_outputs": {"regex": "(("}}, "structured_outputs.regex"),
+    ({"prompt": "x", "logit_bias": {"1000000": 1}}, "logit_bias"),
+    ({"prompt": "x", "allowed_token_ids": [1000000]}, "allowed_token_ids"),
     ({"prompt": "x", "structured_outputs": {"grammar": "start: nothing"}}, "structured_outputs.grammar"),
     (CHAT | {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}},
      "response_format.json_schema.schema"),
@@ -206,3 +214,82 @@ def test_openapi_states_the_policy(url):
         assert model["additionalProperties"] is False  # unknown fields: refused
         assert {"response_format", "structured_outputs", "logit_bias", "cache_salt"} <= set(model["properties"])
         assert "n" in model["properties"]["best_of"]["description"]
+
+
+# ---- tool calls ---------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone.", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}}, "required": ["zone"],
+        "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def check_calls(calls, names=tuple(PARAMS)):
+    assert calls
+    for c in calls:
+        assert c.type == "function" and c.id and c.function.name in names
+        jsonschema.validate(json.loads(c.function.arguments), PARAMS[c.function.name])
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
+                         ids=["required", "named"])
+def test_a_forced_tool_call_parses_into_tool_calls(client, choice):
+    out = client.chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=TOOLS, tool_choice=choice,
+                                         parallel_tool_calls=False, max_tokens=80, temperature=0)
+    choice_out = out.choices[0]
+    assert choice_out.finish_reason == "tool_calls"
+    names = ("get_time",) if isinstance(choice, dict) else tuple(PARAMS)
+    check_calls(choice_out.message.tool_calls, names)
+    assert len(choice_out.message.tool_calls) == 1
+
+
+def test_a_streamed_tool_call_sends_id_and_name_then_arguments(client):
+    kw = dict(model=MODEL, messages=WEATHER_ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+              max_tokens=80, temperature=0)
+    deltas = [(c.choices[0].delta.tool_calls, c.choices[0].finish_reason)
+              for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    calls = [d for tc, _ in deltas for d in tc or []]
+    assert calls[0].id and calls[0].function.name and not calls[0].function.arguments
+    assert calls[1].id is None and calls[1].function.arguments
+    assert deltas[-1][1] == "tool_calls"
+    with client.chat.completions.stream(**kw) as stream:  # the client's own accumulation of the deltas
+        final = stream.get_final_completion()
+    check_calls(final.choices[0].message.tool_calls)
+    whole = client.chat.completions.create(**kw).choices[0].message.tool_calls[0].function
+    assert (final.choices[0].message.tool_calls[0].function.name, calls[1].function.arguments) == (
+        whole.name, whole.arguments)
+
+
+def test_auto_tool_choice_and_a_history_with_calls_and_results(client):
+    history = WEATHER_ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "c"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
+    out = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=40, temperature=0)
+    c = out.choices[0]
+    if c.message.tool_calls:
+        assert c.finish_reason == "tool_calls"
+        check_calls(c.message.tool_calls)
+    else:
+        assert c.finish_reason in ("stop", "length") and c.message.content
+    none = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",
+                                          max_tokens=20, temperature=0).choices[0]
+    assert not none.message.tool_calls and none.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_bad_tools_are_400_before_anything_runs(url, body, param):
+    r = httpx.post(f"{url}/v1/chat/completions", json=CHAT | body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param

@@ -33,8 +33,8 @@ SERVE_CONFIG = Path(__file__).parents[3] / "manifests" / "serve_config.yaml"
     (CompletionRequest, {"prompt": "x", "suffix": "y"}, "suffix"),
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "xml"}},
      "response_format.type"),
-    (ChatCompletionRequest, {"messages": [{"role": "assistant", "content": "", "tool_calls": []}]},
-     "messages[0].tool_calls"),
+    (ChatCompletionRequest, {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}]},
+     "messages[0].tool_calls[0].function"),
 ])
 def test_validation_errors_are_400_naming_the_parameter(model, body, param):
     with pytest.raises(APIError) as e:
