@@ -135,19 +135,17 @@ class ChatFormat:
             return [self._chunk([ChatStreamChoice(index=p.index, delta=Delta(content=p.text or None),
                                                   logprobs=self.logprobs(p), finish_reason=p.finish_reason)
                                  for p in pieces], usage)]
-        heads, arguments = [], []
-        for p in pieces:
+        chunks = []
+        for p in pieces:  # a chunk per tool call delta, as OpenAI streams them
             stream = self.streams.setdefault(p.index, ToolCallStream(self.tools))
             content = stream.feed(p.text) + (stream.finish() if p.finish_reason else "")
-            calls = stream.take_new()  # each call's head (id, name), then its arguments
-            finish = _finish_reason(p.finish_reason, bool(stream.calls))
-            heads.append(ChatStreamChoice(index=p.index, delta=Delta(content=content or None,
-                                                                     tool_calls=calls[0::2] or None),
-                                          logprobs=self.logprobs(p), finish_reason=None if calls else finish))
-            if calls:
-                arguments.append(ChatStreamChoice(index=p.index, delta=Delta(tool_calls=calls[1::2]),
-                                                  finish_reason=finish))
-        return [self._chunk(heads, usage)] + ([self._chunk(arguments, usage)] if arguments else [])
+            choices = [ChatStreamChoice(index=p.index, delta=Delta(content=content or None), logprobs=self.logprobs(p))]
+            choices += [ChatStreamChoice(index=p.index, delta=Delta(tool_calls=[d])) for d in stream.take_deltas()]
+            if content or p.logprobs or len(choices) == 1:
+                chunks.append(choices[0])
+            chunks += choices[1:]
+            chunks[-1].finish_reason = _finish_reason(p.finish_reason, bool(stream.returned_calls()))
+        return [self._chunk([c], usage) for c in chunks]
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)

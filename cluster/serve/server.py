@@ -32,12 +32,12 @@ from cluster.serve.generation import Generation
 from cluster.serve.http_io import json_response, read_json
 from cluster.serve.metrics import CONTENT_TYPE, ServeMetrics
 from cluster.serve.options import AppArgs
-from cluster.serve.tools import ToolCalling
 from cluster.serve.protocol import (
     APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
-    ModelCard, ModelList, SamplingFields, openapi_request_bodies, TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse,
-    bad_request, new_id, now, parse,
+    ModelCard, ModelList, SamplingFields, TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse,
+    bad_request, new_id, now, openapi_request_bodies, parse,
 )
+from cluster.serve.tools import ToolCalling
 
 
 app = FastAPI(title="raylm", description="OpenAI-compatible LLM serving on Ray")

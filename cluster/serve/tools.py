@@ -8,6 +8,7 @@ message) and Llama 3 (a bare ``{"name": ..., "parameters": ...}`` object, the te
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,8 +117,9 @@ class ToolCalling:
         """A whole output: its content (text outside calls; None when there is none) and its calls."""
         stream = ToolCallStream(self)
         content = stream.feed(text) + stream.finish()
-        calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments)) for c in stream.calls]
-        return (content or None) if calls else content, calls
+        calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+                 for c in stream.returned_calls()]
+        return (content.strip() or None) if calls else content, calls
 
 
 @dataclass(slots=True)
@@ -125,6 +127,11 @@ class ParsedCall:
     id: str
     name: str
     arguments: str
+    skipped: bool = False  # a call past the first under parallel_tool_calls=false: read, never returned
+
+
+# The head of a Hermes call, up to where its arguments begin: what lets the arguments stream as they come.
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 
 
 def _read_call(text: str, key: str) -> ParsedCall | None:
@@ -138,46 +145,113 @@ def _read_call(text: str, key: str) -> ParsedCall | None:
     return ParsedCall(new_call_id(), obj["name"], args if isinstance(args, str) else json.dumps(args))
 
 
+def _partial_suffix(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` could begin ``tag``."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
+
+
+def _without_close(args: str) -> str:
+    """Arguments text less a trailing ``}`` and whitespace: that brace may close the call's own object."""
+    args = args.rstrip()
+    return args[:-1].rstrip() if args.endswith("}") else args
+
+
 class ToolCallStream:
     """One choice's text, split as it streams into content and tool calls.
 
     Invariants: content never holds any part of a call (text that may still
-    become a ``<tool_call>`` tag is held back, and so is everything from a tag
-    to its end tag, or for Llama 3 an output that starts with ``{``); each
-    call is emitted once, complete, as soon as its end is seen. ``calls`` lists
-    them in order.
+    become a ``<tool_call>`` tag is held back, and so is a Llama 3 output that
+    starts with ``{``). A Hermes call streams as OpenAI's do: a delta with its
+    id and name once its head (``{"name": ..., "arguments":``) is read, then
+    deltas of its arguments' text as they come, holding back only what may be
+    the call's closing brace or end tag; the arguments' deltas concatenate to
+    ``calls[i].arguments``. A call whose head comes in another shape is
+    parsed whole at its end tag. ``deltas`` are those not yet taken.
     """
 
     def __init__(self, tools: ToolCalling) -> None:
         self.tools = tools
         self.held = ""
         self.calls: list[ParsedCall] = []
-        self.new: list[ParsedCall] = []
+        self.current: ParsedCall | None = None  # a call whose head was read and whose end tag was not
+        self.in_tag = False  # inside <tool_call>, head not read yet
+        self.deltas: list[StreamedToolCall] = []
         self.seen_text = False
 
     def feed(self, text: str) -> str:
-        """The content ``text`` adds; calls it completes go to ``new`` (and ``calls``)."""
+        """The content ``text`` adds; what it adds to calls goes to ``deltas``."""
         if self.tools.fmt == LLAMA3:
             return self._feed_llama3(text)
         self.held += text
         out = []
-        while True:
-            start = self.held.find(START)
-            if start < 0:
-                keep = next((k for k in range(min(len(START) - 1, len(self.held)), 0, -1)
-                             if self.held.endswith(START[:k])), 0)
-                out.append(self.held[:len(self.held) - keep])
-                self.held = self.held[len(self.held) - keep:]
-                break
-            out.append(self.held[:start])
-            end = self.held.find(END, start)
+        while self._step(out):
+            pass
+        return "".join(out)
+
+    def _step(self, out: list[str]) -> bool:
+        """Consume what ``held`` allows; True while there may be more to consume."""
+        held = self.held
+        if self.current is not None:
+            end = held.find(END)
             if end < 0:
-                self.held = self.held[start:]
-                break
-            self._add(self.held[start + len(START):end], "arguments")
-            self.held = self.held[end + len(END):]
-        content = "".join(out)
-        return content.strip("\n") if self.calls else content
+                body = held[:len(held) - _partial_suffix(held, END)]
+                self._add_arguments(_without_close(body))
+                self.held = held[len(_without_close(body)):]
+                return False
+            self._add_arguments(_without_close(held[:end]))
+            self.current, self.held = None, held[end + len(END):]
+            return True
+        if self.in_tag:
+            head, end = _HEAD.match(held), held.find(END)
+            if head is not None and (end < 0 or head.end() <= end):
+                self._open(json.loads(f'"{head.group(1)}"'), "")
+                self.in_tag, self.held = False, held[head.end():]
+                return True
+            if end < 0:
+                return False
+            call = _read_call(held[:end].strip(), "arguments")
+            if call is None:
+                out.append(START + held[:end + len(END)])
+            else:
+                self._open(call.name, call.arguments)
+                self.current = None
+            self.in_tag, self.held = False, held[end + len(END):]
+            return True
+        start = held.find(START)
+        if start < 0:
+            keep = _partial_suffix(held, START)
+            self._content(out, held[:len(held) - keep])
+            self.held = held[len(held) - keep:]
+            return False
+        self._content(out, held[:start])
+        self.in_tag, self.held = True, held[start + len(START):]
+        return True
+
+    def _content(self, out: list[str], text: str) -> None:
+        if text.strip() or not self.calls:  # not the newlines between and after calls
+            out.append(text)
+
+    def _open(self, name: str, arguments: str) -> None:
+        call = ParsedCall(new_call_id(), name, "", skipped=self.tools.only_one and any(
+            not c.skipped for c in self.calls))
+        self.calls.append(call)
+        self.current = call
+        if not call.skipped:
+            self.deltas.append(StreamedToolCall(index=self._index(call), id=call.id, type="function",
+                                                function=StreamedFunctionCall(name=name, arguments="")))
+        self._add_arguments(arguments)
+
+    def _index(self, call: ParsedCall) -> int:
+        return [c for c in self.calls if not c.skipped].index(call)
+
+    def _add_arguments(self, new: str) -> None:
+        """``new`` continues the current call's arguments."""
+        call = self.current
+        if new:
+            call.arguments += new
+            if not call.skipped:
+                self.deltas.append(StreamedToolCall(index=self._index(call),
+                                                    function=StreamedFunctionCall(arguments=new)))
 
     def _feed_llama3(self, text: str) -> str:
         if not self.seen_text:
@@ -195,36 +269,31 @@ class ToolCallStream:
             return ""
         return text
 
-    def _add(self, body: str, key: str) -> bool:
-        call = _read_call(body.strip(), key)
-        if call is None or (self.tools.only_one and self.calls):
-            return False
-        self.calls.append(call)
-        self.new.append(call)
-        return True
-
     def finish(self) -> str:
         """At the end: a call left open (or a Llama 3 object) is a call if it parses, else content."""
         held, self.held = self.held, ""
-        if not held:
-            return ""
         if self.tools.fmt == LLAMA3:
             body = held.lstrip().removeprefix("<|python_tag|>")
-            parts = [p for p in body.split(";") if p.strip()]
-            if parts and all(self._add(p, "parameters") for p in parts[:1 if self.tools.only_one else None]):
-                return ""
-            return held
-        if held.startswith(START) and self._add(held[len(START):], "arguments"):
+            parsed = [_read_call(p, "parameters") for p in body.split(";") if p.strip()]
+            if not parsed or None in parsed:
+                return held
+            for call in parsed[:1] if self.tools.only_one else parsed:
+                self._open(call.name, call.arguments)
+            return ""
+        if self.current is not None:
+            self._add_arguments(_without_close(held))
+            return ""
+        if self.in_tag:
+            call = _read_call(held.strip(), "arguments")
+            if call is None:
+                return START + held
+            self._open(call.name, call.arguments)
             return ""
         return held
 
-    def take_new(self) -> list[StreamedToolCall]:
-        """The calls completed since the last take, as OpenAI streams them: id and name, then the arguments."""
-        out = []
-        first = len(self.calls) - len(self.new)
-        for i, c in enumerate(self.new, first):
-            out.append(StreamedToolCall(index=i, id=c.id, type="function",
-                                        function=StreamedFunctionCall(name=c.name, arguments="")))
-            out.append(StreamedToolCall(index=i, function=StreamedFunctionCall(arguments=c.arguments)))
-        self.new = []
-        return out
+    def returned_calls(self) -> list[ParsedCall]:
+        return [c for c in self.calls if not c.skipped]
+
+    def take_deltas(self) -> list[StreamedToolCall]:
+        deltas, self.deltas = self.deltas, []
+        return deltas

@@ -67,20 +67,29 @@ def test_llama3_calls_are_read_from_whole_text():
     assert calling(template=LLAMA_TEMPLATE).parse("Just text.") == ("Just text.", [])
 
 
-def test_streamed_text_splits_into_content_and_calls_however_it_is_cut():
-    text = 'Sure. <tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
-    for size in (1, 3, 7, len(text)):
-        stream = ToolCallStream(calling())
-        content, deltas = "", []
-        for i in range(0, len(text), size):
-            content += stream.feed(text[i:i + size])
-            deltas += stream.take_new()
-        content += stream.finish()
-        assert content == "Sure. "
-        head, args = deltas
-        assert (head.index, head.function.name, head.function.arguments) == (0, "get_time", "")
-        assert head.id.startswith("call_") and args.id is None and args.function.name is None
-        assert json.loads(args.function.arguments) == {"zone": "CET"}
+STREAMED = ('Sure. <tool_call>\n{"name": "get_time", "arguments": {"zone": "CET", "at": {"h": 1}}}\n</tool_call>\n'
+            '<tool_call>\n{"arguments": {"city": "Oslo"}, "name": "get_weather"}\n</tool_call>')
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, len(STREAMED)])
+def test_streamed_calls_send_id_and_name_then_arguments_however_the_text_is_cut(size):
+    stream = ToolCallStream(calling())
+    content, deltas = "", []
+    for i in range(0, len(STREAMED), size):
+        content += stream.feed(STREAMED[i:i + size])
+        deltas += stream.take_deltas()
+    content += stream.finish()
+    deltas += stream.take_deltas()
+    assert content == "Sure. "
+    for index, (name, args) in enumerate([("get_time", {"zone": "CET", "at": {"h": 1}}),
+                                          ("get_weather", {"city": "Oslo"})]):
+        mine = [d for d in deltas if d.index == index]
+        head, rest = mine[0], mine[1:]
+        assert (head.function.name, head.function.arguments) == (name, "") and head.id.startswith("call_")
+        assert rest and all(d.id is None and d.function.name is None for d in rest)
+        assert json.loads("".join(d.function.arguments for d in rest)) == args
+    if size == 1:  # the first call's arguments arrived in pieces, before its end tag
+        assert len([d for d in deltas if d.index == 0]) > 2
 
 
 @pytest.mark.parametrize("template", [None, LLAMA_TEMPLATE])
