@@ -6,6 +6,7 @@ import json
 import re
 import socket
 
+import grpc
 import httpx2 as httpx
 import jsonschema
 import openai
@@ -13,6 +14,7 @@ import pytest
 from pydantic import BaseModel
 from ray import serve
 
+from cluster import raylm_pb2, raylm_pb2_grpc
 from cluster.config import EngineConfig
 from cluster.serve import AppArgs, start
 
@@ -47,11 +49,17 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def url(default_model_dir):
+def server(default_model_dir):
     args = AppArgs(engine=EngineConfig(model=default_model_dir, max_model_len=1024, max_num_seqs=8,
                                        kv_cache_bytes=64 << 20), served_model_name=MODEL)
-    yield start(args, host="127.0.0.1", port=free_port(), grpc_port=free_port())
+    grpc_port = free_port()
+    yield start(args, host="127.0.0.1", port=free_port(), grpc_port=grpc_port), grpc_port
     serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def url(server) -> str:
+    return server[0]
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +144,23 @@ def test_a_constraint_that_needs_more_tokens_ends_with_length(client):
                                          response_format=json_format("nested"))
     assert out.choices[0].finish_reason == "length"
     assert out.usage.completion_tokens == 4
+
+
+def test_grpc_takes_the_same_constraints(server):
+    with grpc.insecure_channel(f"127.0.0.1:{server[1]}") as channel:
+        stub = raylm_pb2_grpc.RayLMStub(channel)
+        regex = raylm_pb2.StructuredOutputs(regex=r"[0-9]{3}-[0-9]{4}")
+        reply = stub.Generate(raylm_pb2.GenerateRequest(prompt="Call me at", max_tokens=20, temperature=0,
+                                                        structured_outputs=regex))
+        assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", reply.text) and reply.finish_reason == "stop"
+        schema = raylm_pb2.StructuredOutputs(json=json.dumps(SCHEMAS["array_of_enums"]))
+        text = "".join(r.text for r in stub.GenerateStream(raylm_pb2.GenerateRequest(
+            prompt="Colors:", max_tokens=60, temperature=0, structured_outputs=schema)))
+        jsonschema.validate(json.loads(text), SCHEMAS["array_of_enums"])
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Generate(raylm_pb2.GenerateRequest(prompt="x", structured_outputs=raylm_pb2.StructuredOutputs(
+                regex="(")))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in e.value.details()
 
 
 # ---- sampling fields ----------------------------------------------------------------------
