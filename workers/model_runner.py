@@ -308,8 +308,7 @@ class ModelRunner:
         smd, penalized, penalized_rows = sampling
         constrained = [i for i, s in enumerate(states) if s.matcher is not None]
         if constrained:  # filled on the host while the device runs the forward
-            rows = torch.tensor(constrained).to(self.device, non_blocking=True)
-            smd.grammar = rows, self.grammar.fill([states[i].matcher for i in constrained])
+            smd.grammar = self.grammar.fill([states[i].matcher for i in constrained], constrained, len(states))
         sampled, logprobs = self.sampler(logits.float(), smd)
         if penalized is not None:
             self.penalty_state.count(penalized_rows, sampled.index_select(0, penalized))

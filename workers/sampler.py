@@ -16,7 +16,6 @@ from torch import Tensor
 
 from scheduler.outputs import SampledLogprobs
 from scheduler.request import SamplingParams
-from workers.structured_output import apply_bitmask
 
 
 @dataclass(slots=True)
@@ -59,10 +58,10 @@ class SamplingMetadata:
       than ``min_tokens`` outputs, its EOS and stop ids; and the last token of
       each bad word whose other tokens end the row's output.
     - ``bias`` is (row ids, token ids, values) added for ``logit_bias``;
-      ``allowed`` is (row ids, [rows, V] bool) for rows with ``allowed_token_ids``;
-      ``grammar`` is (row ids, [rows, ceil(V / 32)] int32 bitmasks) for rows with
-      a structured-output constraint, set by the runner after it has queued the
-      forward (the masks are filled on the host while the device computes).
+      ``allowed`` is [S, V] bool, True at the tokens ``allowed_token_ids`` leave out;
+      ``grammar`` is [S, V] bool, True at the tokens a row's structured-output
+      constraint bans, set by the runner after it has queued the forward (the
+      masks are filled on the host while the device computes).
     """
 
     temperature: Tensor | None  # [S] fp32; None iff all rows are greedy
@@ -77,8 +76,8 @@ class SamplingMetadata:
     num_logprobs: list[int | None]
     max_num_logprobs: int | None
     bias: tuple[Tensor, Tensor, Tensor] | None = None
-    allowed: tuple[Tensor, Tensor] | None = None
-    grammar: tuple[Tensor, Tensor] | None = None
+    allowed: Tensor | None = None
+    grammar: Tensor | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -249,15 +248,17 @@ def _build_bias(params: list[SamplingParams], vocab_size: int,
             _to_device(values, torch.float32, device))
 
 
-def _build_allowed(params: list[SamplingParams], vocab_size: int,
-                   device: torch.device | str) -> tuple[Tensor, Tensor] | None:
-    rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
-    if not rows:
+def _build_allowed(params: list[SamplingParams], vocab_size: int, device: torch.device | str) -> Tensor | None:
+    """[S, V] bool, True at the tokens ``allowed_token_ids`` leave out (a whole-batch mask: one in-place op,
+    where gathering and scattering rows would copy them twice)."""
+    if all(p.allowed_token_ids is None for p in params):
         return None
-    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
-    for j, i in enumerate(rows):
-        mask[j, [t for t in params[i].allowed_token_ids if t < vocab_size]] = True
-    return _to_device(rows, torch.int64, device), mask.to(device, non_blocking=True)
+    banned = torch.zeros(len(params), vocab_size, dtype=torch.bool)
+    for i, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            banned[i] = True
+            banned[i, [t for t in p.allowed_token_ids if t < vocab_size]] = False
+    return banned.to(device, non_blocking=True)
 
 
 class Sampler:
@@ -288,13 +289,12 @@ class Sampler:
     def process_logits(self, logits: Tensor, md: SamplingMetadata) -> Tensor:
         """The logits random rows sample from (greedy rows: the logits they argmax)."""
         if md.allowed is not None:
-            rows, mask = md.allowed
-            logits[rows] = logits[rows].masked_fill(~mask, float("-inf"))
+            logits.masked_fill_(md.allowed, float("-inf"))
         if md.bias is not None:
             rows, tokens, values = md.bias
             logits.index_put_((rows, tokens), values, accumulate=True)
         if md.grammar is not None:
-            apply_bitmask(logits, *md.grammar)
+            logits.masked_fill_(md.grammar, float("-inf"))
         if md.banned is not None:
             logits[md.banned] = float("-inf")
         if md.penalties is not None:

@@ -308,11 +308,15 @@ def test_logit_bias_and_allowed_token_ids_act_per_row():
 
 
 def test_a_grammar_bitmask_leaves_only_its_tokens():
-    from workers.structured_output import apply_bitmask
-    logits = torch.randn(3, 40)
-    # row 1: tokens 0, 5 and 33 (the second 32-bit word); bit 31 makes the word negative as an int32
-    bitmask = torch.tensor([[(1 << 0) | (1 << 5) | -(1 << 31), 1 << 1]], dtype=torch.int32)
-    apply_bitmask(logits, torch.tensor([1]), bitmask)
+    import numpy as np
+
+    from workers.structured_output import unpack_banned
+    # row 1: tokens 0, 5, 31 and 33 (the second 32-bit word); bit 31 makes the word negative as an int32
+    bitmask = np.array([[(1 << 0) | (1 << 5) | -(1 << 31), 1 << 1]], dtype=np.int32)
+    params = [SamplingParams(temperature=0)] * 3
+    md = build(params, vocab=40)
+    md.grammar = torch.from_numpy(unpack_banned(bitmask, [1], 3, 40))
+    logits = Sampler().process_logits(torch.randn(3, 40), md)
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [0, 5, 31, 33]
     assert torch.isfinite(logits[[0, 2]]).all()
 
