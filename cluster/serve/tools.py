@@ -203,7 +203,8 @@ class ToolCallStream:
             return True
         if self.in_tag:
             head, end = _HEAD.match(held), held.find(END)
-            if head is not None and (end < 0 or head.end() <= end):
+            # A head is read once the arguments' first character is there: whitespace before it is not theirs.
+            if head is not None and (head.end() < end if end >= 0 else head.end() < len(held)):
                 self._open(json.loads(f'"{head.group(1)}"'), "")
                 self.in_tag, self.held = False, held[head.end():]
                 return True
