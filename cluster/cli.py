@@ -92,6 +92,12 @@ def main(argv: list[str] | None = None) -> None:
     pr.add_argument("--max-tokens", type=int, default=8)
     _engine_args(pr)
     _executor_arg(pr)
+    st = bench_sub.add_parser("structured", help="structured outputs: JSON-schema validity, and cost against free text")
+    st.add_argument("--num-requests", type=int, default=200, help="validity run, spread over ten schemas")
+    st.add_argument("--concurrency", type=int, default=64, help="cost run: requests at once, each way")
+    st.add_argument("--output-len", type=int, default=128, help="cost run: output tokens per request")
+    _engine_args(st)
+    _executor_arg(st)
     ovh = bench_sub.add_parser("ray-overhead", help="round trip of an empty step to every rank, three ways")
     ovh.add_argument("--model", default=None, help="HF model directory (default: a tiny random Llama)")
     ovh.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
@@ -198,6 +204,10 @@ def _run(args: argparse.Namespace) -> None:
                            args.max_tokens, args.executor, args.address,
                            **{k: v for k, v in _engine_kwargs(args).items()
                               if k not in ("enable_prefix_caching", "swap_space_bytes")})
+    elif args.bench == "structured":
+        from cluster.bench.structured import bench_structured
+        bench_structured(args.model, args.num_requests, args.concurrency, args.output_len, executor=args.executor,
+                         address=args.address, **_engine_kwargs(args))
     elif args.bench == "ray-overhead":
         from cluster.bench.ray_overhead import bench_ray_overhead
         bench_ray_overhead(args.model, tuple(args.tp_sizes), args.steps)

@@ -91,7 +91,7 @@ class EngineConfig(BaseModel):
             kv_cache_bytes=self.kv_cache_bytes, swap_space_bytes=self.swap_space_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             attention_backend=self.attention_backend, num_threads=self.num_threads, enforce_eager=self.enforce_eager,
-            no_work=self.no_work_model)
+            no_work=self.no_work_model, tokenizer=self.tokenizer)
 
     def scheduler_config(self, num_blocks: int, max_model_len: int, num_host_blocks: int = 0,
                          swap_cost_per_block: float = 1.0) -> SchedulerConfig:

@@ -8,6 +8,7 @@ import time
 from cluster.config import EngineConfig
 from scheduler import RequestOutput, SamplingParams, Scheduler, SchedulerStats
 from workers.model_loader import ModelSpec, read_model_spec
+from workers.structured_output import compile_grammar
 from workers.worker import Worker
 
 
@@ -30,6 +31,16 @@ def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: in
     if len(prompt_token_ids) >= max_model_len:
         raise ValueError(f"prompt has {len(prompt_token_ids)} tokens, but max_model_len={max_model_len} "
                          f"leaves no room to generate")
+
+
+def check_params(params: SamplingParams, vocab_size: int) -> None:
+    """Reject what SamplingParams cannot check alone: token ids past the vocabulary, a constraint that does not
+    compile. Here, before scheduling, because a worker meeting them would fail the whole step."""
+    for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
+        if bad := next((t for t in ids if t >= vocab_size), None):
+            raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if params.structured_outputs is not None:
+        compile_grammar(params.structured_outputs)
 
 
 def stop_token_ids(params: SamplingParams, spec: ModelSpec) -> SamplingParams:
@@ -70,10 +81,11 @@ class InProcessEngine:
                                    eos_token_id=self.spec.eos_token_id)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> list[RequestOutput]:
+                    priority: int = 0, cache_salt: str | None = None) -> list[RequestOutput]:
         check_prompt(prompt_token_ids, self.spec.vocab_size, self.max_model_len)
+        check_params(params, self.spec.vocab_size)
         return self.scheduler.add_request(request_id, prompt_token_ids, stop_token_ids(params, self.spec),
-                                          priority=priority, arrival_time=time.monotonic())
+                                          priority=priority, arrival_time=time.monotonic(), cache_salt=cache_salt)
 
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()

@@ -9,7 +9,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from cluster.config import EngineConfig
-from cluster.engine import InProcessEngine, check_prompt
+from cluster.engine import InProcessEngine, check_params, check_prompt
 from cluster.ray_engine import RayEngine
 from scheduler import SampledLogprobs, SamplingParams
 
@@ -84,6 +84,10 @@ class LLM:
         for i, p in enumerate(params_list):
             if not isinstance(p, SamplingParams):
                 raise ValueError(f"params[{i}]={p!r} is not a SamplingParams")
+            try:
+                check_params(p, self.engine.spec.vocab_size)
+            except ValueError as e:
+                raise ValueError(f"params[{i}]: {e}") from None
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         for i, p in enumerate(priority or ()):

@@ -21,7 +21,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import EngineConfig
-from cluster.engine import check_prompt, resolve_max_model_len, stop_token_ids
+from cluster.engine import check_params, check_prompt, resolve_max_model_len, stop_token_ids
 from cluster.scheduler_actor import RequestSteps, SchedulerActor
 from cluster.worker_actor import WorkerActor
 from scheduler import RequestOutput, SamplingParams, SchedulerStats
@@ -340,14 +340,16 @@ class RayEngine:
 
     def _vet(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         check_prompt(prompt_token_ids, self.spec.vocab_size, self.max_model_len)
+        check_params(params, self.spec.vocab_size)
         return stop_token_ids(params, self.spec)
 
     # ---- synchronous interface (InProcessEngine's) --------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> list[RequestOutput]:
+                    priority: int = 0, cache_salt: str | None = None) -> list[RequestOutput]:
         params = self._vet(prompt_token_ids, params)
-        finals = ray.get(self.actor.add_request.remote(request_id, list(prompt_token_ids), params, priority))
+        finals = ray.get(self.actor.add_request.remote(request_id, list(prompt_token_ids), params, priority,
+                                                       "sync", cache_salt))
         if len(finals) < params.n:
             self._unfinished[request_id] = params.n - len(finals)
         return finals
@@ -390,7 +392,7 @@ class RayEngine:
     # ---- async interface (the Serve app's) ---------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """The request's deltas as they come; leaving the loop early (or being cancelled) aborts it.
 
         Every generate of this engine shares one channel: a single pump fetches each step's deltas for all
@@ -403,7 +405,7 @@ class RayEngine:
         try:
             self._ensure_pump()
             finals = await self.actor.add_request.remote(request_id, list(prompt_token_ids), params, priority,
-                                                        self._channel)
+                                                        self._channel, cache_salt)
             for out in finals:
                 remaining -= 1
                 yield out

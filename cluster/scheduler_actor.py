@@ -196,11 +196,11 @@ class SchedulerActor:
     # ---- requests in and out ------------------------------------------------------
 
     def _admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-               channel: str) -> list[RequestOutput]:
+               channel: str, cache_salt: str | None) -> list[RequestOutput]:
         if self.error is not None:
             raise RuntimeError(f"the engine is unhealthy and takes no new requests: {self.error}")
         finals = self.scheduler.add_request(request_id, prompt_token_ids, params, priority=priority,
-                                            arrival_time=time.monotonic())
+                                            arrival_time=time.monotonic(), cache_salt=cache_salt)
         if len(self.history) >= HISTORY_SIZE:
             del self.history[next(iter(self.history))]
         self.history[request_id] = RequestSteps(self.scheduler.num_steps)
@@ -212,9 +212,10 @@ class SchedulerActor:
         return finals
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          priority: int = 0, channel: str = "sync") -> list[RequestOutput]:
-        """Queue a request whose deltas go to ``channel``'s outbox (``get_outputs``); returns any immediate finals."""
-        return self._admit(request_id, prompt_token_ids, params, priority, channel)
+                          priority: int = 0, channel: str = "sync", cache_salt: str | None = None) -> list[RequestOutput]:
+        """Queue a request whose deltas go to ``channel``'s outbox (``get_outputs``); returns any immediate finals.
+        ``cache_salt`` keeps its prompt's cached blocks apart from those of other salts (tenants)."""
+        return self._admit(request_id, prompt_token_ids, params, priority, channel, cache_salt)
 
     async def get_outputs(self, channel: str = "sync", received: int = 0) -> tuple[int, list[RequestOutput]]:
         """The channel's next batch of deltas and its number, waiting until there is one. ``received`` is the

@@ -11,6 +11,41 @@ from scheduler.block_hash import BlockHash, hash_block_tokens
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """A constraint on a request's whole output (vLLM's ``structured_outputs``): exactly one kind is set.
+
+    ``json`` is a JSON schema (a dict, or its text), ``json_object`` any JSON
+    object, ``regex`` a regular expression the output matches whole,
+    ``choice`` one of these strings exactly, ``grammar`` a Lark or GBNF grammar.
+    Only the shape is checked here (the scheduler knows no constraint library);
+    whether the schema, regex or grammar compiles is checked with the library by
+    the engines' entry points (``workers.structured_output.compile_grammar``)
+    before anything is scheduled.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object is True else []
+        _check(len(kinds) == 1, "structured_outputs", kinds or None,
+               "set exactly one of json, json_object, regex, choice, grammar")
+        _check(self.json is None or isinstance(self.json, (str, dict)), "json", self.json,
+               "must be a JSON schema (a dict or its text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or isinstance(value, str) and value != "", name, value, "must be a non-empty string")
+        _check(self.choice is None or isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
+               and all(isinstance(c, str) for c in self.choice), "choice", self.choice,
+               "must be a non-empty list of strings")
+        _check(isinstance(self.json_object, bool), "json_object", self.json_object, "must be a bool")
+
+
+@dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token, and when to stop.
 
@@ -22,6 +57,13 @@ class SamplingParams:
     same generator as seed + 2**64. ``greedy`` rows are argmaxed, including
     temperatures below 1e-5. Stop *strings* are a text concern and live in the
     serving layer; the scheduler only knows token-level stops.
+
+    ``logit_bias`` adds its value (in [-100, 100], OpenAI's range) to each
+    listed token's logit; ``allowed_token_ids`` restricts sampling to those
+    ids; ``bad_words_token_ids`` are token sequences never completed (the
+    serving layer tokenizes vLLM's ``bad_words``); ``structured_outputs`` restricts it to what keeps the output inside a
+    grammar. All three act on the processed logits, so logprobs still
+    describe the model's own distribution.
     """
 
     temperature: float = 1.0
@@ -38,6 +80,10 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         for name in _REAL_FIELDS:
@@ -65,6 +111,20 @@ class SamplingParams:
         _check(isinstance(stop, (list, tuple)) and all(_is_int(t) and t >= 0 for t in stop),
                "stop_token_ids", self.stop_token_ids, "must be a list of non-negative integers")
         self.stop_token_ids = list(self.stop_token_ids)
+        bias = self.logit_bias
+        _check(bias is None or isinstance(bias, dict) and all(
+            _is_int(t) and t >= 0 and isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100
+            for t, v in bias.items()), "logit_bias", bias, "must map token ids to numbers in [-100, 100]")
+        allowed = self.allowed_token_ids
+        _check(allowed is None or isinstance(allowed, (list, tuple)) and len(allowed) > 0
+               and all(_is_int(t) and t >= 0 for t in allowed), "allowed_token_ids", allowed,
+               "must be a non-empty list of non-negative integers")
+        bad = self.bad_words_token_ids
+        _check(bad is None or isinstance(bad, (list, tuple)) and all(
+            isinstance(w, (list, tuple)) and w and all(_is_int(t) and t >= 0 for t in w) for w in bad),
+            "bad_words_token_ids", bad, "must be a list of non-empty token id lists")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

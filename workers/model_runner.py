@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -11,6 +12,7 @@ from kernels import AttentionMetadata
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import SamplingParams
 from workers.sampler import PenaltyState, Sampler, SamplingMetadata, has_penalties
+from workers.structured_output import GrammarBitmasks
 
 # Decode batch sizes captured as CUDA graphs (vLLM's and nano-vllm's choice): every size up to 4, then
 # every multiple of 8. A step of n decodes runs the smallest captured size >= n, padded.
@@ -31,7 +33,8 @@ class CachedRequestState:
     this request's tokens and block ids; ``output_token_ids`` are its outputs in
     Python form (for their count; penalties read the runner's PenaltyState). A
     preempted request keeps its state (``parked``) until it resumes with a new
-    block table.
+    block table. ``matcher`` (sampling rank, constrained requests only) has
+    consumed exactly ``output_token_ids``.
     """
 
     req_id: str
@@ -44,6 +47,7 @@ class CachedRequestState:
     generator: torch.Generator | None
     penalized: bool
     parked: bool = False
+    matcher: Any = None  # llguidance.LLMatcher
 
     @property
     def num_tokens(self) -> int:
@@ -126,8 +130,9 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, attn_backend, block_size: int, max_model_len: int,
                  vocab_size: int, eos_token_id: int | None, device: torch.device, is_driver: bool = True,
                  max_rows: int = 64, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 decode_sizes: list[int] | None = None) -> None:
+                 decode_sizes: list[int] | None = None, grammar: GrammarBitmasks | None = None) -> None:
         self.model = model
+        self.grammar = grammar
         self.attn_backend = attn_backend
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -179,7 +184,8 @@ class ModelRunner:
             if penalized:
                 self.penalty_state.start(row, prompt, self.token_ids.shape[0])
             self.requests[new.req_id] = CachedRequestState(
-                new.req_id, row, len(prompt), [], len(new.block_ids), new.num_computed_tokens, params, gen, penalized)
+                new.req_id, row, len(prompt), [], len(new.block_ids), new.num_computed_tokens, params, gen, penalized,
+                matcher=self._matcher(params))
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self.requests[rid]
@@ -188,6 +194,8 @@ class ModelRunner:
                 n = state.num_tokens
                 self.token_ids[state.row, n:n + len(new_tokens)] = new_tokens
                 state.output_token_ids.extend(new_tokens)
+                if state.matcher is not None:
+                    state.matcher.consume_tokens(new_tokens)
             new_blocks = cached.new_block_ids[i]
             if cached.resumed_from_preemption[i]:
                 state.parked = False
@@ -196,6 +204,13 @@ class ModelRunner:
                 self.block_table[state.row, state.num_blocks:state.num_blocks + len(new_blocks)] = new_blocks
                 state.num_blocks += len(new_blocks)
             state.num_computed_tokens = cached.num_computed_tokens[i]
+
+    def _matcher(self, params: SamplingParams) -> Any:
+        if params.structured_outputs is None or not self.is_driver:
+            return None
+        if self.grammar is None:
+            raise ValueError("this runner has no tokenizer for structured outputs")
+        return self.grammar.matcher(params.structured_outputs)
 
     # ---- one step ---------------------------------------------------------------------
 
@@ -263,7 +278,8 @@ class ModelRunner:
             all_rows = torch.tensor([s.row for s in states]).to(self.device, non_blocking=True)
             penalties = self.penalty_state.penalties(params, all_rows)
         md = SamplingMetadata.build(params, [s.generator for s in states], [len(s.output_token_ids) for s in states],
-                                    self.eos_token_id, self.vocab_size, self.device, penalties)
+                                    self.eos_token_id, self.vocab_size, self.device, penalties,
+                                    [s.output_token_ids for s in states])
         return md, index, rows
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -290,6 +306,9 @@ class ModelRunner:
         if logits is None:
             return ModelRunnerOutput([], [])
         smd, penalized, penalized_rows = sampling
+        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+        if constrained:  # filled on the host while the device runs the forward
+            smd.grammar = self.grammar.fill([states[i].matcher for i in constrained], constrained, len(states))
         sampled, logprobs = self.sampler(logits.float(), smd)
         if penalized is not None:
             self.penalty_state.count(penalized_rows, sampled.index_select(0, penalized))

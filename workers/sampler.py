@@ -54,8 +54,14 @@ class SamplingMetadata:
     - ``generators`` maps random rows that have a seed to their own generator
       (on the sampling device); greedy rows draw nothing, so a seeded request's
       stream does not depend on which steps it shared with whom.
-    - ``banned`` is (row ids, token ids) set to -inf while a row has fewer
-      than ``min_tokens`` outputs: its EOS and stop ids.
+    - ``banned`` is (row ids, token ids) set to -inf: while a row has fewer
+      than ``min_tokens`` outputs, its EOS and stop ids; and the last token of
+      each bad word whose other tokens end the row's output.
+    - ``bias`` is (row ids, token ids, values) added for ``logit_bias``;
+      ``allowed`` is [S, V] bool, True at the tokens ``allowed_token_ids`` leave out;
+      ``grammar`` is [S, V] bool, True at the tokens a row's structured-output
+      constraint bans, set by the runner after it has queued the forward (the
+      masks are filled on the host while the device computes).
     """
 
     temperature: Tensor | None  # [S] fp32; None iff all rows are greedy
@@ -69,6 +75,9 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]
     num_logprobs: list[int | None]
     max_num_logprobs: int | None
+    bias: tuple[Tensor, Tensor, Tensor] | None = None
+    allowed: Tensor | None = None
+    grammar: Tensor | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -104,9 +113,11 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device | str,
         penalties: Penalties | None = None,
+        outputs: list[list[int]] | None = None,
     ) -> SamplingMetadata:
         """`num_outputs[i]`: tokens row i's request has generated (for min_tokens); `penalties` from
-        `PenaltyState.penalties`, None when no row has any."""
+        `PenaltyState.penalties`, None when no row has any; `outputs[i]`: those tokens (for bad words; only
+        rows with bad words are read)."""
         greedy = [p.greedy for p in params]
         rand = [p for p, g in zip(params, greedy) if not g]
 
@@ -131,10 +142,12 @@ class SamplingMetadata:
             top_p=fp32_if_used("top_p", 1.0),
             min_p=fp32_if_used("min_p", 0.0),
             penalties=penalties,
-            banned=_build_banned(params, num_outputs, eos_token_id, vocab_size, device),
+            banned=_build_banned(params, num_outputs, eos_token_id, vocab_size, device, outputs),
             generators={i: gen for i, gen in enumerate(generators) if gen is not None and not greedy[i]},
             num_logprobs=logprobs,
             max_num_logprobs=max(asked) if asked else None,
+            bias=_build_bias(params, vocab_size, device),
+            allowed=_build_allowed(params, vocab_size, device),
         )
 
 
@@ -198,10 +211,19 @@ def _build_banned(
     eos_token_id: int | None,
     vocab_size: int,
     device: torch.device | str,
+    outputs: list[list[int]] | None = None,
 ) -> tuple[Tensor, Tensor] | None:
     rows: list[int] = []
     tokens: list[int] = []
     for i, (p, n) in enumerate(zip(params, num_outputs)):
+        if p.bad_words_token_ids:
+            # vLLM's rule: a bad word's last token is banned when the output ends with the rest of it.
+            out = outputs[i] if outputs is not None else []
+            ids = {w[-1] for w in p.bad_words_token_ids
+                   if len(w) == 1 or len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] == w[:-1]}
+            ids = [t for t in ids if t < vocab_size]
+            rows += [i] * len(ids)
+            tokens += ids
         if n >= p.min_tokens:
             continue
         # EOS is banned even with ignore_eos: min_tokens promises that many real tokens.
@@ -213,6 +235,30 @@ def _build_banned(
     if not rows:
         return None
     return _to_device(rows, torch.int64, device), _to_device(tokens, torch.int64, device)
+
+
+def _build_bias(params: list[SamplingParams], vocab_size: int,
+                device: torch.device | str) -> tuple[Tensor, Tensor, Tensor] | None:
+    entries = [(i, t, v) for i, p in enumerate(params) if p.logit_bias
+               for t, v in p.logit_bias.items() if t < vocab_size]
+    if not entries:
+        return None
+    rows, tokens, values = zip(*entries)
+    return (_to_device(rows, torch.int64, device), _to_device(tokens, torch.int64, device),
+            _to_device(values, torch.float32, device))
+
+
+def _build_allowed(params: list[SamplingParams], vocab_size: int, device: torch.device | str) -> Tensor | None:
+    """[S, V] bool, True at the tokens ``allowed_token_ids`` leave out (a whole-batch mask: one in-place op,
+    where gathering and scattering rows would copy them twice)."""
+    if all(p.allowed_token_ids is None for p in params):
+        return None
+    banned = torch.zeros(len(params), vocab_size, dtype=torch.bool)
+    for i, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            banned[i] = True
+            banned[i, [t for t in p.allowed_token_ids if t < vocab_size]] = False
+    return banned.to(device, non_blocking=True)
 
 
 class Sampler:
@@ -242,6 +288,13 @@ class Sampler:
 
     def process_logits(self, logits: Tensor, md: SamplingMetadata) -> Tensor:
         """The logits random rows sample from (greedy rows: the logits they argmax)."""
+        if md.allowed is not None:
+            logits.masked_fill_(md.allowed, float("-inf"))
+        if md.bias is not None:
+            rows, tokens, values = md.bias
+            logits.index_put_((rows, tokens), values, accumulate=True)
+        if md.grammar is not None:
+            logits.masked_fill_(md.grammar, float("-inf"))
         if md.banned is not None:
             logits[md.banned] = float("-inf")
         if md.penalties is not None:

@@ -16,6 +16,7 @@ from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.cache_engine import CacheEngine, check_swap_space
 from workers.layers import can_pack, pack_for_cpu
 from workers.model_loader import load_model, read_model_spec
+from workers.structured_output import GrammarBitmasks
 from workers.model_runner import ModelRunner, graph_batch_sizes
 from workers.no_work import NoWorkRunner
 
@@ -129,6 +130,7 @@ class WorkerConfig:
     num_threads: int | None = None  # torch intra-op threads; None: all cores this process may use
     no_work: bool = False  # benchmarking only: NoWorkRunner in place of the model (workers/no_work.py)
     enforce_eager: bool = False  # CUDA: no decode graphs (debugging, or a backend that cannot be captured)
+    tokenizer: str | None = None  # for structured outputs' token masks (rank 0); None: the model's directory
 
 
 class Worker:
@@ -190,8 +192,12 @@ class Worker:
             pack_for_cpu(self.model)
         # Only graph-capturable backends on CUDA pad decodes to the captured sizes; elsewhere padding is waste.
         graphs = self.device.type == "cuda" and not cfg.enforce_eager and backend.graph_capturable
+        grammar = None
+        if self.rank == 0:
+            grammar = GrammarBitmasks(cfg.tokenizer or cfg.model, self.spec.vocab_size,
+                                      list(self.spec.eos_token_ids), self.device)
         self.runner = ModelRunner(self.model, backend, cfg.block_size, cfg.max_model_len, self.spec.vocab_size,
-                                  self.spec.eos_token_id, self.device, is_driver=self.rank == 0,
+                                  self.spec.eos_token_id, self.device, is_driver=self.rank == 0, grammar=grammar,
                                   max_rows=min(cfg.max_num_seqs, 256), max_num_seqs=cfg.max_num_seqs,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens,
                                   decode_sizes=graph_batch_sizes(cfg.max_num_seqs) if graphs else None)

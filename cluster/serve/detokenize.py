@@ -65,18 +65,20 @@ class StopStringMatcher:
     """Cuts a text stream at the first stop string, holding back whatever could still become one.
 
     Invariants: the emitted text never contains a stop string, nor any part
-    of the one that matched; ``held`` is the longest suffix of the text seen
+    of the one that matched (unless ``include_stop``: then it ends with the
+    matched stop string, as vLLM's ``include_stop_str_in_output``); ``held`` is the longest suffix of the text seen
     that is a proper prefix of some stop string (so a stop string can never
     begin inside text already emitted). Once ``stopped``, nothing more is
     emitted.
     """
 
-    __slots__ = ("stops", "held", "stopped")
+    __slots__ = ("stops", "held", "stopped", "include_stop")
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include_stop: bool = False) -> None:
         self.stops = [s for s in stops if s]
         self.held = ""
         self.stopped = False
+        self.include_stop = include_stop
 
     def feed(self, text: str) -> str:
         """The part of ``text`` (after what was held) that is safe to emit."""
@@ -85,10 +87,11 @@ class StopStringMatcher:
         if not self.stops:
             return text
         text = self.held + text
-        hits = [i for s in self.stops if (i := text.find(s)) >= 0]
+        hits = [(i, -len(s)) for s in self.stops if (i := text.find(s)) >= 0]
         if hits:
             self.stopped, self.held = True, ""
-            return text[:min(hits)]
+            start, minus_len = min(hits)  # the earliest, and the longest of those starting there
+            return text[:start - minus_len if self.include_stop else start]
         keep = max((k for s in self.stops for k in range(1, min(len(s), len(text) + 1))
                     if text.endswith(s[:k])), default=0)
         self.held = text[len(text) - keep:]
@@ -110,9 +113,9 @@ class TextStream:
     __slots__ = ("detokenizer", "matcher")
 
     def __init__(self, tokenizer, prompt_token_ids: Sequence[int], stops: Sequence[str],
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, include_stop: bool = False) -> None:
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
-        self.matcher = StopStringMatcher(stops)
+        self.matcher = StopStringMatcher(stops, include_stop)
 
     @property
     def stopped(self) -> bool:

@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from cluster.serve.generation import Generation, Piece
+from cluster.serve.tools import ToolCalling, ToolCallStream
 from cluster.serve.protocol import (
     APIError, AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
     ChatStreamChoice, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse, Delta,
@@ -23,7 +24,9 @@ def _token_str(tokenizer, token_id: int) -> str:
 
 @dataclass(slots=True)
 class CompletionFormat:
-    """Builds /v1/completions chunks and responses; ``offsets`` keeps each choice's logprob text_offset."""
+    """Builds /v1/completions chunks and responses; ``offsets`` keeps each choice's logprob text_offset.
+    ``echo`` (the prompt's text, for ``echo=true``) leads each choice's first chunk; ``echoed`` holds
+    the choices that have had it."""
 
     tokenizer: Any
     id: str
@@ -31,6 +34,14 @@ class CompletionFormat:
     num_logprobs: int | None
     offsets: dict[int, int] = field(default_factory=dict)
     created: int = field(default_factory=now)
+    echo: str = ""
+    echoed: set[int] = field(default_factory=set)
+
+    def _text(self, p: Piece) -> str:
+        if not self.echo or p.index in self.echoed:
+            return p.text
+        self.echoed.add(p.index)
+        return self.echo + p.text
 
     def opening(self, n: int, usage: bool) -> list[BaseModel]:
         return []
@@ -53,17 +64,17 @@ class CompletionFormat:
         self.offsets[p.index] = end
         return out
 
-    def chunk(self, pieces: list[Piece], usage: bool) -> BaseModel:
-        choices = [CompletionChoice(index=p.index, text=p.text, logprobs=self.logprobs(p),
+    def chunk(self, pieces: list[Piece], usage: bool) -> list[BaseModel]:
+        choices = [CompletionChoice(index=p.index, text=self._text(p), logprobs=self.logprobs(p),
                                     finish_reason=p.finish_reason) for p in pieces]
-        return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
-                               **({"usage": None} if usage else {}))
+        return [CompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
+                                **({"usage": None} if usage else {}))]
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
 
     def response(self, gen: Generation, texts: list[str], logprobs: list[list[BaseModel]]) -> BaseModel:
-        choices = [CompletionChoice(index=i, text=t, finish_reason=s.finish_reason,
+        choices = [CompletionChoice(index=i, text=self.echo + t, finish_reason=s.finish_reason,
                                     logprobs=_merge_completion_logprobs(lps) if self.num_logprobs is not None
                                     else None)
                    for i, (s, t, lps) in enumerate(zip(gen.samples, texts, logprobs))]
@@ -83,13 +94,20 @@ def _merge_completion_logprobs(parts: list[CompletionLogprobs]) -> CompletionLog
 
 @dataclass(slots=True)
 class ChatFormat:
-    """Builds /v1/chat/completions chunks and responses (the role comes once per choice, first)."""
+    """Builds /v1/chat/completions chunks and responses (the role comes once per choice, first).
+
+    With ``tools``, each choice's text goes through a ToolCallStream (``streams``): calls leave the
+    content and stream as OpenAI's do, a chunk with each call's id and name, then one with its arguments;
+    a choice that called ends with ``tool_calls``.
+    """
 
     tokenizer: Any
     id: str
     model: str
     num_logprobs: int | None
     created: int = field(default_factory=now)
+    tools: ToolCalling | None = None
+    streams: dict[int, ToolCallStream] = field(default_factory=dict)
 
     def opening(self, n: int, usage: bool) -> list[BaseModel]:
         return [ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[
@@ -108,22 +126,44 @@ class ChatFormat:
                          top_logprobs=[self._top(i, v) for i, v in zip(lp.top_token_ids, lp.top_logprobs)])
             for t, lp in zip(p.token_ids, p.logprobs)])
 
-    def chunk(self, pieces: list[Piece], usage: bool) -> BaseModel:
-        choices = [ChatStreamChoice(index=p.index, delta=Delta(content=p.text or None), logprobs=self.logprobs(p),
-                                    finish_reason=p.finish_reason) for p in pieces]
+    def _chunk(self, choices: list[ChatStreamChoice], usage: bool) -> BaseModel:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
                                    **({"usage": None} if usage else {}))
+
+    def chunk(self, pieces: list[Piece], usage: bool) -> list[BaseModel]:
+        if self.tools is None:
+            return [self._chunk([ChatStreamChoice(index=p.index, delta=Delta(content=p.text or None),
+                                                  logprobs=self.logprobs(p), finish_reason=p.finish_reason)
+                                 for p in pieces], usage)]
+        chunks = []
+        for p in pieces:  # a chunk per tool call delta, as OpenAI streams them
+            stream = self.streams.setdefault(p.index, ToolCallStream(self.tools))
+            content = stream.feed(p.text) + (stream.finish() if p.finish_reason else "")
+            choices = [ChatStreamChoice(index=p.index, delta=Delta(content=content or None), logprobs=self.logprobs(p))]
+            choices += [ChatStreamChoice(index=p.index, delta=Delta(tool_calls=[d])) for d in stream.take_deltas()]
+            if content or p.logprobs or len(choices) == 1:
+                chunks.append(choices[0])
+            chunks += choices[1:]
+            chunks[-1].finish_reason = _finish_reason(p.finish_reason, bool(stream.returned_calls()))
+        return [self._chunk([c], usage) for c in chunks]
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
 
     def response(self, gen: Generation, texts: list[str], logprobs: list[list[BaseModel]]) -> BaseModel:
-        choices = [ChatChoice(index=i, message=AssistantMessage(content=t), finish_reason=s.finish_reason,
-                              logprobs=ChatLogprobs(content=[c for lp in lps for c in lp.content])
-                              if self.num_logprobs is not None else None)
-                   for i, (s, t, lps) in enumerate(zip(gen.samples, texts, logprobs))]
+        choices = []
+        for i, (s, t, lps) in enumerate(zip(gen.samples, texts, logprobs)):
+            content, calls = self.tools.parse(t) if self.tools else (t, [])
+            choices.append(ChatChoice(index=i, message=AssistantMessage(content=content, tool_calls=calls),
+                                      finish_reason=_finish_reason(s.finish_reason, bool(calls)),
+                                      logprobs=ChatLogprobs(content=[c for lp in lps for c in lp.content])
+                                      if self.num_logprobs is not None else None))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                       usage=gen.usage())
+
+
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 Format = CompletionFormat | ChatFormat
@@ -144,8 +184,8 @@ async def stream_sse(gen: Generation, fmt: Format, include_usage: bool) -> Async
             if errors:
                 yield _sse(APIError(500, errors[0]).body())
                 break
-            if pieces:
-                yield _sse(fmt.chunk(pieces, include_usage))
+            for chunk in fmt.chunk(pieces, include_usage) if pieces else []:
+                yield _sse(chunk)
         else:
             if include_usage:
                 yield _sse(fmt.usage_chunk(gen.usage()))

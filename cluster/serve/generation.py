@@ -50,11 +50,12 @@ class Generation:
                  params: SamplingParams, req: SamplingFields) -> None:
         self.metrics = metrics
         self.prompt_ids = prompt_ids
-        self.samples = [Sample(TextStream(tokenizer, prompt_ids, req.stop_strings, req.skip_special_tokens))
+        self.samples = [Sample(TextStream(tokenizer, prompt_ids, req.stop_strings, req.skip_special_tokens,
+                                          req.include_stop_str_in_output))
                         for _ in range(params.n)]
         self.arrival = time.monotonic()
         self.num_cached_tokens = 0
-        self.stream = engine.generate(new_id("req"), prompt_ids, params, req.priority)
+        self.stream = engine.generate(new_id("req"), prompt_ids, params, req.priority, req.cache_salt)
         self.first: RequestOutput | None = None
 
     async def start(self) -> "Generation":

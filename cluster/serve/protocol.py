@@ -4,13 +4,16 @@ stop_token_ids, priority, /tokenize, /detokenize) take vLLM's names and shapes."
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
+from pydantic.json_schema import models_json_schema
 
-from scheduler import SamplingParams
+from scheduler import SamplingParams, StructuredOutputsParams
+from workers.structured_output import compile_grammar
 
 M = TypeVar("M", bound=BaseModel)
 TokenId = Annotated[int, Field(ge=0)]
@@ -79,18 +82,60 @@ def _short(value: Any) -> str:
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    """What completions and chat share: sampling, stopping and scheduling knobs.
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
 
+
+class JsonSchema(Strict):
+    """``response_format.json_schema``. Output is always held to ``schema`` (``strict`` or not): a model
+    this small follows no schema unless forced, and a constraint accepted but not enforced fails open."""
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputsRequest(Strict):
+    """vLLM's ``structured_outputs`` extra field: one of json (a schema), json_object, regex, choice,
+    grammar (Lark or GBNF). vLLM's tuning knobs (whitespace, fallback, structural tags) are refused."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class SamplingFields(BaseModel):
+    """What completions and chat share: sampling, stopping, constraint and scheduling knobs.
+
+    The field policy, for every request model here: a field is honoured, or
+    refused with a 400 that names it, never dropped (a constraint silently
+    ignored fails open).
+    - Unknown fields: refused (``extra="forbid"``, code ``unsupported_field``),
+      in nested objects too.
+    - Refused values, each with its reason in the field's description (and so
+      in /openapi.json): ``best_of`` other than ``n``, any ``suffix``,
+      ``logprobs``/``top_logprobs`` above 20, ``prompt_logprobs`` and ``echo``
+      with logprobs (prompt logprobs are not computed), ``priority`` under fcfs.
+    - Accepted without behaviour: ``user``, ``metadata``, ``store`` (OpenAI
+      bookkeeping that changes no output).
     Ranges are checked here so that each error names the field; SamplingParams
-    re-checks them (and anything this misses becomes a 400 the same way). A
-    field this server does not honour is refused (400 naming it), never
-    dropped: a constraint silently ignored fails open. ``user`` and
-    ``metadata`` carry no behaviour and are accepted.
+    re-checks them (and anything this misses becomes a 400 the same way).
     """
+
+
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -112,8 +157,19 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    include_stop_str_in_output: bool = False
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    cache_salt: str | None = Field(None, min_length=1, description=(
+        "mixed into the prefix-cache hash of the prompt's first block: only requests with the same salt "
+        "share cached blocks"))
+    best_of: int | None = Field(None, ge=1, description="accepted only when equal to n (no server-side ranking)")
     user: str | None = None
     metadata: dict[str, str] | None = None
+    store: bool | None = None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -123,14 +179,64 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The output constraint of ``response_format`` or ``structured_outputs``, compiled once to check it:
+        a 400 naming the field before anything is scheduled."""
+        rf, so = self.response_format, self.structured_outputs
+        if rf is not None and rf.type != "text" and so is not None:
+            raise bad_request("response_format and structured_outputs both constrain the output; send one",
+                              "structured_outputs")
+        param = "structured_outputs"
+        if rf is not None and rf.type == "json_object":
+            param, c = "response_format", StructuredOutputsParams(json_object=True)
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise bad_request("response_format: type json_schema needs json_schema.schema",
+                                  "response_format.json_schema")
+            param, c = "response_format.json_schema.schema", StructuredOutputsParams(json=rf.json_schema.schema_)
+        elif so is not None:
+            try:
+                c = StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                            json_object=bool(so.json_object))
+            except ValueError as e:
+                raise bad_request(f"structured_outputs: {e}", param) from None
+        else:
+            return None
+        try:
+            compile_grammar(c)
+        except ValueError as e:
+            field = str(e).split(":", 1)[0]
+            raise bad_request(f"{param}: {e}", param if param != "structured_outputs" else f"{param}.{field}") from None
+        return c
+
+    def check_policy(self) -> None:
+        """Values the server refuses although their field exists (see the class docstring)."""
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request(f"best_of={self.best_of}: only best_of equal to n={self.n} is supported "
+                              f"(this server does not rank samples)", "best_of")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        tool_constraint: StructuredOutputsParams | None = None,
+                        bad_words_token_ids: list[list[int]] | None = None) -> SamplingParams:
+        """``tool_constraint``: the grammar a forced tool_choice imposes (the server builds it from tools);
+        ``bad_words_token_ids``: ``bad_words`` tokenized (by the server, which holds the tokenizer)."""
+        self.check_policy()
+        constraint = self.constraint()
+        if tool_constraint is not None:
+            if constraint is not None:
+                raise bad_request("tool_choice forces a tool call, which response_format or structured_outputs "
+                                  "would constrain as well; send one", "tool_choice")
+            compile_grammar(tool_constraint)  # built from tools' parameters: each was checked by the client's schema
+            constraint = tool_constraint
         try:
             return SamplingParams(
                 temperature=self.temperature, top_p=self.top_p, top_k=-1 if self.top_k == 0 else self.top_k,
                 min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
                 max_tokens=max_tokens, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids or [],
-                ignore_eos=self.ignore_eos, n=self.n, logprobs=logprobs)
+                ignore_eos=self.ignore_eos, n=self.n, logprobs=logprobs, logit_bias=self.logit_bias,
+                allowed_token_ids=self.allowed_token_ids, structured_outputs=constraint,
+                bad_words_token_ids=bad_words_token_ids)
         except ValueError as e:  # "name=value is invalid: rule"
             raise bad_request(str(e), str(e).split("=", 1)[0]) from None
 
@@ -141,7 +247,14 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: NumLogprobs | None = None
-    echo: Literal[False] = False
+    echo: bool = Field(False, description="the prompt's text in front of each choice's; refused with logprobs")
+    suffix: None = Field(None, description="refused: this server does not do insertion (fill in the middle)")
+
+    def check_policy(self) -> None:
+        super().check_policy()
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo with logprobs needs the prompt's logprobs, which this server does not compute",
+                              "echo")
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -157,25 +270,82 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # calls forced by tool_choice always follow parameters; auto ones are parsed as given
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
-    """A message of the history; fields it does not honour (tool calls, ...) are refused, not dropped."""
+    """A message of the history; fields it does not honour are refused, not dropped."""
 
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
-    def template_dict(self) -> dict[str, str]:
-        """What chat templates expect: the content as one string."""
+    def template_dict(self, native_tools: bool = False) -> dict[str, Any]:
+        """What chat templates expect: the content as one string. Earlier tool calls go as the template's
+        ``tool_calls`` (arguments as objects) when it renders tools, else as Hermes text in the content."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": self.role, "content": content} | ({"name": self.name} if self.name else {})
+        out: dict[str, Any] = {"role": self.role, "content": content} | ({"name": self.name} if self.name else {})
+        calls = [{"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}
+                 for c in self.tool_calls or []]
+        if calls and native_tools:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": f}
+                                 for c, f in zip(self.tool_calls, calls)]
+        elif calls:
+            out["content"] = "\n".join([content] * bool(content) + [
+                f"<tool_call>\n{json.dumps(f)}\n</tool_call>" for f in calls])
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _json_or_text(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
 
 
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions. ``max_completion_tokens`` is the newer name for ``max_tokens``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -191,6 +361,22 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
+
+def openapi_request_bodies(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` (FastAPI's OpenAPI document) with each route's request body schema: the routes read their
+    bodies themselves (to name the bad parameter), so FastAPI cannot see them. The schemas are the request
+    models', so /openapi.json states exactly the field policy that ``parse`` enforces."""
+    _, defs = models_json_schema([(m, "validation") for m in REQUEST_BODIES.values()],
+                                 ref_template="#/components/schemas/{model}")
+    spec.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+    for path, model in REQUEST_BODIES.items():
+        spec["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    return spec
 
 
 class TokenizeCompletionRequest(BaseModel):
@@ -281,7 +467,30 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+
+
+class StreamedFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer
+    def _drop_unset(self) -> dict[str, str]:
+        return {k: v for k, v in (("name", self.name), ("arguments", self.arguments)) if v is not None}
+
+
+class StreamedToolCall(BaseModel):
+    """A chat stream's tool call delta: the first for a call carries its id and name, later ones arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: StreamedFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChoice(BaseModel):
@@ -305,10 +514,11 @@ class Delta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[StreamedToolCall] | None = None
 
-    @model_serializer
-    def _drop_unset(self) -> dict[str, str]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatStreamChoice(BaseModel):

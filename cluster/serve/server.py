@@ -15,6 +15,7 @@ from typing import Any
 
 import ray
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response, StreamingResponse
 from google.protobuf.json_format import MessageToDict
 from ray import serve
@@ -22,6 +23,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 from starlette.exceptions import HTTPException
 from transformers import AutoTokenizer
 
+from cluster.engine import check_params
 from cluster.ray_engine import RayEngine
 from cluster.raylm_pb2 import GenerateRequest, GenerateResponse
 from cluster.serve import grpc_status
@@ -33,11 +35,22 @@ from cluster.serve.options import AppArgs
 from cluster.serve.protocol import (
     APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
     ModelCard, ModelList, SamplingFields, TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse,
-    bad_request, new_id, now, parse,
+    bad_request, new_id, now, openapi_request_bodies, parse,
 )
+from cluster.serve.tools import ToolCalling
 
 
 app = FastAPI(title="raylm", description="OpenAI-compatible LLM serving on Ray")
+
+
+def _openapi() -> dict[str, Any]:
+    if app.openapi_schema is None:
+        app.openapi_schema = openapi_request_bodies(get_openapi(title=app.title, version=app.version,
+                                                                description=app.description, routes=app.routes))
+    return app.openapi_schema
+
+
+app.openapi = _openapi
 
 
 @app.exception_handler(APIError)
@@ -104,13 +117,23 @@ class LLMServer:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
 
-    def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool, tools: ToolCalling | None = None,
+                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        dicts = tools.template_messages(messages) if tools else [m.template_dict() for m in messages]
+        extra = {"tools": tools.template_tools()} if tools and tools.native else {}
         try:
             return list(self.tokenizer.apply_chat_template(
-                [m.template_dict() for m in messages], add_generation_prompt=add_generation_prompt,
-                tokenize=True, return_dict=False))
+                dicts, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
+                **(template_kwargs or {}) | extra))
         except Exception as e:  # templates raise on what they cannot render (roles out of order, ...)
             raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
+
+    def _bad_words(self, words: list[str] | None) -> list[list[int]] | None:
+        """Each word as it would be tokenized at the start of a text and after a space (vLLM's variants)."""
+        if not words:
+            return None
+        variants = {tuple(self.tokenizer.encode(v, add_special_tokens=False)) for w in words for v in (w, " " + w)}
+        return [list(v) for v in variants if v]
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """Token ids as they are: the engine rejects an empty prompt or ids outside the vocabulary (a 400)."""
@@ -129,18 +152,23 @@ class LLMServer:
         return requested or room
 
     async def _generation(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int,
-                          num_logprobs: int | None) -> Generation:
+                          num_logprobs: int | None, tools: ToolCalling | None = None) -> Generation:
         # Under fcfs the scheduler ignores priority: refuse it rather than silently not honour it, as vLLM does.
         if req.priority != 0 and self.scheduling_policy != "priority":
             raise bad_request(f"priority={req.priority} needs the priority scheduling policy; this server schedules "
                               f"{self.scheduling_policy} (serve with scheduling_policy=priority)", "priority")
-        params = req.sampling_params(max_tokens, num_logprobs)
+        params = req.sampling_params(max_tokens, num_logprobs, tools.constraint() if tools else None,
+                                     self._bad_words(req.bad_words))
+        try:
+            check_params(params, self.engine.spec.vocab_size)
+        except ValueError as e:  # "field: problem"
+            raise bad_request(str(e), str(e).split(":", 1)[0]) from None
         return await Generation(self.engine, self.tokenizer, self.metrics, prompt_ids, params, req).start()
 
     async def _run(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int, num_logprobs: int | None,
-                   fmt_type: Callable[..., Format], prefix: str) -> Response:
-        gen = await self._generation(req, prompt_ids, max_tokens, num_logprobs)
-        fmt = fmt_type(self.tokenizer, new_id(prefix), self.model_name, num_logprobs)
+                   fmt_type: Callable[..., Format], prefix: str, **fmt_fields: Any) -> Response:
+        gen = await self._generation(req, prompt_ids, max_tokens, num_logprobs, fmt_fields.get("tools"))
+        fmt = fmt_type(self.tokenizer, new_id(prefix), self.model_name, num_logprobs, **fmt_fields)
         if req.stream:
             return StreamingResponse(stream_sse(gen, fmt, req.include_usage), media_type="text/event-stream")
         return json_response(await collect(gen, fmt))
@@ -151,19 +179,23 @@ class LLMServer:
     async def completions(self, request: Request) -> Response:
         req = parse(CompletionRequest, await self._body(request))
         self._check_model(req.model)
-        ids = self._prompt_ids(req.single_prompt())
+        prompt = req.single_prompt()
+        ids = self._prompt_ids(prompt)
         max_tokens = self._max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt")
-        return await self._run(req, ids, max_tokens, req.logprobs, CompletionFormat, "cmpl")
+        echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)) if req.echo else ""
+        return await self._run(req, ids, max_tokens, req.logprobs, CompletionFormat, "cmpl", echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         req = parse(ChatCompletionRequest, await self._body(request))
         self._check_model(req.model)
         num_logprobs = req.num_logprobs
-        ids = self._chat_ids(req.messages, req.add_generation_prompt)
+        tools = ToolCalling.from_request(req.tools, req.tool_choice, req.parallel_tool_calls,
+                                         self.tokenizer.chat_template)
+        ids = self._chat_ids(req.messages, req.add_generation_prompt, tools, req.chat_template_kwargs)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(len(ids), req.requested_max_tokens, param, "messages")
-        return await self._run(req, ids, max_tokens, num_logprobs, ChatFormat, "chatcmpl")
+        return await self._run(req, ids, max_tokens, num_logprobs, ChatFormat, "chatcmpl", tools=tools)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:

@@ -4,8 +4,11 @@ The shared ``smol`` LLM runs on the Ray engine (the default executor); the
 scheduling variants run in-process, which takes the same step without actors.
 """
 
+import json
 import subprocess
 import sys
+
+import jsonschema
 
 import pytest
 import ray
@@ -13,6 +16,7 @@ import torch
 
 from cluster import LLM, EngineConfig, SamplingParams
 from cluster.engine import InProcessEngine
+from scheduler import StructuredOutputsParams
 
 NEW_TOKENS = 32
 BASE = ("The history of the Roman empire is long and complicated. It began when the city of Rome was "
@@ -266,3 +270,51 @@ def test_raylm_generate_cli(default_model_dir, ray_session):
     bad = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", "/nonexistent/model",
                           "--prompt", "x"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "does not exist" in bad.stderr
+
+
+CONSTRAINED_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 24}, "year": {"type": "integer", "minimum": 0, "maximum": 3000},
+    "tags": {"type": "array", "items": {"enum": ["old", "new", "big"]}, "maxItems": 3}},
+    "required": ["title", "year", "tags"], "additionalProperties": False}
+
+
+def constrained(max_tokens=64, **kw):
+    return SamplingParams(max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(json=CONSTRAINED_SCHEMA),
+                          **{"temperature": 0.0} | kw)
+
+
+def test_structured_output_under_preemption_and_chunked_prefill_equals_unpreempted(smol, default_model_dir):
+    """Each request's matcher lives on the sampling rank and follows the tokens the scheduler accepted: a
+    request preempted, recomputed in chunks from the prefix cache and resumed keeps exactly its output."""
+    llm, ids, _ = smol
+    alone = [llm.generate([p], constrained(), use_tqdm=False)[0].outputs[0] for p in ids]
+    for o in alone:
+        if o.finish_reason == "stop":
+            jsonschema.validate(json.loads(o.text), CONSTRAINED_SCHEMA)
+    assert sum(o.finish_reason == "stop" for o in alone) >= len(ids) // 2
+    block_bytes = ray.get(llm.engine.workers[0].call.remote("block_bytes"))
+    tight = LLM(model=default_model_dir, executor="inprocess", kv_cache_bytes=block_bytes * 24,
+                max_num_batched_tokens=48, long_prefill_token_threshold=20)
+    together = tight.generate(ids, constrained(), use_tqdm=False)
+    assert tight.engine.stats().num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in together] == [o.token_ids for o in alone]
+
+
+def test_n_2_with_a_constraint_gives_each_child_its_own_matcher(smol):
+    llm, ids, _ = smol
+    out = llm.generate([ids[1]], constrained(96, n=2, temperature=1.0, seed=5), use_tqdm=False)[0].outputs
+    assert len(out) == 2 and out[0].token_ids != out[1].token_ids
+    for o in out:
+        assert o.text.startswith("{")
+        if o.finish_reason == "stop":
+            jsonschema.validate(json.loads(o.text), CONSTRAINED_SCHEMA)
+
+
+def test_a_constraint_that_does_not_compile_is_refused_before_anything_runs(smol):
+    llm, ids, _ = smol
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed"))
+    with pytest.raises(ValueError, match=r"params\[1\]: regex:"):
+        llm.generate(ids[:2], [greedy(), bad], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="logit_bias: token id"):
+        llm.generate(ids[:1], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)

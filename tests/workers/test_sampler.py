@@ -295,3 +295,35 @@ def test_no_logprobs_requested_returns_none():
     md = build([SamplingParams(), SamplingParams(temperature=0.0)])
     assert md.max_num_logprobs is None
     assert Sampler()(torch.randn(2, V), md)[1] is None
+
+
+def test_logit_bias_and_allowed_token_ids_act_per_row():
+    params = [SamplingParams(temperature=0, logit_bias={9: 100.0, 0: -100}), SamplingParams(temperature=0),
+              SamplingParams(temperature=0, allowed_token_ids=[3, 7])]
+    logits = Sampler().process_logits(LOGITS.repeat(3, 1), build(params))
+    assert logits[0, 9] == LOGITS[9] + 100 and logits[0, 0] == LOGITS[0] - 100
+    assert torch.equal(logits[1], LOGITS)
+    assert torch.isinf(logits[2]).tolist() == [t not in (3, 7) for t in range(V)]
+    assert Sampler()(LOGITS.repeat(3, 1), build(params))[0].tolist() == [9, 0, 3]
+
+
+def test_a_grammar_bitmask_leaves_only_its_tokens():
+    import numpy as np
+
+    from workers.structured_output import unpack_banned
+    # row 1: tokens 0, 5, 31 and 33 (the second 32-bit word); bit 31 makes the word negative as an int32
+    bitmask = np.array([[(1 << 0) | (1 << 5) | -(1 << 31), 1 << 1]], dtype=np.int32)
+    params = [SamplingParams(temperature=0)] * 3
+    md = build(params, vocab=40)
+    md.grammar = torch.from_numpy(unpack_banned(bitmask, [1], 3, 40))
+    logits = Sampler().process_logits(torch.randn(3, 40), md)
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [0, 5, 31, 33]
+    assert torch.isfinite(logits[[0, 2]]).all()
+
+
+def test_bad_words_ban_the_token_that_would_complete_them():
+    params = [SamplingParams(temperature=0, bad_words_token_ids=[[0], [4, 5, 1]])] * 3
+    outputs = [[], [4], [7, 4, 5]]  # row 2 has written all of [4, 5, 1] but its last token
+    md = SamplingMetadata.build(params, [None] * 3, [len(o) for o in outputs], None, V, "cpu", None, outputs)
+    logits = Sampler().process_logits(LOGITS.repeat(3, 1), md)
+    assert [torch.isinf(row).nonzero().flatten().tolist() for row in logits] == [[0], [0], [0, 1]]

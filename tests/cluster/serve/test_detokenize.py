@@ -117,3 +117,9 @@ def test_text_stream_matches_a_stop_string_made_of_multibyte_characters(tokenize
     ts = TextStream(tokenizer, [], ["😀 z"])
     out = "".join(ts.add([t]) for t in ids) + ts.finish()
     assert out == "x 😀 y " and ts.stopped
+
+
+def test_include_stop_keeps_the_stop_string_that_matched_first():
+    m = StopStringMatcher(["wor", "o w", "xyz"], include_stop=True)
+    assert feed_all(m, ["hel", "lo w", "orld"]) == "hello w"
+    assert m.stopped

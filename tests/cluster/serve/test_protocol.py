@@ -15,6 +15,7 @@ from cluster.serve.protocol import (
     Delta, Usage, parse,
 )
 from cluster.serve import AppArgs, build_app, deployment_options
+from scheduler import StructuredOutputsParams
 
 SERVE_CONFIG = Path(__file__).parents[3] / "manifests" / "serve_config.yaml"
 
@@ -30,10 +31,10 @@ SERVE_CONFIG = Path(__file__).parents[3] / "manifests" / "serve_config.yaml"
     (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content"),
     (CompletionRequest, {"prompt": "x", "suffix": "y"}, "suffix"),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}},
-     "response_format"),
-    (ChatCompletionRequest, {"messages": [{"role": "assistant", "content": "", "tool_calls": []}]},
-     "messages[0].tool_calls"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "xml"}},
+     "response_format.type"),
+    (ChatCompletionRequest, {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}]},
+     "messages[0].tool_calls[0].function"),
 ])
 def test_validation_errors_are_400_naming_the_parameter(model, body, param):
     with pytest.raises(APIError) as e:
@@ -153,7 +154,63 @@ def test_cli_serve_reaches_the_app_args(monkeypatch):
 
 def test_unknown_fields_are_refused_and_harmless_ones_accepted():
     with pytest.raises(APIError) as e:
-        parse(CompletionRequest, {"prompt": "x", "logit_bias": {"5": 100}})
-    assert e.value.code == "unsupported_field" and "does not support" in e.value.message
-    req = parse(CompletionRequest, {"prompt": "x", "user": "u", "metadata": {"k": "v"}})
+        parse(CompletionRequest, {"prompt": "x", "prediction": {"type": "content", "content": "y"}})
+    assert (e.value.code, e.value.param) == ("unsupported_field", "prediction")
+    assert "does not support" in e.value.message
+    with pytest.raises(APIError) as e:  # nested objects too: vLLM's whitespace knob is not honoured
+        parse(CompletionRequest, {"prompt": "x", "structured_outputs": {"regex": "a", "whitespace_pattern": " "}})
+    assert (e.value.code, e.value.param) == ("unsupported_field", "structured_outputs.whitespace_pattern")
+    req = parse(CompletionRequest, {"prompt": "x", "user": "u", "metadata": {"k": "v"}, "store": False})
     assert req.metadata == {"k": "v"}
+
+
+CHAT = {"messages": [{"role": "user", "content": "a"}]}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": True}}},
+     StructuredOutputsParams(json=SCHEMA)),
+    ({"structured_outputs": {"json": SCHEMA}}, StructuredOutputsParams(json=SCHEMA)),
+    ({"structured_outputs": {"regex": "[a-z]+"}}, StructuredOutputsParams(regex="[a-z]+")),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, StructuredOutputsParams(choice=["yes", "no"])),
+    ({"structured_outputs": {"grammar": 'start: "a"+'}}, StructuredOutputsParams(grammar='start: "a"+')),
+])
+def test_constraints_reach_sampling_params(body, expected):
+    assert parse(ChatCompletionRequest, CHAT | body).sampling_params(8, None).structured_outputs == expected
+
+
+def test_sampling_fields_reach_sampling_params():
+    params = parse(CompletionRequest, {"prompt": "x", "logit_bias": {"5": -100, "7": 2.5}, "allowed_token_ids": [5, 7],
+                                       "best_of": 2, "n": 2}).sampling_params(8, None)
+    assert (params.logit_bias, params.allowed_token_ids, params.n) == ({5: -100.0, 7: 2.5}, [5, 7], 2)
+
+
+@pytest.mark.parametrize(("model", "body", "param", "says"), [
+    (ChatCompletionRequest, CHAT | {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"type": "strin"}}}}, "response_format.json_schema.schema", "strin"),
+    (ChatCompletionRequest, CHAT | {"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}},
+     "response_format.json_schema", "schema"),
+    (ChatCompletionRequest, CHAT | {"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "unclosed"),
+    (ChatCompletionRequest, CHAT | {"structured_outputs": {"grammar": "start: x"}}, "structured_outputs.grammar",
+     "unknown name"),
+    (ChatCompletionRequest, CHAT | {"structured_outputs": {"json": "{not json"}}, "structured_outputs.json",
+     "not valid JSON"),
+    (ChatCompletionRequest, CHAT | {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+     "exactly one"),
+    (ChatCompletionRequest, CHAT | {"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
+    (ChatCompletionRequest, CHAT | {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+     "structured_outputs", "send one"),
+    (CompletionRequest, {"prompt": "x", "best_of": 3}, "best_of", "n=1"),
+    (CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 1}, "echo", "logprobs"),
+    (CompletionRequest, {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "100"),
+    (CompletionRequest, {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids", "at least 1"),
+])
+def test_the_field_policy_refuses_with_a_400_naming_the_field(model, body, param, says):
+    with pytest.raises(APIError) as e:
+        req = parse(model, body)
+        req.sampling_params(8, None)
+    assert (e.value.status, e.value.param) == (400, param)
+    assert says in e.value.message
