@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -225,7 +226,8 @@ class Scheduler:
             del self.children[caller_id]
         return RequestOutput(caller_id, request.index, [], True, FINISH_REASONS[status],
                              num_prompt_tokens=request.num_prompt_tokens,
-                             num_cached_tokens=max(request.num_cached_tokens, 0), error=error)
+                             num_cached_tokens=max(request.num_cached_tokens, 0), error=error,
+                             queued_s=request.queued_s)
 
     def _release_parked(self, request: Request) -> None:
         parked = self.parked.pop(request.request_id, None)
@@ -364,6 +366,7 @@ class Scheduler:
         block_ids = self.kv.get_block_ids(rid)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
+            request.queued_s = time.monotonic() - request.arrival_time
         if request.status == RequestStatus.PREEMPTED:
             cached.req_ids.append(rid)
             cached.resumed_from_preemption.append(True)

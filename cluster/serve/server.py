@@ -28,7 +28,7 @@ from cluster.serve import grpc_status
 from cluster.serve.formats import ChatFormat, CompletionFormat, Format, collect, stream_sse
 from cluster.serve.generation import Generation
 from cluster.serve.http_io import json_response, read_json
-from cluster.serve.metrics import CONTENT_TYPE, ServeMetrics
+from cluster.serve.metrics import CONTENT_TYPE, ServeMetrics, node_metrics_port, render_node_metrics
 from cluster.serve.options import AppArgs
 from cluster.serve.protocol import (
     APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
@@ -36,6 +36,8 @@ from cluster.serve.protocol import (
     bad_request, new_id, now, parse,
 )
 
+
+ENGINE_STATS_PERIOD_S = 1.0
 
 app = FastAPI(title="raylm", description="OpenAI-compatible LLM serving on Ray")
 
@@ -74,12 +76,27 @@ class LLMServer:
         self.api_key = args.api_key
         self.max_body_bytes = args.max_body_bytes
         self.scheduling_policy = args.engine.scheduling_policy
-        self.metrics = ServeMetrics(self.model_name)
-        self.created = now()
         cfg = args.engine
+        self.metrics = ServeMetrics(self.model_name, serve.get_replica_context().replica_id.unique_id, {
+            "block_size": str(cfg.block_size), "num_gpu_blocks": str(self.engine.num_blocks),
+            "enable_prefix_caching": str(cfg.enable_prefix_caching), "cache_dtype": str(cfg.dtype),
+            "gpu_memory_utilization": str(cfg.gpu_memory_utilization)})
+        self.metrics_port = node_metrics_port()
+        self.created = now()
+        self._publisher = asyncio.get_running_loop().create_task(self._publish_engine_stats())
         # The longest sequence (prompt + output) one request may reach: the context, or the whole KV cache
         # (less block 0, the scheduler's null block). Longer ones are refused here with a 400 naming max_tokens.
         self.max_seq_len = min(self.engine.max_model_len, (self.engine.num_blocks - 1) * cfg.block_size)
+
+    async def _publish_engine_stats(self) -> None:
+        """The engine's gauges and totals into Ray's metrics, each period (a gauge not set for two of Ray's
+        report periods ages out of the export)."""
+        while True:
+            try:
+                self.metrics.record_engine(await asyncio.to_thread(self.engine.stats))
+            except Exception:  # a dead engine fails check_health, which restarts this replica
+                pass
+            await asyncio.sleep(ENGINE_STATS_PERIOD_S)
 
     async def check_health(self) -> None:
         """Serve's periodic check: raising restarts this replica (and so its engine)."""
@@ -204,8 +221,8 @@ class LLMServer:
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
         self._authorize(request.headers.get("authorization"))
-        stats = await asyncio.to_thread(self.engine.stats)
-        return Response(self.metrics.render(stats), media_type=CONTENT_TYPE)
+        text = await asyncio.to_thread(render_node_metrics, self.metrics_port)
+        return Response(text, media_type=CONTENT_TYPE)
 
     # ---- gRPC (method names are the .proto's) ----
 
