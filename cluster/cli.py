@@ -104,6 +104,9 @@ def _serve_parsers(sub, bench_sub) -> None:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $RAYLM_API_KEY)")
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    srv.add_argument("--request-router", default="prefix_cache", choices=["prefix_cache", "serve"],
+                     help="with several replicas: send each request to the replica whose prefix cache holds most of "
+                          "its prompt (prefix_cache), or Serve's own balancing by load (serve)")
     bs = bench_sub.add_parser("serve", help="online serving over HTTP streaming: TTFT, TPOT, ITL, latency, throughput")
     bs.add_argument("--url", default="http://127.0.0.1:8000", help="the server to measure (unless --compare or "
                     "--no-work-model, which start their own)")
@@ -145,7 +148,8 @@ def _serve_command(args: argparse.Namespace) -> None:
     app_args = AppArgs(engine=engine, served_model_name=args.served_model_name,
                        api_key=args.api_key or os.environ.get("RAYLM_API_KEY"), min_replicas=args.min_replicas,
                        max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
-                       max_ongoing_requests=args.max_ongoing_requests, max_body_bytes=args.max_body_bytes)
+                       max_ongoing_requests=args.max_ongoing_requests, max_body_bytes=args.max_body_bytes,
+                       request_router=args.request_router)
     serve_until_interrupted(app_args, address=args.address, host=args.host, port=args.port,
                             grpc_port=args.grpc_port)
 

@@ -372,6 +372,9 @@ class RayEngine:
     def stats(self) -> SchedulerStats:
         return ray.get(self.actor.stats.remote())
 
+    def routing_digest(self, limit: int) -> tuple[list[bytes], int]:
+        return ray.get(self.actor.routing_digest.remote(limit))
+
     def request_steps(self, request_ids: list[str]) -> dict[str, RequestSteps]:
         return ray.get(self.actor.request_steps.remote(request_ids))
 

@@ -9,6 +9,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from scheduler.block_hash import BlockHash
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.outputs import (
     CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput, SchedulerOutput,
@@ -241,6 +242,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def cached_block_hashes(self, limit: int) -> list[BlockHash]:
+        """Up to ``limit`` hashes the prefix cache holds, most recently cached first (what a request router
+        needs to send a request where its prefix is)."""
+        return list(itertools.islice(reversed(self.kv.block_pool.cached_blocks), limit))
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(

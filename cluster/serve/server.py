@@ -30,6 +30,8 @@ from cluster.serve.generation import Generation
 from cluster.serve.http_io import json_response, read_json
 from cluster.serve.metrics import CONTENT_TYPE, ServeMetrics, node_metrics_port, render_node_metrics
 from cluster.serve.options import AppArgs
+from cluster.serve.prompts import chat_ids, prompt_ids
+from cluster.serve.router import replica_routing_stats
 from cluster.serve.protocol import (
     APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
     ModelCard, ModelList, SamplingFields, TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse,
@@ -98,6 +100,10 @@ class LLMServer:
                 pass
             await asyncio.sleep(ENGINE_STATS_PERIOD_S)
 
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Polled by Serve's controller for the request router: this replica's prefix-cache digest and load."""
+        return await asyncio.to_thread(replica_routing_stats, self.engine)
+
     async def check_health(self) -> None:
         """Serve's periodic check: raising restarts this replica (and so its engine)."""
         await asyncio.to_thread(self.engine.check_health)
@@ -122,16 +128,10 @@ class LLMServer:
                            "model", "model_not_found")
 
     def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        try:
-            return list(self.tokenizer.apply_chat_template(
-                [m.template_dict() for m in messages], add_generation_prompt=add_generation_prompt,
-                tokenize=True, return_dict=False))
-        except Exception as e:  # templates raise on what they cannot render (roles out of order, ...)
-            raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
+        return chat_ids(self.tokenizer, messages, add_generation_prompt)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        """Token ids as they are: the engine rejects an empty prompt or ids outside the vocabulary (a 400)."""
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return prompt_ids(self.tokenizer, prompt)
 
     def _max_tokens(self, num_prompt: int, requested: int | None, param: str, prompt_param: str) -> int:
         """The request's max_tokens (by default all the room left), or 400 if the sequence cannot fit."""
