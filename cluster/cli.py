@@ -126,6 +126,8 @@ def _serve_parsers(sub, bench_sub) -> None:
     bs.add_argument("--groups", type=int, default=8)
     bs.add_argument("--prefix-len", type=int, default=512)
     bs.add_argument("--requests-per-group", type=int, default=8)
+    bs.add_argument("--replica-max-num-seqs", type=int, default=16,
+                    help="with --compare routers: each replica's max_num_seqs (its batch, and Serve's max ongoing)")
     bs.add_argument("--input-len", type=int, default=128)
     bs.add_argument("--output-len", type=int, default=128)
     bs.add_argument("--num-requests", type=int, default=64)
@@ -168,12 +170,13 @@ def _bench_tenants(args: argparse.Namespace) -> None:
     from cluster.bench.tenants import compare_routers, multi_tenant_workload
     from workers.default_model import default_model_path
 
-    vocab_size = json.loads((Path(args.model or default_model_path()) / "config.json").read_text())["vocab_size"]
+    model_path = args.model or default_model_path()
+    vocab_size = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
     work = multi_tenant_workload(args.groups, args.requests_per_group, args.prefix_len, args.input_len,
                                  args.output_len, vocab_size, args.request_rate, args.seed)
     print(f"raylm bench serve: {work.description}")
     if "routers" in args.compare:
-        compare_routers(args.model, work, args.prefix_len, args.groups, args.max_num_seqs or 16, args.seed)
+        compare_routers(args.model, model_path, work, args.groups, args.replica_max_num_seqs, args.seed)
     else:
         run_workload(f"server at {args.url}", args.url, work, args.api_key or os.environ.get("RAYLM_API_KEY"),
                      args.seed)

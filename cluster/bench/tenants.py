@@ -10,9 +10,11 @@ and evicts what it will need next; routed by cache, each holds its half.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 import urllib.request
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -20,7 +22,6 @@ from cluster.bench.serve import Workload, run_workload
 from cluster.bench.servers import free_port, raylm_server
 
 METRICS_LAG_S = 3.0  # the servers export metrics each second (below): a scrape this long after is current
-BYTES_PER_TOKEN_FP32 = 46080  # SmolLM2-135M's KV per token in fp32: 2 x 30 layers x 3 heads x 64 x 4 bytes
 
 
 def multi_tenant_workload(groups: int, per_group: int, prefix_len: int, suffix_len: int, output_len: int,
@@ -82,11 +83,21 @@ def run_router(router: str, model_args: list[str], work: Workload, kv_cache_byte
     return row
 
 
-def compare_routers(model: str | None, work: Workload, prefix_len: int, groups: int, max_num_seqs: int,
+def kv_bytes_per_token(model_path: str) -> int:
+    """The KV cache's bytes per token in fp32 (the CPU dtype): keys and values of every layer's KV heads."""
+    c = json.loads((Path(model_path) / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * 4
+
+
+def compare_routers(model: str | None, model_path: str, work: Workload, groups: int, max_num_seqs: int,
                     seed: int) -> dict:
     """Both routers on the same workload; prints each row, then the cache-aware one's ratios."""
-    # half the prefixes fit one replica, with room for the running requests' own blocks
-    kv_cache_bytes = (groups // 2 + 1) * prefix_len * BYTES_PER_TOKEN_FP32 + max_num_seqs * 64 * BYTES_PER_TOKEN_FP32
+    # a replica's cache holds the sequences of about half the tenants plus one: its half when routed by cache
+    seq_len = max(len(p) + n for p, n in work.requests)
+    kv_cache_bytes = (groups // 2 + 1) * seq_len * kv_bytes_per_token(model_path)
+    print(f"  each replica: a {kv_cache_bytes >> 20} MiB KV cache (about {groups // 2 + 1} of the {groups} tenants' "
+          f"sequences), one thread, max {max_num_seqs} sequences")
     model_args = ["--model", model] if model else []
     rows = {r: run_router(r, model_args, work, kv_cache_bytes, max_num_seqs, seed) for r in ("prefix_cache", "serve")}
     ours, theirs = rows["prefix_cache"], rows["serve"]
