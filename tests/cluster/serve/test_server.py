@@ -435,7 +435,9 @@ HISTOGRAMS = ["vllm:time_to_first_token_seconds", "vllm:time_per_output_token_se
 
 
 def test_metrics_have_vllm_names_and_move_with_requests(client, url):
-    # Ray exports a counter from its first increment on: the gauges are there from the start.
+    # Ray exports a counter from its first increment on: the gauges are there from the start. Earlier tests'
+    # requests reach the export within STALE_S.
+    time.sleep(STALE_S)
     before = wait_metrics(url, lambda m: all(f"{name}{{model_name={MODEL}}}" in m for name in ENGINE_GAUGES))
     client.completions.create(model=MODEL, prompt="Counting: 1, 2,", max_tokens=3, temperature=0,
                               extra_body={"ignore_eos": True})
@@ -530,6 +532,7 @@ def test_grpc_errors_have_status_codes(stub, request_kw, metadata, code, method)
 
 def test_a_client_disconnect_mid_stream_frees_the_request(url):
     aborted = f"vllm:request_success_total{{finished_reason=abort,model_name={MODEL}}}"
+    time.sleep(STALE_S)  # earlier tests' requests have reached the export
     before = metrics(url).get(aborted, 0)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=120) as http, http.stream("POST", f"{url}/v1/completions", json=body,
