@@ -41,21 +41,26 @@ def multi_tenant_workload(groups: int, per_group: int, prefix_len: int, suffix_l
 
 def scrape(url: str) -> dict[tuple[str, str], float]:
     """(series name, replica) -> value, for the counters this benchmark reads."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=120) as r:
         text = r.read().decode()
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
                           "vllm:request_success_total", "vllm:num_requests_running"):
-                key = (s.name, s.labels["replica"])
+                key = (s.name, s.labels.get("replica", ""))
                 out[key] = out.get(key, 0.0) + s.value
     return out
 
 
 def _wait_replicas(url: str, n: int, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
-    while len({r for name, r in scrape(url) if name == "vllm:num_requests_running"}) < n:
+    while True:
+        try:
+            if len({r for name, r in scrape(url) if name == "vllm:num_requests_running"}) >= n:
+                return
+        except OSError:  # a replica still loading its model can be slow to answer on a small machine
+            pass
         if time.monotonic() > deadline:
             raise RuntimeError(f"{url} did not show {n} replicas in /metrics within {timeout_s:g} s")
         time.sleep(1)
