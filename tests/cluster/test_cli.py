@@ -18,12 +18,13 @@ def test_serve_flags_reach_the_app_args(monkeypatch):
     seen = {}
     monkeypatch.setattr("cluster.serve.serve_until_interrupted", lambda args, **kw: seen.update(args=args))
     cli.main(["serve", "--model", "/m", "--placement-timeout-s", "7.5", "--attention-backend", "flash_attn",
-              "--scheduling-policy", "priority", "--served-model-name", "my-model"])
+              "--scheduling-policy", "priority", "--served-model-name", "my-model", "--request-router", "serve"])
     args = seen["args"]
     engine = args.engine
     assert (engine.placement_timeout_s, engine.attention_backend, engine.scheduling_policy) == (7.5, "flash_attn",
                                                                                                 "priority")
     assert args.served_model_name == args.model_name == "my-model"
+    assert args.request_router == "serve"
 
 
 def test_engine_flags_default_to_the_engine_config(monkeypatch):
