@@ -10,7 +10,9 @@ Lua action posts each POST request's body there (``RAY_SERVE_INGRESS_REQUEST_ROU
 ``PrefixCacheRouter`` (the deployment's ``request_router_class``) and answers the replica's id; HAProxy then
 sends the request, and its whole SSE stream, straight to that replica as before. The per-token path is
 unchanged; each request pays one loopback HTTP exchange between HAProxy and the router, in which the router
-parses and tokenizes the body (the chat template included) and hashes its full blocks. GET requests and
+parses and tokenizes the body (the chat template included) and hashes its full blocks. Measured (2-core CPU
+node, two replicas, 40 calls each, median / p90): 0.8 / 1.3 ms for a body of 544 token ids, 1.7 / 3.0 ms for
+a ~550-token chat; the replica tokenizes the prompt again (the router does not hand it the ids). GET requests and
 gRPC (through Serve's gRPC proxy, which calls the same request router) carry no hashes and are balanced by
 load. With one replica there is nothing to choose and no router is attached.
 
