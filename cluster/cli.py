@@ -124,20 +124,30 @@ def _serve_parsers(sub, bench_sub) -> None:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $RAYLM_API_KEY)")
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    srv.add_argument("--request-router", default="prefix_cache", choices=["prefix_cache", "serve"],
+                     help="with several replicas: send each request to the replica whose prefix cache holds most of "
+                          "its prompt (prefix_cache), or Serve's own balancing by load (serve)")
     bs = bench_sub.add_parser("serve", help="online serving over HTTP streaming: TTFT, TPOT, ITL, latency, throughput")
     bs.add_argument("--url", default="http://127.0.0.1:8000", help="the server to measure (unless --compare or "
                     "--no-work-model, which start their own)")
     bs.add_argument("--model", default=None, help="HF model directory (default: SmolLM2)")
-    bs.add_argument("--compare", nargs="+", default=[], choices=["vllm", "offline"],
+    bs.add_argument("--compare", nargs="+", default=[], choices=["vllm", "offline", "routers"],
                     help="start raylm serve, then vllm serve (its own venv), one at a time, with the same client and "
-                         "requests; offline: also raylm's offline Ray engine on the same requests")
+                         "requests; offline: also raylm's offline Ray engine on the same requests; routers (with "
+                         "--dataset multi-tenant): two replicas with the prefix-cache router, then with Serve's own")
     bs.add_argument("--no-work-model", action="store_true",
                     help="the serving path's ceiling: a raylm serve whose ranks do no tensor work, at --concurrency")
     bs.add_argument("--concurrency", type=int, nargs="+", default=[64, 256, 1024],
                     help="with --no-work-model: concurrent streams per level")
-    bs.add_argument("--dataset", default="uniform", choices=["uniform", "random"],
+    bs.add_argument("--dataset", default="uniform", choices=["uniform", "random", "multi-tenant"],
                     help="random: fixed --input-len / --output-len (vllm bench serve's); uniform: both in "
-                         "[--min-len, --max-len]")
+                         "[--min-len, --max-len]; multi-tenant: --groups shared prefixes of --prefix-len tokens, "
+                         "--requests-per-group each with --input-len own tokens, interleaved")
+    bs.add_argument("--groups", type=int, default=8)
+    bs.add_argument("--prefix-len", type=int, default=512)
+    bs.add_argument("--requests-per-group", type=int, default=8)
+    bs.add_argument("--replica-max-num-seqs", type=int, default=16,
+                    help="with --compare routers: each replica's max_num_seqs (its batch, and Serve's max ongoing)")
     bs.add_argument("--input-len", type=int, default=128)
     bs.add_argument("--output-len", type=int, default=128)
     bs.add_argument("--num-requests", type=int, default=64)
@@ -165,9 +175,31 @@ def _serve_command(args: argparse.Namespace) -> None:
     app_args = AppArgs(engine=engine, served_model_name=args.served_model_name,
                        api_key=args.api_key or os.environ.get("RAYLM_API_KEY"), min_replicas=args.min_replicas,
                        max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
-                       max_ongoing_requests=args.max_ongoing_requests, max_body_bytes=args.max_body_bytes)
+                       max_ongoing_requests=args.max_ongoing_requests, max_body_bytes=args.max_body_bytes,
+                       request_router=args.request_router)
     serve_until_interrupted(app_args, address=args.address, host=args.host, port=args.port,
                             grpc_port=args.grpc_port)
+
+
+def _bench_tenants(args: argparse.Namespace) -> None:
+    import json
+    import os
+    from pathlib import Path
+
+    from cluster.bench.serve import run_workload
+    from cluster.bench.tenants import compare_routers, multi_tenant_workload
+    from workers.default_model import default_model_path
+
+    model_path = args.model or default_model_path()
+    vocab_size = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
+    work = multi_tenant_workload(args.groups, args.requests_per_group, args.prefix_len, args.input_len,
+                                 args.output_len, vocab_size, args.request_rate, args.seed)
+    print(f"raylm bench serve: {work.description}")
+    if "routers" in args.compare:
+        compare_routers(args.model, model_path, work, args.groups, args.replica_max_num_seqs, args.seed)
+    else:
+        run_workload(f"server at {args.url}", args.url, work, args.api_key or os.environ.get("RAYLM_API_KEY"),
+                     args.seed)
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -189,6 +221,8 @@ def _run(args: argparse.Namespace) -> None:
     elif args.bench == "serve" and args.no_work_model:
         from cluster.bench.serve import bench_serve_ceiling
         bench_serve_ceiling(args.model, tuple(args.concurrency), args.output_len, args.input_len, args.seed)
+    elif args.bench == "serve" and args.dataset == "multi-tenant":
+        _bench_tenants(args)
     elif args.bench == "serve":
         import os
 

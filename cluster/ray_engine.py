@@ -97,7 +97,8 @@ def _fold(group: list[RequestOutput]) -> RequestOutput:
     last = group[-1]
     logprobs = [lp for d in group for lp in d.new_logprobs or []] if any(d.new_logprobs for d in group) else None
     return RequestOutput(last.request_id, last.index, [t for d in group for t in d.new_token_ids], last.finished,
-                         last.finish_reason, logprobs, last.num_prompt_tokens, last.num_cached_tokens, last.error)
+                         last.finish_reason, logprobs, last.num_prompt_tokens, last.num_cached_tokens, last.error,
+                         last.queued_s)
 
 
 def connect(address: str | None, min_cpus: float, timeout_s: float = 60.0) -> None:
@@ -375,6 +376,9 @@ class RayEngine:
 
     def stats(self) -> SchedulerStats:
         return ray.get(self.actor.stats.remote())
+
+    def routing_digest(self, limit: int) -> tuple[list[bytes], int]:
+        return ray.get(self.actor.routing_digest.remote(limit))
 
     def request_steps(self, request_ids: list[str]) -> dict[str, RequestSteps]:
         return ray.get(self.actor.request_steps.remote(request_ids))

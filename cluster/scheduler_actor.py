@@ -242,6 +242,11 @@ class SchedulerActor:
     async def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    async def routing_digest(self, limit: int) -> tuple[list[bytes], int]:
+        """The prefix cache's block hashes (at most ``limit``) and the requests it holds (running and waiting)."""
+        s = self.scheduler
+        return s.cached_block_hashes(limit), len(s.requests)
+
     async def request_steps(self, request_ids: list[str]) -> dict[str, RequestSteps]:
         return {rid: self.history[rid] for rid in request_ids if rid in self.history}
 

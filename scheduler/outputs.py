@@ -121,3 +121,4 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    queued_s: float | None = None  # on the final delta: arrival to first scheduling, None if it never ran

@@ -199,7 +199,7 @@ class Request:
         "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "sampling_params",
         "eos_token_id", "priority", "arrival_time", "status", "num_computed_tokens",
         "num_cached_tokens", "block_hashes", "block_size", "cache_salt", "parent_id", "index",
-        "error", "num_preemptions", "max_total_tokens", "num_worker_tokens",
+        "error", "num_preemptions", "max_total_tokens", "num_worker_tokens", "queued_s",
     )
 
     def __init__(
@@ -241,6 +241,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first scheduling
+        self.queued_s: float | None = None  # arrival to first scheduling (vllm:request_queue_time_seconds)
         self.block_size = block_size
         self.cache_salt = cache_salt
         self.block_hashes: list[BlockHash] = []

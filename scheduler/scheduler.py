@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass
 
+from scheduler.block_hash import BlockHash
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.outputs import (
     CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput, SchedulerOutput,
@@ -250,7 +252,8 @@ class Scheduler:
             del self.children[caller_id]
         return RequestOutput(caller_id, request.index, [], True, FINISH_REASONS[status],
                              num_prompt_tokens=request.num_prompt_tokens,
-                             num_cached_tokens=max(request.num_cached_tokens, 0), error=error)
+                             num_cached_tokens=max(request.num_cached_tokens, 0), error=error,
+                             queued_s=request.queued_s)
 
     def _release_parked(self, request: Request) -> None:
         parked = self.parked.pop(request.request_id, None)
@@ -264,6 +267,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def cached_block_hashes(self, limit: int) -> list[BlockHash]:
+        """Up to ``limit`` hashes the prefix cache holds, most recently cached first (what a request router
+        needs to send a request where its prefix is)."""
+        return list(itertools.islice(reversed(self.kv.block_pool.cached_blocks), limit))
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -428,6 +436,7 @@ class Scheduler:
         block_ids = self.kv.get_block_ids(rid)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
+            request.queued_s = time.monotonic() - request.arrival_time
         if request.status == RequestStatus.PREEMPTED:
             cached.req_ids.append(rid)
             cached.resumed_from_preemption.append(True)

@@ -86,10 +86,10 @@ class ServerProcess:
         self.stop()
 
 
-def raylm_server(port: int, args: list[str]) -> ServerProcess:
+def raylm_server(port: int, args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
     """`raylm serve` with this interpreter (so the same checkout), its own local Ray and these flags."""
     return ServerProcess("raylm serve", [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port),
-                                         "--grpc-port", str(free_port()), *args], port)
+                                         "--grpc-port", str(free_port()), *args], port, env)
 
 
 def vllm_server(port: int, model: str, served_name: str, max_num_seqs: int, num_threads: int | None) -> ServerProcess:

@@ -9,9 +9,11 @@ import urllib.request
 from typing import Any
 
 from ray import serve
+from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
 
 from cluster.ray_engine import connect, engine_bundles
-from cluster.serve.options import REPLICA_CPUS, AppArgs, deployment_options
+from cluster.serve.options import REPLICA_CPUS, AppArgs, deployment_options, uses_prefix_cache_router
+from cluster.serve.router import RouteServer
 from cluster.serve.server import LLMServer
 
 APP_NAME = "raylm"
@@ -24,7 +26,11 @@ def build_app(args: dict[str, Any] | AppArgs) -> serve.Application:
     app_args = args if isinstance(args, AppArgs) else AppArgs.from_flat(args)
     if app_args.api_key is None and os.environ.get("RAYLM_API_KEY"):
         app_args = app_args.model_copy(update={"api_key": os.environ["RAYLM_API_KEY"]})
-    return LLMServer.options(**deployment_options(app_args)).bind(app_args)
+    server = LLMServer.options(**deployment_options(app_args)).bind(app_args)
+    if uses_prefix_cache_router(app_args) and RAY_SERVE_ENABLE_HA_PROXY:
+        # HAProxy bypasses the deployment's request router unless an ingress request router asks it (router.py).
+        return server._with_ingress_request_router(RouteServer.bind(server, app_args))
+    return server
 
 
 def start(args: AppArgs, *, address: str | None = None, host: str = "127.0.0.1", port: int = 8000,

@@ -20,6 +20,7 @@ class Sample:
     text: TextStream
     token_ids: list[int] = field(default_factory=list)
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finish_reason: str | None = None
     error: str | None = None
 
@@ -55,6 +56,7 @@ class Generation:
                         for _ in range(params.n)]
         self.arrival = time.monotonic()
         self.num_cached_tokens = 0
+        self.queued_s: float | None = None  # the scheduler's, from the first sample that finishes
         self.stream = engine.generate(new_id("req"), prompt_ids, params, req.priority, req.cache_salt)
         self.first: RequestOutput | None = None
 
@@ -67,6 +69,7 @@ class Generation:
         except Exception as e:  # the engine's actors are gone or refuse work
             raise APIError(503, f"the engine cannot take requests: {e}", code="engine_unavailable") from None
         self.metrics.prompt_tokens.inc(len(self.prompt_ids))
+        self.metrics.prompt_hist.observe(len(self.prompt_ids))
         return self
 
     async def pieces(self) -> AsyncIterator[list[Piece]]:
@@ -89,8 +92,12 @@ class Generation:
         if s.finish_reason is not None:
             return []
         t = time.monotonic()
-        if out.new_token_ids and s.first_token_time is None:
-            s.first_token_time = t
+        if out.new_token_ids:
+            if s.first_token_time is None:
+                s.first_token_time = t
+            else:
+                self.metrics.itl.observe((t - s.last_token_time) / len(out.new_token_ids))
+            s.last_token_time = t
         s.token_ids += out.new_token_ids
         self.metrics.generation_tokens.inc(len(out.new_token_ids))
         text = s.text.add(out.new_token_ids)
@@ -99,9 +106,11 @@ class Generation:
         elif out.finished:
             s.finish_reason, s.error = out.finish_reason, out.error
             self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+            self.queued_s = out.queued_s if self.queued_s is None else self.queued_s
             text += s.text.finish()
         if s.finish_reason is not None:
-            self.metrics.finished(s.finish_reason, len(s.token_ids), self.arrival, s.first_token_time, t)
+            self.metrics.finished(s.finish_reason, len(s.token_ids), self.arrival, s.first_token_time, t,
+                                  self.queued_s)
         return [Piece(out.index, text, out.new_token_ids, out.new_logprobs, s.finish_reason, s.error)]
 
     def _end_unfinished(self, reason: str, error: str | None = None) -> None:
@@ -109,7 +118,7 @@ class Generation:
             if s.finish_reason is None:
                 s.finish_reason, s.error = reason, error
                 self.metrics.finished(reason, len(s.token_ids), self.arrival, s.first_token_time,
-                                             time.monotonic())
+                                      time.monotonic(), self.queued_s)
 
     def usage(self) -> Usage:
         completion = sum(len(s.token_ids) for s in self.samples)

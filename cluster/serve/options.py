@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from ray.serve.config import RequestRouterConfig
 
 from cluster.config import EngineConfig
 from cluster.ray_engine import engine_bundles, resolve_device
 
 REPLICA_CPUS = 1.0  # the replica tokenizes, detokenizes and formats every token it streams
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+ROUTING_STATS_PERIOD_S = 1.0  # how often each replica publishes its prefix-cache digest (cluster/serve/router.py)
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # workers.default_model.MODEL_NAME, without importing torch here
 
 
@@ -30,11 +32,32 @@ class AppArgs(BaseModel):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     served_model_name: str | None = None
     api_key: str | None = None
-    min_replicas: int = Field(1, ge=1)
+    min_replicas: int = 1
     max_replicas: int = Field(1, ge=1)
+    # prefix_cache: each HTTP request to the replica caching most of its prompt (cluster/serve/router.py);
+    # serve: Serve's own balancing (HAProxy's for HTTP). Either way only with more than one replica.
+    request_router: Literal["prefix_cache", "serve"] = "prefix_cache"
     target_ongoing_requests: float | None = Field(None, gt=0)
     max_ongoing_requests: int | None = Field(None, ge=1)
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1)
+
+    @field_validator("min_replicas")
+    @classmethod
+    def _no_scale_to_zero(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(
+                f"min_replicas={v} is invalid: raylm needs at least 1 replica. Scale to zero is refused because a "
+                "replica starts by loading the model and building its engine (tens of seconds to minutes), which "
+                "the first request after idle would wait for, and because HTTP goes through HAProxy straight to "
+                "replicas, which with none has nowhere to hold that request")
+        return v
+
+    @model_validator(mode="after")
+    def _replica_bounds(self) -> "AppArgs":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas={self.min_replicas} is greater than max_replicas={self.max_replicas}: "
+                             f"the deployment cannot keep more replicas than it may have")
+        return self
 
     @classmethod
     def from_flat(cls, args: dict[str, Any]) -> "AppArgs":
@@ -48,12 +71,22 @@ class AppArgs(BaseModel):
         return self.served_model_name or self.engine.model or DEFAULT_MODEL_NAME
 
 
+def uses_prefix_cache_router(args: AppArgs) -> bool:
+    return args.request_router == "prefix_cache" and args.max_replicas > 1
+
+
 def deployment_options(args: AppArgs) -> dict[str, Any]:
     """Each replica reserves its own bundle plus its engine's (scheduler, one per rank) in one placement group,
     so Serve only starts a replica, or scales up, where the whole engine fits."""
     cfg = args.engine
     use_gpu = resolve_device(cfg.device) == "cuda" if ray.is_initialized() else cfg.device == "cuda"
+    routing = {}
+    if uses_prefix_cache_router(args):
+        routing["request_router_config"] = RequestRouterConfig(
+            request_router_class="cluster.serve.router:PrefixCacheRouter",
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
     return dict(
+        **routing,
         ray_actor_options={"num_cpus": REPLICA_CPUS},
         placement_group_bundles=[{"CPU": REPLICA_CPUS}] + engine_bundles(cfg, use_gpu),
         placement_group_strategy=cfg.placement_strategy,

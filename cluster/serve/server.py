@@ -30,8 +30,10 @@ from cluster.serve import grpc_status
 from cluster.serve.formats import ChatFormat, CompletionFormat, Format, collect, stream_sse
 from cluster.serve.generation import Generation
 from cluster.serve.http_io import json_response, read_json
-from cluster.serve.metrics import CONTENT_TYPE, ServeMetrics
+from cluster.serve.metrics import CONTENT_TYPE, ServeMetrics, node_metrics_port, render_node_metrics
 from cluster.serve.options import AppArgs
+from cluster.serve.prompts import chat_ids, chat_request_ids, prompt_ids
+from cluster.serve.router import replica_routing_stats
 from cluster.serve.protocol import (
     APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
     ModelCard, ModelList, SamplingFields, TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse,
@@ -39,6 +41,8 @@ from cluster.serve.protocol import (
 )
 from cluster.serve.tools import ToolCalling
 
+
+ENGINE_STATS_PERIOD_S = 1.0
 
 app = FastAPI(title="raylm", description="OpenAI-compatible LLM serving on Ray")
 
@@ -87,12 +91,31 @@ class LLMServer:
         self.api_key = args.api_key
         self.max_body_bytes = args.max_body_bytes
         self.scheduling_policy = args.engine.scheduling_policy
-        self.metrics = ServeMetrics(self.model_name)
-        self.created = now()
         cfg = args.engine
+        self.metrics = ServeMetrics(self.model_name, serve.get_replica_context().replica_id.unique_id, {
+            "block_size": str(cfg.block_size), "num_gpu_blocks": str(self.engine.num_blocks),
+            "enable_prefix_caching": str(cfg.enable_prefix_caching), "cache_dtype": str(cfg.dtype),
+            "gpu_memory_utilization": str(cfg.gpu_memory_utilization)})
+        self.metrics_port = node_metrics_port()
+        self.created = now()
+        self._publisher = asyncio.get_running_loop().create_task(self._publish_engine_stats())
         # The longest sequence (prompt + output) one request may reach: the context, or the whole KV cache
         # (less block 0, the scheduler's null block). Longer ones are refused here with a 400 naming max_tokens.
         self.max_seq_len = min(self.engine.max_model_len, (self.engine.num_blocks - 1) * cfg.block_size)
+
+    async def _publish_engine_stats(self) -> None:
+        """The engine's gauges and totals into Ray's metrics, each period (a gauge not set for two of Ray's
+        report periods ages out of the export)."""
+        while True:
+            try:
+                self.metrics.record_engine(await asyncio.to_thread(self.engine.stats))
+            except Exception:  # a dead engine fails check_health, which restarts this replica
+                pass
+            await asyncio.sleep(ENGINE_STATS_PERIOD_S)
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Polled by Serve's controller for the request router: this replica's prefix-cache digest and load."""
+        return await asyncio.to_thread(replica_routing_stats, self.engine)
 
     async def check_health(self) -> None:
         """Serve's periodic check: raising restarts this replica (and so its engine)."""
@@ -117,17 +140,6 @@ class LLMServer:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
 
-    def _chat_ids(self, messages: list[ChatMessage], add_generation_prompt: bool, tools: ToolCalling | None = None,
-                  template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        dicts = tools.template_messages(messages) if tools else [m.template_dict() for m in messages]
-        extra = {"tools": tools.template_tools()} if tools and tools.native else {}
-        try:
-            return list(self.tokenizer.apply_chat_template(
-                dicts, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
-                **(template_kwargs or {}) | extra))
-        except Exception as e:  # templates raise on what they cannot render (roles out of order, ...)
-            raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
-
     def _bad_words(self, words: list[str] | None) -> list[list[int]] | None:
         """Each word as it would be tokenized at the start of a text and after a space (vLLM's variants)."""
         if not words:
@@ -136,8 +148,7 @@ class LLMServer:
         return [list(v) for v in variants if v]
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        """Token ids as they are: the engine rejects an empty prompt or ids outside the vocabulary (a 400)."""
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return prompt_ids(self.tokenizer, prompt)
 
     def _max_tokens(self, num_prompt: int, requested: int | None, param: str, prompt_param: str) -> int:
         """The request's max_tokens (by default all the room left), or 400 if the sequence cannot fit."""
@@ -190,9 +201,7 @@ class LLMServer:
         req = parse(ChatCompletionRequest, await self._body(request))
         self._check_model(req.model)
         num_logprobs = req.num_logprobs
-        tools = ToolCalling.from_request(req.tools, req.tool_choice, req.parallel_tool_calls,
-                                         self.tokenizer.chat_template)
-        ids = self._chat_ids(req.messages, req.add_generation_prompt, tools, req.chat_template_kwargs)
+        ids, tools = chat_request_ids(self.tokenizer, req)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(len(ids), req.requested_max_tokens, param, "messages")
         return await self._run(req, ids, max_tokens, num_logprobs, ChatFormat, "chatcmpl", tools=tools)
@@ -210,7 +219,7 @@ class LLMServer:
         is_chat = isinstance(body, dict) and "messages" in body
         req = parse(TokenizeChatRequest if is_chat else TokenizeCompletionRequest, body)
         self._check_model(req.model)
-        ids = (self._chat_ids(req.messages, req.add_generation_prompt) if is_chat
+        ids = (chat_ids(self.tokenizer, req.messages, req.add_generation_prompt) if is_chat
                else self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         return json_response(TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids))
 
@@ -236,8 +245,8 @@ class LLMServer:
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
         self._authorize(request.headers.get("authorization"))
-        stats = await asyncio.to_thread(self.engine.stats)
-        return Response(self.metrics.render(stats), media_type=CONTENT_TYPE)
+        text = await asyncio.to_thread(render_node_metrics, self.metrics_port)
+        return Response(text, media_type=CONTENT_TYPE)
 
     # ---- gRPC (method names are the .proto's) ----
 

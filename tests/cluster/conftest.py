@@ -1,6 +1,8 @@
 """The session's Ray: one local instance shared by every test that asks for it (Ray takes ~15 s
 to start on a 2-core machine, so starting one per module or test would dominate the run)."""
 
+import os
+
 import pytest
 import ray
 
@@ -11,6 +13,8 @@ import cluster.serve  # noqa: F401
 # Logical CPUs only count reservations (the engine sets torch threads from the real cores): 8 hold
 # two tp=2 engines at once (1 scheduler + 2 rank bundles each) on these 2-core machines.
 SESSION_CPUS = 8
+# Replicas' metrics reach Ray's export once per report period (10 s by default); tests read them within 1 s.
+os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
 
 
 @pytest.fixture(scope="session")

@@ -19,13 +19,14 @@ def test_serve_flags_reach_the_app_args(monkeypatch):
     monkeypatch.setattr("cluster.serve.serve_until_interrupted", lambda args, **kw: seen.update(args=args))
     cli.main(["serve", "--model", "/m", "--placement-timeout-s", "7.5", "--attention-backend", "flash_attn",
               "--scheduling-policy", "priority", "--served-model-name", "my-model", "--swap-space-bytes", "4096",
-              "--preemption-mode", "swap"])
+              "--preemption-mode", "swap", "--request-router", "serve"])
     args = seen["args"]
     engine = args.engine
     assert (engine.swap_space_bytes, engine.preemption_mode) == (4096, "swap")
     assert (engine.placement_timeout_s, engine.attention_backend, engine.scheduling_policy) == (7.5, "flash_attn",
                                                                                                 "priority")
     assert args.served_model_name == args.model_name == "my-model"
+    assert args.request_router == "serve"
 
 
 def test_engine_flags_default_to_the_engine_config(monkeypatch):

@@ -6,6 +6,7 @@ disconnects)."""
 import json
 import socket
 import time
+from collections.abc import Callable
 
 import grpc
 import httpx2 as httpx
@@ -27,6 +28,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_MODEL_LEN = 1024
 MAX_NUM_SEQS = 8
 LONG = 1000  # output tokens that take minutes here: a request still running after a few seconds was not stopped
+STALE_S = 3  # how old /metrics' engine gauges may be: the replica's stats period plus Ray's report period, and margin
 WAIT_S = 30  # bound on anything asynchronous the tests wait for (a hang fails instead of stalling)
 
 
@@ -64,25 +66,37 @@ def post(url: str, path: str, body, headers=AUTH, **kw) -> httpx.Response:
     return httpx.post(f"{url}{path}", content=body, headers=headers, timeout=120, **kw)
 
 
-def metrics(url: str) -> dict[str, float]:
-    """Every sample of /metrics, keyed 'name{label=value,...}' (labels sorted), parsed by prometheus_client."""
+def metrics(url: str, by_replica: bool = False) -> dict[str, float]:
+    """Every sample of /metrics, keyed 'name{label=value,...}' (labels sorted), parsed by prometheus_client;
+    summed over replicas unless by_replica."""
     text = httpx.get(f"{url}/metrics", headers=AUTH, timeout=30).text
-    return {f"{s.name}{{{','.join(f'{k}={v}' for k, v in sorted(s.labels.items()))}}}": s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            assert s.labels.get("replica"), f"{s.name} has no replica label"
+            labels = sorted((k, v) for k, v in s.labels.items() if by_replica or k != "replica")
+            key = f"{s.name}{{{','.join(f'{k}={v}' for k, v in labels)}}}"
+            samples[key] = samples.get(key, 0) + s.value
+    return samples
 
 
-def engine_value(url: str, name: str) -> float:
-    return metrics(url)[f"{name}{{model_name={MODEL}}}"]
+def wait_metrics(url: str, done: Callable[[dict[str, float]], bool]) -> dict[str, float]:
+    """/metrics once done(it) holds: replicas' series reach Ray's export once per report period."""
+    deadline = time.monotonic() + WAIT_S
+    while not done(m := metrics(url)):
+        if time.monotonic() > deadline:
+            pytest.fail(f"/metrics did not reach the expected values within {WAIT_S} s: {m}")
+        time.sleep(0.2)
+    return m
 
 
 def wait_drained(url: str) -> None:
-    """Until the engine runs nothing and holds no KV block; fails after WAIT_S."""
-    deadline = time.monotonic() + WAIT_S
-    while (engine_value(url, "vllm:num_requests_running"),
-           engine_value(url, "vllm:kv_cache_usage_perc")) != (0, 0):
-        if time.monotonic() > deadline:
-            pytest.fail(f"the engine still runs a request {WAIT_S} s later: its blocks were not freed")
-        time.sleep(0.1)
+    """Until the engine runs nothing and holds no KV block; fails after WAIT_S. The gauges reach /metrics
+    within one stats period plus one Ray report period (1 s each here): only values read after that are
+    the engine's state since the call."""
+    time.sleep(STALE_S)
+    wait_metrics(url, lambda m: (m[f"vllm:num_requests_running{{model_name={MODEL}}}"],
+                                 m[f"vllm:kv_cache_usage_perc{{model_name={MODEL}}}"]) == (0, 0))
 
 
 def sse_events(response: httpx.Response) -> list[str]:
@@ -413,21 +427,25 @@ def test_tokenize_round_trip(url):
 
 # ---- metrics and autoscaling ---------------------------------------------------------------------
 
-ENGINE_METRICS = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                  "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
-                  "vllm:num_requests_swapped", "vllm:cpu_cache_usage_perc", "vllm:cpu_prefix_cache_hits_total",
-                  "raylm:kv_blocks_swapped_out_total", "raylm:kv_blocks_swapped_in_total"]
+ENGINE_GAUGES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:num_requests_swapped", "vllm:cpu_cache_usage_perc"]
 HISTOGRAMS = ["vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds",
-              "vllm:e2e_request_latency_seconds"]
+              "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
+              "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+              "vllm:request_prompt_tokens", "vllm:request_generation_tokens"]
 
 
 def test_metrics_have_vllm_names_and_move_with_requests(client, url):
-    before = metrics(url)
-    for name in ENGINE_METRICS + [f"{h}_count" for h in HISTOGRAMS]:
-        assert f"{name}{{model_name={MODEL}}}" in before, name
+    # Ray exports a counter from its first increment on: the gauges are there from the start. Earlier tests'
+    # requests reach the export within STALE_S.
+    time.sleep(STALE_S)
+    before = wait_metrics(url, lambda m: all(f"{name}{{model_name={MODEL}}}" in m for name in ENGINE_GAUGES))
     client.completions.create(model=MODEL, prompt="Counting: 1, 2,", max_tokens=3, temperature=0,
                               extra_body={"ignore_eos": True})
-    after = metrics(url)
+    key = f"vllm:request_success_total{{finished_reason=length,model_name={MODEL}}}"
+    after = wait_metrics(url, lambda m: m.get(key, 0) > before.get(key, 0) and m[
+        f"vllm:prefix_cache_queries_total{{model_name={MODEL}}}"] > before.get(
+        f"vllm:prefix_cache_queries_total{{model_name={MODEL}}}", 0))
 
     def moved(name: str, labels: str = "") -> float:
         key = f"{name}{{{labels}model_name={MODEL}}}"
@@ -440,6 +458,11 @@ def test_metrics_have_vllm_names_and_move_with_requests(client, url):
     for h in HISTOGRAMS:
         assert moved(f"{h}_count") == 1, h
         assert after[f"{h}_bucket{{le=+Inf,model_name={MODEL}}}"] == after[f"{h}_count{{model_name={MODEL}}}"]
+    assert moved("vllm:inter_token_latency_seconds_count") == 2  # 3 tokens, one delta each
+    assert moved("vllm:request_generation_tokens_bucket", "le=2.0,") == 0
+    assert moved("vllm:request_generation_tokens_bucket", "le=5.0,") == 1
+    (info,) = [k for k in after if k.startswith("vllm:cache_config_info{")]
+    assert "enable_prefix_caching=True" in info and after[info] == 1
 
 
 def test_autoscaling_config_reaches_serve(server):
@@ -510,13 +533,15 @@ def test_grpc_errors_have_status_codes(stub, request_kw, metadata, code, method)
 
 def test_a_client_disconnect_mid_stream_frees_the_request(url):
     aborted = f"vllm:request_success_total{{finished_reason=abort,model_name={MODEL}}}"
+    time.sleep(STALE_S)  # earlier tests' requests have reached the export
     before = metrics(url).get(aborted, 0)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=120) as http, http.stream("POST", f"{url}/v1/completions", json=body,
                                                         headers=AUTH) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-        assert engine_value(url, "vllm:num_requests_running") == 1
-        assert engine_value(url, "vllm:kv_cache_usage_perc") > 0
+        running = f"vllm:num_requests_running{{model_name={MODEL}}}"
+        m = wait_metrics(url, lambda m: m.get(running) == 1)
+        assert m[f"vllm:kv_cache_usage_perc{{model_name={MODEL}}}"] > 0
     wait_drained(url)
-    assert metrics(url)[aborted] == before + 1
+    wait_metrics(url, lambda m: m.get(aborted, 0) == before + 1)

@@ -1,0 +1,116 @@
+"""Two replicas behind HAProxy and the prefix-cache router (the default model, one live deployment): requests
+follow their cached prefix, one scrape covers both replicas, what the router cannot hash gets the replica's
+400, and a replica that dies leaves routing."""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2 as httpx
+import pytest
+import ray
+from ray import serve
+
+from cluster.config import EngineConfig
+from cluster.serve import APP_NAME, AppArgs, start
+from tests.cluster.serve.test_server import STALE_S, WAIT_S, free_port, metrics, wait_metrics
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+MODEL = "SmolLM2-135M-Instruct"
+SYSTEM = "You are the support assistant of a bicycle shop. Answer briefly and politely. " * 12
+BLOCK = 16
+
+
+def running_replicas() -> int:
+    return serve.status().applications[APP_NAME].deployments["LLMServer"].replica_states.get("RUNNING", 0)
+
+
+@pytest.fixture(scope="module")
+def url(default_model_dir):
+    args = AppArgs(engine=EngineConfig(model=default_model_dir, max_model_len=1024, max_num_seqs=8,
+                                       kv_cache_bytes=96 << 20, block_size=BLOCK),
+                   served_model_name=MODEL, min_replicas=2, max_replicas=2)
+    url = start(args, port=free_port(), grpc_port=free_port())
+    deadline = time.monotonic() + 300
+    while running_replicas() < 2:
+        assert time.monotonic() < deadline, "the second replica did not start"
+        time.sleep(0.5)
+    time.sleep(STALE_S)  # HAProxy reloads its config with the second replica
+    yield url
+    serve.shutdown()
+
+
+def chat(url: str, question: str, system: str = SYSTEM) -> httpx.Response:
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "system", "content": system},
+                                                          {"role": "user", "content": question}]}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+
+
+def test_requests_follow_their_cached_prefix(url):
+    first = chat(url, "Do you sell helmets?")
+    assert first.status_code == 200, first.text
+    shared_blocks = first.json()["usage"]["prompt_tokens"] // BLOCK - 2  # the system prompt's, at least
+    time.sleep(STALE_S)  # the replica's digest now holds them
+    for question in ["Are you open on Sunday?", "How much is a chain?", "Can I rent a tandem?",
+                     "Do you fix flat tyres?", "Where are you?", "Do you ship abroad?"]:
+        usage = chat(url, question).json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= shared_blocks * BLOCK, (question, usage)
+
+
+def test_one_scrape_covers_both_replicas_and_counters_never_go_back(url):
+    prompts = [f"Tenant {i} says: " + "lorem ipsum dolor sit amet " * (10 + i) for i in range(12)]
+    with ThreadPoolExecutor(len(prompts)) as pool:  # at once, so load spreads them over both replicas
+        codes = list(pool.map(lambda p: httpx.post(f"{url}/v1/completions", json={
+            "model": MODEL, "prompt": p, "max_tokens": 8}, timeout=120).status_code, prompts))
+    assert codes == [200] * len(prompts)
+
+    wait_metrics(url, lambda m: len(served_by_replica(url)) >= 2)
+    last: dict[str, float] = {}
+    for _ in range(5):
+        now = {k: v for k, v in metrics(url, by_replica=True).items() if "_total{" in k}
+        assert all(now.get(k, 0) >= v for k, v in last.items()), "a counter went backwards"
+        last = now
+        time.sleep(0.5)
+
+
+def served_by_replica(url: str) -> dict[str, float]:
+    """Finished requests per replica label, from one scrape."""
+    out: dict[str, float] = {}
+    for key, value in metrics(url, by_replica=True).items():
+        if key.startswith("vllm:request_success_total{"):
+            replica = key.split("replica=")[1].split(",")[0].rstrip("}")
+            out[replica] = out.get(replica, 0) + value
+    return out
+
+
+@pytest.mark.parametrize(("body", "code"), [
+    (b"{not json", "invalid_json"),
+    (b'{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "bogus": 1}', "unsupported_field"),
+    (b'{"model": "SmolLM2-135M-Instruct", "prompt": "' + b"word " * 1500 + b'"}', "context_length_exceeded"),
+], ids=["not-json", "unknown-field", "too-long"])
+def test_what_the_router_cannot_hash_gets_the_replicas_400(url, body, code):
+    r = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == code
+
+
+def test_a_dead_replica_leaves_routing(url):
+    """Kill the replica holding the shared prefix: within one health-check period requests are served by the
+    other (then Serve replaces the dead one)."""
+    replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith(f"SERVE_REPLICA::{APP_NAME}#LLMServer#")]
+    assert len(replicas) == 2
+    ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
+    killed = time.monotonic()
+    health_check_period_s = 10.0  # Serve's default, which the deployment keeps
+    ok_since = None
+    while time.monotonic() - killed < health_check_period_s + WAIT_S:
+        try:
+            ok = chat(url, "Is the dead replica gone?").status_code == 200
+        except httpx.HTTPError:  # the request was on its way to the replica that died
+            ok = False
+        ok_since = (ok_since or time.monotonic()) if ok else None
+        if ok_since is not None and time.monotonic() - ok_since > 3:
+            break
+        time.sleep(0.2)
+    assert ok_since is not None and ok_since - killed <= health_check_period_s, "requests still failed"
