@@ -24,6 +24,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="how long to wait for the cluster to fit the engine's placement group")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash_attn"])
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--step-timeout-s", type=float, default=300.0,
+                   help="an engine step (every rank's reply) slower than this fails the engine's requests and "
+                        "turns /health red: a hung rank")
     p.add_argument("--address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
     p.add_argument("--no-work-model", action="store_true",
                    help="benchmarking only: ranks return a token per request at once, with no model or KV cache")
@@ -37,7 +40,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                   enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
                   placement_strategy=args.placement_strategy, placement_timeout_s=args.placement_timeout_s,
                   attention_backend=args.attention_backend, scheduling_policy=args.scheduling_policy,
-                  no_work_model=args.no_work_model)
+                  step_timeout_s=args.step_timeout_s, no_work_model=args.no_work_model)
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs
     return kwargs
@@ -100,7 +103,12 @@ def _serve_parsers(sub, bench_sub) -> None:
     srv.add_argument("--min-replicas", type=int, default=1)
     srv.add_argument("--max-replicas", type=int, default=1)
     srv.add_argument("--target-ongoing-requests", type=float, default=None, help="default: max-num-seqs / 2")
-    srv.add_argument("--max-ongoing-requests", type=int, default=None, help="default: max-num-seqs")
+    srv.add_argument("--max-ongoing-requests", type=int, default=None,
+                     help="Serve's cap per replica (default: 2 * max-num-seqs + max-queue-len)")
+    srv.add_argument("--max-queue-len", type=int, default=None,
+                     help="requests a replica queues beyond max-num-seqs; more get 429 (default: max-num-seqs)")
+    srv.add_argument("--request-timeout-s", type=float, default=None,
+                     help="per request, from arrival: past it the request is aborted with 504 (default: none)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $RAYLM_API_KEY)")
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--max-body-bytes", type=int, default=8 << 20)
@@ -145,7 +153,8 @@ def _serve_command(args: argparse.Namespace) -> None:
     app_args = AppArgs(engine=engine, served_model_name=args.served_model_name,
                        api_key=args.api_key or os.environ.get("RAYLM_API_KEY"), min_replicas=args.min_replicas,
                        max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
-                       max_ongoing_requests=args.max_ongoing_requests, max_body_bytes=args.max_body_bytes)
+                       max_ongoing_requests=args.max_ongoing_requests, max_body_bytes=args.max_body_bytes,
+                       max_queue_len=args.max_queue_len, request_timeout_s=args.request_timeout_s)
     serve_until_interrupted(app_args, address=args.address, host=args.host, port=args.port,
                             grpc_port=args.grpc_port)
 

@@ -326,7 +326,8 @@ class RayEngine:
             owned.append(self.actor)
             self.num_blocks, self.rank_nodes = init_workers(self.workers, config.num_threads, self.device,
                                                             config.placement_timeout_s)
-            ray.get(self.actor.start.remote(config.scheduler_config(self.num_blocks, self.max_model_len)))
+            ray.get(self.actor.start.remote(config.scheduler_config(self.num_blocks, self.max_model_len),
+                                            config.step_timeout_s))
         except BaseException:
             self.shutdown()
             raise

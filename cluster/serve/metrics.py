@@ -84,6 +84,8 @@ class ServeMetrics:
                               buckets=TPOT_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to last token.", label,
                              buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self.rejected = Counter("raylm:requests_rejected", "Requests refused because the replica's queue was full "
+                                "(429).", label, registry=r).labels(model_name)
         self.model_name = model_name
 
     def finished(self, reason: str, num_tokens: int, arrival: float, first_token: float | None,

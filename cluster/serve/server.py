@@ -9,13 +9,15 @@ package), never defined after the class: Serve pickles the class by value.
 
 import asyncio
 import hmac
+import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
 import ray
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from google.protobuf.json_format import MessageToDict
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
@@ -25,6 +27,7 @@ from transformers import AutoTokenizer
 from cluster.ray_engine import RayEngine
 from cluster.raylm_pb2 import GenerateRequest, GenerateResponse
 from cluster.serve import grpc_status
+from cluster.serve.admission import Admission
 from cluster.serve.formats import ChatFormat, CompletionFormat, Format, collect, stream_sse
 from cluster.serve.generation import Generation
 from cluster.serve.http_io import json_response, read_json
@@ -37,12 +40,19 @@ from cluster.serve.protocol import (
 )
 
 
-app = FastAPI(title="raylm", description="OpenAI-compatible LLM serving on Ray")
+# FastAPI's own docs routes would answer without the API key: LLMServer serves them behind it instead.
+app = FastAPI(title="raylm", description="OpenAI-compatible LLM serving on Ray", docs_url=None, redoc_url=None,
+              openapi_url=None)
+# A refusal that a retry may get past (a full queue, an engine being replaced) says when to try again.
+RETRY_AFTER = {429: "1", 503: "5"}
 
 
 @app.exception_handler(APIError)
 async def _api_error(_: Request, e: APIError) -> Response:
-    return json_response(e.body(), e.status)
+    response = json_response(e.body(), e.status)
+    if e.status in RETRY_AFTER:
+        response.headers["Retry-After"] = RETRY_AFTER[e.status]
+    return response
 
 
 @app.exception_handler(HTTPException)
@@ -64,7 +74,8 @@ class LLMServer:
     Every request is validated (400 naming the parameter), sized against the
     context and the KV cache, and tokenized here before it reaches the engine,
     so the engine only sees requests it can run; the API key (when set) guards
-    everything but /health.
+    everything but /health. Admission bounds the requests it holds (429 past
+    that) and ``request_timeout_s`` how long each may take (504).
     """
 
     def __init__(self, args: AppArgs) -> None:
@@ -75,6 +86,9 @@ class LLMServer:
         self.max_body_bytes = args.max_body_bytes
         self.scheduling_policy = args.engine.scheduling_policy
         self.metrics = ServeMetrics(self.model_name)
+        self.admission = Admission(self.engine, args.engine.max_num_seqs + args.queue_len,
+                                   self.metrics.rejected.inc)
+        self.request_timeout_s = args.request_timeout_s
         self.created = now()
         cfg = args.engine
         # The longest sequence (prompt + output) one request may reach: the context, or the whole KV cache
@@ -135,7 +149,8 @@ class LLMServer:
             raise bad_request(f"priority={req.priority} needs the priority scheduling policy; this server schedules "
                               f"{self.scheduling_policy} (serve with scheduling_policy=priority)", "priority")
         params = req.sampling_params(max_tokens, num_logprobs)
-        return await Generation(self.engine, self.tokenizer, self.metrics, prompt_ids, params, req).start()
+        return await Generation(self.admission, self.tokenizer, self.metrics, prompt_ids, params, req,
+                                self.request_timeout_s).start()
 
     async def _run(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int, num_logprobs: int | None,
                    fmt_type: Callable[..., Format], prefix: str) -> Response:
@@ -200,6 +215,21 @@ class LLMServer:
         except Exception as e:  # RayEngine.check_health's reason says what is wrong; the code says it is unhealthy
             return json_response(APIError(503, str(e), code="engine_unhealthy").body(), 503)
         return Response(status_code=200)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request) -> Response:
+        self._authorize(request.headers.get("authorization"))
+        return Response(json.dumps(app.openapi()), media_type="application/json")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request) -> HTMLResponse:
+        self._authorize(request.headers.get("authorization"))
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="raylm")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(self, request: Request) -> HTMLResponse:
+        self._authorize(request.headers.get("authorization"))
+        return get_redoc_html(openapi_url="/openapi.json", title="raylm")
 
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Response:
