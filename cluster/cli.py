@@ -112,6 +112,15 @@ def _serve_parsers(sub, bench_sub) -> None:
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $RAYLM_API_KEY)")
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    soak = bench_sub.add_parser("soak", help="a fixed-rate mix (streams, n>1, stop, logprobs, bad requests, "
+                                "disconnects) against its own raylm serve: 5xx, p99 over time, memory, leaks")
+    soak.add_argument("--model", default=None, help="HF model directory (default: SmolLM2)")
+    soak.add_argument("--rate", type=float, default=2.0, help="requests per second")
+    soak.add_argument("--duration-s", type=float, default=600.0)
+    soak.add_argument("--max-tokens", type=int, default=32, help="each request asks for 1 to this many tokens")
+    soak.add_argument("--max-growth", type=float, default=0.05,
+                      help="resident memory growth of the replica and the scheduler that fails the run")
+    soak.add_argument("--seed", type=int, default=0)
     bs = bench_sub.add_parser("serve", help="online serving over HTTP streaming: TTFT, TPOT, ITL, latency, throughput")
     bs.add_argument("--url", default="http://127.0.0.1:8000", help="the server to measure (unless --compare or "
                     "--no-work-model, which start their own)")
@@ -187,6 +196,9 @@ def _run(args: argparse.Namespace) -> None:
                     request_rate=args.request_rate)
         bench_serve(args.url, args.model, work, args.compare, args.api_key or os.environ.get("RAYLM_API_KEY"),
                     args.seed, args.num_threads)
+    elif args.bench == "soak":
+        from cluster.bench.soak import bench_soak
+        bench_soak(args.model, args.rate, args.duration_s, args.max_tokens, args.max_growth, args.seed)
     elif args.bench == "ray-overhead":
         from cluster.bench.ray_overhead import bench_ray_overhead
         bench_ray_overhead(args.model, tuple(args.tp_sizes), args.steps)

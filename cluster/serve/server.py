@@ -32,6 +32,7 @@ from cluster.serve.formats import ChatFormat, CompletionFormat, Format, collect,
 from cluster.serve.generation import Generation
 from cluster.serve.http_io import json_response, read_json
 from cluster.serve.metrics import CONTENT_TYPE, ServeMetrics
+from cluster.serve.openapi import openapi_schema
 from cluster.serve.options import AppArgs
 from cluster.serve.protocol import (
     APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
@@ -219,7 +220,7 @@ class LLMServer:
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(self, request: Request) -> Response:
         self._authorize(request.headers.get("authorization"))
-        return Response(json.dumps(app.openapi()), media_type="application/json")
+        return Response(json.dumps(openapi_schema(app)), media_type="application/json")
 
     @app.get("/docs", include_in_schema=False)
     async def docs(self, request: Request) -> HTMLResponse:
