@@ -38,7 +38,8 @@ def _ref(model: type[BaseModel], schemas: dict[str, Any]) -> dict[str, str]:
     return {"$ref": REF.format(model=model.__name__)}
 
 
-def openapi_schema(app: FastAPI) -> dict[str, Any]:
+def openapi_schema(app: FastAPI, model_name: str) -> dict[str, Any]:
+    """The document for a server serving ``model_name``, the one value its ``model`` fields take."""
     doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     error = {"content": {"application/json": {"schema": _ref(ErrorResponse, schemas)}}}
@@ -48,4 +49,7 @@ def openapi_schema(app: FastAPI) -> dict[str, Any]:
         operation = doc["paths"][path]["post"]
         operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
         operation["responses"].update({code: {"description": why, **error} for code, why in ERRORS.items()})
+    for schema in schemas.values():
+        if "model" in schema.get("properties", {}):
+            schema["properties"]["model"]["anyOf"] = [{"enum": [model_name]}, {"type": "null"}]
     return doc

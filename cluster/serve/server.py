@@ -220,7 +220,7 @@ class LLMServer:
     @app.get("/openapi.json", include_in_schema=False)
     async def openapi(self, request: Request) -> Response:
         self._authorize(request.headers.get("authorization"))
-        return Response(json.dumps(openapi_schema(app)), media_type="application/json")
+        return Response(json.dumps(openapi_schema(app, self.model_name)), media_type="application/json")
 
     @app.get("/docs", include_in_schema=False)
     async def docs(self, request: Request) -> HTMLResponse:

@@ -1,6 +1,9 @@
 """The session's Ray: one local instance shared by every test that asks for it (Ray takes ~15 s
 to start on a 2-core machine, so starting one per module or test would dominate the run)."""
 
+import shutil
+from pathlib import Path
+
 import pytest
 import ray
 
@@ -20,3 +23,19 @@ def ray_session():
         ray.init(num_cpus=SESSION_CPUS, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def servable_tiny_model(tiny_model_dir, default_model_dir):
+    """`servable_tiny_model(**config_overrides)` -> a tiny random Llama holding the default model's tokenizer and
+    chat template (its vocabulary covers the tiny model's 256 ids), so Serve can tokenize, apply the template and
+    detokenize for a model that generates in milliseconds."""
+
+    def make(**overrides) -> str:
+        path = tiny_model_dir("llama", **overrides)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (Path(default_model_dir) / name).exists():
+                shutil.copy(Path(default_model_dir) / name, Path(path) / name)
+        return path
+
+    return make

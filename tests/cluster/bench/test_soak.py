@@ -3,8 +3,6 @@ tokenizer, so generation is fast and the mix covers many requests): no 5xx, no s
 engine once it drains, and the replica's and the scheduler's resident memory within MAX_GROWTH of the start
 (after a warm-up at the same rate). A minute only catches a gross leak; the 10-minute run is in the note."""
 
-import shutil
-from pathlib import Path
 
 import pytest
 from ray import serve
@@ -23,10 +21,8 @@ MAX_GROWTH = 0.10  # resident memory of the replica and of the scheduler, end ov
 
 
 @pytest.fixture(scope="module")
-def url(tiny_model_dir, default_model_dir):
-    path = tiny_model_dir("llama", max_position_embeddings=512)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(default_model_dir) / name, Path(path) / name)
+def url(servable_tiny_model):
+    path = servable_tiny_model(max_position_embeddings=512)
     args = AppArgs(engine=EngineConfig(model=path, kv_cache_bytes=16 << 20, num_threads=1, max_num_seqs=16),
                    served_model_name=MODEL)
     url = start(args, host="127.0.0.1", port=free_port(), grpc_port=free_port())

@@ -9,10 +9,8 @@ default model's tokenizer (whose vocabulary covers its 256 ids) so Serve can det
 
 import asyncio
 import os
-import shutil
 import signal
 import time
-from pathlib import Path
 
 import httpx2 as httpx
 import pytest
@@ -35,10 +33,8 @@ LONG = MAX_MODEL_LEN - 8  # output tokens: minutes of generation, so nothing in 
 
 
 @pytest.fixture(scope="module")
-def url(tiny_model_dir, default_model_dir):
-    path = tiny_model_dir("llama", max_position_embeddings=MAX_MODEL_LEN)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(default_model_dir) / name, Path(path) / name)
+def url(servable_tiny_model):
+    path = servable_tiny_model(max_position_embeddings=MAX_MODEL_LEN)
     args = AppArgs(engine=EngineConfig(model=path, max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 << 20, num_threads=1,
                                        step_timeout_s=STEP_TIMEOUT_S),
                    request_timeout_s=REQUEST_TIMEOUT_S)
