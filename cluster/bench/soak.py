@@ -9,6 +9,7 @@ and the engine's requests and KV usage once the run has drained. ``check`` turns
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import time
@@ -134,7 +135,9 @@ async def one(client: httpx.AsyncClient, url: str, kind: str, model: str, rng: r
     sent = time.monotonic()
     leave_after = rng.randint(1, 4)  # chunks a disconnecting client reads
     try:
-        async with client.stream("POST", f"{url}{path}", json=body) as r:
+        # json.dumps escapes a lone surrogate (a "bad" prompt) where httpx's own encoder would raise on it.
+        async with client.stream("POST", f"{url}{path}", content=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}) as r:
             if r.status_code != 200:
                 await r.aread()
                 result = ("5xx" if r.status_code >= 500 else "429" if r.status_code == 429

@@ -1,6 +1,7 @@
 """The session's Ray: one local instance shared by every test that asks for it (Ray takes ~15 s
 to start on a 2-core machine, so starting one per module or test would dominate the run)."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -28,11 +29,12 @@ def ray_session():
 @pytest.fixture(scope="session")
 def servable_tiny_model(tiny_model_dir, default_model_dir):
     """`servable_tiny_model(**config_overrides)` -> a tiny random Llama holding the default model's tokenizer and
-    chat template (its vocabulary covers the tiny model's 256 ids), so Serve can tokenize, apply the template and
-    detokenize for a model that generates in milliseconds."""
+    chat template, and a vocabulary as large as that tokenizer's, so Serve can take any text for a model that
+    generates in milliseconds."""
+    vocab_size = json.loads((Path(default_model_dir) / "config.json").read_text())["vocab_size"]
 
     def make(**overrides) -> str:
-        path = tiny_model_dir("llama", **overrides)
+        path = tiny_model_dir("llama", **{"vocab_size": vocab_size, **overrides})
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             if (Path(default_model_dir) / name).exists():
                 shutil.copy(Path(default_model_dir) / name, Path(path) / name)
