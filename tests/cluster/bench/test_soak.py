@@ -5,12 +5,11 @@ engine once it drains, and the replica's and the scheduler's resident memory wit
 
 
 import pytest
-from ray import serve
 
 from cluster.bench.soak import KINDS, check, soak
 from cluster.config import EngineConfig
 from cluster.serve import AppArgs, start
-from tests.cluster.serve.test_server import free_port
+from tests.cluster.serve.test_server import free_port, stop_serve
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -27,7 +26,7 @@ def url(servable_tiny_model):
                    served_model_name=MODEL)
     url = start(args, host="127.0.0.1", port=free_port(), grpc_port=free_port())
     yield url
-    serve.shutdown()
+    stop_serve()
 
 
 def test_a_minute_of_soak_leaves_no_5xx_no_leak_and_bounded_memory(url):

@@ -14,12 +14,11 @@ import time
 
 import httpx2 as httpx
 import pytest
-from ray import serve
 
 from cluster.bench.soak import descendant_pids, engine_gauges
 from cluster.config import EngineConfig
 from cluster.serve import AppArgs, start
-from tests.cluster.serve.test_server import free_port
+from tests.cluster.serve.test_server import free_port, stop_serve
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -40,7 +39,7 @@ def url(servable_tiny_model):
                    request_timeout_s=REQUEST_TIMEOUT_S)
     url = start(args, host="127.0.0.1", port=free_port(), grpc_port=free_port())
     yield url
-    serve.shutdown()
+    stop_serve()
 
 
 def only_pid(title: str) -> int:

@@ -10,12 +10,11 @@ import httpx2 as httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
-from ray import serve
 from schemathesis import GenerationMode
 
 from cluster.config import EngineConfig
 from cluster.serve import AppArgs, start
-from tests.cluster.serve.test_server import free_port
+from tests.cluster.serve.test_server import free_port, stop_serve
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -31,7 +30,7 @@ def url(servable_tiny_model):
                    api_key=KEY, max_body_bytes=1 << 16)
     url = start(args, host="127.0.0.1", port=free_port(), grpc_port=free_port())
     yield url
-    serve.shutdown()
+    stop_serve()
 
 
 def check_response(case, response) -> None:

@@ -13,7 +13,9 @@ import httpx2 as httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+import ray
 from ray import serve
+from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE  # no public name for them
 from transformers import AutoTokenizer
 
 from cluster import raylm_pb2, raylm_pb2_grpc
@@ -32,6 +34,20 @@ WAIT_S = 30  # bound on anything asynchronous the tests wait for (a hang fails i
 QUEUE_LEN = 2  # requests the replica queues beyond the MAX_NUM_SEQS it runs
 
 
+def stop_serve(timeout_s: float = 90.0) -> None:
+    """serve.shutdown, then wait until its controller is gone: on a loaded machine it outlives shutdown's own
+    30 s wait, and the next module's serve.start would join it as it dies (ActorDiedError)."""
+    serve.shutdown()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        except ValueError:
+            return
+        assert time.monotonic() < deadline, f"Serve's controller still alive {timeout_s} s after serve.shutdown"
+        time.sleep(0.5)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -48,7 +64,7 @@ def server(default_model_dir):
     grpc_port = free_port()
     url = start(args, host="127.0.0.1", port=free_port(), grpc_port=grpc_port)
     yield url, grpc_port
-    serve.shutdown()
+    stop_serve()
 
 
 @pytest.fixture(scope="module")
