@@ -90,12 +90,10 @@ class Generation:
                 if all(s.finish_reason for s in self.samples):
                     break
                 out = await self._next()
-        except TimeoutError:
-            self._end_unfinished("error", self._timed_out())
-            yield [Piece(i, "", [], None, "error", s.error) for i, s in enumerate(self.samples)]
         except Exception as e:
-            self._end_unfinished("error", engine_unavailable(f"the engine failed: {type(e).__name__}: {e}"))
-            yield [Piece(i, "", [], None, "error", s.error) for i, s in enumerate(self.samples)]
+            self._end_unfinished("error", self._timed_out() if isinstance(e, TimeoutError)
+                                 else engine_unavailable(f"the engine failed: {type(e).__name__}: {e}"))
+            yield [Piece(i, "", [], None, "error", s.error) for i, s in enumerate(self.samples) if s.error]
         finally:
             await self.stream.aclose()  # aborts in the engine whatever has not finished there
             self._end_unfinished("abort")
