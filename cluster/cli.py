@@ -28,6 +28,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="how long to wait for the cluster to fit the engine's placement group")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash_attn"])
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--step-timeout-s", type=float, default=300.0,
+                   help="an engine step (every rank's reply) slower than this fails the engine's requests and "
+                        "turns /health red: a hung rank")
     p.add_argument("--address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
     p.add_argument("--no-work-model", action="store_true",
                    help="benchmarking only: ranks return a token per request at once, with no model or KV cache")
@@ -42,7 +45,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                   enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
                   placement_strategy=args.placement_strategy, placement_timeout_s=args.placement_timeout_s,
                   attention_backend=args.attention_backend, scheduling_policy=args.scheduling_policy,
-                  no_work_model=args.no_work_model)
+                  step_timeout_s=args.step_timeout_s, no_work_model=args.no_work_model)
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs
     return kwargs
@@ -120,13 +123,27 @@ def _serve_parsers(sub, bench_sub) -> None:
     srv.add_argument("--min-replicas", type=int, default=1)
     srv.add_argument("--max-replicas", type=int, default=1)
     srv.add_argument("--target-ongoing-requests", type=float, default=None, help="default: max-num-seqs / 2")
-    srv.add_argument("--max-ongoing-requests", type=int, default=None, help="default: max-num-seqs")
+    srv.add_argument("--max-ongoing-requests", type=int, default=None,
+                     help="Serve's cap per replica (default: 2 * max-num-seqs + max-queue-len)")
+    srv.add_argument("--max-queue-len", type=int, default=None,
+                     help="requests a replica queues beyond max-num-seqs; more get 429 (default: max-num-seqs)")
+    srv.add_argument("--request-timeout-s", type=float, default=None,
+                     help="per request, from arrival: past it the request is aborted with 504 (default: none)")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $RAYLM_API_KEY)")
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--max-body-bytes", type=int, default=8 << 20)
     srv.add_argument("--request-router", default="prefix_cache", choices=["prefix_cache", "serve"],
                      help="with several replicas: send each request to the replica whose prefix cache holds most of "
                           "its prompt (prefix_cache), or Serve's own balancing by load (serve)")
+    soak = bench_sub.add_parser("soak", help="a fixed-rate mix (streams, n>1, stop, logprobs, bad requests, "
+                                "disconnects) against its own raylm serve: 5xx, p99 over time, memory, leaks")
+    soak.add_argument("--model", default=None, help="HF model directory (default: SmolLM2)")
+    soak.add_argument("--rate", type=float, default=2.0, help="requests per second")
+    soak.add_argument("--duration-s", type=float, default=600.0)
+    soak.add_argument("--max-tokens", type=int, default=32, help="each request asks for 1 to this many tokens")
+    soak.add_argument("--max-growth", type=float, default=0.05,
+                      help="resident memory growth of the replica and the scheduler that fails the run")
+    soak.add_argument("--seed", type=int, default=0)
     bs = bench_sub.add_parser("serve", help="online serving over HTTP streaming: TTFT, TPOT, ITL, latency, throughput")
     bs.add_argument("--url", default="http://127.0.0.1:8000", help="the server to measure (unless --compare or "
                     "--no-work-model, which start their own)")
@@ -176,7 +193,8 @@ def _serve_command(args: argparse.Namespace) -> None:
                        api_key=args.api_key or os.environ.get("RAYLM_API_KEY"), min_replicas=args.min_replicas,
                        max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
                        max_ongoing_requests=args.max_ongoing_requests, max_body_bytes=args.max_body_bytes,
-                       request_router=args.request_router)
+                       request_router=args.request_router, max_queue_len=args.max_queue_len,
+                       request_timeout_s=args.request_timeout_s)
     serve_until_interrupted(app_args, address=args.address, host=args.host, port=args.port,
                             grpc_port=args.grpc_port)
 
@@ -242,6 +260,9 @@ def _run(args: argparse.Namespace) -> None:
         from cluster.bench.structured import bench_structured
         bench_structured(args.model, args.num_requests, args.concurrency, args.output_len, executor=args.executor,
                          address=args.address, **_engine_kwargs(args))
+    elif args.bench == "soak":
+        from cluster.bench.soak import bench_soak
+        bench_soak(args.model, args.rate, args.duration_s, args.max_tokens, args.max_growth, args.seed)
     elif args.bench == "ray-overhead":
         from cluster.bench.ray_overhead import bench_ray_overhead
         bench_ray_overhead(args.model, tuple(args.tp_sizes), args.steps)

@@ -46,6 +46,9 @@ class EngineConfig(BaseModel):
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     placement_timeout_s: float = Field(60.0, gt=0)
+    # A step whose ranks do not all reply within this fails the engine (a hung rank, a stuck collective). Long
+    # enough for the slowest honest step: a full max_num_batched_tokens prefill of a large model on CPU.
+    step_timeout_s: float = Field(300.0, gt=0)
     num_threads: int | None = Field(None, ge=1)
     # Benchmarking only: each rank returns a token per request at once, with no model or KV cache, so a
     # benchmark measures what the scheduler, Ray and the serving path alone can carry.

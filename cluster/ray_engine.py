@@ -330,7 +330,8 @@ class RayEngine:
                 self.workers, config.num_threads, self.device, config.placement_timeout_s)
             swap_cost = ray.get(self.workers[0].call.remote("swap_cost_per_block"))
             ray.get(self.actor.start.remote(config.scheduler_config(self.num_blocks, self.max_model_len,
-                                                                    num_host_blocks, swap_cost)))
+                                                                    num_host_blocks, swap_cost),
+                                            config.step_timeout_s))
         except BaseException:
             self.shutdown()
             raise

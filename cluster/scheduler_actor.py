@@ -110,9 +110,10 @@ class SchedulerActor:
       caller once, and deltas of step N are routed while the workers compute
       step N+1 (the loop's bookkeeping overlaps their compute);
     - the loop sleeps on ``wake`` when nothing can run, never spins;
-    - once ``error`` is set (a step failed: a rank died or raised) every live
-      request has had an "error" delta and no new request is taken, because
-      the ranks' states may disagree and a collective could hang.
+    - once ``error`` is set (a step failed: a rank died or raised, or the
+      ranks did not all reply within ``step_timeout_s``: one is hung) every
+      live request has had an "error" delta and no new request is taken,
+      because the ranks' states may disagree and a collective could hang.
     """
 
     def __init__(self, workers: list, eos_token_id: int | None) -> None:
@@ -127,9 +128,11 @@ class SchedulerActor:
         self.history: dict[str, RequestSteps] = {}
         self.error: str | None = None
         self.loop_task: asyncio.Task | None = None
+        self.step_timeout_s: float | None = None
 
-    async def start(self, config: SchedulerConfig) -> None:
+    async def start(self, config: SchedulerConfig, step_timeout_s: float | None = None) -> None:
         if self.loop_task is None:
+            self.step_timeout_s = step_timeout_s
             self.scheduler = Scheduler(config, eos_token_id=self.eos_token_id)
             self.loop_task = asyncio.create_task(self._run())
 
@@ -155,9 +158,17 @@ class SchedulerActor:
             self._note_first_steps(so)
             replies = execute_step(self.workers, so)
             self._route(outputs, step_id)
-            outputs = sched.update_from_output(so, (await replies)[0])
+            outputs = sched.update_from_output(so, (await self._replies(replies, so.step_id))[0])
             # An empty step with requests left means none can run until something arrives or leaves.
             step_id, idle = so.step_id, so.is_empty
+
+    async def _replies(self, replies: asyncio.Future, step_id: int) -> list[ModelRunnerOutput | None]:
+        try:
+            return await asyncio.wait_for(replies, self.step_timeout_s)
+        except TimeoutError:
+            raise RuntimeError(f"step {step_id} got no reply from every rank within step_timeout_s="
+                               f"{self.step_timeout_s:g} s: a rank is hung (or the step is slower than the "
+                               f"timeout allows)") from None
 
     def _note_first_steps(self, so: SchedulerOutput) -> None:
         requests = self.scheduler.requests

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from cluster.serve.generation import Generation, Piece
 from cluster.serve.tools import ToolCalling, ToolCallStream
 from cluster.serve.protocol import (
-    APIError, AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
+    AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
     ChatStreamChoice, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse, Delta,
     TokenLogprob, TopLogprob, Usage, now,
 )
@@ -180,9 +180,9 @@ async def stream_sse(gen: Generation, fmt: Format, include_usage: bool) -> Async
     async with aclosing(gen.pieces()) as stream:
         async for pieces in stream:
             pieces = [p for p in pieces if p.text or p.finish_reason or p.logprobs]
-            errors = [p.error or "the engine failed" for p in pieces if p.finish_reason == "error"]
+            errors = [p.error for p in pieces if p.finish_reason == "error"]
             if errors:
-                yield _sse(APIError(500, errors[0]).body())
+                yield _sse(errors[0].body())
                 break
             for chunk in fmt.chunk(pieces, include_usage) if pieces else []:
                 yield _sse(chunk)
@@ -199,7 +199,7 @@ async def collect(gen: Generation, fmt: Format) -> BaseModel:
         async for pieces in stream:
             for p in pieces:
                 if p.finish_reason == "error":
-                    raise APIError(500, p.error or "the engine failed")
+                    raise p.error
                 texts[p.index].append(p.text)
                 if (lp := fmt.logprobs(p)) is not None:
                     logprobs[p.index].append(lp)

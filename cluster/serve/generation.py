@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ class Sample:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_reason: str | None = None
-    error: str | None = None
+    error: APIError | None = None
 
 
 @dataclass(slots=True)
@@ -34,7 +35,12 @@ class Piece:
     token_ids: list[int]
     logprobs: list[SampledLogprobs] | None
     finish_reason: str | None
-    error: str | None = None
+    error: APIError | None = None  # what the client gets for an "error" finish
+
+
+def engine_unavailable(message: str) -> APIError:
+    """An engine that failed or cannot take work: 503, since Serve replaces it and a retry may succeed."""
+    return APIError(503, message, code="engine_unavailable")
 
 
 class Generation:
@@ -45,16 +51,21 @@ class Generation:
     dropped); when all have finished, or the consumer goes away (a client
     disconnect cancels it), the engine stream is closed, which aborts what
     still runs there and frees its KV blocks; metrics count each sample once.
+    An engine failure ends the unfinished samples with a 503 (the engine is
+    unhealthy and Serve replaces it: retry), and one past ``timeout_s`` (from
+    arrival, queueing included) with a 504, aborting it in the engine.
     """
 
     def __init__(self, engine: Any, tokenizer: Any, metrics: ServeMetrics, prompt_ids: list[int],
-                 params: SamplingParams, req: SamplingFields) -> None:
+                 params: SamplingParams, req: SamplingFields, timeout_s: float | None = None) -> None:
         self.metrics = metrics
         self.prompt_ids = prompt_ids
         self.samples = [Sample(TextStream(tokenizer, prompt_ids, req.stop_strings, req.skip_special_tokens,
                                           req.include_stop_str_in_output))
                         for _ in range(params.n)]
         self.arrival = time.monotonic()
+        self.timeout_s = timeout_s
+        self.deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
         self.num_cached_tokens = 0
         self.queued_s: float | None = None  # the scheduler's, from the first sample that finishes
         self.stream = engine.generate(new_id("req"), prompt_ids, params, req.priority, req.cache_salt)
@@ -63,11 +74,14 @@ class Generation:
     async def start(self) -> "Generation":
         """Wait for the first delta, so that a request the engine refuses fails before any response starts."""
         try:
-            self.first = await anext(self.stream)
+            self.first = await self._next()
         except ValueError as e:
             raise bad_request(str(e), "prompt") from None
+        except TimeoutError:
+            await self.stream.aclose()
+            raise self._timed_out() from None
         except Exception as e:  # the engine's actors are gone or refuse work
-            raise APIError(503, f"the engine cannot take requests: {e}", code="engine_unavailable") from None
+            raise engine_unavailable(f"the engine cannot take requests: {e}") from None
         self.metrics.prompt_tokens.inc(len(self.prompt_ids))
         self.metrics.prompt_hist.observe(len(self.prompt_ids))
         return self
@@ -79,13 +93,24 @@ class Generation:
                 yield self._absorb(out)
                 if all(s.finish_reason for s in self.samples):
                     break
-                out = await anext(self.stream, None)
+                out = await self._next()
         except Exception as e:
-            self._end_unfinished("error", f"the engine failed: {type(e).__name__}: {e}")
-            yield [Piece(i, "", [], None, "error", s.error) for i, s in enumerate(self.samples)]
+            self._end_unfinished("error", self._timed_out() if isinstance(e, TimeoutError)
+                                 else engine_unavailable(f"the engine failed: {type(e).__name__}: {e}"))
+            yield [Piece(i, "", [], None, "error", s.error) for i, s in enumerate(self.samples) if s.error]
         finally:
             await self.stream.aclose()  # aborts in the engine whatever has not finished there
             self._end_unfinished("abort")
+
+    async def _next(self) -> RequestOutput | None:
+        """The next delta (None once the stream ends); TimeoutError past the deadline, which cancels the wait
+        inside the engine's stream (so it aborts the request there)."""
+        async with asyncio.timeout_at(self.deadline):
+            return await anext(self.stream, None)
+
+    def _timed_out(self) -> APIError:
+        return APIError(504, f"the request did not finish within this server's request_timeout_s="
+                             f"{self.timeout_s:g} s; it was aborted", code="request_timeout")
 
     def _absorb(self, out: RequestOutput) -> list[Piece]:
         s = self.samples[out.index]
@@ -104,7 +129,8 @@ class Generation:
         if s.text.stopped:
             s.finish_reason = "stop"
         elif out.finished:
-            s.finish_reason, s.error = out.finish_reason, out.error
+            s.finish_reason = out.finish_reason
+            s.error = engine_unavailable(f"the engine failed: {out.error}") if out.error is not None else None
             self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
             self.queued_s = out.queued_s if self.queued_s is None else self.queued_s
             text += s.text.finish()
@@ -113,7 +139,7 @@ class Generation:
                                   self.queued_s)
         return [Piece(out.index, text, out.new_token_ids, out.new_logprobs, s.finish_reason, s.error)]
 
-    def _end_unfinished(self, reason: str, error: str | None = None) -> None:
+    def _end_unfinished(self, reason: str, error: APIError | None = None) -> None:
         for s in self.samples:
             if s.finish_reason is None:
                 s.finish_reason, s.error = reason, error

@@ -9,12 +9,13 @@ from cluster.serve.generation import Piece
 from cluster.serve.protocol import APIError
 
 GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-              404: grpc.StatusCode.NOT_FOUND, 503: grpc.StatusCode.UNAVAILABLE}
+              404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+              503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
 def check(p: Piece) -> None:
     if p.finish_reason == "error":
-        raise APIError(500, p.error or "the engine failed")
+        raise p.error
 
 
 def abort(context: RayServegRPCContext, e: APIError) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from fastapi import Request
@@ -10,6 +11,10 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from cluster.serve.protocol import APIError, bad_request
+
+# JSON can only carry a surrogate as a \uD800-\uDFFF escape (UTF-8 bytes of one do not decode): a body
+# without one needs no walk.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def json_response(model: BaseModel, status: int = 200) -> Response:
@@ -28,10 +33,34 @@ async def read_json(request: Request, limit: int) -> Any:
         if len(body) > limit:
             raise too_large
     try:
-        return json.loads(body)
+        value = json.loads(body)
     except ValueError as e:
         raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
     except RecursionError:  # the decoder recurses once per level of nesting
         raise bad_request("the body is nested too deeply to decode as JSON", code="invalid_json") from None
+    if SURROGATE_ESCAPE.search(body) and (where := lone_surrogate(value)) is not None:
+        raise bad_request(f"{where or 'body'}: the text holds a lone UTF-16 surrogate (an unpaired \\uD800-"
+                          f"\\uDFFF escape), which is not Unicode text", where or None)
+    return value
 
 
+def lone_surrogate(value: Any) -> str | None:
+    """The path ("messages[0].content") of a string holding a lone surrogate ("" for the body or a key
+    of it), else None. A valid pair decodes to one character; only a lone one fails to encode, and the
+    tokenizer raises on it. A loop, not recursion: the body may be nested as deep as the decoder allows."""
+    stack = [("", value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode()
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(v, dict):
+            for key, item in v.items():
+                if lone_surrogate(key) is not None:
+                    return path  # the key cannot be named: echoing it would put the surrogate in the reply
+                stack.append((f"{path}.{key}".lstrip("."), item))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
+    return None

@@ -76,6 +76,8 @@ class ServeMetrics:
         self.decode = _histogram("vllm_request_decode_time_seconds", "First token to last token.",
                                  REQUEST_TIME_BUCKETS)
         self.prompt_hist = _histogram("vllm_request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
+        self.rejected = _counter("raylm_requests_rejected", "Requests refused because the replica's queue was full "
+                                 "(429).")
         self.generation_hist = _histogram("vllm_request_generation_tokens", "Generated tokens per sample.",
                                           TOKEN_BUCKETS)
         self.engine_gauges = [Gauge(n, d, tag_keys=TAGS) for n, d in (
@@ -97,7 +99,7 @@ class ServeMetrics:
         self.info = info = Gauge("vllm_cache_config_info", "The KV cache's configuration, in labels (value 1).",
                      tag_keys=TAGS + tuple(cache_config))
         for metric in [self.prompt_tokens, self.generation_tokens, self.success, self.ttft, self.tpot, self.itl,
-                       self.e2e, self.queue, self.prefill, self.decode, self.prompt_hist, self.generation_hist,
+                       self.e2e, self.queue, self.prefill, self.decode, self.prompt_hist, self.generation_hist, self.rejected,
                        info, *self.engine_gauges, *self.engine_counters]:
             metric.set_default_tags(tags)
         self.cache_config = cache_config

@@ -21,10 +21,11 @@ class AppArgs(BaseModel):
     """What ``build_app`` takes: an EngineConfig plus the serving knobs.
 
     Autoscaling defaults suit an engine that batches: a replica runs up to
-    ``max_num_seqs`` requests at once, so it is sent that many
-    (``max_ongoing_requests``) and scales out when it averages half of that
-    (``target_ongoing_requests``); Serve's defaults (5 and 2) would starve
-    the batch.
+    ``max_num_seqs`` requests at once and scales out when it averages half of
+    that (``target_ongoing_requests``); Serve's defaults (5 and 2) would starve
+    the batch. It holds ``max_queue_len`` more in its engine's queue and
+    refuses the rest with 429, so a flood gets fast refusals, not minutes of
+    queueing (cluster/serve/admission.py).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -40,6 +41,9 @@ class AppArgs(BaseModel):
     target_ongoing_requests: float | None = Field(None, gt=0)
     max_ongoing_requests: int | None = Field(None, ge=1)
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1)
+    # Requests a replica queues beyond the max_num_seqs it runs; more are refused with 429 (None: max_num_seqs).
+    max_queue_len: int | None = Field(None, ge=0)
+    request_timeout_s: float | None = Field(None, gt=0)  # per request, from arrival; past it a 504
 
     @field_validator("min_replicas")
     @classmethod
@@ -67,6 +71,10 @@ class AppArgs(BaseModel):
         return cls(engine=EngineConfig(**engine), **{k: v for k, v in args.items() if k not in engine})
 
     @property
+    def queue_len(self) -> int:
+        return self.engine.max_num_seqs if self.max_queue_len is None else self.max_queue_len
+
+    @property
     def model_name(self) -> str:
         return self.served_model_name or self.engine.model or DEFAULT_MODEL_NAME
 
@@ -90,7 +98,9 @@ def deployment_options(args: AppArgs) -> dict[str, Any]:
         ray_actor_options={"num_cpus": REPLICA_CPUS},
         placement_group_bundles=[{"CPU": REPLICA_CPUS}] + engine_bundles(cfg, use_gpu),
         placement_group_strategy=cfg.placement_strategy,
-        max_ongoing_requests=args.max_ongoing_requests or cfg.max_num_seqs,
+        # Serve's queue in front of a replica has no bound; the replica's Admission has one, so Serve sends it
+        # everything Admission may hold plus room for /health, /metrics and the requests it refuses.
+        max_ongoing_requests=args.max_ongoing_requests or 2 * cfg.max_num_seqs + args.queue_len,
         autoscaling_config={
             "min_replicas": args.min_replicas, "initial_replicas": args.min_replicas,
             "max_replicas": args.max_replicas,

@@ -10,7 +10,6 @@ import uuid
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
-from pydantic.json_schema import models_json_schema
 
 from scheduler import SamplingParams, StructuredOutputsParams
 from workers.structured_output import compile_grammar
@@ -361,22 +360,6 @@ class ChatCompletionRequest(SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
-
-
-REQUEST_BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
-
-
-def openapi_request_bodies(spec: dict[str, Any]) -> dict[str, Any]:
-    """``spec`` (FastAPI's OpenAPI document) with each route's request body schema: the routes read their
-    bodies themselves (to name the bad parameter), so FastAPI cannot see them. The schemas are the request
-    models', so /openapi.json states exactly the field policy that ``parse`` enforces."""
-    _, defs = models_json_schema([(m, "validation") for m in REQUEST_BODIES.values()],
-                                 ref_template="#/components/schemas/{model}")
-    spec.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
-    for path, model in REQUEST_BODIES.items():
-        spec["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
-            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
-    return spec
 
 
 class TokenizeCompletionRequest(BaseModel):

@@ -9,14 +9,15 @@ package), never defined after the class: Serve pickles the class by value.
 
 import asyncio
 import hmac
+import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
 import ray
 from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
-from fastapi.responses import Response, StreamingResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from google.protobuf.json_format import MessageToDict
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
@@ -27,39 +28,38 @@ from cluster.engine import check_params
 from cluster.ray_engine import RayEngine
 from cluster.raylm_pb2 import GenerateRequest, GenerateResponse
 from cluster.serve import grpc_status
+from cluster.serve.admission import Admission
 from cluster.serve.formats import ChatFormat, CompletionFormat, Format, collect, stream_sse
 from cluster.serve.generation import Generation
 from cluster.serve.http_io import json_response, read_json
 from cluster.serve.metrics import CONTENT_TYPE, ServeMetrics, node_metrics_port, render_node_metrics
+from cluster.serve.openapi import openapi_schema
 from cluster.serve.options import AppArgs
 from cluster.serve.prompts import chat_ids, chat_request_ids, prompt_ids
 from cluster.serve.router import replica_routing_stats
 from cluster.serve.protocol import (
     APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
     ModelCard, ModelList, SamplingFields, TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse,
-    bad_request, new_id, now, openapi_request_bodies, parse,
+    bad_request, new_id, now, parse,
 )
 from cluster.serve.tools import ToolCalling
 
 
 ENGINE_STATS_PERIOD_S = 1.0
 
-app = FastAPI(title="raylm", description="OpenAI-compatible LLM serving on Ray")
-
-
-def _openapi() -> dict[str, Any]:
-    if app.openapi_schema is None:
-        app.openapi_schema = openapi_request_bodies(get_openapi(title=app.title, version=app.version,
-                                                                description=app.description, routes=app.routes))
-    return app.openapi_schema
-
-
-app.openapi = _openapi
+# FastAPI's own docs routes would answer without the API key: LLMServer serves them behind it instead.
+app = FastAPI(title="raylm", description="OpenAI-compatible LLM serving on Ray", docs_url=None, redoc_url=None,
+              openapi_url=None)
+# A refusal that a retry may get past (a full queue, an engine being replaced) says when to try again.
+RETRY_AFTER = {429: "1", 503: "5"}
 
 
 @app.exception_handler(APIError)
 async def _api_error(_: Request, e: APIError) -> Response:
-    return json_response(e.body(), e.status)
+    response = json_response(e.body(), e.status)
+    if e.status in RETRY_AFTER:
+        response.headers["Retry-After"] = RETRY_AFTER[e.status]
+    return response
 
 
 @app.exception_handler(HTTPException)
@@ -81,7 +81,8 @@ class LLMServer:
     Every request is validated (400 naming the parameter), sized against the
     context and the KV cache, and tokenized here before it reaches the engine,
     so the engine only sees requests it can run; the API key (when set) guards
-    everything but /health.
+    everything but /health. Admission bounds the requests it holds (429 past
+    that) and ``request_timeout_s`` how long each may take (504).
     """
 
     def __init__(self, args: AppArgs) -> None:
@@ -96,6 +97,8 @@ class LLMServer:
             "block_size": str(cfg.block_size), "num_gpu_blocks": str(self.engine.num_blocks),
             "enable_prefix_caching": str(cfg.enable_prefix_caching), "cache_dtype": str(cfg.dtype),
             "gpu_memory_utilization": str(cfg.gpu_memory_utilization)})
+        self.admission = Admission(self.engine, cfg.max_num_seqs + args.queue_len, self.metrics.rejected.inc)
+        self.request_timeout_s = args.request_timeout_s
         self.metrics_port = node_metrics_port()
         self.created = now()
         self._publisher = asyncio.get_running_loop().create_task(self._publish_engine_stats())
@@ -174,7 +177,8 @@ class LLMServer:
             check_params(params, self.engine.spec.vocab_size)
         except ValueError as e:  # "field: problem"
             raise bad_request(str(e), str(e).split(":", 1)[0]) from None
-        return await Generation(self.engine, self.tokenizer, self.metrics, prompt_ids, params, req).start()
+        return await Generation(self.admission, self.tokenizer, self.metrics, prompt_ids, params, req,
+                                self.request_timeout_s).start()
 
     async def _run(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int, num_logprobs: int | None,
                    fmt_type: Callable[..., Format], prefix: str, **fmt_fields: Any) -> Response:
@@ -241,6 +245,21 @@ class LLMServer:
         except Exception as e:  # RayEngine.check_health's reason says what is wrong; the code says it is unhealthy
             return json_response(APIError(503, str(e), code="engine_unhealthy").body(), 503)
         return Response(status_code=200)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request) -> Response:
+        self._authorize(request.headers.get("authorization"))
+        return Response(json.dumps(openapi_schema(app, self.model_name)), media_type="application/json")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request) -> HTMLResponse:
+        self._authorize(request.headers.get("authorization"))
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="raylm")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(self, request: Request) -> HTMLResponse:
+        self._authorize(request.headers.get("authorization"))
+        return get_redoc_html(openapi_url="/openapi.json", title="raylm")
 
     @app.get("/metrics")
     async def metrics(self, request: Request) -> Response:

@@ -1,7 +1,10 @@
 """The session's Ray: one local instance shared by every test that asks for it (Ray takes ~15 s
 to start on a 2-core machine, so starting one per module or test would dominate the run)."""
 
+import json
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import ray
@@ -24,3 +27,20 @@ def ray_session():
         ray.init(num_cpus=SESSION_CPUS, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def servable_tiny_model(tiny_model_dir, default_model_dir):
+    """`servable_tiny_model(**config_overrides)` -> a tiny random Llama holding the default model's tokenizer and
+    chat template, and a vocabulary as large as that tokenizer's, so Serve can take any text for a model that
+    generates in milliseconds."""
+    vocab_size = json.loads((Path(default_model_dir) / "config.json").read_text())["vocab_size"]
+
+    def make(**overrides) -> str:
+        path = tiny_model_dir("llama", **{"vocab_size": vocab_size, **overrides})
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (Path(default_model_dir) / name).exists():
+                shutil.copy(Path(default_model_dir) / name, Path(path) / name)
+        return path
+
+    return make

@@ -111,7 +111,7 @@ def test_api_errors_survive_pickling():  # they cross Ray when a gRPC stream fai
 
 def test_autoscaling_defaults_follow_the_batch_size():
     opts = deployment_options(AppArgs.from_flat({"max_num_seqs": 64, "max_replicas": 4}))
-    assert opts["max_ongoing_requests"] == 64
+    assert opts["max_ongoing_requests"] == 3 * 64  # 64 running, 64 queued, room for what the replica refuses
     assert opts["autoscaling_config"] == {"min_replicas": 1, "initial_replicas": 1, "max_replicas": 4,
                                           "target_ongoing_requests": 32}
 
@@ -143,13 +143,15 @@ def test_cli_serve_reaches_the_app_args(monkeypatch):
     monkeypatch.setattr("cluster.serve.serve_until_interrupted", lambda args, **kw: seen.update(args=args, **kw))
     monkeypatch.setenv("RAYLM_API_KEY", "from-env")
     cli.main(["serve", "--model", "/m", "--tensor-parallel-size", "2", "--max-num-seqs", "32", "--min-replicas", "2",
-              "--max-replicas", "5", "--port", "8123", "--host", "0.0.0.0", "--grpc-port", "9123"])
+              "--max-replicas", "5", "--port", "8123", "--host", "0.0.0.0", "--grpc-port", "9123",
+              "--max-queue-len", "4", "--request-timeout-s", "30", "--step-timeout-s", "60"])
     args = seen["args"]
     assert (args.engine.model, args.engine.tensor_parallel_size, args.engine.max_num_seqs) == ("/m", 2, 32)
+    assert (args.max_queue_len, args.request_timeout_s, args.engine.step_timeout_s) == (4, 30, 60)
     assert (args.min_replicas, args.max_replicas, args.api_key) == (2, 5, "from-env")
     assert (seen["host"], seen["port"], seen["grpc_port"], seen["address"]) == ("0.0.0.0", 8123, 9123, None)
     opts = deployment_options(args)
-    assert (opts["max_ongoing_requests"], opts["autoscaling_config"]["target_ongoing_requests"]) == (32, 16)
+    assert (opts["max_ongoing_requests"], opts["autoscaling_config"]["target_ongoing_requests"]) == (2 * 32 + 4, 16)
 
 
 def test_unknown_fields_are_refused_and_harmless_ones_accepted():

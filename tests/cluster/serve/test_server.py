@@ -3,6 +3,7 @@ max_tokens): the README's quick start, the OpenAI client, SSE framing, metrics, 
 input, the API key, gRPC, and aborts that free the engine's blocks (a stop string, a client that
 disconnects)."""
 
+import asyncio
 import json
 import socket
 import time
@@ -13,7 +14,9 @@ import httpx2 as httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+import ray
 from ray import serve
+from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE  # no public name for them
 from transformers import AutoTokenizer
 
 from cluster import raylm_pb2, raylm_pb2_grpc
@@ -30,6 +33,21 @@ MAX_NUM_SEQS = 8
 LONG = 1000  # output tokens that take minutes here: a request still running after a few seconds was not stopped
 STALE_S = 3  # how old /metrics' engine gauges may be: the replica's stats period plus Ray's report period, and margin
 WAIT_S = 30  # bound on anything asynchronous the tests wait for (a hang fails instead of stalling)
+QUEUE_LEN = 2  # requests the replica queues beyond the MAX_NUM_SEQS it runs
+
+
+def stop_serve(timeout_s: float = 90.0) -> None:
+    """serve.shutdown, then wait until its controller is gone: on a loaded machine it outlives shutdown's own
+    30 s wait, and the next module's serve.start would join it as it dies (ActorDiedError)."""
+    serve.shutdown()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        except ValueError:
+            return
+        assert time.monotonic() < deadline, f"Serve's controller still alive {timeout_s} s after serve.shutdown"
+        time.sleep(0.5)
 
 
 def free_port() -> int:
@@ -43,11 +61,12 @@ def server(default_model_dir):
     """One server for the module: HTTP URL and gRPC port."""
     args = AppArgs(engine=EngineConfig(model=default_model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
                                        kv_cache_bytes=96 << 20),
-                   served_model_name=MODEL, api_key=KEY, min_replicas=1, max_replicas=2, max_body_bytes=1 << 20)
+                   served_model_name=MODEL, api_key=KEY, min_replicas=1, max_replicas=2, max_body_bytes=1 << 20,
+                   max_queue_len=QUEUE_LEN)
     grpc_port = free_port()
     url = start(args, host="127.0.0.1", port=free_port(), grpc_port=grpc_port)
     yield url, grpc_port
-    serve.shutdown()
+    stop_serve()
 
 
 @pytest.fixture(scope="module")
@@ -91,12 +110,12 @@ def wait_metrics(url: str, done: Callable[[dict[str, float]], bool]) -> dict[str
 
 
 def wait_drained(url: str) -> None:
-    """Until the engine runs nothing and holds no KV block; fails after WAIT_S. The gauges reach /metrics
-    within one stats period plus one Ray report period (1 s each here): only values read after that are
-    the engine's state since the call."""
+    """Until the engine runs and queues nothing and holds no KV block; fails after WAIT_S. The gauges reach
+    /metrics within one stats period plus one Ray report period (1 s each here): only values read after that
+    are the engine's state since the call."""
     time.sleep(STALE_S)
-    wait_metrics(url, lambda m: (m[f"vllm:num_requests_running{{model_name={MODEL}}}"],
-                                 m[f"vllm:kv_cache_usage_perc{{model_name={MODEL}}}"]) == (0, 0))
+    wait_metrics(url, lambda m: tuple(m[f"{name}{{model_name={MODEL}}}"] for name in (
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")) == (0, 0, 0))
 
 
 def sse_events(response: httpx.Response) -> list[str]:
@@ -374,6 +393,11 @@ BAD_INPUT = [
     ("/tokenize", {"prompt": 3}, 400, "prompt"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
     ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+    # Lone surrogates: valid JSON, not Unicode text (the tokenizer raises on them); a pair is one character.
+    ("/v1/completions", b'{"prompt": "caf\\udcff"}', 400, "prompt"),
+    ("/v1/completions", b'{"prompt": "\\ud83d\\ude00 ok", "stop": ["\\ud800"]}', 400, "stop[0]"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udcff"}]}', 400, "messages[0].content"),
+    ("/tokenize", b'{"prompt": "\\uDFFF"}', 400, "prompt"),
 ]
 
 
@@ -413,6 +437,15 @@ def test_a_wrong_api_key_is_401(url, headers, method, path):
     r = httpx.request(method, f"{url}{path}", headers=headers, json={"prompt": "hi"}, timeout=30)
     assert r.status_code == 401
     assert r.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json"])
+def test_the_api_docs_need_the_key(url, path):
+    assert httpx.get(f"{url}{path}", timeout=30).status_code == 401
+    r = httpx.get(f"{url}{path}", headers=AUTH, timeout=30)
+    assert r.status_code == 200
+    if path == "/openapi.json":
+        assert "/v1/completions" in r.json()["paths"]
 
 
 def test_health_needs_no_key(url):
@@ -473,7 +506,7 @@ def test_autoscaling_config_reaches_serve(server):
     auto = config["autoscaling_config"]
     assert (auto["min_replicas"], auto["max_replicas"]) == (1, 2)
     assert auto["target_ongoing_requests"] == MAX_NUM_SEQS // 2
-    assert config["max_ongoing_requests"] == MAX_NUM_SEQS
+    assert config["max_ongoing_requests"] == 2 * MAX_NUM_SEQS + QUEUE_LEN  # Admission refuses past its queue
 
 
 def test_the_replica_reserves_its_engine_bundles(server):
@@ -545,3 +578,50 @@ def test_a_client_disconnect_mid_stream_frees_the_request(url):
         assert m[f"vllm:kv_cache_usage_perc{{model_name={MODEL}}}"] > 0
     wait_drained(url)
     wait_metrics(url, lambda m: m.get(aborted, 0) == before + 1)
+
+
+# ---- back-pressure -------------------------------------------------------------------------------------
+
+
+async def _hold_streams(url: str, count: int) -> list[asyncio.Task]:
+    """``count`` long streams, left running (or waiting in the engine's queue) until their tasks are cancelled."""
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True, "stream": True}
+
+    async def hold() -> None:
+        async with httpx.AsyncClient(timeout=120) as client, client.stream(
+                "POST", f"{url}/v1/completions", json=body, headers=AUTH) as r:
+            async for _ in r.aiter_lines():
+                pass
+
+    return [asyncio.create_task(hold()) for _ in range(count)]
+
+
+def test_past_the_queue_a_request_is_refused_with_429_and_counted(url):
+    """MAX_NUM_SEQS run and QUEUE_LEN wait in the engine; one more is a 429 with Retry-After at once, counted in
+    raylm:requests_rejected_total; the held requests, once their clients go, leave no block, request or held
+    slot behind (a second round is refused at the same point)."""
+    rejected = f"raylm:requests_rejected_total{{model_name={MODEL}}}"
+
+    async def round_trip() -> httpx.Response:
+        tasks = await _hold_streams(url, MAX_NUM_SEQS + QUEUE_LEN)
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while (metrics(url).get(f"vllm:num_requests_running{{model_name={MODEL}}}"),
+                   metrics(url).get(f"vllm:num_requests_waiting{{model_name={MODEL}}}")) != (MAX_NUM_SEQS, QUEUE_LEN):
+                assert time.monotonic() < deadline, "the held requests did not reach the engine"
+                await asyncio.sleep(0.2)
+            async with httpx.AsyncClient(timeout=WAIT_S) as client:
+                return await client.post(f"{url}/v1/completions", headers=AUTH,
+                                         json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    for round_number in range(2):
+        before = metrics(url).get(rejected, 0)
+        r = asyncio.run(round_trip())
+        assert r.status_code == 429, (round_number, r.text)
+        assert r.headers["Retry-After"] == "1" and r.json()["error"]["code"] == "queue_full"
+        wait_metrics(url, lambda m: m.get(rejected, 0) == before + 1)
+        wait_drained(url)
