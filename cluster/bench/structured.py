@@ -82,7 +82,7 @@ def output_tok_s(llm, concurrency: int, max_tokens: int, constrained: bool) -> f
 
 
 def bench_structured(model: str | None = None, num_requests: int = 200, concurrency: int = 64, max_tokens: int = 128,
-                     **engine_kwargs) -> dict[str, float]:
+                     rounds: int = 3, **engine_kwargs) -> dict[str, float]:
     from cluster.llm import LLM
 
     engine_kwargs.setdefault("max_num_seqs", concurrency)
@@ -94,11 +94,16 @@ def bench_structured(model: str | None = None, num_requests: int = 200, concurre
         print(f"  validity: {num_requests} requests over {len(SCHEMAS)} JSON schemas in {time.perf_counter() - t0:.1f} s: "
               f"{stopped} finished with stop, {valid} of them valid ({valid / max(stopped, 1):.0%}); "
               f"{capped} cut by max_tokens=256")
-        output_tok_s(llm, 4, 8, True)  # warm-up: the constraint library's tokenizer, first-call allocations
-        free = output_tok_s(llm, concurrency, max_tokens, False)
-        forced = output_tok_s(llm, concurrency, max_tokens, True)
-        print(f"  cost: {concurrency} concurrent requests x {max_tokens} output tokens: unconstrained "
-              f"{free:.1f} output tok/s, JSON schema {forced:.1f} output tok/s ({forced / free:.0%})")
+        output_tok_s(llm, concurrency, 8, True)  # warm-up: the library's tokenizer, first-call allocations
+        runs: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(rounds):  # alternated, so that a slow spell of the machine hits both kinds alike
+            for constrained in (False, True):
+                runs[constrained].append(output_tok_s(llm, concurrency, max_tokens, constrained))
+        free, forced = (sorted(runs[c])[len(runs[c]) // 2] for c in (False, True))
+        print(f"  cost: {concurrency} concurrent requests x {max_tokens} output tokens, median of {rounds} alternated "
+              f"rounds: unconstrained {free:.1f} output tok/s, JSON schema {forced:.1f} output tok/s "
+              f"({forced / free:.0%}); each round: " + ", ".join(
+                  f"{a:.0f} / {b:.0f}" for a, b in zip(runs[False], runs[True])))
         return {"stopped": stopped, "valid": valid, "free_tok_s": free, "schema_tok_s": forced}
     finally:
         llm.shutdown()
