@@ -18,6 +18,10 @@ import cluster.serve  # noqa: F401
 SESSION_CPUS = 8
 # Replicas' metrics reach Ray's export once per report period (10 s by default); tests read them within 1 s.
 os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
+# A replica that Serve stops (shutdown, scale-down, replacement) in direct-ingress mode first drains for this long
+# so that load balancers elsewhere stop sending to it: 30 s by default, added to every Serve module's teardown.
+# The tests' HAProxy runs on this machine and is reconfigured at once.
+os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 
 
 @pytest.fixture(scope="session")
