@@ -15,7 +15,7 @@ from cluster.config import EngineConfig
 from cluster.serve import APP_NAME, AppArgs, deployment_options
 from cluster.serve.metrics import render_node_metrics
 from cluster.serve.server import LLMServer
-from tests.cluster.serve.test_server import free_port
+from tests.cluster.serve.test_server import free_port, stop_serve
 from tests.cluster.serve.test_replicas import MODEL, running_replicas
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -96,4 +96,4 @@ def test_load_starts_a_second_replica_that_serves_and_idle_scales_back(default_m
         r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=120)
         assert r.status_code == 200, r.text
     finally:
-        serve.shutdown()
+        stop_serve()

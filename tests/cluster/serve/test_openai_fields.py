@@ -4,7 +4,6 @@ include_stop_str_in_output, cache_salt, tool calls, and the refused-field table.
 
 import json
 import re
-import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -13,11 +12,11 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel
-from ray import serve
 
 from cluster import raylm_pb2, raylm_pb2_grpc
 from cluster.config import EngineConfig
 from cluster.serve import AppArgs, start
+from tests.cluster.serve.test_server import free_port, stop_serve
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -43,19 +42,13 @@ SCHEMAS = {
 ASK = [{"role": "user", "content": "Describe a person in JSON."}]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(default_model_dir):
     args = AppArgs(engine=EngineConfig(model=default_model_dir, max_model_len=1024, max_num_seqs=8,
                                        kv_cache_bytes=64 << 20), served_model_name=MODEL)
     grpc_port = free_port()
     yield start(args, host="127.0.0.1", port=free_port(), grpc_port=grpc_port), grpc_port
-    serve.shutdown()
+    stop_serve()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from ray import serve
 
 from cluster.config import EngineConfig
 from cluster.serve import APP_NAME, AppArgs, start
-from tests.cluster.serve.test_server import STALE_S, WAIT_S, free_port, metrics, wait_metrics
+from tests.cluster.serve.test_server import STALE_S, WAIT_S, free_port, metrics, stop_serve, wait_metrics
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -37,7 +37,7 @@ def url(default_model_dir):
         time.sleep(0.5)
     time.sleep(STALE_S)  # HAProxy reloads its config with the second replica
     yield url
-    serve.shutdown()
+    stop_serve()
 
 
 def chat(url: str, question: str, system: str = SYSTEM) -> httpx.Response:
