@@ -44,6 +44,9 @@ class AppArgs(BaseModel):
     # Requests a replica queues beyond the max_num_seqs it runs; more are refused with 429 (None: max_num_seqs).
     max_queue_len: int | None = Field(None, ge=0)
     request_timeout_s: float | None = Field(None, gt=0)  # per request, from arrival; past it a 504
+    # How often Serve asks each replica's health (LLMServer.check_health: the engine's ranks and scheduler);
+    # three failures in a row and Serve replaces the replica. Serve's default.
+    health_check_period_s: float = Field(10.0, gt=0)
 
     @field_validator("min_replicas")
     @classmethod
@@ -101,6 +104,7 @@ def deployment_options(args: AppArgs) -> dict[str, Any]:
         # Serve's queue in front of a replica has no bound; the replica's Admission has one, so Serve sends it
         # everything Admission may hold plus room for /health, /metrics and the requests it refuses.
         max_ongoing_requests=args.max_ongoing_requests or 2 * cfg.max_num_seqs + args.queue_len,
+        health_check_period_s=args.health_check_period_s,
         autoscaling_config={
             "min_replicas": args.min_replicas, "initial_replicas": args.min_replicas,
             "max_replicas": args.max_replicas,

@@ -26,6 +26,8 @@ STREAMS = 3
 ERROR_BOUND_S = 10.0  # the fault to the last in-flight stream's end
 SERVING_BOUND_S = 60.0  # the fault to a completion answered by the engine Serve builds in its place
 STEP_TIMEOUT_S = 3.0
+# Serve replaces a replica after three failed health checks: 3 x 10 s by default, the bulk of each fault's recovery.
+HEALTH_CHECK_PERIOD_S = 3.0
 REQUEST_TIMEOUT_S = 25.0  # well past a stream's start and its fault on a loaded machine, so only the 504 test meets it
 MAX_MODEL_LEN = 16384
 LONG = MAX_MODEL_LEN - 8  # output tokens: minutes of generation, so nothing in flight ends by itself
@@ -36,7 +38,7 @@ def url(servable_tiny_model):
     path = servable_tiny_model(max_position_embeddings=MAX_MODEL_LEN)
     args = AppArgs(engine=EngineConfig(model=path, max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 << 20, num_threads=1,
                                        step_timeout_s=STEP_TIMEOUT_S),
-                   request_timeout_s=REQUEST_TIMEOUT_S)
+                   request_timeout_s=REQUEST_TIMEOUT_S, health_check_period_s=HEALTH_CHECK_PERIOD_S)
     url = start(args, host="127.0.0.1", port=free_port(), grpc_port=free_port())
     yield url
     stop_serve()

@@ -144,7 +144,8 @@ def test_cli_serve_reaches_the_app_args(monkeypatch):
     monkeypatch.setenv("RAYLM_API_KEY", "from-env")
     cli.main(["serve", "--model", "/m", "--tensor-parallel-size", "2", "--max-num-seqs", "32", "--min-replicas", "2",
               "--max-replicas", "5", "--port", "8123", "--host", "0.0.0.0", "--grpc-port", "9123",
-              "--max-queue-len", "4", "--request-timeout-s", "30", "--step-timeout-s", "60"])
+              "--max-queue-len", "4", "--request-timeout-s", "30", "--step-timeout-s", "60",
+              "--health-check-period-s", "2.5"])
     args = seen["args"]
     assert (args.engine.model, args.engine.tensor_parallel_size, args.engine.max_num_seqs) == ("/m", 2, 32)
     assert (args.max_queue_len, args.request_timeout_s, args.engine.step_timeout_s) == (4, 30, 60)
@@ -152,6 +153,7 @@ def test_cli_serve_reaches_the_app_args(monkeypatch):
     assert (seen["host"], seen["port"], seen["grpc_port"], seen["address"]) == ("0.0.0.0", 8123, 9123, None)
     opts = deployment_options(args)
     assert (opts["max_ongoing_requests"], opts["autoscaling_config"]["target_ongoing_requests"]) == (2 * 32 + 4, 16)
+    assert opts["health_check_period_s"] == 2.5
 
 
 def test_unknown_fields_are_refused_and_harmless_ones_accepted():
