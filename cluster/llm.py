@@ -118,7 +118,7 @@ class LLM:
                     c = pending[(o.request_id, o.index)] = Completion(o.index, "", [], None, None)
                 c.token_ids.extend(o.new_token_ids)
                 r = by_id[o.request_id]
-                if o.prompt_logprobs and r.prompt_logprobs is None:  # n > 1: every sample brings the same
+                if o.prompt_logprobs is not None and r.prompt_logprobs is None:  # n > 1: every sample brings the same
                     r.prompt_logprobs = [None, *o.prompt_logprobs]
                 if o.new_logprobs:
                     c.logprobs = (c.logprobs or []) + o.new_logprobs
@@ -140,9 +140,7 @@ class LLM:
             raise
         finally:
             bar.close()
-        for r, p in zip(results, params_list):
-            if p.prompt_logprobs is not None and r.prompt_logprobs is None:  # a one-token prompt
-                r.prompt_logprobs = [None]
+        for r in results:
             r.outputs = sorted((c for (rid, _), c in pending.items() if rid == r.request_id), key=lambda c: c.index)
             for c in r.outputs:
                 c.text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)

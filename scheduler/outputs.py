@@ -116,7 +116,8 @@ class RequestOutput:
     ``n > 1`` request apart. ``finish_reason`` is "stop", "length", "abort" or
     "error" on the last delta (with ``error`` explaining an "error").
     ``prompt_logprobs`` (requests asking for them) rides on the first delta that
-    has a token: one entry per prompt token after the first.
+    has a token: one entry per prompt token after the first (empty for a
+    one-token prompt).
     """
 
     request_id: str

@@ -551,7 +551,7 @@ class Scheduler:
                 out.new_token_ids = [token]
                 out.new_logprobs = None if entry is None else [entry]
                 append_out(out)
-            if request.prompt_logprobs and len(out_ids) == 1:
+            if params.prompt_logprobs is not None and len(out_ids) == 1:
                 out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
         return outputs
 
