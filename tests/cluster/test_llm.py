@@ -322,8 +322,9 @@ def test_a_constraint_that_does_not_compile_is_refused_before_anything_runs(smol
 
 def test_prompt_logprobs_match_transformers_across_chunks_and_preemption(tiny_model_dir, default_model_dir):
     """prompt_logprobs=k: for each prompt token p >= 1, log P(token p | tokens < p) with its rank and the top k,
-    equal to transformers' log_softmax of one full forward, though the 70-token prompt arrives in 16-token chunks
-    and the small KV cache preempts; the prefix cache, which would skip computing a prompt, is not used."""
+    equal to transformers' log_softmax of one full forward, though the 70-token prompt arrives in 16-token chunks,
+    is preempted mid-prefill (and the small KV cache preempts more); the prefix cache, which would skip computing
+    a prompt, is not used."""
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_dir("llama")
@@ -332,9 +333,19 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_preemption(tiny_mo
     llm = LLM(model=path, tokenizer=default_model_dir, executor="inprocess", block_size=8,
               max_num_batched_tokens=32, long_prefill_token_threshold=16, kv_cache_bytes=1 << 16)
     llm.generate([ids[2]], greedy(2), use_tqdm=False)  # its blocks are now in the prefix cache
+    engine, scheduler, mid_prefill = llm.engine, llm.engine.scheduler, []
+
+    def step_preempting_mid_prefill():
+        for r in list(scheduler.running):
+            if 0 < r.num_computed_tokens < len(r.prompt_token_ids) and not r.num_preemptions:
+                scheduler._preempt(r)  # recomputed from 0: the entries already returned must not come twice
+                mid_prefill.append(r.request_id)
+        return InProcessEngine.step(engine)
+
+    engine.step = step_preempting_mid_prefill
     params = [greedy(24, ignore_eos=True, prompt_logprobs=k) for k in (2, 0, 3)]
     outs = llm.generate(ids, params, use_tqdm=False)
-    assert llm.engine.stats().num_preemptions > 0
+    assert mid_prefill and engine.stats().num_preemptions > len(mid_prefill)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for prompt, p, out in zip(ids, params, outs):
         assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
