@@ -346,7 +346,7 @@ class ModelRunner:
         chosen = raw.gather(1, torch.from_numpy(targets).to(self.device).unsqueeze(1))
         ranks = (raw > chosen).sum(-1) + 1
         k = max(s.sampling_params.prompt_logprobs for s, *_ in spans)
-        top_values, top_ids = raw.topk(k, dim=-1) if k else (raw[:, :0], raw[:, :0].long())
+        top_values, top_ids = raw.topk(k, dim=-1)
         chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
         values_l, ids_l = top_values.tolist(), top_ids.tolist()
         out, i = {}, 0
