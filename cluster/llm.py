@@ -28,13 +28,15 @@ class Completion:
 
 @dataclass(slots=True)
 class GenerateOutput:
-    """Everything generated for one prompt: ``n`` completions, in index order."""
+    """Everything generated for one prompt: ``n`` completions, in index order. With ``prompt_logprobs``
+    asked, ``prompt_logprobs[p]`` is prompt token p's given the tokens before it (None for p = 0, as vLLM)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[Completion] = field(default_factory=list)
     num_cached_tokens: int = 0
+    prompt_logprobs: list[SampledLogprobs | None] | None = None
 
 
 class LLM:
@@ -115,6 +117,9 @@ class LLM:
                 if c is None:
                     c = pending[(o.request_id, o.index)] = Completion(o.index, "", [], None, None)
                 c.token_ids.extend(o.new_token_ids)
+                r = by_id[o.request_id]
+                if o.prompt_logprobs is not None and r.prompt_logprobs is None:  # n > 1: every sample brings the same
+                    r.prompt_logprobs = [None, *o.prompt_logprobs]
                 if o.new_logprobs:
                     c.logprobs = (c.logprobs or []) + o.new_logprobs
                 if o.finished:

@@ -83,11 +83,13 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class SampledLogprobs:
-    """Logprobs of one sampled token: its own, and the top-k alternatives (most likely first)."""
+    """Logprobs of one sampled (or prompt) token: its own, and the top-k alternatives (most likely first).
+    ``rank`` (1 = most likely) is filled for prompt tokens, which vLLM's format reports."""
 
     logprob: float
     top_token_ids: list[int]
     top_logprobs: list[float]
+    rank: int | None = None
 
 
 @dataclass(slots=True)
@@ -95,12 +97,15 @@ class ModelRunnerOutput:
     """What rank 0 returns for one step: one sampled token per request that sampled.
 
     ``logprobs[i]`` is None for requests that did not ask for logprobs; the
-    whole list is None when nobody did.
+    whole list is None when nobody did. ``prompt_logprobs`` maps a request
+    asking for them to the entries of the prompt tokens its chunk predicted
+    this step (token p given tokens < p, in order, each returned once).
     """
 
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[SampledLogprobs | None] | None = None
+    prompt_logprobs: dict[str, list[SampledLogprobs]] | None = None
 
 
 @dataclass(slots=True)
@@ -110,6 +115,9 @@ class RequestOutput:
     ``request_id`` is the caller's id; ``index`` tells the samples of an
     ``n > 1`` request apart. ``finish_reason`` is "stop", "length", "abort" or
     "error" on the last delta (with ``error`` explaining an "error").
+    ``prompt_logprobs`` (requests asking for them) rides on the first delta that
+    has a token: one entry per prompt token after the first (empty for a
+    one-token prompt).
     """
 
     request_id: str
@@ -122,3 +130,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     queued_s: float | None = None  # on the final delta: arrival to first scheduling, None if it never ran
+    prompt_logprobs: list[SampledLogprobs] | None = None

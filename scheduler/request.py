@@ -80,6 +80,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words_token_ids: list[list[int]] | None = None
@@ -90,7 +91,8 @@ class SamplingParams:
             setattr(self, name, _real(name, getattr(self, name)))
         for name in _INT_FIELDS:
             value = getattr(self, name)
-            _check(value is None and name in ("seed", "logprobs") or _is_int(value), name, value, "must be an integer")
+            _check(value is None and name in ("seed", "logprobs", "prompt_logprobs") or _is_int(value),
+                   name, value, "must be an integer")
         _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
         _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1")
@@ -106,6 +108,8 @@ class SamplingParams:
         _check(self.n >= 1, "n", self.n, "must be >= 1")
         _check(self.logprobs is None or 0 <= self.logprobs <= 20,
                "logprobs", self.logprobs, "must be None or in [0, 20]")
+        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+               "prompt_logprobs", self.prompt_logprobs, "must be None or in [0, 20]")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "must be a bool")
         stop = self.stop_token_ids
         _check(isinstance(stop, (list, tuple)) and all(_is_int(t) and t >= 0 for t in stop),
@@ -134,7 +138,7 @@ class SamplingParams:
 
 _GREEDY_TEMPERATURE = 1e-5  # as vLLM's _SAMPLING_EPS
 _REAL_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-_INT_FIELDS = ("top_k", "max_tokens", "min_tokens", "n", "seed", "logprobs")
+_INT_FIELDS = ("top_k", "max_tokens", "min_tokens", "n", "seed", "logprobs", "prompt_logprobs")
 
 
 def _is_int(value: object) -> bool:
@@ -200,6 +204,7 @@ class Request:
         "eos_token_id", "priority", "arrival_time", "status", "num_computed_tokens",
         "num_cached_tokens", "block_hashes", "block_size", "cache_salt", "parent_id", "index",
         "error", "num_preemptions", "max_total_tokens", "num_worker_tokens", "queued_s",
+        "prompt_logprobs",
     )
 
     def __init__(
@@ -251,6 +256,7 @@ class Request:
         self.num_preemptions = 0
         self.max_total_tokens = len(prompt_token_ids) + self.sampling_params.max_tokens
         self.num_worker_tokens = 0  # how many of all_token_ids the workers hold (0: not sent yet)
+        self.prompt_logprobs: list = []  # SampledLogprobs of prompt tokens 1.., until the first output carries them
         self.extend_block_hashes()
 
     @property

@@ -381,8 +381,11 @@ class Scheduler:
             request = waiting.peek()
             if request is None:
                 break
-            hits, num_hit_tokens = get_computed(request)
-            host_hits = get_host_hits(request, len(hits)) if host_tier else ()
+            if request.sampling_params.prompt_logprobs is None:
+                hits, num_hit_tokens = get_computed(request)
+                host_hits = get_host_hits(request, len(hits)) if host_tier else ()
+            else:  # a cached prompt token is never computed, so its logprob would be missing (vLLM's rule)
+                hits, num_hit_tokens, host_hits = [], 0, ()
             num_host_hit_tokens = len(host_hits) * self.block_size
             num_hit_tokens += num_host_hit_tokens
             num_new = request.num_tokens - num_hit_tokens
@@ -507,6 +510,10 @@ class Scheduler:
                 request = requests.get(rid)
                 if request is not None and request.num_computed_tokens % bs < n:
                     cache_blocks(request)
+        for rid, entries in (runner_output.prompt_logprobs or {}).items():
+            request = requests.get(rid)
+            if request is not None:
+                request.prompt_logprobs += entries
         outputs = []
         append_out = outputs.append
         logprobs = runner_output.logprobs
@@ -534,15 +541,18 @@ class Scheduler:
             else:
                 status = _stop_status(request, token, max_model_len)
             if status is None:
-                append_out(RequestOutput(request.parent_id or rid, request.index, [token], False, None,
-                                         None if entry is None else [entry]))
+                out = RequestOutput(request.parent_id or rid, request.index, [token], False, None,
+                                    None if entry is None else [entry])
+                append_out(out)
                 if parked and rid in parked:
                     self._release_parked(request)
-                continue
-            final = self._finish(request, status)
-            final.new_token_ids = [token]
-            final.new_logprobs = None if entry is None else [entry]
-            append_out(final)
+            else:
+                out = self._finish(request, status)
+                out.new_token_ids = [token]
+                out.new_logprobs = None if entry is None else [entry]
+                append_out(out)
+            if params.prompt_logprobs is not None and len(out_ids) == 1:
+                out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
         return outputs
 
     def reset_prefix_cache(self) -> bool:

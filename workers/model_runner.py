@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from kernels import AttentionMetadata
-from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from scheduler.outputs import ModelRunnerOutput, SampledLogprobs, SchedulerOutput
 from scheduler.request import SamplingParams
 from workers.sampler import PenaltyState, Sampler, SamplingMetadata, has_penalties
 from workers.structured_output import GrammarBitmasks
@@ -48,6 +48,15 @@ class CachedRequestState:
     penalized: bool
     parked: bool = False
     matcher: Any = None  # llguidance.LLMatcher
+    num_prompt_logprobs: int = 0  # prompt positions whose logprobs were returned; kept across preemption
+
+    def prompt_logprob_span(self, start: int, num_new: int) -> tuple[int, int]:
+        """The positions of a chunk [start, start + num_new) whose logits give a prompt token's logprob not yet
+        returned: position q predicts prompt token q + 1. A recompute after preemption yields none twice."""
+        if self.sampling_params.prompt_logprobs is None:
+            return 0, 0
+        first = max(start, self.num_prompt_logprobs)
+        return first, max(0, min(start + num_new, self.num_prompt_tokens - 1) - first)
 
     @property
     def num_tokens(self) -> int:
@@ -105,6 +114,7 @@ class StepInputs:
     logits_indices: torch.Tensor
     sampling_states: list[CachedRequestState]
     graph_size: int
+    prompt_spans: list[tuple[CachedRequestState, int, int, int]]  # (state, first position, count, batch index)
 
 
 class ModelRunner:
@@ -114,7 +124,8 @@ class ModelRunner:
     mirror each live request's state; rows of finished requests are free for
     reuse. Logits are computed only at the last scheduled position of requests
     whose tokens are then all computed — the same rule the scheduler uses to
-    expect a sampled token.
+    expect a sampled token — and, for requests asking ``prompt_logprobs``, at
+    each prompt position of their chunks whose logprob was not yet returned.
 
     A step has no avoidable host work or sync: inputs are built with numpy into
     persistent buffers and copied without blocking, sampling tensors are made
@@ -240,6 +251,11 @@ class ModelRunner:
         num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
         sampling = np.nonzero(seq_lens == num_tokens)[0]
         buf["logits_indices"][:len(sampling)] = cu[1:num_reqs + 1][sampling] - 1
+        prompt_spans = []
+        for i, s in enumerate(states):
+            first, count = s.prompt_logprob_span(int(starts[i]), int(num_new[i]))
+            if count:
+                prompt_spans.append((s, first, count, int(cu[i]) + first - int(starts[i])))
         graph_size = self._decode_size(num_reqs, total)
         if graph_size:
             self._pad_decode(num_reqs, graph_size)
@@ -250,7 +266,7 @@ class ModelRunner:
             slot_mapping=dev["slot_mapping"], max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()),
             backend=self.attn_backend)
         return StepInputs(dev["input_ids"], dev["positions"], md, dev["logits_indices"],
-                          [states[i] for i in sampling], graph_size)
+                          [states[i] for i in sampling], graph_size, prompt_spans)
 
     def _decode_size(self, num_reqs: int, num_tokens: int) -> int:
         """The padded size of a decode-only step that fits a captured size, else 0."""
@@ -301,10 +317,11 @@ class ModelRunner:
         sampling = self.prepare_sampling(states) if self.is_driver and states else None
         hidden = self.forward(inputs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices]) if states else None
+        prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_spans) if inputs.prompt_spans else None
         if not self.is_driver:
             return None
         if logits is None:
-            return ModelRunnerOutput([], [])
+            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
         smd, penalized, penalized_rows = sampling
         constrained = [i for i, s in enumerate(states) if s.matcher is not None]
         if constrained:  # filled on the host while the device runs the forward
@@ -312,7 +329,33 @@ class ModelRunner:
         sampled, logprobs = self.sampler(logits.float(), smd)
         if penalized is not None:
             self.penalty_state.count(penalized_rows, sampled.index_select(0, penalized))
-        return ModelRunnerOutput([s.req_id for s in states], self._to_host(sampled), logprobs)
+        return ModelRunnerOutput([s.req_id for s in states], self._to_host(sampled), logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, spans: list[tuple[CachedRequestState, int, int, int]]
+                         ) -> dict[str, list[SampledLogprobs]] | None:
+        """Logprobs of the prompt tokens this step's chunks predict, with each one's rank and top-k (rank 0
+        only; every rank joins the vocabulary-parallel logits)."""
+        index = np.concatenate([np.arange(b, b + n) for _, _, n, b in spans])
+        logits = self.model.compute_logits(hidden[torch.from_numpy(index).to(self.device)])
+        for state, first, count, _ in spans:
+            state.num_prompt_logprobs = first + count
+        if logits is None:
+            return None
+        targets = np.concatenate([self.token_ids[s.row, first + 1:first + 1 + n] for s, first, n, _ in spans])
+        raw = logits.float().log_softmax(-1)
+        chosen = raw.gather(1, torch.from_numpy(targets).to(self.device).unsqueeze(1))
+        ranks = (raw > chosen).sum(-1) + 1
+        k = max(s.sampling_params.prompt_logprobs for s, *_ in spans)
+        top_values, top_ids = raw.topk(k, dim=-1)
+        chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
+        values_l, ids_l = top_values.tolist(), top_ids.tolist()
+        out, i = {}, 0
+        for state, _, count, _ in spans:
+            k = state.sampling_params.prompt_logprobs
+            out[state.req_id] = [SampledLogprobs(chosen_l[j], ids_l[j][:k], values_l[j][:k], ranks_l[j])
+                                 for j in range(i, i + count)]
+            i += count
+        return out
 
     def _to_host(self, sampled: torch.Tensor) -> list[int]:
         """The step's one device-to-host transfer, into pinned memory, and its one sync."""

@@ -14,8 +14,9 @@ from cluster.serve.tools import ToolCalling, ToolCallStream
 from cluster.serve.protocol import (
     AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
     ChatStreamChoice, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse, Delta,
-    TokenLogprob, TopLogprob, Usage, now,
+    PromptLogprob, TokenLogprob, TopLogprob, Usage, now,
 )
+from scheduler import SampledLogprobs
 
 
 def _token_str(tokenizer, token_id: int) -> str:
@@ -26,7 +27,9 @@ def _token_str(tokenizer, token_id: int) -> str:
 class CompletionFormat:
     """Builds /v1/completions chunks and responses; ``offsets`` keeps each choice's logprob text_offset.
     ``echo`` (the prompt's text, for ``echo=true``) leads each choice's first chunk; ``echoed`` holds
-    the choices that have had it."""
+    the choices that have had it. The prompt's logprobs (``prompt_token_ids``' tokens after the first) come on
+    each choice's first piece: with echo and logprobs they lead its ``logprobs``, and with
+    ``num_prompt_logprobs`` they also fill its vLLM ``prompt_logprobs``."""
 
     tokenizer: Any
     id: str
@@ -36,6 +39,8 @@ class CompletionFormat:
     created: int = field(default_factory=now)
     echo: str = ""
     echoed: set[int] = field(default_factory=set)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    num_prompt_logprobs: int | None = None
 
     def _text(self, p: Piece) -> str:
         if not self.echo or p.index in self.echoed:
@@ -51,22 +56,45 @@ class CompletionFormat:
         text a stop string cut, so each advances by its own text but never past what its piece added."""
         if self.num_logprobs is None or not p.logprobs:
             return None
-        out, offset = CompletionLogprobs(), self.offsets.get(p.index, 0)
-        end = offset + len(p.text)
-        for token_id, lp in zip(p.token_ids, p.logprobs):
+        out = CompletionLogprobs()
+        if self.echo and p.prompt_logprobs is not None:
+            self._add(out, 0, len(self.echo), self.prompt_token_ids, [None, *p.prompt_logprobs])
+            self.offsets[p.index] = len(self.echo)
+        offset = self.offsets.get(p.index, 0)
+        self.offsets[p.index] = self._add(out, offset, offset + len(p.text), p.token_ids, p.logprobs)
+        return out
+
+    def _add(self, out: CompletionLogprobs, offset: int, end: int, token_ids: list[int],
+             logprobs: list[SampledLogprobs | None]) -> int:
+        for token_id, lp in zip(token_ids, logprobs):
             token = _token_str(self.tokenizer, token_id)
             out.tokens.append(token)
-            out.token_logprobs.append(lp.logprob)
+            out.token_logprobs.append(None if lp is None else lp.logprob)
             out.text_offset.append(offset)
-            out.top_logprobs.append({_token_str(self.tokenizer, t): v
-                                     for t, v in zip(lp.top_token_ids, lp.top_logprobs)})
+            out.top_logprobs.append(None if lp is None else {
+                _token_str(self.tokenizer, t): v
+                for t, v in zip(lp.top_token_ids[:self.num_logprobs], lp.top_logprobs[:self.num_logprobs])})
             offset = min(offset + len(token), end)
-        self.offsets[p.index] = end
+        return end
+
+    def prompt_logprobs(self, entries: list[SampledLogprobs] | None) -> list[dict[int, PromptLogprob] | None] | None:
+        """vLLM's form: per prompt token, its own logprob and rank, and the top-k (ranks 1..k)."""
+        if self.num_prompt_logprobs is None or entries is None:
+            return None
+        out: list[dict[int, PromptLogprob] | None] = [None]
+        for token_id, lp in zip(self.prompt_token_ids[1:], entries):
+            d = {token_id: PromptLogprob(logprob=lp.logprob, rank=lp.rank,
+                                         decoded_token=_token_str(self.tokenizer, token_id))}
+            top = zip(lp.top_token_ids[:self.num_prompt_logprobs], lp.top_logprobs[:self.num_prompt_logprobs])
+            for rank, (t, v) in enumerate(top, 1):
+                d.setdefault(t, PromptLogprob(logprob=v, rank=rank, decoded_token=_token_str(self.tokenizer, t)))
+            out.append(d)
         return out
 
     def chunk(self, pieces: list[Piece], usage: bool) -> list[BaseModel]:
         choices = [CompletionChoice(index=p.index, text=self._text(p), logprobs=self.logprobs(p),
-                                    finish_reason=p.finish_reason) for p in pieces]
+                                    finish_reason=p.finish_reason,
+                                    prompt_logprobs=self.prompt_logprobs(p.prompt_logprobs)) for p in pieces]
         return [CompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
                                 **({"usage": None} if usage else {}))]
 
@@ -76,7 +104,7 @@ class CompletionFormat:
     def response(self, gen: Generation, texts: list[str], logprobs: list[list[BaseModel]]) -> BaseModel:
         choices = [CompletionChoice(index=i, text=self.echo + t, finish_reason=s.finish_reason,
                                     logprobs=_merge_completion_logprobs(lps) if self.num_logprobs is not None
-                                    else None)
+                                    else None, prompt_logprobs=self.prompt_logprobs(s.prompt_logprobs))
                    for i, (s, t, lps) in enumerate(zip(gen.samples, texts, logprobs))]
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
                                   usage=gen.usage())
@@ -179,7 +207,7 @@ async def stream_sse(gen: Generation, fmt: Format, include_usage: bool) -> Async
         yield _sse(chunk)
     async with aclosing(gen.pieces()) as stream:
         async for pieces in stream:
-            pieces = [p for p in pieces if p.text or p.finish_reason or p.logprobs]
+            pieces = [p for p in pieces if p.text or p.finish_reason or p.logprobs or p.prompt_logprobs is not None]
             errors = [p.error for p in pieces if p.finish_reason == "error"]
             if errors:
                 yield _sse(errors[0].body())

@@ -24,6 +24,7 @@ class Sample:
     last_token_time: float | None = None
     finish_reason: str | None = None
     error: APIError | None = None
+    prompt_logprobs: list[SampledLogprobs] | None = None  # prompt tokens 1.., when asked
 
 
 @dataclass(slots=True)
@@ -36,6 +37,7 @@ class Piece:
     logprobs: list[SampledLogprobs] | None
     finish_reason: str | None
     error: APIError | None = None  # what the client gets for an "error" finish
+    prompt_logprobs: list[SampledLogprobs] | None = None  # on a choice's first piece, when asked
 
 
 def engine_unavailable(message: str) -> APIError:
@@ -124,6 +126,8 @@ class Generation:
                 self.metrics.itl.observe((t - s.last_token_time) / len(out.new_token_ids))
             s.last_token_time = t
         s.token_ids += out.new_token_ids
+        if out.prompt_logprobs is not None:
+            s.prompt_logprobs = out.prompt_logprobs
         self.metrics.generation_tokens.inc(len(out.new_token_ids))
         text = s.text.add(out.new_token_ids)
         if s.text.stopped:
@@ -137,7 +141,8 @@ class Generation:
         if s.finish_reason is not None:
             self.metrics.finished(s.finish_reason, len(s.token_ids), self.arrival, s.first_token_time, t,
                                   self.queued_s)
-        return [Piece(out.index, text, out.new_token_ids, out.new_logprobs, s.finish_reason, s.error)]
+        return [Piece(out.index, text, out.new_token_ids, out.new_logprobs, s.finish_reason, s.error,
+                      out.prompt_logprobs)]
 
     def _end_unfinished(self, reason: str, error: APIError | None = None) -> None:
         for s in self.samples:

@@ -126,8 +126,8 @@ class SamplingFields(BaseModel):
       in nested objects too.
     - Refused values, each with its reason in the field's description (and so
       in /openapi.json): ``best_of`` other than ``n``, any ``suffix``,
-      ``logprobs``/``top_logprobs`` above 20, ``prompt_logprobs`` and ``echo``
-      with logprobs (prompt logprobs are not computed), ``priority`` under fcfs.
+      ``logprobs``/``top_logprobs``/``prompt_logprobs`` above 20, ``priority``
+      under fcfs.
     - Accepted without behaviour: ``user``, ``metadata``, ``store`` (OpenAI
       bookkeeping that changes no output).
     Ranges are checked here so that each error names the field; SamplingParams
@@ -214,6 +214,10 @@ class SamplingFields(BaseModel):
             raise bad_request(f"best_of={self.best_of}: only best_of equal to n={self.n} is supported "
                               f"(this server does not rank samples)", "best_of")
 
+    def num_prompt_logprobs(self) -> int | None:
+        """The top-k of the prompt's logprobs the engine computes (None: none)."""
+        return None
+
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         tool_constraint: StructuredOutputsParams | None = None,
                         bad_words_token_ids: list[list[int]] | None = None) -> SamplingParams:
@@ -234,6 +238,7 @@ class SamplingFields(BaseModel):
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
                 max_tokens=max_tokens, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids or [],
                 ignore_eos=self.ignore_eos, n=self.n, logprobs=logprobs, logit_bias=self.logit_bias,
+                prompt_logprobs=self.num_prompt_logprobs(),
                 allowed_token_ids=self.allowed_token_ids, structured_outputs=constraint,
                 bad_words_token_ids=bad_words_token_ids)
         except ValueError as e:  # "name=value is invalid: rule"
@@ -246,14 +251,16 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: NumLogprobs | None = None
-    echo: bool = Field(False, description="the prompt's text in front of each choice's; refused with logprobs")
+    echo: bool = Field(False, description="the prompt's text in front of each choice's; with logprobs, "
+                                          "logprobs cover the prompt's tokens too (the first one's null)")
     suffix: None = Field(None, description="refused: this server does not do insertion (fill in the middle)")
+    prompt_logprobs: NumLogprobs | None = Field(
+        None, description="vLLM's: each choice's prompt_logprobs lists, for each prompt token after the first, "
+                          "its logprob, rank and the top prompt_logprobs alternatives (the prefix cache is not used)")
 
-    def check_policy(self) -> None:
-        super().check_policy()
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs needs the prompt's logprobs, which this server does not compute",
-                              "echo")
+    def num_prompt_logprobs(self) -> int | None:
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(asked) if asked else None
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -412,10 +419,20 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """With echo, the prompt's tokens lead; the first one's logprob and top_logprobs are null (OpenAI's)."""
+
     text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's ``prompt_logprobs``, keyed by token id."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -423,6 +440,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -198,7 +198,8 @@ class LLMServer:
         ids = self._prompt_ids(prompt)
         max_tokens = self._max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt")
         echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)) if req.echo else ""
-        return await self._run(req, ids, max_tokens, req.logprobs, CompletionFormat, "cmpl", echo=echo)
+        return await self._run(req, ids, max_tokens, req.logprobs, CompletionFormat, "cmpl", echo=echo,
+                               prompt_token_ids=ids, num_prompt_logprobs=req.prompt_logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:

@@ -318,3 +318,43 @@ def test_a_constraint_that_does_not_compile_is_refused_before_anything_runs(smol
     assert not llm.engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="logit_bias: token id"):
         llm.generate(ids[:1], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+
+
+def test_prompt_logprobs_match_transformers_across_chunks_and_preemption(tiny_model_dir, default_model_dir):
+    """prompt_logprobs=k: for each prompt token p >= 1, log P(token p | tokens < p) with its rank and the top k,
+    equal to transformers' log_softmax of one full forward, though the 70-token prompt arrives in 16-token chunks,
+    is preempted mid-prefill (and the small KV cache preempts more); the prefix cache, which would skip computing
+    a prompt, is not used."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model_dir("llama")
+    rng = torch.Generator().manual_seed(2)
+    ids = [torch.randint(3, 256, (n,), generator=rng).tolist() for n in (1, 9, 70)]
+    llm = LLM(model=path, tokenizer=default_model_dir, executor="inprocess", block_size=8,
+              max_num_batched_tokens=32, long_prefill_token_threshold=16, kv_cache_bytes=1 << 16)
+    llm.generate([ids[2]], greedy(2), use_tqdm=False)  # its blocks are now in the prefix cache
+    engine, scheduler, mid_prefill = llm.engine, llm.engine.scheduler, []
+
+    def step_preempting_mid_prefill():
+        for r in list(scheduler.running):
+            if 0 < r.num_computed_tokens < len(r.prompt_token_ids) and not r.num_preemptions:
+                scheduler._preempt(r)  # recomputed from 0: the entries already returned must not come twice
+                mid_prefill.append(r.request_id)
+        return InProcessEngine.step(engine)
+
+    engine.step = step_preempting_mid_prefill
+    params = [greedy(24, ignore_eos=True, prompt_logprobs=k) for k in (2, 0, 3)]
+    outs = llm.generate(ids, params, use_tqdm=False)
+    assert mid_prefill and engine.stats().num_preemptions > len(mid_prefill)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, p, out in zip(ids, params, outs):
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        with torch.no_grad():
+            want = model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+        for pos in range(1, len(prompt)):
+            got, row = out.prompt_logprobs[pos], want[pos - 1]
+            assert got.logprob == pytest.approx(row[prompt[pos]].item(), abs=1e-4)
+            assert got.rank == int((row > row[prompt[pos]]).sum()) + 1
+            top = row.topk(p.prompt_logprobs)
+            assert got.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-4)
+            assert len(got.top_token_ids) == p.prompt_logprobs

@@ -1,6 +1,6 @@
 """The OpenAI fields beyond plain sampling, against one live server with the official client: structured
-outputs (response_format, vLLM's structured_outputs), logit_bias, allowed_token_ids, echo,
-include_stop_str_in_output, cache_salt, tool calls, and the refused-field table."""
+outputs (response_format, vLLM's structured_outputs), logit_bias, allowed_token_ids, echo (with logprobs),
+prompt_logprobs, include_stop_str_in_output, cache_salt, tool calls, and the refused-field table."""
 
 import json
 import re
@@ -207,6 +207,30 @@ def test_cache_salt_separates_prefix_caches(client):
     assert cached("tenant-b") == 0
 
 
+def test_echo_with_logprobs_and_prompt_logprobs_cover_the_prompt(client):
+    """echo + logprobs: the prompt's tokens lead logprobs (the first one's null), then the same sampled part as
+    without echo; vLLM's prompt_logprobs: per prompt token, a dict holding it and the top-k, the first None."""
+    kw = dict(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=6, temperature=0, logprobs=2)
+    plain, echoed, asked = concurrently(
+        lambda: client.completions.create(**kw),
+        lambda: client.completions.create(**kw, echo=True),
+        lambda: client.completions.create(**kw, extra_body={"prompt_logprobs": 3}))
+    n = echoed.usage.prompt_tokens
+    lp, want = echoed.choices[0].logprobs, plain.choices[0].logprobs
+    assert len(lp.tokens) == n + len(want.tokens) and "".join(lp.tokens[:n]) == kw["prompt"]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and lp.text_offset[n] == len(kw["prompt"])
+    assert all(v <= 0 for v in lp.token_logprobs[1:n])
+    assert lp.tokens[n:] == want.tokens and lp.token_logprobs[n:] == pytest.approx(want.token_logprobs, abs=1e-3)
+    assert echoed.choices[0].text == kw["prompt"] + plain.choices[0].text
+    prompt = asked.choices[0].prompt_logprobs
+    assert len(prompt) == n and prompt[0] is None and asked.choices[0].text == plain.choices[0].text
+    for entry, token, logprob in zip(prompt[1:], lp.tokens[1:n], lp.token_logprobs[1:n]):
+        mine = [e for e in entry.values() if e["decoded_token"] == token]
+        assert 3 <= len(entry) <= 4 and mine and mine[0]["logprob"] == pytest.approx(logprob, abs=1e-3)
+        assert sorted(e["rank"] for e in entry.values())[:3] == [1, 2, 3]
+    assert plain.choices[0].prompt_logprobs is None
+
+
 # ---- refused fields ----------------------------------------------------------------------
 
 CHAT = {"model": MODEL, "messages": ASK}
@@ -214,8 +238,7 @@ REFUSED = [
     ({"prompt": "x", "best_of": 2}, "best_of"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
-    ({"prompt": "x", "echo": True, "logprobs": 2}, "echo"),
-    ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "bad_words": [""]}, "bad_words[0]"),
     ({"prompt": "x", "structured_outputs": {"regex": "(("}}, "structured_outputs.regex"),
     ({"prompt": "x", "logit_bias": {"1000000": 1}}, "logit_bias"),

@@ -208,7 +208,7 @@ def test_sampling_fields_reach_sampling_params():
     (ChatCompletionRequest, CHAT | {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
      "structured_outputs", "send one"),
     (CompletionRequest, {"prompt": "x", "best_of": 3}, "best_of", "n=1"),
-    (CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 1}, "echo", "logprobs"),
+    (CompletionRequest, {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", "20"),
     (CompletionRequest, {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "100"),
     (CompletionRequest, {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids", "at least 1"),
 ])
@@ -218,3 +218,13 @@ def test_the_field_policy_refuses_with_a_400_naming_the_field(model, body, param
         req.sampling_params(8, None)
     assert (e.value.status, e.value.param) == (400, param)
     assert says in e.value.message
+
+
+def test_prompt_logprobs_asked_directly_or_by_echo_with_logprobs_take_the_larger_top_k():
+    def asked(body):
+        req = parse(CompletionRequest, {"prompt": "x"} | body)
+        return req.sampling_params(8, req.logprobs).prompt_logprobs
+
+    assert asked({}) is None and asked({"logprobs": 3}) is None and asked({"echo": True}) is None
+    assert asked({"echo": True, "logprobs": 3}) == 3 and asked({"prompt_logprobs": 0}) == 0
+    assert asked({"echo": True, "logprobs": 2, "prompt_logprobs": 5}) == 5
