@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 import ray
 from ray import serve
-from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE  # no public name for them
+from ray.serve._private.constants import SERVE_NAMESPACE  # no public name for it
 from transformers import AutoTokenizer
 
 from cluster import raylm_pb2, raylm_pb2_grpc
@@ -37,16 +37,15 @@ QUEUE_LEN = 2  # requests the replica queues beyond the MAX_NUM_SEQS it runs
 
 
 def stop_serve(timeout_s: float = 90.0) -> None:
-    """serve.shutdown, then wait until its controller is gone: on a loaded machine it outlives shutdown's own
-    30 s wait, and the next module's serve.start would join it as it dies (ActorDiedError)."""
+    """serve.shutdown, then wait until every Serve actor (controller, proxies, replicas) is gone. On a loaded
+    machine they outlive shutdown's own 30 s wait: the next module's serve.start would join the dying controller
+    (ActorDiedError), and its replicas get the ports a new controller hands out first (HTTP 30000, gRPC 40000),
+    which a lingering replica of this module still listens on, so some requests would reach the old app."""
     serve.shutdown()
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-        except ValueError:
-            return
-        assert time.monotonic() < deadline, f"Serve's controller still alive {timeout_s} s after serve.shutdown"
+    while left := [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["namespace"] == SERVE_NAMESPACE]:
+        assert time.monotonic() < deadline, f"Serve actors still alive {timeout_s} s after serve.shutdown: {left}"
         time.sleep(0.5)
 
 
