@@ -131,6 +131,9 @@ def _serve_parsers(sub, bench_sub) -> None:
                      help="per request, from arrival: past it the request is aborted with 504 (default: none)")
     srv.add_argument("--health-check-period-s", type=float, default=10.0,
                      help="how often Serve checks each replica's engine; 3 failures in a row replace the replica")
+    srv.add_argument("--drain-timeout-s", type=float, default=30.0,
+                     help="a replica Serve stops (scale-down, redeploy) lets its requests finish this long, then "
+                          "ends the rest with a 503")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $RAYLM_API_KEY)")
     srv.add_argument("--served-model-name", default=None)
     srv.add_argument("--max-body-bytes", type=int, default=8 << 20)
@@ -196,7 +199,8 @@ def _serve_command(args: argparse.Namespace) -> None:
                        max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
                        max_ongoing_requests=args.max_ongoing_requests, max_body_bytes=args.max_body_bytes,
                        request_router=args.request_router, max_queue_len=args.max_queue_len,
-                       request_timeout_s=args.request_timeout_s, health_check_period_s=args.health_check_period_s)
+                       request_timeout_s=args.request_timeout_s, health_check_period_s=args.health_check_period_s,
+                       drain_timeout_s=args.drain_timeout_s)
     serve_until_interrupted(app_args, address=args.address, host=args.host, port=args.port,
                             grpc_port=args.grpc_port)
 

@@ -83,6 +83,10 @@ def _init_device(actor: WorkerActor, num_threads: int) -> str:
     return actor.worker.init_device()
 
 
+class EngineStopping(RuntimeError):
+    """The engine's owner is stopping it: a request still running was ended before it finished."""
+
+
 def merge_deltas(deltas: list[RequestOutput]) -> list[RequestOutput]:
     """Fold the queued deltas of each sample into one, so a consumer that lags costs one object per sample."""
     if len(deltas) == 1:
@@ -428,6 +432,13 @@ class RayEngine:
             self._queues.pop(request_id, None)
             if remaining:
                 self.actor.abort.remote(request_id)
+
+    def end_callers(self, reason: str) -> int:
+        """End every ``generate`` still running with EngineStopping(reason), each aborting its request in the
+        engine (and so freeing its KV blocks) as it leaves; returns how many were running."""
+        for queue in self._queues.values():
+            queue.put_nowait(EngineStopping(reason))
+        return len(self._queues)
 
     def _ensure_pump(self) -> None:
         loop = asyncio.get_running_loop()

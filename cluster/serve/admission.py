@@ -19,7 +19,8 @@ class Admission:
     show in ``vllm:num_requests_waiting`` and the priority policy orders them.
 
     Invariant: ``held`` counts the engine streams opened through ``generate`` and not yet closed; each
-    refusal is counted once in ``on_reject``.
+    refusal is counted once in ``on_reject``. Once ``close``d (the replica is draining) it refuses every new
+    request with the error it was given, and never opens again.
     """
 
     def __init__(self, engine: Any, capacity: int, on_reject: Any) -> None:
@@ -27,11 +28,18 @@ class Admission:
         self.capacity = capacity
         self.on_reject = on_reject
         self.held = 0
+        self.closed: APIError | None = None
+
+    def close(self, error: APIError) -> None:
+        """Refuse every request from now on with ``error``; the ones held run on."""
+        self.closed = error
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """The engine's stream, or a 429 raised before any stream exists (not an async generator on purpose:
         the refusal must come from the call, not from the first delta)."""
+        if self.closed is not None:
+            raise self.closed
         if self.held >= self.capacity:
             self.on_reject()
             raise APIError(429, f"this replica holds {self.held} requests, its limit (max_num_seqs running plus "

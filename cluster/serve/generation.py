@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from cluster.ray_engine import EngineStopping
 from cluster.serve.detokenize import TextStream
 from cluster.serve.metrics import ServeMetrics
 from cluster.serve.protocol import APIError, PromptTokensDetails, SamplingFields, Usage, bad_request, new_id
@@ -43,6 +44,13 @@ class Piece:
 def engine_unavailable(message: str) -> APIError:
     """An engine that failed or cannot take work: 503, since Serve replaces it and a retry may succeed."""
     return APIError(503, message, code="engine_unavailable")
+
+
+def engine_error(e: Exception, what: str) -> APIError:
+    """The 503 for an engine stream that raised: its replica draining (cluster/serve/drain.py), else a failure."""
+    if isinstance(e, EngineStopping):
+        return APIError(503, str(e), code="replica_shutting_down")
+    return engine_unavailable(f"{what}: {type(e).__name__}: {e}")
 
 
 class Generation:
@@ -82,8 +90,8 @@ class Generation:
         except TimeoutError:
             await self.stream.aclose()
             raise self._timed_out() from None
-        except Exception as e:  # the engine's actors are gone or refuse work
-            raise engine_unavailable(f"the engine cannot take requests: {e}") from None
+        except Exception as e:  # the engine's actors are gone or refuse work, or the replica is draining
+            raise engine_error(e, "the engine cannot take requests") from None
         self.metrics.prompt_tokens.inc(len(self.prompt_ids))
         self.metrics.prompt_hist.observe(len(self.prompt_ids))
         return self
@@ -98,7 +106,7 @@ class Generation:
                 out = await self._next()
         except Exception as e:
             self._end_unfinished("error", self._timed_out() if isinstance(e, TimeoutError)
-                                 else engine_unavailable(f"the engine failed: {type(e).__name__}: {e}"))
+                                 else engine_error(e, "the engine failed"))
             yield [Piece(i, "", [], None, "error", s.error) for i, s in enumerate(self.samples) if s.error]
         finally:
             await self.stream.aclose()  # aborts in the engine whatever has not finished there

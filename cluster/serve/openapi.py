@@ -28,7 +28,7 @@ BODIES: dict[str, list[type[BaseModel]]] = {
 ERRORS = {"400": "Bad input, naming the parameter", "401": "A missing or wrong API key",
           "404": "An unknown model or route", "413": "A body over max_body_bytes",
           "429": "The replica's queue is full (Retry-After says when to retry)",
-          "503": "The engine failed or is being replaced (Retry-After)", "504": "Past request_timeout_s"}
+          "503": "The engine failed or the replica is shutting down (Retry-After)", "504": "Past request_timeout_s"}
 
 
 def _ref(model: type[BaseModel], schemas: dict[str, Any]) -> dict[str, str]:

@@ -10,6 +10,7 @@ from ray.serve.config import RequestRouterConfig
 
 from cluster.config import EngineConfig
 from cluster.ray_engine import engine_bundles, resolve_device
+from cluster.serve import drain
 
 REPLICA_CPUS = 1.0  # the replica tokenizes, detokenizes and formats every token it streams
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -47,6 +48,9 @@ class AppArgs(BaseModel):
     # How often Serve asks each replica's health (LLMServer.check_health: the engine's ranks and scheduler);
     # three failures in a row and Serve replaces the replica. Serve's default.
     health_check_period_s: float = Field(10.0, gt=0)
+    # How long a stopping replica (scale-down, redeploy) lets the requests it holds finish before it ends them
+    # with a 503 (cluster/serve/drain.py). Serve's own drain period, 30 s, for requests behind HAProxy.
+    drain_timeout_s: float = Field(30.0, ge=0)
 
     @field_validator("min_replicas")
     @classmethod
@@ -105,6 +109,9 @@ def deployment_options(args: AppArgs) -> dict[str, Any]:
         # everything Admission may hold plus room for /health, /metrics and the requests it refuses.
         max_ongoing_requests=args.max_ongoing_requests or 2 * cfg.max_num_seqs + args.queue_len,
         health_check_period_s=args.health_check_period_s,
+        # Serve kills a stopping replica this long after it starts draining: after the replica's own deadline,
+        # so the requests it ends hear why instead of losing their connection.
+        graceful_shutdown_timeout_s=args.drain_timeout_s + drain.MARGIN_S,
         autoscaling_config={
             "min_replicas": args.min_replicas, "initial_replicas": args.min_replicas,
             "max_replicas": args.max_replicas,

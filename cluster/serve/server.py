@@ -29,6 +29,7 @@ from cluster.ray_engine import RayEngine
 from cluster.raylm_pb2 import GenerateRequest, GenerateResponse
 from cluster.serve import grpc_status
 from cluster.serve.admission import Admission
+from cluster.serve.drain import Drain
 from cluster.serve.formats import ChatFormat, CompletionFormat, Format, collect, stream_sse
 from cluster.serve.generation import Generation
 from cluster.serve.http_io import json_response, read_json
@@ -82,7 +83,8 @@ class LLMServer:
     context and the KV cache, and tokenized here before it reaches the engine,
     so the engine only sees requests it can run; the API key (when set) guards
     everything but /health. Admission bounds the requests it holds (429 past
-    that) and ``request_timeout_s`` how long each may take (504).
+    that) and ``request_timeout_s`` how long each may take (504); once Serve stops the replica, Drain
+    refuses new requests and ends those still running after ``drain_timeout_s`` (503).
     """
 
     def __init__(self, args: AppArgs) -> None:
@@ -99,6 +101,8 @@ class LLMServer:
             "gpu_memory_utilization": str(cfg.gpu_memory_utilization)})
         self.admission = Admission(self.engine, cfg.max_num_seqs + args.queue_len, self.metrics.rejected.inc)
         self.request_timeout_s = args.request_timeout_s
+        self.drain = Drain(self.admission, self.engine, args.drain_timeout_s)
+        self._drainer = asyncio.get_running_loop().create_task(self.drain.watch())
         self.metrics_port = node_metrics_port()
         self.created = now()
         self._publisher = asyncio.get_running_loop().create_task(self._publish_engine_stats())

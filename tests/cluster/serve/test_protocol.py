@@ -15,6 +15,7 @@ from cluster.serve.protocol import (
     Delta, Usage, parse,
 )
 from cluster.serve import AppArgs, build_app, deployment_options
+from cluster.serve.drain import MARGIN_S
 from scheduler import StructuredOutputsParams
 
 SERVE_CONFIG = Path(__file__).parents[3] / "manifests" / "serve_config.yaml"
@@ -145,7 +146,7 @@ def test_cli_serve_reaches_the_app_args(monkeypatch):
     cli.main(["serve", "--model", "/m", "--tensor-parallel-size", "2", "--max-num-seqs", "32", "--min-replicas", "2",
               "--max-replicas", "5", "--port", "8123", "--host", "0.0.0.0", "--grpc-port", "9123",
               "--max-queue-len", "4", "--request-timeout-s", "30", "--step-timeout-s", "60",
-              "--health-check-period-s", "2.5"])
+              "--health-check-period-s", "2.5", "--drain-timeout-s", "12"])
     args = seen["args"]
     assert (args.engine.model, args.engine.tensor_parallel_size, args.engine.max_num_seqs) == ("/m", 2, 32)
     assert (args.max_queue_len, args.request_timeout_s, args.engine.step_timeout_s) == (4, 30, 60)
@@ -154,6 +155,8 @@ def test_cli_serve_reaches_the_app_args(monkeypatch):
     opts = deployment_options(args)
     assert (opts["max_ongoing_requests"], opts["autoscaling_config"]["target_ongoing_requests"]) == (2 * 32 + 4, 16)
     assert opts["health_check_period_s"] == 2.5
+    # Serve kills a stopping replica only after the replica's own drain deadline has answered its clients.
+    assert (args.drain_timeout_s, opts["graceful_shutdown_timeout_s"]) == (12, 12 + MARGIN_S)
 
 
 def test_unknown_fields_are_refused_and_harmless_ones_accepted():
