@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import random
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ class SoakReport:
     rss_end: dict[str, int]
     drained: tuple[float, ...] | str  # ENGINE_GAUGES after the run, or why they could not be read
     window_s: float
+    rss_samples: list[tuple[float, dict[str, int]]] = field(default_factory=list)  # (seconds into the run, rss)
     by_result: Counter = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
@@ -73,10 +75,12 @@ class SoakReport:
         print("p99 latency of completed requests, by window sent:")
         for start, p99, n in self.p99_by_window():
             print(f"  {start:6.0f} s  p99 {p99:6.2f} s  ({n} requests)")
-        print("resident memory (MiB), start -> end:")
+        print("resident memory (MiB), start -> end, and every window between (a leak climbs; a high-water mark "
+              "of a backlog steps up once):")
         for name in self.rss_start:
+            series = " ".join(f"{sample[name] / 2**20:.0f}" for _, sample in self.rss_samples)
             print(f"  {name:10s} {self.rss_start[name] / 2**20:8.1f} -> {self.rss_end.get(name, 0) / 2**20:8.1f}"
-                  f"  ({self.growth(name):+.1%})")
+                  f"  ({self.growth(name):+.1%})  [{series}]")
         print(f"after draining: running, waiting, KV usage = {self.drained}")
 
 
@@ -232,14 +236,29 @@ def drained(url: str, headers: dict[str, str]) -> tuple[float, ...] | str:
 
 def soak(url: str, model: str, rate: float, duration_s: float, max_tokens: int = 32, seed: int = 0,
          headers: dict[str, str] | None = None, warmup_s: float = 10.0, window_s: float = 30.0) -> SoakReport:
-    """A warm-up at the same rate (so that start-up allocations are not counted as growth), then the run."""
+    """A warm-up at the same rate (so that start-up allocations are not counted as growth), then the run, its
+    processes' resident memory sampled every window."""
     headers = headers or {}
     asyncio.run(run_load(url, model, rate, warmup_s, max_tokens, seed + 1, headers))
     drained(url, headers)
     start = resident_memory()
-    outcomes = asyncio.run(run_load(url, model, rate, duration_s, max_tokens, seed, headers))
+    samples: list[tuple[float, dict[str, int]]] = []
+    done = threading.Event()
+    t0 = time.monotonic()
+
+    def sample() -> None:
+        while not done.wait(window_s):
+            samples.append((time.monotonic() - t0, resident_memory()))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        outcomes = asyncio.run(run_load(url, model, rate, duration_s, max_tokens, seed, headers))
+    finally:
+        done.set()
+        sampler.join()
     after = drained(url, headers)
-    return SoakReport(outcomes, start, resident_memory(), after, window_s)
+    return SoakReport(outcomes, start, resident_memory(), after, window_s, samples)
 
 
 def bench_soak(model: str | None, rate: float, duration_s: float, max_tokens: int, max_growth: float,
@@ -250,8 +269,10 @@ def bench_soak(model: str | None, rate: float, duration_s: float, max_tokens: in
     from cluster.serve.options import DEFAULT_MODEL_NAME
 
     with raylm_server(free_port(), ["--model", model] if model else []) as server:
+        # The warm-up is a tenth of the run (at least 10 s): long enough for the allocator to reach the
+        # high-water mark of the run's usual backlog, so that what grows after it is growth.
         report = soak(server.url, model or DEFAULT_MODEL_NAME, rate, duration_s, max_tokens, seed,
-                      window_s=max(10.0, duration_s / 10))
+                      warmup_s=max(10.0, duration_s / 10), window_s=max(10.0, duration_s / 10))
     report.print()
     if problems := check(report, max_growth):
         raise SystemExit("soak failed:\n  " + "\n  ".join(problems))
