@@ -31,6 +31,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-timeout-s", type=float, default=300.0,
                    help="an engine step (every rank's reply) slower than this fails the engine's requests and "
                         "turns /health red: a hung rank")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="one engine step in flight (default: the next step is scheduled while the ranks run one)")
     p.add_argument("--address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
     p.add_argument("--no-work-model", action="store_true",
                    help="benchmarking only: ranks return a token per request at once, with no model or KV cache")
@@ -45,7 +47,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                   enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
                   placement_strategy=args.placement_strategy, placement_timeout_s=args.placement_timeout_s,
                   attention_backend=args.attention_backend, scheduling_policy=args.scheduling_policy,
-                  step_timeout_s=args.step_timeout_s, no_work_model=args.no_work_model)
+                  step_timeout_s=args.step_timeout_s, async_scheduling=args.async_scheduling,
+                  no_work_model=args.no_work_model)
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs
     return kwargs
