@@ -108,6 +108,11 @@ def main(argv: list[str] | None = None) -> None:
     ovh.add_argument("--model", default=None, help="HF model directory (default: a tiny random Llama)")
     ovh.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
     ovh.add_argument("--steps", type=int, default=300)
+    eng = bench_sub.add_parser("engine-steps", help="engine steps/s with the no-work model: serial vs async scheduling")
+    eng.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
+    eng.add_argument("--num-requests", type=int, default=64, help="decoding at once")
+    eng.add_argument("--max-tokens", type=int, default=1000, help="each request's output: the steps measured")
+    eng.add_argument("--rounds", type=int, default=2, help="serial and async alternate; the best round counts")
 
     _serve_parsers(sub, bench_sub)
     args = parser.parse_args(argv)
@@ -271,6 +276,9 @@ def _run(args: argparse.Namespace) -> None:
     elif args.bench == "ray-overhead":
         from cluster.bench.ray_overhead import bench_ray_overhead
         bench_ray_overhead(args.model, tuple(args.tp_sizes), args.steps)
+    elif args.bench == "engine-steps":
+        from cluster.bench.ray_overhead import bench_engine_steps
+        bench_engine_steps(tuple(args.tp_sizes), args.num_requests, args.max_tokens, args.rounds)
     else:
         from cluster.bench.throughput import bench_throughput
         bench_throughput(args.model, args.num_requests, args.min_len, args.max_len, args.compare, args.executor,

@@ -99,6 +99,13 @@ def execute_step(workers: list, so: SchedulerOutput) -> asyncio.Future[list[Mode
     return asyncio.gather(*[w.execute_model.remote(arg) for w in workers])
 
 
+def _retrieve(future: asyncio.Future) -> None:
+    """Take a dropped step's outcome (a cancelled gather ends with a CancelledError as its exception), so that
+    asyncio never reports an exception nobody retrieved."""
+    if not future.cancelled():
+        future.exception()
+
+
 class SchedulerActor:
     """Owns the Scheduler and runs schedule → execute on every rank → update in a background task.
 
@@ -184,10 +191,9 @@ class SchedulerActor:
                 if not done.is_empty:
                     idle = False  # its tokens, finishes and freed blocks may let the next plan run something
         finally:
-            for _, replies in in_flight:  # a failed loop's other step: retrieve or cancel, never leave it dangling
-                if replies.done() and not replies.cancelled():
-                    replies.exception()
+            for _, replies in in_flight:  # a failed loop's other step: cancelled, and its outcome retrieved
                 replies.cancel()
+                replies.add_done_callback(_retrieve)
 
     async def _replies(self, replies: asyncio.Future, step_id: int) -> list[ModelRunnerOutput | None]:
         try:
