@@ -31,6 +31,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-timeout-s", type=float, default=300.0,
                    help="an engine step (every rank's reply) slower than this fails the engine's requests and "
                         "turns /health red: a hung rank")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="one engine step in flight (default: the next step is scheduled while the ranks run one)")
     p.add_argument("--address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
     p.add_argument("--no-work-model", action="store_true",
                    help="benchmarking only: ranks return a token per request at once, with no model or KV cache")
@@ -45,7 +47,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
                   enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
                   placement_strategy=args.placement_strategy, placement_timeout_s=args.placement_timeout_s,
                   attention_backend=args.attention_backend, scheduling_policy=args.scheduling_policy,
-                  step_timeout_s=args.step_timeout_s, no_work_model=args.no_work_model)
+                  step_timeout_s=args.step_timeout_s, async_scheduling=args.async_scheduling,
+                  no_work_model=args.no_work_model)
     if args.max_num_seqs is not None:
         kwargs["max_num_seqs"] = args.max_num_seqs
     return kwargs
@@ -105,6 +108,11 @@ def main(argv: list[str] | None = None) -> None:
     ovh.add_argument("--model", default=None, help="HF model directory (default: a tiny random Llama)")
     ovh.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
     ovh.add_argument("--steps", type=int, default=300)
+    eng = bench_sub.add_parser("engine-steps", help="engine steps/s with the no-work model: serial vs async scheduling")
+    eng.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
+    eng.add_argument("--num-requests", type=int, default=64, help="decoding at once")
+    eng.add_argument("--max-tokens", type=int, default=1000, help="each request's output: the steps measured")
+    eng.add_argument("--rounds", type=int, default=2, help="serial and async alternate; the best round counts")
 
     _serve_parsers(sub, bench_sub)
     args = parser.parse_args(argv)
@@ -272,6 +280,9 @@ def _run(args: argparse.Namespace) -> None:
     elif args.bench == "ray-overhead":
         from cluster.bench.ray_overhead import bench_ray_overhead
         bench_ray_overhead(args.model, tuple(args.tp_sizes), args.steps)
+    elif args.bench == "engine-steps":
+        from cluster.bench.ray_overhead import bench_engine_steps
+        bench_engine_steps(tuple(args.tp_sizes), args.num_requests, args.max_tokens, args.rounds)
     else:
         from cluster.bench.throughput import bench_throughput
         bench_throughput(args.model, args.num_requests, args.min_len, args.max_len, args.compare, args.executor,

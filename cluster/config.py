@@ -49,6 +49,9 @@ class EngineConfig(BaseModel):
     # A step whose ranks do not all reply within this fails the engine (a hung rank, a stuck collective). Long
     # enough for the slowest honest step: a full max_num_batched_tokens prefill of a large model on CPU.
     step_timeout_s: float = Field(300.0, gt=0)
+    # The Ray engine schedules step N+1 while the ranks run step N (vLLM's async scheduling), so the scheduler's
+    # work and the Ray round trip leave the critical path. Off: one step in flight (the serial loop).
+    async_scheduling: bool = True
     num_threads: int | None = Field(None, ge=1)
     # Benchmarking only: each rank returns a token per request at once, with no model or KV cache, so a
     # benchmark measures what the scheduler, Ray and the serving path alone can carry.

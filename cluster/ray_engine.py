@@ -335,7 +335,7 @@ class RayEngine:
             swap_cost = ray.get(self.workers[0].call.remote("swap_cost_per_block"))
             ray.get(self.actor.start.remote(config.scheduler_config(self.num_blocks, self.max_model_len,
                                                                     num_host_blocks, swap_cost),
-                                            config.step_timeout_s))
+                                            config.step_timeout_s, config.async_scheduling))
         except BaseException:
             self.shutdown()
             raise

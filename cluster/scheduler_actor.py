@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import ray
@@ -88,7 +88,7 @@ def execute_step(workers: list, so: SchedulerOutput) -> asyncio.Future[list[Mode
     """Send one step to every rank (the same serialized step) and gather their replies; rank 0's is the output.
 
     Awaiting all ranks, not just rank 0, surfaces a dead rank at once instead of leaving rank 0 in a
-    collective, and keeps every rank's queue at most one step deep. Plain actor calls, not a Ray
+    collective, and keeps every rank's queue at most two steps deep (one with async scheduling off). Plain actor calls, not a Ray
     compiled graph: a graph cuts the empty-step round trip (0.7 vs 1.1 ms at tp=1, 0.9 vs 1.6 ms at
     tp=2) but its channels busy-poll, and the waiting loop burns 0.7-1.0 of a core that a CPU node's
     ranks need for torch (cluster/bench/ray_overhead.py).
@@ -99,17 +99,32 @@ def execute_step(workers: list, so: SchedulerOutput) -> asyncio.Future[list[Mode
     return asyncio.gather(*[w.execute_model.remote(arg) for w in workers])
 
 
+def _retrieve(future: asyncio.Future) -> None:
+    """Take a dropped step's outcome (a cancelled gather ends with a CancelledError as its exception), so that
+    asyncio never reports an exception nobody retrieved."""
+    if not future.cancelled():
+        future.exception()
+
+
 class SchedulerActor:
     """Owns the Scheduler and runs schedule → execute on every rank → update in a background task.
 
     Invariants:
-    - only the loop task calls ``schedule``/``update_from_output``, one step in
-      flight at a time; requests are added and aborted between awaits, which the
-      Scheduler allows mid-step (an aborted request's late token is dropped);
+    - only the loop task calls ``schedule``/``update_from_output``; requests are
+      added and aborted between awaits, which the Scheduler allows mid-step (an
+      aborted request's late token is dropped);
+    - with ``async_scheduling`` (vLLM's name) two steps are in flight: step N+1
+      is scheduled and sent before step N's replies are awaited, so the ranks
+      always have the next step queued and the scheduler's work and the Ray
+      round trip leave the critical path. Steps are applied in order, step N's
+      before step N+2 is scheduled (the Scheduler's placeholder invariants rest
+      on it). Without it, one step is in flight (the serial loop);
     - every live caller id has exactly one ``_Stream``; each delta reaches its
       caller once, and deltas of step N are routed while the workers compute
-      step N+1 (the loop's bookkeeping overlaps their compute);
-    - the loop sleeps on ``wake`` when nothing can run, never spins;
+      the steps after it (the loop's bookkeeping overlaps their compute);
+    - the loop sleeps on ``wake`` when nothing can run and no step is in
+      flight, never spins: after an empty plan it schedules again only once a
+      step's output was applied or a request arrived;
     - once ``error`` is set (a step failed: a rank died or raised, or the
       ranks did not all reply within ``step_timeout_s``: one is hung) every
       live request has had an "error" delta and no new request is taken,
@@ -129,10 +144,13 @@ class SchedulerActor:
         self.error: str | None = None
         self.loop_task: asyncio.Task | None = None
         self.step_timeout_s: float | None = None
+        self.async_scheduling = True
 
-    async def start(self, config: SchedulerConfig, step_timeout_s: float | None = None) -> None:
+    async def start(self, config: SchedulerConfig, step_timeout_s: float | None = None,
+                    async_scheduling: bool = True) -> None:
         if self.loop_task is None:
             self.step_timeout_s = step_timeout_s
+            self.async_scheduling = async_scheduling
             self.scheduler = Scheduler(config, eos_token_id=self.eos_token_id)
             self.loop_task = asyncio.create_task(self._run())
 
@@ -146,21 +164,36 @@ class SchedulerActor:
 
     async def _loop(self) -> None:
         sched = self.scheduler
+        depth = 2 if self.async_scheduling else 1
+        in_flight: deque[tuple[SchedulerOutput, asyncio.Future]] = deque()
         outputs: list[RequestOutput] = []
         step_id, idle = 0, True
-        while True:
-            if idle or not sched.has_unfinished_requests():
+        try:
+            while True:
+                if not in_flight and (idle or not sched.has_unfinished_requests()):
+                    self._route(outputs, step_id)
+                    outputs = []
+                    await self.wake.wait()
+                # After an empty plan nothing more can run until a step in flight returns.
+                if not in_flight or not in_flight[-1][0].is_empty:
+                    self.wake.clear()  # before scheduling: a request arriving after it wakes the next sleep
+                    so = sched.schedule()
+                    self._note_first_steps(so)
+                    in_flight.append((so, execute_step(self.workers, so)))
+                    # An empty plan with requests left: none can run until something arrives or leaves.
+                    idle = so.is_empty
+                    if len(in_flight) < depth and not so.is_empty:
+                        continue
                 self._route(outputs, step_id)
-                outputs = []
-                self.wake.clear()
-                await self.wake.wait()
-            so = sched.schedule()
-            self._note_first_steps(so)
-            replies = execute_step(self.workers, so)
-            self._route(outputs, step_id)
-            outputs = sched.update_from_output(so, (await self._replies(replies, so.step_id))[0])
-            # An empty step with requests left means none can run until something arrives or leaves.
-            step_id, idle = so.step_id, so.is_empty
+                done, replies = in_flight.popleft()
+                outputs = sched.update_from_output(done, (await self._replies(replies, done.step_id))[0])
+                step_id = done.step_id
+                if not done.is_empty:
+                    idle = False  # its tokens, finishes and freed blocks may let the next plan run something
+        finally:
+            for _, replies in in_flight:  # a failed loop's other step: cancelled, and its outcome retrieved
+                replies.cancel()
+                replies.add_done_callback(_retrieve)
 
     async def _replies(self, replies: asyncio.Future, step_id: int) -> list[ModelRunnerOutput | None]:
         try:

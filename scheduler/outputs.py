@@ -1,9 +1,11 @@
 """What crosses the scheduler/worker boundary each step, and what goes back to callers.
 
 Only diffs travel: a request's prompt and sampling params are sent once, in
-``NewRequestData``; afterwards ``CachedRequestData`` carries the new block ids,
-the tokens the scheduler appended since the workers last saw the request, and
-how many tokens were computed before this step. Workers keep the rest.
+``NewRequestData``; afterwards ``CachedRequestData`` carries the new block ids
+and how many tokens were computed before this step. Workers keep the rest,
+including the tokens they sample: each rank appends a step's samples itself
+(vLLM v1's rule), so no sampled token travels back from the scheduler, and a
+step can be scheduled before the previous one's samples reach the scheduler.
 """
 
 from __future__ import annotations
@@ -28,9 +30,7 @@ class NewRequestData:
 class CachedRequestData:
     """Requests the workers already hold, as parallel lists (no per-request objects on the hot path).
 
-    For entry i: ``new_token_ids[i]`` are the tokens appended since the last step
-    the request was scheduled in (sampled tokens the workers must add to their
-    copy). When ``resumed_from_preemption[i]`` is true the request was preempted
+    For entry i: when ``resumed_from_preemption[i]`` is true the request was preempted
     and its KV freed: ``new_block_ids[i]`` is its whole new block table, and
     ``num_computed_tokens[i]`` restarts from the prefix-cache hit. Otherwise
     ``new_block_ids[i]`` is appended to the block table the workers hold.
@@ -38,7 +38,6 @@ class CachedRequestData:
 
     req_ids: list[str] = field(default_factory=list)
     resumed_from_preemption: list[bool] = field(default_factory=list)
-    new_token_ids: list[list[int]] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
@@ -54,7 +53,11 @@ class SchedulerOutput:
     ``num_scheduled_tokens[req_id]`` tokens are computed for each scheduled
     request, starting at its ``num_computed_tokens``. A request samples a token
     this step iff its computed count reaches its full token count (the
-    worker's own copy of prompt + outputs). ``finished_req_ids`` (finished or
+    worker's own copy of prompt + outputs, which holds every token sampled by
+    the steps before this one: ranks run steps in order and append their own
+    samples). With async scheduling the scheduler plans step N+1 before it has
+    seen step N's samples, counting them as placeholders
+    (``Request.num_output_placeholders``); the plan is the same as if it had. ``finished_req_ids`` (finished or
     aborted since the last step) and ``preempted_req_ids`` tell workers whose
     state to drop or park.
 

@@ -190,7 +190,9 @@ class Request:
 
     Invariants the scheduler relies on:
     - ``num_tokens == len(prompt_token_ids) + len(output_token_ids)`` and
-      ``0 <= num_computed_tokens <= num_tokens``.
+      ``0 <= num_computed_tokens <= num_tokens + num_output_placeholders``: the
+      tokens of steps in flight are computed (scheduled) before the scheduler
+      knows their ids; the workers know them (they append their own samples).
     - ``block_hashes[i]`` is the chained hash of full block i of ``all_token_ids``;
       it is extended incrementally by ``append_output_token`` so that hashing costs
       O(block_size) per filled block, never O(context).
@@ -203,7 +205,7 @@ class Request:
         "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "sampling_params",
         "eos_token_id", "priority", "arrival_time", "status", "num_computed_tokens",
         "num_cached_tokens", "block_hashes", "block_size", "cache_salt", "parent_id", "index",
-        "error", "num_preemptions", "max_total_tokens", "num_worker_tokens", "queued_s",
+        "error", "num_preemptions", "max_total_tokens", "num_output_placeholders", "queued_s",
         "prompt_logprobs",
     )
 
@@ -255,7 +257,9 @@ class Request:
         self.error: str | None = None
         self.num_preemptions = 0
         self.max_total_tokens = len(prompt_token_ids) + self.sampling_params.max_tokens
-        self.num_worker_tokens = 0  # how many of all_token_ids the workers hold (0: not sent yet)
+        # Tokens sampled by steps scheduled but whose output is not yet applied (async scheduling): the
+        # workers already hold them, so the request's next position to compute is one past its known tokens.
+        self.num_output_placeholders = 0
         self.prompt_logprobs: list = []  # SampledLogprobs of prompt tokens 1.., until the first output carries them
         self.extend_block_hashes()
 

@@ -143,6 +143,33 @@ class Scheduler:
     - a request preempted by swap (in ``swapped``) keeps its computed tokens in
       host blocks; swapped requests resume, KV intact, before any waiting
       request is admitted (the order of vLLM v0).
+
+    Async scheduling (the Ray engine loop keeps two steps in flight: step N+1
+    is scheduled before step N's output is applied):
+    - a request's work is ``num_tokens + num_output_placeholders -
+      num_computed_tokens``: a step that samples a request adds a placeholder,
+      ``update_from_output`` removes it as it applies the token. A request
+      whose outputs plus placeholders reach ``max_tokens`` (or whose tokens
+      plus placeholders reach ``max_model_len``) is not scheduled again; one
+      that stops on EOS or a stop token while its next step is in flight
+      wastes that step, and the late token is dropped;
+    - a step's outputs go to the Request objects that step scheduled (kept in
+      ``in_flight`` by step id), by object, never by id: a finished request's
+      id may be reused by a new caller before the step returns, and the new
+      request never receives the old one's token; finished ones are skipped;
+    - a token sampled for a request preempted while its step was in flight is
+      still applied (the workers appended it, and the two copies must agree):
+      it was computed from KV intact when the step ran, since ranks run steps
+      in order and the blocks step N+1 frees or swaps out are touched only
+      after step N. It may finish the request in the waiting or swapped queue.
+      A waiting or swapped request has no placeholders when admitted: the loop
+      applies step N's output before it schedules step N+2;
+    - blocks enter the prefix cache when their token ids are known
+      (``block_hashes``) and their tokens are scheduled (``num_computed_tokens``
+      counts the steps in flight too): any request that reads a cached block is
+      admitted after that, so it runs in a later step than the one writing it.
+    In the serial loop placeholders are always 0 at ``schedule()``, and the
+    same code serves both.
     """
 
     def __init__(self, config: SchedulerConfig, eos_token_id: int | None = None) -> None:
@@ -158,8 +185,8 @@ class Scheduler:
         self.waiting = WaitingQueue(config.policy)
         self.running: list[Request] = []
         self.swapped: list[Request] = []
-        self.swapped_in: list[Request] = []  # this step's requests whose blocks are copied back from the host
         self.finished_req_ids: set[str] = set()  # to tell the workers next step
+        self.in_flight: dict[int, dict[str, Request]] = {}  # step id -> the requests it scheduled, by object
         self.num_preemptions = 0
         self.num_steps = 0
         self.last_num_scheduled_tokens = 0
@@ -229,6 +256,7 @@ class Scheduler:
 
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Finish every live request with an error (the engine cannot run them)."""
+        self.in_flight.clear()
         return [self._finish(r, RequestStatus.FINISHED_ERROR, error) for r in list(self.requests.values())]
 
     def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> RequestOutput:
@@ -243,7 +271,7 @@ class Scheduler:
         request.error = error
         self.kv.free(request)
         self.requests.pop(rid, None)
-        if request.num_worker_tokens:
+        if request.num_cached_tokens >= 0:  # it was scheduled, so the workers hold it
             self.finished_req_ids.add(rid)
         self._release_parked(request)
         caller_id = request.parent_id or rid
@@ -293,7 +321,6 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         cached = CachedRequestData()
         preempted: list[Request] = []
-        self.swapped_in = []
         budget = self._schedule_running(cfg.max_num_batched_tokens, num_scheduled, cached, preempted)
         new_data: list[NewRequestData] = []
         num_admitted = 0
@@ -307,20 +334,33 @@ class Scheduler:
         self.finished_req_ids = set()
         total = cfg.max_num_batched_tokens - budget
         self.num_steps += 1
+        self.in_flight[self.num_steps] = self._add_placeholders(num_scheduled)
         self.last_num_scheduled_tokens = total
         self.last_num_admitted = num_admitted
         return SchedulerOutput(new_data, cached, num_scheduled, total, finished,
                                {r.request_id for r in preempted}, self.num_steps, swap_out, swap_in)
+
+    def _add_placeholders(self, num_scheduled: dict[str, int]) -> dict[str, Request]:
+        """The step's requests by id; each one it samples (its computed count now reaches its tokens plus
+        placeholders) gains a placeholder. Done once the plan is final, so a victim taken back mid-plan
+        never had one."""
+        requests = self.requests
+        step = {}
+        for rid in num_scheduled:
+            request = step[rid] = requests[rid]
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1
+        return step
 
     def _schedule_running(self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData,
                           preempted: list[Request]) -> int:
         """Running requests, in order, preempting from the low-priority end when memory runs out; returns the
         budget left. This loop is the decode hot path: it writes the step's diff as it goes."""
         threshold = self.config.long_prefill_token_threshold
+        max_model_len = self.config.max_model_len
         bs = self.block_size
-        c_ids, c_resumed, c_tokens, c_blocks, c_computed = (
-            cached.req_ids, cached.resumed_from_preemption, cached.new_token_ids, cached.new_block_ids,
-            cached.num_computed_tokens)
+        c_ids, c_resumed, c_blocks, c_computed = (
+            cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids, cached.num_computed_tokens)
         allocate = self.kv.allocate_slots
         req_to_blocks = self.kv.req_to_blocks
         running = self.running
@@ -328,8 +368,14 @@ class Scheduler:
         while i < len(running) and budget > 0:
             request = running[i]
             rid = request.request_id
-            all_ids = request.all_token_ids
-            num_all = len(all_ids)
+            num_all = len(request.all_token_ids)
+            placeholders = request.num_output_placeholders
+            if placeholders:
+                if (len(request.output_token_ids) + placeholders >= request.sampling_params.max_tokens
+                        or num_all + placeholders >= max_model_len):
+                    i += 1
+                    continue  # a step in flight samples its last token: another would be wasted
+                num_all += placeholders
             nc = request.num_computed_tokens
             num_new = num_all - nc
             if threshold and num_new > threshold:
@@ -355,14 +401,10 @@ class Scheduler:
                 new_ids = [b.block_id for b in new_blocks]
             num_scheduled[rid] = num_new
             budget -= num_new
-            known = request.num_worker_tokens
             c_ids.append(rid)
             c_resumed.append(False)
-            # A decode knows all but its last sampled token: one element, no slice.
-            c_tokens.append([all_ids[-1]] if known == num_all - 1 else all_ids[known:])
             c_blocks.append(new_ids)
             c_computed.append(nc)
-            request.num_worker_tokens = num_all
             request.num_computed_tokens = nc + num_new
             i += 1
         return budget
@@ -398,8 +440,6 @@ class Scheduler:
             if allocate(request, num_new, num_hit_tokens, hits, host_hits=host_hits) is None:
                 break
             waiting.pop()
-            if host_hits:
-                self.swapped_in.append(request)
             self.kv.record_prefix_lookup(request, num_hit_tokens, num_host_hit_tokens)
             self._admit(request, num_hit_tokens, cached, new_data)
             request.num_computed_tokens = num_hit_tokens + num_new
@@ -424,7 +464,6 @@ class Scheduler:
             if not self.kv.swap_in(request, num_new):
                 break
             self.swapped.remove(request)
-            self.swapped_in.append(request)
             self._admit(request, nc, cached, [])
             request.num_computed_tokens = nc + num_new
             num_scheduled[request.request_id] = num_new
@@ -436,6 +475,7 @@ class Scheduler:
                new_data: list[NewRequestData]) -> None:
         """Into the running batch, and into the step's diff: whole as new, or its block table anew if resumed."""
         rid = request.request_id
+        assert not request.num_output_placeholders, f"{rid} admitted with a step in flight"
         block_ids = self.kv.get_block_ids(rid)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
@@ -443,23 +483,20 @@ class Scheduler:
         if request.status == RequestStatus.PREEMPTED:
             cached.req_ids.append(rid)
             cached.resumed_from_preemption.append(True)
-            cached.new_token_ids.append(request.all_token_ids[request.num_worker_tokens:])
             cached.new_block_ids.append(block_ids)
             cached.num_computed_tokens.append(num_hit_tokens)
         else:
             new_data.append(NewRequestData(rid, request.all_token_ids.copy(), request.sampling_params, block_ids,
                                            num_hit_tokens))
-        request.num_worker_tokens = request.num_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
     def _unschedule(self, request: Request, num_scheduled: dict[str, int], cached: CachedRequestData) -> int:
         """Take back a request already scheduled this step (a priority victim); returns its tokens."""
         j = cached.req_ids.index(request.request_id)
-        request.num_worker_tokens -= len(cached.new_token_ids[j])
         request.num_computed_tokens = cached.num_computed_tokens[j]
-        for column in (cached.req_ids, cached.resumed_from_preemption, cached.new_token_ids,
-                       cached.new_block_ids, cached.num_computed_tokens):
+        for column in (cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids,
+                       cached.num_computed_tokens):
             del column[j]
         return num_scheduled.pop(request.request_id)
 
@@ -497,36 +534,26 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[RequestOutput]:
-        """Apply sampled tokens, check stop rules, cache newly computed blocks; one delta per sampled request."""
-        requests = self.requests
+        """Apply a step's sampled tokens to the requests it scheduled (by object; finished ones are skipped),
+        check stop rules, cache newly computed blocks; one delta per sampled request."""
+        step = self.in_flight.pop(scheduler_output.step_id)
         bs = self.block_size
         cache_blocks = self.kv.cache_computed_blocks
-        num_scheduled = scheduler_output.num_scheduled_tokens
-        for request in self.swapped_in:  # their copied-back blocks hold their tokens now
-            cache_blocks(request)
-        if len(num_scheduled) != len(runner_output.req_ids):
-            # Some requests ran a prefill chunk without sampling: they may have completed blocks too.
-            for rid, n in num_scheduled.items():
-                request = requests.get(rid)
-                if request is not None and request.num_computed_tokens % bs < n:
-                    cache_blocks(request)
         for rid, entries in (runner_output.prompt_logprobs or {}).items():
-            request = requests.get(rid)
-            if request is not None:
+            request = step[rid]
+            if not request.is_finished:
                 request.prompt_logprobs += entries
         outputs = []
         append_out = outputs.append
         logprobs = runner_output.logprobs
         max_model_len = self.config.max_model_len
-        running = RequestStatus.RUNNING
-        sampled = runner_output.sampled_token_ids
+        finished = RequestStatus.FINISHED_STOPPED
         parked = self.parked
-        for i, (rid, token) in enumerate(zip(runner_output.req_ids, sampled)):
-            request = requests.get(rid)
-            if request is None or request.status != running:
-                continue  # aborted or preempted while the step ran
-            if request.num_computed_tokens % bs < num_scheduled[rid]:
-                cache_blocks(request)  # this step completed a block
+        for i, (rid, token) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
+            request = step[rid]
+            request.num_output_placeholders -= 1
+            if request.status >= finished:
+                continue  # aborted, or stopped by an earlier step's token: this one is past its end
             all_ids = request.all_token_ids  # Request.append_output_token, inlined: this loop is the hot path
             out_ids = request.output_token_ids
             out_ids.append(token)
@@ -547,12 +574,19 @@ class Scheduler:
                 if parked and rid in parked:
                     self._release_parked(request)
             else:
+                if request.status == RequestStatus.RUNNING:
+                    cache_blocks(request)  # before its blocks are freed, so a later prompt can reuse them
                 out = self._finish(request, status)
                 out.new_token_ids = [token]
                 out.new_logprobs = None if entry is None else [entry]
                 append_out(out)
             if params.prompt_logprobs is not None and len(out_ids) == 1:
                 out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
+        # After the tokens: a token that completes a block's ids lets it be cached now, not a step later.
+        running = RequestStatus.RUNNING
+        for request in step.values():
+            if request.status == running:
+                cache_blocks(request)
         return outputs
 
     def reset_prefix_cache(self) -> bool:

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from kernels import AttentionMetadata
 from scheduler.outputs import ModelRunnerOutput, SampledLogprobs, SchedulerOutput
@@ -31,7 +32,8 @@ class CachedRequestState:
 
     ``row`` indexes the runner's persistent token and block tables, which hold
     this request's tokens and block ids; ``output_token_ids`` are its outputs in
-    Python form (for their count; penalties read the runner's PenaltyState). A
+    Python form (for their count; penalties read the runner's PenaltyState),
+    appended by the runner itself as it samples them. A
     preempted request keeps its state (``parked``) until it resumes with a new
     block table. ``matcher`` (sampling rank, constrained requests only) has
     consumed exactly ``output_token_ids``.
@@ -122,7 +124,10 @@ class ModelRunner:
 
     Invariants: ``token_ids[row, :num_tokens]`` and ``block_table[row, :num_blocks]``
     mirror each live request's state; rows of finished requests are free for
-    reuse. Logits are computed only at the last scheduled position of requests
+    reuse. Every rank appends each step's sampled ids itself (rank 0 samples and
+    broadcasts them), and feeds them to the request's matcher, so a rank's copy
+    holds every token of the steps it ran and the scheduler can plan the next
+    step before it has seen them (async scheduling). Logits are computed only at the last scheduled position of requests
     whose tokens are then all computed — the same rule the scheduler uses to
     expect a sampled token — and, for requests asking ``prompt_logprobs``, at
     each prompt position of their chunks whose logprob was not yet returned.
@@ -152,6 +157,8 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         self.device = device
         self.is_driver = is_driver
+        # tp > 1: the other ranks need rank 0's samples, as the next step's inputs.
+        self.broadcast = dist.is_initialized() and dist.get_world_size() > 1
         self.sampler = Sampler()
         self.penalty_state = PenaltyState(vocab_size, device)
         self.requests: dict[str, CachedRequestState] = {}
@@ -200,13 +207,6 @@ class ModelRunner:
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self.requests[rid]
-            new_tokens = cached.new_token_ids[i]
-            if new_tokens:
-                n = state.num_tokens
-                self.token_ids[state.row, n:n + len(new_tokens)] = new_tokens
-                state.output_token_ids.extend(new_tokens)
-                if state.matcher is not None:
-                    state.matcher.consume_tokens(new_tokens)
             new_blocks = cached.new_block_ids[i]
             if cached.resumed_from_preemption[i]:
                 state.parked = False
@@ -318,18 +318,42 @@ class ModelRunner:
         hidden = self.forward(inputs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices]) if states else None
         prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_spans) if inputs.prompt_spans else None
+        if not states:
+            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs) if self.is_driver else None
+        sampled = logprobs = None
+        if self.is_driver:
+            smd, penalized, penalized_rows = sampling
+            constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+            if constrained:  # filled on the host while the device runs the forward
+                smd.grammar = self.grammar.fill([states[i].matcher for i in constrained], constrained, len(states))
+            sampled, logprobs = self.sampler(logits.float(), smd)
+            if penalized is not None:
+                self.penalty_state.count(penalized_rows, sampled.index_select(0, penalized))
+        token_ids = self._to_host(self._share(sampled, len(states)))
+        self._append(states, token_ids)
         if not self.is_driver:
             return None
-        if logits is None:
-            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
-        smd, penalized, penalized_rows = sampling
-        constrained = [i for i, s in enumerate(states) if s.matcher is not None]
-        if constrained:  # filled on the host while the device runs the forward
-            smd.grammar = self.grammar.fill([states[i].matcher for i in constrained], constrained, len(states))
-        sampled, logprobs = self.sampler(logits.float(), smd)
-        if penalized is not None:
-            self.penalty_state.count(penalized_rows, sampled.index_select(0, penalized))
-        return ModelRunnerOutput([s.req_id for s in states], self._to_host(sampled), logprobs, prompt_logprobs)
+        return ModelRunnerOutput([s.req_id for s in states], token_ids, logprobs, prompt_logprobs)
+
+    def _share(self, sampled: torch.Tensor | None, num_sampled: int) -> torch.Tensor:
+        """Rank 0's sampled ids (``sampled``, None on the other ranks), on every rank: one broadcast of an int64
+        tensor whose length every rank knows (the step's sampling rows, by the rule all ranks share)."""
+        if not self.broadcast:
+            return sampled
+        if sampled is None:
+            sampled = torch.empty(num_sampled, dtype=torch.int64, device=self.device)
+        dist.broadcast(sampled, src=0)
+        return sampled
+
+    def _append(self, states: list[CachedRequestState], token_ids: list[int]) -> None:
+        """Each sampling request's new token, into its row and outputs, and into its matcher (a stopped
+        matcher takes nothing more: a token sampled after it stopped is past the request's end)."""
+        rows = self.token_ids
+        for state, token in zip(states, token_ids):
+            rows[state.row, state.num_tokens] = token
+            state.output_token_ids.append(token)
+            if state.matcher is not None and not state.matcher.is_stopped():
+                state.matcher.consume_tokens([token])
 
     def _prompt_logprobs(self, hidden: torch.Tensor, spans: list[tuple[CachedRequestState, int, int, int]]
                          ) -> dict[str, list[SampledLogprobs]] | None:

@@ -15,10 +15,12 @@ class NoWorkRunner:
     """Returns one token per request whose scheduled tokens complete it, at once, with no forward pass.
 
     It applies the step's diff exactly as ModelRunner does (the same rule for
-    who samples: computed + scheduled == the request's token count), so the
-    scheduler, the Ray round trip and everything downstream run unchanged;
-    only the model and the KV cache are gone. The token is a function of the
-    request's length, so a run is reproducible.
+    who samples: computed + scheduled == the request's token count), and every
+    rank appends each sample itself as ModelRunner's ranks do, so the
+    scheduler, the Ray round trip and everything downstream run unchanged,
+    async scheduling included; only the model and the KV cache are gone. The
+    token is a function of the request's length, so a run is reproducible and
+    every rank knows it without a broadcast.
     """
 
     def __init__(self, vocab_size: int, is_driver: bool = True) -> None:
@@ -35,15 +37,12 @@ class NoWorkRunner:
             num_tokens[new.req_id] = len(new.prompt_token_ids)
         starts = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
         cached = so.scheduled_cached_reqs
-        for rid, new_tokens, computed in zip(cached.req_ids, cached.new_token_ids, cached.num_computed_tokens):
-            num_tokens[rid] += len(new_tokens)
-            starts[rid] = computed
-        if not self.is_driver:
-            return None
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
         req_ids, sampled = [], []
         for rid, n in so.num_scheduled_tokens.items():
             total = num_tokens[rid]
             if starts[rid] + n == total:
                 req_ids.append(rid)
                 sampled.append(self.first + total % self.span)
-        return ModelRunnerOutput(req_ids, sampled)
+                num_tokens[rid] = total + 1
+        return ModelRunnerOutput(req_ids, sampled) if self.is_driver else None

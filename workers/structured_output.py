@@ -53,9 +53,10 @@ class GrammarBitmasks:
     """Builds matchers and fills one step's allowed-token bitmasks; lives on the sampling rank only.
 
     Invariants:
-    - a request's matcher has consumed exactly the output tokens the scheduler
-      accepted (the runner feeds it the diff's new tokens, never its own
-      samples), so preemption keeps it (a resumed request's outputs are
+    - a request's matcher has consumed exactly the request's output tokens
+      (the runner feeds it each sample as it appends it, before the next step's
+      mask: with async scheduling the scheduler has not seen the sample yet),
+      so preemption keeps it (a resumed request's outputs are
       unchanged; recomputing KV does not touch it), chunked prefill and prefix
       cache hits never reach it (they are prompt work), each ``n > 1`` child
       has its own, and an abort drops it with the runner's request state;

@@ -194,6 +194,34 @@ def test_a_new_request_joins_the_running_batch_at_the_next_step(engine):
     assert c.finish_step < a.finish_step  # ... not after A was done
 
 
+def run_mixed(engine, stop: int) -> dict:
+    """A mixed batch through the synchronous interface: (tokens, finish reason, logprobs) per sample."""
+    batch = [(PROMPTS[0], greedy(9)), (PROMPTS[1], SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=7)),
+             (PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop])),
+             (PROMPTS[3], greedy(3, presence_penalty=1.0, logprobs=2))]
+    got: dict = {}
+    for i, (prompt, params) in enumerate(batch):
+        engine.add_request(f"m{i}", prompt, params)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            tokens, _, logprobs = got.get((o.request_id, o.index), ([], None, []))
+            got[(o.request_id, o.index)] = (tokens + o.new_token_ids, o.finish_reason, logprobs + (o.new_logprobs or []))
+    return got
+
+
+def test_async_scheduling_gives_the_serial_loops_outputs_token_for_token(engine, reference, llama):
+    stop = reference[2][4]  # m2 stops on its fifth token, its next step already in flight
+    serial = RayEngine(config(llama, tensor_parallel_size=2, async_scheduling=False))
+    try:
+        expected = run_mixed(serial, stop)
+    finally:
+        serial.shutdown()
+    got = run_mixed(engine, stop)
+    assert got == expected and len(got) == 5
+    assert got[("m2", 0)][:2] == (reference[2][:reference[2].index(stop) + 1], "stop")
+    assert is_drained(engine)
+
+
 def test_bad_prompt_is_refused_before_it_reaches_the_engine(engine):
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request("bad", [1, 2, 10**6], greedy(4))

@@ -1,8 +1,16 @@
 """The scheduler actor's outbox: a batch of deltas is kept until its caller acknowledges it, so a call that
-returns to a caller who is gone (a pump cancelled too late) loses nothing and a received batch never repeats."""
+returns to a caller who is gone (a pump cancelled too late) loses nothing and a received batch never repeats.
+And its engine loop, run on asyncio with ranks that answer from the no-work runner: two steps in flight with
+async scheduling, one without, the same tokens either way, and a hung step failing every request."""
 
-from cluster.scheduler_actor import _Outbox
-from scheduler import RequestOutput
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from cluster.scheduler_actor import SchedulerActor, _Outbox
+from scheduler import RequestOutput, SamplingParams, SchedulerConfig
+from workers.no_work import NoWorkRunner
 
 
 def delta(token: int) -> RequestOutput:
@@ -33,3 +41,64 @@ def test_a_batch_whose_caller_vanished_is_sent_again_with_what_came_since():
     number, batch = box.take(0)  # lost again: still everything, in order
     assert number == 3 and [d.new_token_ids for d in batch] == [[1], [2]]
     assert box.take(number) is None
+
+
+class FakeRank:
+    """A rank as the loop sees one (``execute_model.remote(step)``: an awaitable of its output), answering on the
+    event loop's next turn from a no-work runner; from step ``hang_at`` on it never answers."""
+
+    def __init__(self, actor: SchedulerActor, hang_at: int | None = None) -> None:
+        self.actor, self.hang_at = actor, hang_at
+        self.runner = NoWorkRunner(4096)
+        self.max_in_flight = 0
+        self.execute_model = SimpleNamespace(remote=self.remote)
+
+    def remote(self, so) -> asyncio.Future:
+        self.max_in_flight = max(self.max_in_flight, len(self.actor.scheduler.in_flight))
+        future = asyncio.get_running_loop().create_future()
+        if self.hang_at is None or so.step_id < self.hang_at:
+            asyncio.get_running_loop().call_soon(future.set_result, self.runner.execute_model(so))
+        return future
+
+
+async def drive(async_scheduling: bool, hang_at: int | None = None) -> tuple[dict, SchedulerActor, FakeRank]:
+    actor = SchedulerActor([], eos_token_id=None)
+    rank = FakeRank(actor, hang_at)
+    actor.workers = [rank]
+    await actor.start(SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=8), step_timeout_s=0.5,
+                      async_scheduling=async_scheduling)
+    for i, n in enumerate((3, 9, 14)):
+        await actor.add_request(f"r{i}", list(range(1, 4 + 5 * i)), SamplingParams(max_tokens=n, ignore_eos=True))
+    got: dict = {}
+    received = 0
+    while len([1 for _, reason in got.values() if reason]) < 3:
+        received, batch = await asyncio.wait_for(actor.get_outputs("sync", received), 5)
+        for d in batch:
+            tokens, _ = got.get(d.request_id, ([], None))
+            got[d.request_id] = (tokens + d.new_token_ids, d.finish_reason)
+    actor.loop_task.cancel()
+    return got, actor, rank
+
+
+def test_async_scheduling_keeps_two_steps_in_flight_and_gives_the_serial_tokens():
+    serial, _, serial_rank = asyncio.run(drive(False))
+    pipelined, actor, rank = asyncio.run(drive(True))
+    assert (serial_rank.max_in_flight, rank.max_in_flight) == (1, 2)
+    assert pipelined == serial and [len(t) for t, _ in serial.values()] == [3, 9, 14]
+    assert actor.scheduler.in_flight == {}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_hung_step_fails_every_request_and_leaves_no_step_behind(async_scheduling):
+    loop_errors = []
+
+    async def scenario():
+        asyncio.get_running_loop().set_exception_handler(lambda _, context: loop_errors.append(context))
+        got, actor, _ = await drive(async_scheduling, hang_at=4)
+        await asyncio.sleep(0.1)  # a dangling step's future would be collected and reported by now
+        return got, actor
+
+    got, actor = asyncio.run(scenario())
+    assert [got[r][1] for r in ("r0", "r1", "r2")] == ["length", "error", "error"]  # r0 ended before step 4
+    assert "step 4 got no reply" in actor.error
+    assert loop_errors == []  # no future left with an exception nobody retrieved

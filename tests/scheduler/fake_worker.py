@@ -1,4 +1,4 @@
-"""A worker without a model: rebuilds request state from SchedulerOutput diffs alone and checks it.
+"""A worker without a model: rebuilds request state from SchedulerOutput diffs and its own samples, and checks it.
 
 It keeps a fake KV cache (the token id written at each slot), and a fake host
 tier the step's swaps copy whole blocks to and from (out, then in, then the
@@ -63,7 +63,6 @@ class FakeWorker:
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             st = self.states[rid]
-            st.token_ids.extend(cached.new_token_ids[i])
             if cached.resumed_from_preemption[i]:
                 assert st.parked, f"{rid} resumed without having been preempted"
                 st.parked = False
@@ -88,6 +87,7 @@ class FakeWorker:
             st.num_computed_tokens = start + n
             if st.num_computed_tokens == len(st.token_ids):
                 token = self.next_token(rid, st)
+                st.token_ids.append(token)  # a worker appends its own sample, as the real ranks do
                 req_ids.append(rid)
                 sampled.append(token)
         return ModelRunnerOutput(req_ids, sampled)

@@ -129,7 +129,7 @@ def test_new_requests_travel_once_then_only_diffs():
     so, _ = step(sched, worker)  # 7th token fits in block 2
     assert so.scheduled_new_reqs == []
     c = so.scheduled_cached_reqs
-    assert c.req_ids == ["a"] and c.new_block_ids == [[]] and len(c.new_token_ids[0]) == 1
+    assert c.req_ids == ["a"] and c.new_block_ids == [[]] and c.num_computed_tokens == [6]
     assert c.num_computed_tokens == [6] and so.num_scheduled_tokens == {"a": 1}
     so, _ = step(sched, worker)  # 8th token still fits
     so, _ = step(sched, worker)  # 9th token needs a new block: only its id travels
@@ -230,14 +230,14 @@ def test_priority_victim_already_scheduled_this_step_is_taken_back():
     step(sched, worker)
     low = sched.requests["low"]
     assert [r.request_id for r in sched.running] == ["low", "high", "mid"]
-    assert sched.kv.block_pool.num_free_blocks == 0 and (low.num_computed_tokens, low.num_worker_tokens) == (7, 7)
+    assert sched.kv.block_pool.num_free_blocks == 0 and (low.num_computed_tokens, low.num_tokens) == (7, 8)
     # low's decode is scheduled (its block has room), then high needs a block and low must go; mid still runs.
     so = sched.schedule()
     assert so.preempted_req_ids == {"low"} and low.status == RequestStatus.PREEMPTED
     assert so.num_scheduled_tokens == {"high": 1, "mid": 1}
     assert so.scheduled_cached_reqs.req_ids == ["high", "mid"]
     assert so.total_num_scheduled_tokens == 2 and sched.stats().num_scheduled_tokens == 2  # low's token returned
-    assert (low.num_computed_tokens, low.num_worker_tokens) == (0, 7)  # the workers never saw its 8th token
+    assert (low.num_computed_tokens, low.num_output_placeholders) == (0, 0)  # its decode was taken back whole
     sched.update_from_output(so, worker.execute(so))
     got = {rid: tokens for (rid, _), (tokens, _) in run_all(sched, worker).items()}
     roomy, roomy_worker = make(num_blocks=64, block_size=4, policy="priority")

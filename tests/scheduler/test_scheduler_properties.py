@@ -6,9 +6,14 @@ never fit, and some reuse an id that may still be live. With a host tier,
 preemption swaps (mode swap or auto), evicted hashed blocks move to the host,
 and prefix hits come back from it: both pools keep their invariants, and the
 fake worker's copies show every hashed block holds exactly its tokens.
+
+Pipelined (async scheduling, as the Ray engine loop runs it): a step is
+applied only after the next one was scheduled and run, so two steps are in
+flight; the same invariants hold, and every request that ends by its stop
+rules got exactly the fake's deterministic tokens, as a serial run gives.
 """
 
-from collections import Counter
+from collections import Counter, deque
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,7 +21,7 @@ from hypothesis import strategies as st
 
 from scheduler import RequestStatus, SamplingParams, Scheduler, SchedulerConfig
 from scheduler.block_pool import BlockPool
-from tests.scheduler.fake_worker import FakeWorker
+from tests.scheduler.fake_worker import FakeState, FakeWorker
 
 BLOCK = 4
 NUM_BLOCKS = 16  # 15 usable: 60 tokens
@@ -81,9 +86,11 @@ def check_invariants(sched: Scheduler) -> None:
             assert r.request_id not in sched.kv.req_to_blocks or not sched.kv.req_to_blocks[r.request_id]
 
 
-def check_contents(sched: Scheduler, worker: FakeWorker, block_tokens: dict) -> None:
-    """Every hashed block, in either tier, holds exactly the tokens its hash names (after the step's copies)."""
-    for r in sched.requests.values():
+def check_contents(sched: Scheduler, worker: FakeWorker, block_tokens: dict, requests: list) -> None:
+    """Every hashed block, in either tier, holds exactly the tokens its hash names (after the step's copies).
+    ``requests``: every request ever admitted, finished ones too (one that finishes may cache a block that its
+    final token completed, in the same update)."""
+    for r in requests:
         for i, h in enumerate(r.block_hashes):
             block_tokens[h] = r.all_token_ids[i * BLOCK:(i + 1) * BLOCK]
     tiers = [(sched.kv.block_pool, worker.kv), (sched.kv.host_pool, worker.host)]
@@ -100,8 +107,8 @@ tiers = st.sampled_from([(0, "auto", 1.0), (0, "recompute", 1.0), (6, "swap", 1.
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(history=st.lists(ops, min_size=15, max_size=60), policy=st.sampled_from(["fcfs", "priority"]),
-       caching=st.booleans(), threshold=st.sampled_from([0, 5]), tier=tiers)
-def test_random_histories_keep_the_pool_consistent(history, policy, caching, threshold, tier):
+       caching=st.booleans(), threshold=st.sampled_from([0, 5]), tier=tiers, pipelined=st.booleans())
+def test_random_histories_keep_the_pool_consistent(history, policy, caching, threshold, tier, pipelined):
     num_host_blocks, mode, swap_cost = tier
     cfg = SchedulerConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK, max_model_len=MAX_MODEL_LEN, max_num_seqs=6,
                           max_num_batched_tokens=24, long_prefill_token_threshold=threshold,
@@ -111,10 +118,24 @@ def test_random_histories_keep_the_pool_consistent(history, policy, caching, thr
     worker = FakeWorker(BLOCK, NUM_BLOCKS, vocab_size=50, eos_token_id=EOS, eos_every=11,
                         num_host_blocks=num_host_blocks)
     block_tokens: dict = {}
+    admitted: list = []
     prefixes = [[7] * 8, [9] * 8, [7] * 4 + [9] * 4, []]
     n_added = 0
     live: dict[str, set[int]] = {}  # caller id -> indexes of its samples not yet finished
     n_of: dict[str, int] = {}
+    tokens: dict[tuple[str, int], list[int]] = {}
+    shape: dict[str, tuple[int, int]] = {}  # caller id -> (prompt length, max_tokens)
+    in_flight: deque = deque()
+
+    def expected(rid: str, index: int) -> list[int]:
+        """The fake's tokens for one sample run alone, serially, to its stop rules."""
+        prompt_len, max_tokens = shape[rid]
+        child = rid if n_of[rid] == 1 else f"{rid}#{index}"
+        out: list[int] = []
+        while True:
+            out.append(worker.next_token(child, FakeState([0] * (prompt_len + len(out)), [], 0)))
+            if out[-1] == EOS or len(out) >= max_tokens or prompt_len + len(out) >= MAX_MODEL_LEN:
+                return out
 
     def live_request_ids() -> set[str]:
         return {c if n_of[c] == 1 else f"{c}#{i}" for c, indexes in live.items() for i in indexes}
@@ -122,7 +143,12 @@ def test_random_histories_keep_the_pool_consistent(history, policy, caching, thr
     def note(outs):
         for o in outs:
             assert o.index in live[o.request_id], o  # each sample of a live caller, finished exactly once
+            got = tokens.setdefault((o.request_id, o.index), [])
+            got += o.new_token_ids
             if o.finished:
+                del tokens[(o.request_id, o.index)]
+                if o.finish_reason in ("stop", "length"):
+                    assert got == expected(o.request_id, o.index), o
                 live[o.request_id].remove(o.index)
                 if not live[o.request_id]:
                     del live[o.request_id]
@@ -150,8 +176,9 @@ def test_random_histories_keep_the_pool_consistent(history, policy, caching, thr
             with pytest.raises(ValueError, match="request_id"):
                 sched.add_request(rid, prompt, params, priority=priority)
             return
-        live[rid], n_of[rid] = set(range(n)), n
+        live[rid], n_of[rid], shape[rid] = set(range(n)), n, (len(prompt), max_tokens)
         outs = sched.add_request(rid, prompt, params, priority=priority)
+        admitted.extend(sched.children.get(rid, ()))
         total = min(len(prompt) + max_tokens, MAX_MODEL_LEN)
         infeasible = len(prompt) >= MAX_MODEL_LEN or -(-total // BLOCK) > NUM_BLOCKS - 1
         assert len(outs) == (n if infeasible else 0)
@@ -162,24 +189,29 @@ def test_random_histories_keep_the_pool_consistent(history, policy, caching, thr
         if op[0] == "step":
             so = sched.schedule()
             check_invariants(sched)
-            runner_output = worker.execute(so)
+            in_flight.append((so, worker.execute(so)))
             for inner in op[1]:  # while the workers run the step
                 apply(inner)
                 check_invariants(sched)
-            note(sched.update_from_output(so, runner_output))
+            if len(in_flight) == 1 + pipelined:
+                note(sched.update_from_output(*in_flight.popleft()))
         else:
             apply(op)
         check_invariants(sched)
-        check_contents(sched, worker, block_tokens)
+        check_contents(sched, worker, block_tokens, admitted)
 
     for _ in range(500):
         if not sched.has_unfinished_requests():
             break
         so = sched.schedule()
-        note(sched.update_from_output(so, worker.execute(so)))
+        in_flight.append((so, worker.execute(so)))
+        if len(in_flight) == 1 + pipelined:
+            note(sched.update_from_output(*in_flight.popleft()))
         check_invariants(sched)
-        check_contents(sched, worker, block_tokens)
-    assert not sched.has_unfinished_requests() and live == {} and sched.children == {}
+        check_contents(sched, worker, block_tokens, admitted)
+    while in_flight:
+        note(sched.update_from_output(*in_flight.popleft()))
+    assert not sched.has_unfinished_requests() and live == {} and sched.children == {} and sched.in_flight == {}
     assert all(b.ref_cnt == 0 for b in sched.kv.block_pool.blocks)
     assert sched.kv.req_to_blocks == {} and sched.kv.req_to_host_blocks == {} and sched.swapped == []
     if sched.kv.host_pool is not None:

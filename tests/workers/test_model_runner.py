@@ -1,9 +1,12 @@
 """The step pipeline on CPU: padded decode steps (what CUDA graphs replay), penalties kept across steps,
-and the order of a step's work."""
+the order of a step's work, and the runner's own samples (what async scheduling rests on)."""
+
+from collections import deque
 
 import torch
 
 from cluster import EngineConfig, SamplingParams
+from scheduler import StructuredOutputsParams
 from cluster.engine import InProcessEngine
 
 
@@ -77,3 +80,31 @@ def test_sampling_is_prepared_before_the_forward_is_queued(tiny_model_dir):
     run(eng, prompts(2), [SamplingParams(max_tokens=2, presence_penalty=0.5, top_p=0.9, seed=3)] * 2)
     step = ["prepare_inputs", "prepare_sampling", "forward", "_to_host"]
     assert order == step * (len(order) // 4) and len(order) >= 8
+
+
+def test_the_runner_appends_its_own_samples_and_feeds_its_matcher_from_them(default_model_dir):
+    # Async scheduling's order: step N+1 runs before the scheduler has step N's token, so the runner's row and
+    # the matcher must already hold it (a mask from a matcher a token behind would allow a choice's start again).
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    prompt = tok.encode("Do you want tea? Answer:")
+    choices = ["yes please, with milk", "no thanks"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=StructuredOutputsParams(choice=choices))
+    expected = run(engine(default_model_dir), [prompt], [params])[0]
+    eng = engine(default_model_dir)
+    eng.add_request("0", prompt, params)
+    sched, runner = eng.scheduler, eng.worker.runner
+    pending, got = deque(), []
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        pending.append((so, eng.worker.execute_model(so)))
+        state = runner.requests["0"]
+        assert runner.token_ids[state.row, len(prompt):state.num_tokens].tolist() == state.output_token_ids
+        if len(pending) == 2:
+            request = sched.requests["0"]  # the runner is ahead by the samples of the steps in flight
+            assert len(state.output_token_ids) == len(request.output_token_ids) + request.num_output_placeholders
+            got += [t for o in sched.update_from_output(*pending.popleft()) for t in o.new_token_ids]
+    while pending:
+        got += [t for o in sched.update_from_output(*pending.popleft()) for t in o.new_token_ids]
+    assert got == expected and tok.decode(got, skip_special_tokens=True) in choices
