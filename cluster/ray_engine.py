@@ -408,6 +408,8 @@ class RayEngine:
         of them in one call and hands them out, where a Ray stream per request would cost one object per
         request per step (a fifth of a core at 64 requests on 2 cores, taken from the ranks)."""
         params = self._vet(prompt_token_ids, params)
+        if request_id in self._queues:  # checked here: its queue would take the running caller's deltas
+            raise ValueError(f"request_id={request_id!r} is invalid: a request with this id is still running")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
         remaining = params.n

@@ -167,6 +167,18 @@ def test_cancelling_a_consumer_aborts_its_request(engine):
     assert engine.request_steps(["cancelled"])["cancelled"].finish_reason == "abort"
 
 
+def test_a_second_generate_with_a_running_id_is_refused_and_the_first_runs_on(engine, reference):
+    async def both() -> list:
+        first = engine.generate("twice", PROMPTS[1], greedy(8))
+        deltas = [await anext(first)]
+        with pytest.raises(ValueError, match="'twice' is invalid: a request with this id is still running"):
+            await anext(engine.generate("twice", PROMPTS[2], greedy(8)))
+        return deltas + [d async for d in first]
+
+    deltas = asyncio.run(asyncio.wait_for(both(), WAIT_S))
+    assert [t for d in deltas for t in d.new_token_ids] == reference[1][:8] and deltas[-1].finished
+
+
 def test_a_new_request_joins_the_running_batch_at_the_next_step(engine):
     async def scenario():
         late: list[asyncio.Task] = []
