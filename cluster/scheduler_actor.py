@@ -88,9 +88,9 @@ def execute_step(workers: list, so: SchedulerOutput) -> asyncio.Future[list[Mode
     """Send one step to every rank (the same serialized step) and gather their replies; rank 0's is the output.
 
     Awaiting all ranks, not just rank 0, surfaces a dead rank at once instead of leaving rank 0 in a
-    collective, and keeps every rank's queue at most two steps deep (one with async scheduling off). Plain actor calls, not a Ray
-    compiled graph: a graph cuts the empty-step round trip (0.7 vs 1.1 ms at tp=1, 0.9 vs 1.6 ms at
-    tp=2) but its channels busy-poll, and the waiting loop burns 0.7-1.0 of a core that a CPU node's
+    collective, and keeps every rank's queue at most two steps deep (one with async scheduling off).
+    Plain actor calls, not a Ray compiled graph: a graph cuts the empty-step round trip (0.7 vs 1.1 ms
+    at tp=1, 0.9 vs 1.6 ms at tp=2) but its channels busy-poll, and the waiting loop burns 0.7-1.0 of a core that a CPU node's
     ranks need for torch (cluster/bench/ray_overhead.py).
     """
     arg = so

@@ -57,9 +57,9 @@ class SchedulerOutput:
     the steps before this one: ranks run steps in order and append their own
     samples). With async scheduling the scheduler plans step N+1 before it has
     seen step N's samples, counting them as placeholders
-    (``Request.num_output_placeholders``); the plan is the same as if it had. ``finished_req_ids`` (finished or
-    aborted since the last step) and ``preempted_req_ids`` tell workers whose
-    state to drop or park.
+    (``Request.num_output_placeholders``); the plan is the same as if it had.
+    ``finished_req_ids`` (finished or aborted since the last step) and
+    ``preempted_req_ids`` tell workers whose state to drop or park.
 
     ``blocks_to_swap_out`` are (device block, host block) pairs and
     ``blocks_to_swap_in`` (host block, device block) pairs. Every rank applies

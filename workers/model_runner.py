@@ -33,9 +33,8 @@ class CachedRequestState:
     ``row`` indexes the runner's persistent token and block tables, which hold
     this request's tokens and block ids; ``output_token_ids`` are its outputs in
     Python form (for their count; penalties read the runner's PenaltyState),
-    appended by the runner itself as it samples them. A
-    preempted request keeps its state (``parked``) until it resumes with a new
-    block table. ``matcher`` (sampling rank, constrained requests only) has
+    appended by the runner itself as it samples them. A preempted request keeps
+    its state (``parked``) until it resumes with a new block table. ``matcher`` (sampling rank, constrained requests only) has
     consumed exactly ``output_token_ids``.
     """
 
@@ -127,8 +126,8 @@ class ModelRunner:
     reuse. Every rank appends each step's sampled ids itself (rank 0 samples and
     broadcasts them), and feeds them to the request's matcher, so a rank's copy
     holds every token of the steps it ran and the scheduler can plan the next
-    step before it has seen them (async scheduling). Logits are computed only at the last scheduled position of requests
-    whose tokens are then all computed — the same rule the scheduler uses to
+    step before it has seen them (async scheduling). Logits are computed only at
+    the last scheduled position of requests whose tokens are then all computed — the same rule the scheduler uses to
     expect a sampled token — and, for requests asking ``prompt_logprobs``, at
     each prompt position of their chunks whose logprob was not yet returned.
 
