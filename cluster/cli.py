@@ -281,7 +281,7 @@ def _run(args: argparse.Namespace) -> None:
         from cluster.bench.ray_overhead import bench_ray_overhead
         bench_ray_overhead(args.model, tuple(args.tp_sizes), args.steps)
     elif args.bench == "engine-steps":
-        from cluster.bench.ray_overhead import bench_engine_steps
+        from cluster.bench.engine_steps import bench_engine_steps
         bench_engine_steps(tuple(args.tp_sizes), args.num_requests, args.max_tokens, args.rounds)
     else:
         from cluster.bench.throughput import bench_throughput

@@ -1,5 +1,4 @@
-"""`raylm bench ray-overhead`: the round trip of an empty step to every rank, three ways; and
-`raylm bench engine-steps`: the engine loop's steps/s with the no-work model, serial vs async scheduling."""
+"""`raylm bench ray-overhead`: the round trip of an empty step to every rank, three ways."""
 
 from __future__ import annotations
 
@@ -7,7 +6,7 @@ import statistics
 import time
 
 
-def _tiny_llama(path: str, max_len: int = 256) -> str:
+def tiny_llama(path: str, max_len: int = 256) -> str:
     """A 2-layer random Llama (4 heads, 2 KV heads): splits over tp=2, unlike the default model's 9 heads."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -85,7 +84,7 @@ def bench_ray_overhead(model: str | None = None, tp_sizes: tuple[int, ...] = (1,
     # A local Ray sized for the largest engine: the first, smaller one would otherwise size it too small.
     connect(None, SCHEDULER_CPUS + max(tp_sizes))
     tmp = tempfile.TemporaryDirectory() if model is None else None
-    model = model or _tiny_llama(tmp.name)
+    model = model or tiny_llama(tmp.name)
     print(f"raylm bench ray-overhead: empty-step round trip, {steps} steps after {warmup} warm-up; model {model}")
     results: dict = {}
     for tp in tp_sizes:
@@ -113,51 +112,3 @@ def bench_ray_overhead(model: str | None = None, tp_sizes: tuple[int, ...] = (1,
         tmp.cleanup()
     return results
 
-
-def _decode_steps_per_s(engine, num_requests: int, max_tokens: int) -> float:
-    """Engine steps per second while ``num_requests`` requests decode ``max_tokens`` tokens each, together."""
-    from scheduler import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    steps0, t0 = engine.stats().num_steps, time.perf_counter()
-    for i in range(num_requests):
-        engine.add_request(f"r{i}", [1, 2, 3, 4, 5, 6, 7, 8], params)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return (engine.stats().num_steps - steps0) / (time.perf_counter() - t0)
-
-
-def bench_engine_steps(tp_sizes: tuple[int, ...] = (1, 2), num_requests: int = 64, max_tokens: int = 1000,
-                       rounds: int = 2) -> dict:
-    """Engine steps/s of the Ray engine with the no-work model (no forward, no KV: what is left is the scheduler,
-    the Ray round trip to every rank and the loop) at ``num_requests`` running decodes, serial loop vs async
-    scheduling, alternated ``rounds`` times so that a busy machine slows both alike; the best round counts."""
-    import tempfile
-
-    from cluster.config import EngineConfig
-    from cluster.ray_engine import SCHEDULER_CPUS, RayEngine, connect
-
-    connect(None, SCHEDULER_CPUS + max(tp_sizes))
-    tmp = tempfile.TemporaryDirectory()
-    model = _tiny_llama(tmp.name, max_len=max_tokens + 64)
-    print(f"raylm bench engine-steps: no-work model, {num_requests} requests decoding {max_tokens} tokens each, "
-          f"best of {rounds}")
-    results: dict = {}
-    try:
-        for tp in tp_sizes:
-            for _ in range(rounds):
-                for mode in (False, True):
-                    engine = RayEngine(EngineConfig(model=model, tensor_parallel_size=tp, no_work_model=True,
-                                                    max_num_seqs=num_requests, async_scheduling=mode))
-                    try:
-                        _decode_steps_per_s(engine, num_requests, 20)  # warm-up: Ray's workers and imports
-                        rate = _decode_steps_per_s(engine, num_requests, max_tokens)
-                    finally:
-                        engine.shutdown()
-                    results[(tp, mode)] = max(results.get((tp, mode), 0.0), rate)
-            serial, pipelined = results[(tp, False)], results[(tp, True)]
-            print(f"  tp={tp} serial {serial:7.0f} steps/s   async {pipelined:7.0f} steps/s   "
-                  f"ratio {pipelined / serial:.2f}x")
-    finally:
-        tmp.cleanup()
-    return results
