@@ -73,7 +73,10 @@ def serve_until_interrupted(args: AppArgs, *, address: str | None, host: str, po
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
+        print(f"raylm: stopping; requests in flight get up to drain_timeout_s={args.drain_timeout_s:g} s "
+              f"(Ctrl-C again stops at once)", flush=True)
+        # Deleting the app drains its replicas (cluster/serve/drain.py) while HAProxy still carries their streams;
+        # serve.shutdown alone would take HAProxy down with them and cut every stream without a word.
+        serve.delete(APP_NAME)
         if address is None and "RAY_ADDRESS" not in os.environ:
             serve.shutdown()  # our own Ray: stop HAProxy too, before Ray's exit kills its manager under it
-        else:
-            serve.delete(APP_NAME)  # a shared cluster: leave Serve to its other apps

@@ -7,14 +7,17 @@ The model is a tiny random Llama with a long context, so a long stream generates
 
 import asyncio
 import json
+import signal
+import threading
 import time
+from types import SimpleNamespace
 
 import httpx2 as httpx
 import pytest
 from ray import serve
 
 from cluster.config import EngineConfig
-from cluster.serve import AppArgs, start
+from cluster.serve import AppArgs, serve_until_interrupted, start
 from cluster.serve.admission import Admission
 from cluster.serve.app import APP_NAME
 from cluster.serve.drain import CODE, MARGIN_S, Drain
@@ -26,12 +29,15 @@ MAX_MODEL_LEN = 16384
 LONG = MAX_MODEL_LEN - 8  # minutes of generation: only the drain's deadline ends it
 
 
+def app_args(servable_tiny_model) -> AppArgs:
+    path = servable_tiny_model(max_position_embeddings=MAX_MODEL_LEN)
+    return AppArgs(engine=EngineConfig(model=path, max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 << 20,
+                                       num_threads=1), drain_timeout_s=DRAIN_TIMEOUT_S)
+
+
 @pytest.fixture(scope="module")
 def url(ray_session, servable_tiny_model):
-    path = servable_tiny_model(max_position_embeddings=MAX_MODEL_LEN)
-    args = AppArgs(engine=EngineConfig(model=path, max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 << 20,
-                                       num_threads=1), drain_timeout_s=DRAIN_TIMEOUT_S)
-    yield start(args, host="127.0.0.1", port=free_port(), grpc_port=free_port())
+    yield start(app_args(servable_tiny_model), host="127.0.0.1", port=free_port(), grpc_port=free_port())
     stop_serve()
 
 
@@ -52,13 +58,61 @@ async def stream(client: httpx.AsyncClient, url: str, max_tokens: int, events: l
     started.set()
 
 
-async def started_stream(client: httpx.AsyncClient, url: str, max_tokens: int
-                         ) -> tuple[asyncio.Task, list[tuple[float, str]]]:
-    events, started = [], asyncio.Event()
+async def started_stream(client: httpx.AsyncClient, url: str, max_tokens: int,
+                         events: list[tuple[float, str]] | None = None) -> tuple[asyncio.Task, list[tuple[float, str]]]:
+    events, started = [] if events is None else events, asyncio.Event()
     task = asyncio.create_task(stream(client, url, max_tokens, events, started))
     await asyncio.wait_for(started.wait(), 60)
     assert not task.done(), events
     return task, events
+
+
+def test_ctrl_c_on_raylm_serve_drains_before_serve_stops(ray_session, servable_tiny_model, monkeypatch):
+    """`raylm serve`'s Ctrl-C (run first: it needs Serve not yet started): a long stream ends with the drain's
+    503 event at the deadline, not with a connection cut by Serve's shutdown."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    events: list[tuple[float, str]] = []
+    main, interrupted, serving = threading.main_thread().ident, threading.Event(), threading.Event()
+
+    def sleep(seconds: float) -> None:
+        if seconds >= 3600:  # serve_until_interrupted's wait for Ctrl-C: it is serving now
+            serving.set()
+        time.sleep(seconds)
+
+    monkeypatch.setattr("cluster.serve.app.time", SimpleNamespace(monotonic=time.monotonic, sleep=sleep))
+
+    def interrupt() -> None:
+        interrupted.set()
+        signal.pthread_kill(main, signal.SIGINT)
+
+    def client() -> None:
+        async def run() -> None:
+            async with httpx.AsyncClient(timeout=DRAIN_TIMEOUT_S + 60) as client:
+                task, _ = await started_stream(client, url, LONG, events)
+                interrupt()
+                await asyncio.wait_for(task, DRAIN_TIMEOUT_S + 30)
+
+        try:
+            assert serving.wait(600), "raylm serve never came up"
+            asyncio.run(run())
+        finally:
+            if not interrupted.is_set():  # a failed client must not leave the main thread serving forever
+                interrupt()
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=client)
+    thread.start()
+    try:
+        serve_until_interrupted(app_args(servable_tiny_model), address=None, host="127.0.0.1", port=port,
+                                grpc_port=free_port())
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        thread.join(DRAIN_TIMEOUT_S + 60)
+        stop_serve()
+    *_, (_, error), (_, done) = events
+    assert done == "[DONE]" and json.loads(error)["error"]["code"] == CODE, events[-2:]
 
 
 def test_a_stopped_replica_finishes_what_it_can_and_ends_the_rest_with_a_503_event(url):
