@@ -100,6 +100,7 @@ def test_ctrl_c_on_raylm_serve_drains_before_serve_stops(ray_session, servable_t
             if not interrupted.is_set():  # a failed client must not leave the main thread serving forever
                 interrupt()
 
+    stop_serve()  # a Serve still up would keep its own HTTP port, which this test would wait on in vain
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     thread = threading.Thread(target=client)
     thread.start()
