@@ -435,11 +435,11 @@ class RayEngine:
             if remaining:
                 self.actor.abort.remote(request_id)
 
-    def end_callers(self, reason: str) -> int:
-        """End every ``generate`` still running with EngineStopping(reason), each aborting its request in the
+    def end_callers(self, error: BaseException) -> int:
+        """End every ``generate`` still running by raising ``error`` in it, each aborting its request in the
         engine (and so freeing its KV blocks) as it leaves; returns how many were running."""
         for queue in self._queues.values():
-            queue.put_nowait(EngineStopping(reason))
+            queue.put_nowait(error)
         return len(self._queues)
 
     def _ensure_pump(self) -> None:
@@ -460,8 +460,7 @@ class RayEngine:
                 ray.cancel(ref)
                 raise
             except Exception as e:  # the actor died or the engine failed: nobody's deltas will come
-                for queue in self._queues.values():
-                    queue.put_nowait(e)
+                self.end_callers(e)
                 return
             for out in outputs:
                 queue = self._queues.get(out.request_id)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import ray
 
+from cluster.ray_engine import EngineStopping
 from cluster.serve.admission import Admission
 from cluster.serve.protocol import APIError
 
@@ -45,10 +46,9 @@ class Drain:
     never serves again.
     """
 
-    def __init__(self, admission: Admission, engine, timeout_s: float,
+    def __init__(self, admission: Admission, timeout_s: float,
                  is_stopping: Callable[[], bool] = serve_is_stopping) -> None:
         self.admission = admission
-        self.engine = engine
         self.timeout_s = timeout_s
         self.is_stopping = is_stopping
 
@@ -67,8 +67,8 @@ class Drain:
         deadline = time.monotonic() + self.timeout_s
         while self.admission.held and time.monotonic() < deadline:
             await asyncio.sleep(POLL_S)
-        ended = self.engine.end_callers(
+        ended = self.admission.engine.end_callers(EngineStopping(
             f"this replica is shutting down and the request did not finish within its drain_timeout_s="
-            f"{self.timeout_s:g} s; it was aborted: retry") if self.admission.held else 0
+            f"{self.timeout_s:g} s; it was aborted: retry")) if self.admission.held else 0
         logger.info("raylm: drained; %d requests ended at the deadline", ended)
         return ended

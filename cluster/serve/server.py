@@ -101,7 +101,7 @@ class LLMServer:
             "gpu_memory_utilization": str(cfg.gpu_memory_utilization)})
         self.admission = Admission(self.engine, cfg.max_num_seqs + args.queue_len, self.metrics.rejected.inc)
         self.request_timeout_s = args.request_timeout_s
-        self.drain = Drain(self.admission, self.engine, args.drain_timeout_s)
+        self.drain = Drain(self.admission, args.drain_timeout_s)
         self._drainer = asyncio.get_running_loop().create_task(self.drain.watch())
         self.metrics_port = node_metrics_port()
         self.created = now()

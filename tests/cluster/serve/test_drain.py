@@ -162,9 +162,9 @@ class _Engine:
                 raise item
             yield item
 
-    def end_callers(self, reason: str) -> int:
+    def end_callers(self, error: BaseException) -> int:
         for queue in self.queues:
-            queue.put_nowait(RuntimeError(reason))
+            queue.put_nowait(error)
         return len(self.queues)
 
 
@@ -174,7 +174,7 @@ def test_drain_refuses_new_requests_and_ends_held_ones_only_at_the_deadline():
         admission = Admission(engine, 8, lambda: None)
         held = admission.generate("a", [1], None)
         consumer = asyncio.create_task(anext(held))
-        drain = Drain(admission, engine, 0.5, is_stopping=lambda: True)
+        drain = Drain(admission, 0.5, is_stopping=lambda: True)
         watching = asyncio.create_task(drain.watch())
         await asyncio.sleep(0.1)
         with pytest.raises(APIError) as refused:
@@ -187,6 +187,6 @@ def test_drain_refuses_new_requests_and_ends_held_ones_only_at_the_deadline():
         assert admission.held == 0
         # Nothing held: the drain ends at once, ending nobody.
         idle = Admission(_Engine(), 8, lambda: None)
-        assert await asyncio.wait_for(Drain(idle, idle.engine, 30.0, is_stopping=lambda: True).run(), 1) == 0
+        assert await asyncio.wait_for(Drain(idle, 30.0, is_stopping=lambda: True).run(), 1) == 0
 
     asyncio.run(run())
