@@ -110,7 +110,7 @@ def connect(address: str | None, min_cpus: float, timeout_s: float = 60.0) -> No
     that does not answer within ``timeout_s`` is an error naming the address."""
     if ray.is_initialized():
         return
-    if address is not None or "RAY_ADDRESS" in os.environ:
+    if not starts_local_ray(address):
         check_head_answers(address or os.environ["RAY_ADDRESS"], timeout_s)
         ray.init(address=address)
         return
@@ -120,6 +120,11 @@ def connect(address: str | None, min_cpus: float, timeout_s: float = 60.0) -> No
     os.environ.setdefault("RAY_worker_niceness", "0")
     # Logical CPUs only count reservations; the engine sets thread counts from the real cores.
     ray.init(num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)), include_dashboard=False)
+
+
+def starts_local_ray(address: str | None) -> bool:
+    """Whether `connect(address, ...)` starts a Ray of its own (no address given, none in $RAY_ADDRESS)."""
+    return address is None and "RAY_ADDRESS" not in os.environ
 
 
 def check_head_answers(address: str, timeout_s: float) -> None:

@@ -8,16 +8,18 @@ import time
 import urllib.request
 from typing import Any
 
+import ray
 from ray import serve
 from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
 
-from cluster.ray_engine import connect, engine_bundles
+from cluster.ray_engine import connect, engine_bundles, starts_local_ray
 from cluster.serve.options import REPLICA_CPUS, AppArgs, deployment_options, uses_prefix_cache_router
 from cluster.serve.router import RouteServer
 from cluster.serve.server import LLMServer
 
 APP_NAME = "raylm"
 GRPC_SERVICER = "cluster.raylm_pb2_grpc.add_RayLMServicer_to_server"
+LOCAL_MIN_DRAINING_PERIOD_S = 2.0
 
 
 def build_app(args: dict[str, Any] | AppArgs) -> serve.Application:
@@ -37,6 +39,12 @@ def start(args: AppArgs, *, address: str | None = None, host: str = "127.0.0.1",
           grpc_port: int = 9000, timeout_s: float = 900.0) -> str:
     """Start or join Ray, deploy the app with Serve's HTTP and gRPC proxies, and return the URL once /health answers."""
     cfg = args.engine
+    if starts_local_ray(address) and not ray.is_initialized():
+        # Serve keeps a stopping replica reachable for 30 s so that an external load balancer can deregister it;
+        # a Ray of our own has none, only Serve's HAProxy on this node, which a config reload updates at once.
+        # Without this, every scale-down and `raylm serve`'s Ctrl-C waits 30 s even when idle. Set before Ray
+        # starts: its controller and replicas read it at import.
+        os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", str(LOCAL_MIN_DRAINING_PERIOD_S))
     # A local Ray gets logical CPUs for every replica's reservations (engine_bundles plus the replica's own).
     connect(address, args.max_replicas * (REPLICA_CPUS + sum(b.get("CPU", 0) for b in engine_bundles(cfg, False))))
     serve.start(http_options={"host": host, "port": port},
@@ -78,5 +86,5 @@ def serve_until_interrupted(args: AppArgs, *, address: str | None, host: str, po
         # Deleting the app drains its replicas (cluster/serve/drain.py) while HAProxy still carries their streams;
         # serve.shutdown alone would take HAProxy down with them and cut every stream without a word.
         serve.delete(APP_NAME)
-        if address is None and "RAY_ADDRESS" not in os.environ:
+        if starts_local_ray(address):
             serve.shutdown()  # our own Ray: stop HAProxy too, before Ray's exit kills its manager under it
