@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -11,6 +12,7 @@ from typing import Any
 import ray
 from ray import serve
 from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
+from ray.serve.exceptions import RayServeException
 
 from cluster.ray_engine import connect, engine_bundles, starts_local_ray
 from cluster.serve.options import REPLICA_CPUS, AppArgs, deployment_options, uses_prefix_cache_router
@@ -74,17 +76,26 @@ def serve_until_interrupted(args: AppArgs, *, address: str | None, host: str, po
     # A process manager's stop (SIGTERM), or Ctrl-C from a shell that started us in the background, is a Ctrl-C.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.default_int_handler)
-    url = start(args, address=address, host=host, port=port, grpc_port=grpc_port)
-    print(f"raylm: serving {args.model_name} at {url}/v1 (OpenAI API) and gRPC on port {grpc_port}; "
-          f"Ctrl-C stops", flush=True)
     try:
+        # Ctrl-C while starting stops too: on a cluster joined, an app left deploying would serve on unseen.
+        url = start(args, address=address, host=host, port=port, grpc_port=grpc_port)
+        print(f"raylm: serving {args.model_name} at {url}/v1 (OpenAI API) and gRPC on port {grpc_port}; "
+              f"Ctrl-C stops", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         print(f"raylm: stopping; requests in flight get up to drain_timeout_s={args.drain_timeout_s:g} s "
               f"(Ctrl-C again stops at once)", flush=True)
-        # Deleting the app drains its replicas (cluster/serve/drain.py) while HAProxy still carries their streams;
-        # serve.shutdown alone would take HAProxy down with them and cut every stream without a word.
+        stop_serving(address)
+
+
+def stop_serving(address: str | None) -> None:
+    """Delete the app, then shut Serve down if the Ray is our own. Nothing to do before Ray or Serve started."""
+    if not ray.is_initialized():
+        return
+    # Deleting the app drains its replicas (cluster/serve/drain.py) while HAProxy still carries their streams;
+    # serve.shutdown alone would take HAProxy down with them and cut every stream without a word.
+    with contextlib.suppress(RayServeException):  # no Serve controller yet: no app either
         serve.delete(APP_NAME)
-        if starts_local_ray(address):
-            serve.shutdown()  # our own Ray: stop HAProxy too, before Ray's exit kills its manager under it
+    if starts_local_ray(address):
+        serve.shutdown()  # our own Ray: stop HAProxy too, before Ray's exit kills its manager under it

@@ -116,6 +116,26 @@ def test_ctrl_c_on_raylm_serve_drains_before_serve_stops(ray_session, servable_t
     assert done == "[DONE]" and json.loads(error)["error"]["code"] == CODE, events[-2:]
 
 
+def test_ctrl_c_while_raylm_serve_starts_deletes_the_app_it_deployed(ray_session, servable_tiny_model, monkeypatch):
+    """On a cluster joined (an address given), an app left behind by a Ctrl-C during start-up would serve on,
+    unseen, after raylm exited."""
+    def interrupted(url: str, timeout_s: float) -> None:
+        assert APP_NAME in serve.status().applications  # deployed, not yet announced
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("cluster.serve.app.wait_healthy", interrupted)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stop_serve()
+    try:
+        serve_until_interrupted(app_args(servable_tiny_model), address="auto", host="127.0.0.1", port=free_port(),
+                                grpc_port=free_port())
+        assert APP_NAME not in serve.status().applications
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        stop_serve()
+
+
 def test_a_stopped_replica_finishes_what_it_can_and_ends_the_rest_with_a_503_event(url):
     async def run() -> tuple[float, float, list, list]:
         async with httpx.AsyncClient(timeout=DRAIN_TIMEOUT_S + 60) as client:
