@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
+import socket
 import time
 import urllib.request
 from typing import Any
@@ -42,6 +44,9 @@ def start(args: AppArgs, *, address: str | None = None, host: str = "127.0.0.1",
     """Start or join Ray, deploy the app with Serve's HTTP and gRPC proxies, and return the URL once /health answers."""
     cfg = args.engine
     if starts_local_ray(address) and not ray.is_initialized():
+        # Nothing of ours can hold the ports yet: a taken one is another process's, and HAProxy would only find
+        # out once Ray and Serve are up, as a Ray traceback. (A cluster joined may hold them with its own Serve.)
+        check_ports_free(host, {"--port": port, "--grpc-port": grpc_port})
         # Serve keeps a stopping replica reachable for 30 s so that an external load balancer can deregister it;
         # a Ray of our own has none, only Serve's HAProxy on this node, which a config reload updates at once.
         # Without this, every scale-down and `raylm serve`'s Ctrl-C waits 30 s even when idle. Set before Ray
@@ -55,6 +60,23 @@ def start(args: AppArgs, *, address: str | None = None, host: str = "127.0.0.1",
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     wait_healthy(url, timeout_s)
     return url
+
+
+def check_ports_free(host: str, ports: dict[str, int]) -> None:
+    """Raise ValueError naming the flag (``--host`` or one of ``ports``) that stops a listener on host:port."""
+    for flag, port in ports.items():
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        except socket.gaierror as e:
+            raise ValueError(f"--host {host}: {e.strerror}") from None
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binds: TIME_WAIT is no owner
+            try:
+                s.bind(address)
+            except OSError as e:
+                hint = (" (another server holds it, or an HAProxy that `ray stop --force` left behind); stop it "
+                        f"or pass another {flag}") if e.errno == errno.EADDRINUSE else ""
+                raise ValueError(f"{flag} {port}: cannot listen on {host}:{port}: {e.strerror}{hint}") from None
 
 
 def wait_healthy(url: str, timeout_s: float) -> None:

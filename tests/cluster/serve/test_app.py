@@ -1,12 +1,14 @@
-"""Starting the app: what `start` sets up before Ray exists."""
+"""Starting the app: what `start` sets up and checks before Ray exists."""
 
 import os
+import socket
 
 import pytest
 
 from cluster.config import EngineConfig
 from cluster.serve import app
 from cluster.serve.options import AppArgs
+from tests.cluster.serve.test_server import free_port
 
 MIN_DRAINING = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 
@@ -15,24 +17,31 @@ class RayStarting(Exception):
     pass
 
 
-def _env_when_ray_starts(monkeypatch, address, preset=None):
-    """`start(address=...)` up to its `connect`: the drain window Ray's processes would inherit."""
+def _start_until_ray_starts(monkeypatch, address, port=None, grpc_port=None) -> dict:
+    """`start(address=...)` with no Ray yet, up to its `connect` (which raises RayStarting): returns the
+    environment Ray's processes would inherit."""
     seen = {}
 
     def connect(address, min_cpus):
-        seen["period"] = os.environ.get(MIN_DRAINING)
+        seen.update(os.environ)
         raise RayStarting
 
-    if preset is None:
-        monkeypatch.delenv(MIN_DRAINING, raising=False)
-    else:
-        monkeypatch.setenv(MIN_DRAINING, preset)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(app.ray, "is_initialized", lambda: False)
     monkeypatch.setattr(app, "connect", connect)
     with pytest.raises(RayStarting):
-        app.start(AppArgs(engine=EngineConfig(model="/m")), address=address)
-    return seen["period"]
+        app.start(AppArgs(engine=EngineConfig(model="/m")), address=address, port=port or free_port(),
+                  grpc_port=grpc_port or free_port())
+    return seen
+
+
+def _env_when_ray_starts(monkeypatch, address, preset=None):
+    """The drain window Ray's processes would inherit."""
+    if preset is None:
+        monkeypatch.delenv(MIN_DRAINING, raising=False)
+    else:
+        monkeypatch.setenv(MIN_DRAINING, preset)
+    return _start_until_ray_starts(monkeypatch, address).get(MIN_DRAINING)
 
 
 def test_a_ray_of_our_own_keeps_stopping_replicas_reachable_for_seconds_not_30(monkeypatch):
@@ -46,3 +55,19 @@ def test_joining_a_cluster_leaves_its_drain_window_alone(monkeypatch):
 
 def test_an_operators_own_drain_window_wins(monkeypatch):
     assert _env_when_ray_starts(monkeypatch, None, preset="12") == "12"
+
+
+@pytest.mark.parametrize("flag", ["port", "grpc_port"])
+def test_a_port_another_process_holds_is_refused_before_ray_starts_naming_its_flag(monkeypatch, flag):
+    # Otherwise HAProxy finds out once Ray and Serve are up, and raylm serve dies with a Ray traceback.
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        busy = held.getsockname()[1]
+        with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} {busy}: cannot listen on "
+                                             f"127.0.0.1:{busy}: Address already in use"):
+            _start_until_ray_starts(monkeypatch, None, **{flag: busy})
+
+
+def test_joining_a_cluster_leaves_the_ports_to_it(monkeypatch):
+    # The cluster's own Serve may hold them already: a redeploy joins it.
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        _start_until_ray_starts(monkeypatch, "10.0.0.1:6379", port=held.getsockname()[1])
