@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+SCHEDULING_POLICIES = ["fcfs", "priority"]  # EngineConfig.scheduling_policy's; the engine and the soak take them
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M-Instruct)")
@@ -27,7 +29,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placement-timeout-s", type=float, default=60.0,
                    help="how long to wait for the cluster to fit the engine's placement group")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash_attn"])
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES)
     p.add_argument("--step-timeout-s", type=float, default=300.0,
                    help="an engine step (every rank's reply) slower than this fails the engine's requests and "
                         "turns /health red: a hung rank")
@@ -157,6 +159,8 @@ def _serve_parsers(sub, bench_sub) -> None:
     soak.add_argument("--max-growth", type=float, default=0.05,
                       help="resident memory growth of the replica and the scheduler that fails the run")
     soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
+                      help="the server's; with priority every request carries a random one")
     bs = bench_sub.add_parser("serve", help="online serving over HTTP streaming: TTFT, TPOT, ITL, latency, throughput")
     bs.add_argument("--url", default="http://127.0.0.1:8000", help="the server to measure (unless --compare or "
                     "--no-work-model, which start their own)")
@@ -276,7 +280,8 @@ def _run(args: argparse.Namespace) -> None:
                          address=args.address, **_engine_kwargs(args))
     elif args.bench == "soak":
         from cluster.bench.soak import bench_soak
-        bench_soak(args.model, args.rate, args.duration_s, args.max_tokens, args.max_growth, args.seed)
+        bench_soak(args.model, args.rate, args.duration_s, args.max_tokens, args.max_growth, args.seed,
+                   args.scheduling_policy)
     elif args.bench == "ray-overhead":
         from cluster.bench.ray_overhead import bench_ray_overhead
         bench_ray_overhead(args.model, tuple(args.tp_sizes), args.steps)

@@ -1,9 +1,11 @@
 """raylm bench soak: a fixed-rate mix of requests for a set time against one server, then what it left behind.
 
 The mix is what a careless crowd sends: streaming and not, n > 1, stop strings, logprobs, chat, requests the
-server must refuse, and streams whose clients go away at random. It reports requests by outcome, the 5xx
-count, p99 latency per window of the run, each server process's resident memory at the start and the end,
-and the engine's requests and KV usage once the run has drained. ``check`` turns that into failures.
+server must refuse, and streams whose clients go away at random; against a server that schedules by
+priority, every request carries a random one (under fcfs a non-zero priority is one of the refused
+requests). It reports requests by outcome, the 5xx count, p99 latency per window of the run, each server
+process's resident memory at the start and the end, and the engine's requests and KV usage once the run has
+drained. ``check`` turns that into failures.
 """
 
 from __future__ import annotations
@@ -90,9 +92,13 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def check(report: SoakReport, max_growth: float) -> list[str]:
-    """What the run got wrong: any 5xx or stream error, anything left in the engine, memory growth of the
-    replica or the scheduler beyond ``max_growth``, or a kind that never completed."""
+    """What the run got wrong: any 5xx or stream error, a valid request refused (a 4xx other than 429's
+    back-pressure), anything left in the engine, memory growth of the replica or the scheduler beyond
+    ``max_growth``, or a kind that never completed."""
     problems = [f"{report.num_5xx} responses were 5xx"] if report.num_5xx else []
+    refused = Counter(o.kind for o in report.outcomes if o.kind != "bad" and o.result[0] == "4" and o.result != "429")
+    if refused:
+        problems.append(f"valid requests refused with a 4xx, by kind: {dict(refused)}")
     if errors := sum(1 for o in report.outcomes if o.result in ("stream-error", "transport")):
         problems.append(f"{errors} requests ended with an error event or a broken connection")
     if report.drained != (0, 0, 0):
@@ -110,10 +116,12 @@ def check(report: SoakReport, max_growth: float) -> list[str]:
 # ---- the load ------------------------------------------------------------------------------------------
 
 
-def request_body(kind: str, model: str, rng: random.Random, max_tokens: int) -> tuple[str, dict]:
+def request_body(kind: str, model: str, rng: random.Random, max_tokens: int, priorities: bool) -> tuple[str, dict]:
     words = " ".join(rng.choice(["the", "cat", "sat", "on", "a", "mat", "and", "then", "ran"]) for _ in range(20))
     body = {"model": model, "prompt": words, "max_tokens": rng.randint(1, max_tokens), "temperature": 0.8,
             "seed": rng.randrange(1 << 30)}
+    if priorities:
+        body["priority"] = rng.randint(-5, 5)
     match kind:
         case "stream" | "disconnect":
             body |= {"stream": True, "stream_options": {"include_usage": True}}
@@ -124,18 +132,18 @@ def request_body(kind: str, model: str, rng: random.Random, max_tokens: int) -> 
         case "logprobs":
             body |= {"logprobs": 2}
         case "chat":
-            body = {"model": model, "messages": [{"role": "user", "content": words}],
+            chat = {"model": model, "messages": [{"role": "user", "content": words}],
                     "max_completion_tokens": body["max_tokens"], "stream": rng.random() < 0.5}
-            return "/v1/chat/completions", body
+            return "/v1/chat/completions", chat | ({"priority": body["priority"]} if priorities else {})
         case "bad":
             body |= rng.choice([{"temperature": -1}, {"max_tokens": 0}, {"prompt": "\udcff"}, {"n": 0},
-                                {"unknown_field": 1}, {"logprobs": 99}])
+                                {"unknown_field": 1}, {"logprobs": 99}, {"priority": "high" if priorities else 1}])
     return "/v1/completions", body
 
 
 async def one(client: httpx.AsyncClient, url: str, kind: str, model: str, rng: random.Random, max_tokens: int,
-              t0: float) -> Outcome:
-    path, body = request_body(kind, model, rng, max_tokens)
+              priorities: bool, t0: float) -> Outcome:
+    path, body = request_body(kind, model, rng, max_tokens, priorities)
     sent = time.monotonic()
     leave_after = rng.randint(1, 4)  # chunks a disconnecting client reads
     try:
@@ -165,7 +173,7 @@ async def one(client: httpx.AsyncClient, url: str, kind: str, model: str, rng: r
 
 
 async def run_load(url: str, model: str, rate: float, duration_s: float, max_tokens: int, seed: int,
-                   headers: dict[str, str]) -> list[Outcome]:
+                   headers: dict[str, str], priorities: bool) -> list[Outcome]:
     """Send ``rate`` requests per second (a fixed schedule, whatever the server's pace) for ``duration_s``;
     return each one's outcome once all have ended."""
     rng = random.Random(seed)
@@ -175,7 +183,7 @@ async def run_load(url: str, model: str, rate: float, duration_s: float, max_tok
         for i in range(int(rate * duration_s)):
             await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
             tasks.append(asyncio.create_task(one(client, url, rng.choice(KINDS), model, random.Random(rng.random()),
-                                                 max_tokens, t0)))
+                                                 max_tokens, priorities, t0)))
         return list(await asyncio.gather(*tasks))
 
 
@@ -235,11 +243,12 @@ def drained(url: str, headers: dict[str, str]) -> tuple[float, ...] | str:
 
 
 def soak(url: str, model: str, rate: float, duration_s: float, max_tokens: int = 32, seed: int = 0,
-         headers: dict[str, str] | None = None, warmup_s: float = 10.0, window_s: float = 30.0) -> SoakReport:
+         headers: dict[str, str] | None = None, warmup_s: float = 10.0, window_s: float = 30.0,
+         priorities: bool = False) -> SoakReport:
     """A warm-up at the same rate (so that start-up allocations are not counted as growth), then the run, its
-    processes' resident memory sampled every window."""
+    processes' resident memory sampled every window. ``priorities``: the server schedules by priority."""
     headers = headers or {}
-    asyncio.run(run_load(url, model, rate, warmup_s, max_tokens, seed + 1, headers))
+    asyncio.run(run_load(url, model, rate, warmup_s, max_tokens, seed + 1, headers, priorities))
     drained(url, headers)
     start = resident_memory()
     samples: list[tuple[float, dict[str, int]]] = []
@@ -253,7 +262,7 @@ def soak(url: str, model: str, rate: float, duration_s: float, max_tokens: int =
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        outcomes = asyncio.run(run_load(url, model, rate, duration_s, max_tokens, seed, headers))
+        outcomes = asyncio.run(run_load(url, model, rate, duration_s, max_tokens, seed, headers, priorities))
     finally:
         done.set()
         sampler.join()
@@ -262,17 +271,19 @@ def soak(url: str, model: str, rate: float, duration_s: float, max_tokens: int =
 
 
 def bench_soak(model: str | None, rate: float, duration_s: float, max_tokens: int, max_growth: float,
-               seed: int) -> None:
-    """`raylm bench soak`: start `raylm serve` (the default model unless --model), run the mix, print the
-    report, and exit non-zero on any problem ``check`` finds."""
+               seed: int, scheduling_policy: str) -> None:
+    """`raylm bench soak`: start `raylm serve` (the default model unless --model) with this scheduling policy,
+    run the mix, print the report, and exit non-zero on any problem ``check`` finds."""
     from cluster.bench.servers import free_port, raylm_server
     from cluster.serve.options import DEFAULT_MODEL_NAME
 
-    with raylm_server(free_port(), ["--model", model] if model else []) as server:
+    args = [*(["--model", model] if model else []), "--scheduling-policy", scheduling_policy]
+    with raylm_server(free_port(), args) as server:
         # The warm-up is a tenth of the run (at least 10 s): long enough for the allocator to reach the
         # high-water mark of the run's usual backlog, so that what grows after it is growth.
         report = soak(server.url, model or DEFAULT_MODEL_NAME, rate, duration_s, max_tokens, seed,
-                      warmup_s=max(10.0, duration_s / 10), window_s=max(10.0, duration_s / 10))
+                      warmup_s=max(10.0, duration_s / 10), window_s=max(10.0, duration_s / 10),
+                      priorities=scheduling_policy == "priority")
     report.print()
     if problems := check(report, max_growth):
         raise SystemExit("soak failed:\n  " + "\n  ".join(problems))
