@@ -120,8 +120,8 @@ def request_body(kind: str, model: str, rng: random.Random, max_tokens: int, pri
     words = " ".join(rng.choice(["the", "cat", "sat", "on", "a", "mat", "and", "then", "ran"]) for _ in range(20))
     body = {"model": model, "prompt": words, "max_tokens": rng.randint(1, max_tokens), "temperature": 0.8,
             "seed": rng.randrange(1 << 30)}
-    if priorities:
-        body["priority"] = rng.randint(-5, 5)
+    priority = {"priority": rng.randint(-5, 5)} if priorities else {}
+    body |= priority
     match kind:
         case "stream" | "disconnect":
             body |= {"stream": True, "stream_options": {"include_usage": True}}
@@ -132,9 +132,9 @@ def request_body(kind: str, model: str, rng: random.Random, max_tokens: int, pri
         case "logprobs":
             body |= {"logprobs": 2}
         case "chat":
-            chat = {"model": model, "messages": [{"role": "user", "content": words}],
-                    "max_completion_tokens": body["max_tokens"], "stream": rng.random() < 0.5}
-            return "/v1/chat/completions", chat | ({"priority": body["priority"]} if priorities else {})
+            return "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": words}],
+                                            "max_completion_tokens": body["max_tokens"],
+                                            "stream": rng.random() < 0.5, **priority}
         case "bad":
             body |= rng.choice([{"temperature": -1}, {"max_tokens": 0}, {"prompt": "\udcff"}, {"n": 0},
                                 {"unknown_field": 1}, {"logprobs": 99}, {"priority": "high" if priorities else 1}])
