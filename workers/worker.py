@@ -14,6 +14,7 @@ import torch.distributed as dist
 from kernels import AttentionMetadata, select_backend
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.cache_engine import CacheEngine, check_swap_space
+from workers.hub import resolve_model
 from workers.layers import can_pack, pack_for_cpu
 from workers.model_loader import load_model, read_model_spec
 from workers.structured_output import GrammarBitmasks
@@ -113,24 +114,29 @@ def kv_cache_budget(total: int, utilization: float, before: MemorySnapshot, afte
 
 @dataclass(slots=True)
 class WorkerConfig:
-    """What a rank needs to know; cluster's EngineConfig produces it."""
+    """What a rank needs to know. cluster's EngineConfig declares, checks and fills in every field (so none has a
+    default here); `model` and `tokenizer` may be hub ids, which each rank resolves into its own node's cache."""
 
     model: str
-    dtype: str = "auto"  # a DTYPES name, or "auto" (see resolve_dtype)
-    device: str = "auto"  # "cpu", "cuda" or "auto" (the GPU Ray assigned, else CPU)
-    block_size: int = 16
-    max_model_len: int = 2048
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    tensor_parallel_size: int = 1
-    kv_cache_bytes: int = 1 << 30  # CPU: the KV cache's size
-    swap_space_bytes: int = 0  # the host tier's size on this rank; 0: none
-    gpu_memory_utilization: float = 0.9
-    attention_backend: str = "auto"
-    num_threads: int | None = None  # torch intra-op threads; None: all cores this process may use
-    no_work: bool = False  # benchmarking only: NoWorkRunner in place of the model (workers/no_work.py)
-    enforce_eager: bool = False  # CUDA: no decode graphs (debugging, or a backend that cannot be captured)
-    tokenizer: str | None = None  # for structured outputs' token masks (rank 0); None: the model's directory
+    revision: str | None
+    download_dir: str | None
+    tokenizer: str | None  # for structured outputs' token masks (rank 0); None: the model's directory
+    tokenizer_revision: str | None
+    dtype: str  # a DTYPES name, or "auto" (see resolve_dtype)
+    device: str  # "cpu", "cuda" or "auto" (the GPU Ray assigned, else CPU)
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    tensor_parallel_size: int
+    kv_cache_bytes: int  # CPU: the KV cache's size
+    swap_space_bytes: int  # the host tier's size on this rank; 0: none
+    gpu_memory_utilization: float
+    attention_backend: str
+    num_threads: int | None  # torch intra-op threads; None: all cores this process may use
+    no_work: bool  # benchmarking only: NoWorkRunner in place of the model (workers/no_work.py)
+    enforce_eager: bool  # CUDA: no decode graphs (debugging, or a backend that cannot be captured)
+    seed: int | None  # the global generator's, which samples rows without a seed of their own
 
 
 class Worker:
@@ -165,6 +171,8 @@ class Worker:
         # Ray sets OMP_NUM_THREADS from the actor's num_cpus (often 1); choose on purpose instead.
         threads = cfg.num_threads or len(os.sched_getaffinity(0))
         torch.set_num_threads(threads)
+        if cfg.seed is not None:
+            torch.manual_seed(cfg.seed)
         return str(self.device)
 
     def init_distributed(self, rank: int, world_size: int, master_addr: str, master_port: int,
@@ -179,14 +187,15 @@ class Worker:
     def load_model(self) -> None:
         cfg = self.config
         tp = cfg.tensor_parallel_size
-        self.spec = read_model_spec(cfg.model, tp)
+        model_dir = resolve_model(cfg.model, cfg.revision, cfg.download_dir)
+        self.spec = read_model_spec(model_dir, tp)
         if cfg.no_work:
             self.runner = NoWorkRunner(self.spec.vocab_size, is_driver=self.rank == 0)
             return
         bf16 = self.device.type != "cuda" or torch.cuda.is_bf16_supported()
         self.dtype = resolve_dtype(cfg.dtype, self.spec.dtype, self.device, bf16)
         backend = select_backend(cfg.attention_backend, self.device, cfg.block_size, self.dtype)
-        self.model = load_model(cfg.model, dtype=self.dtype, device=self.device, attn_backend=backend,
+        self.model = load_model(model_dir, dtype=self.dtype, device=self.device, attn_backend=backend,
                                 tp_rank=self.rank, tp_size=tp)
         if can_pack(self.device, self.dtype):
             pack_for_cpu(self.model)
@@ -194,7 +203,9 @@ class Worker:
         graphs = self.device.type == "cuda" and not cfg.enforce_eager and backend.graph_capturable
         grammar = None
         if self.rank == 0:
-            grammar = GrammarBitmasks(cfg.tokenizer or cfg.model, self.spec.vocab_size,
+            tokenizer_dir = (resolve_model(cfg.tokenizer, cfg.tokenizer_revision, cfg.download_dir, weights=False)
+                             if cfg.tokenizer else model_dir)
+            grammar = GrammarBitmasks(tokenizer_dir, self.spec.vocab_size,
                                       list(self.spec.eos_token_ids), self.device)
         self.runner = ModelRunner(self.model, backend, cfg.block_size, cfg.max_model_len, self.spec.vocab_size,
                                   self.spec.eos_token_id, self.device, is_driver=self.rank == 0, grammar=grammar,

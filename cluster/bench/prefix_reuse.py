@@ -56,7 +56,7 @@ def run_one(engine, request_id: str, prompt: list[int], max_tokens: int) -> tupl
 
 def bench_prefix_reuse(model: str | None, num_docs: int, doc_len: int, num_questions: int, question_len: int,
                        max_tokens: int, executor: str, address: str | None, **engine_kwargs) -> None:
-    from cluster.config import EngineConfig
+    from cluster.config import GIB, EngineConfig
     from cluster.llm import LLM
 
     config = EngineConfig(model=model, **{k: v for k, v in engine_kwargs.items() if k != "kv_cache_bytes"})
@@ -81,7 +81,7 @@ def bench_prefix_reuse(model: str | None, num_docs: int, doc_len: int, num_quest
         for name, overrides in RUNS:
             swap = swap_space_bytes if "host tier" in name else 0
             engines.append(LLM(model=model_path, executor=executor, address=address,
-                               **{**kwargs, **overrides, "swap_space_bytes": swap}).engine)
+                               **{**kwargs, **overrides, "swap_space": swap / GIB}).engine)
             run_one(engines[-1], "warm-up", [7] * 8, 2)  # first-call allocations
         # Request by request, each run in turn: a shared machine's load swings then hit every run alike.
         latencies, ttfts, outputs = ([[] for _ in RUNS] for _ in range(3))

@@ -275,7 +275,7 @@ def bench_soak(model: str | None, rate: float, duration_s: float, max_tokens: in
     """`raylm bench soak`: start `raylm serve` (the default model unless --model) with this scheduling policy,
     run the mix, print the report, and exit non-zero on any problem ``check`` finds."""
     from cluster.bench.servers import free_port, raylm_server
-    from cluster.serve.options import DEFAULT_MODEL_NAME
+    from cluster.config import DEFAULT_MODEL_NAME
 
     args = [*(["--model", model] if model else []), "--scheduling-policy", scheduling_policy]
     with raylm_server(free_port(), args) as server:

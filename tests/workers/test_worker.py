@@ -1,9 +1,12 @@
 """A rank's start-up decisions, checked on CPU: its dtype, its GPU, and how large its KV cache may be."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from workers.worker import MemorySnapshot, Worker, WorkerConfig, cuda_index, kv_cache_budget, resolve_dtype
+from tests.workers.configs import worker_config
+from workers.worker import MemorySnapshot, Worker, cuda_index, kv_cache_budget, resolve_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 GiB = 1 << 30
@@ -32,7 +35,7 @@ def test_worker_runs_a_bf16_checkpoint_in_fp32_on_cpu(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), dtype=torch.bfloat16).save_pretrained(tmp_path)
-    worker = Worker(WorkerConfig(model=str(tmp_path), device="cpu"))
+    worker = Worker(worker_config(str(tmp_path)))
     worker.init_device()
     worker.load_model()
     assert worker.spec.dtype == torch.bfloat16
@@ -75,8 +78,7 @@ def test_budget_takes_out_the_profile_peak_and_memory_outside_torch():
 
 
 def test_profile_runs_the_sampler_at_full_width_with_every_feature(tiny_model_dir):
-    worker = Worker(WorkerConfig(model=tiny_model_dir("llama"), device="cpu", max_model_len=64, max_num_seqs=96,
-                                 max_num_batched_tokens=80))
+    worker = Worker(worker_config(tiny_model_dir("llama"), 64, max_num_seqs=96, max_num_batched_tokens=80))
     worker.init_device()
     worker.load_model()
     cache = worker._new_cache(worker._profile_blocks())
@@ -98,7 +100,7 @@ def test_profile_runs_the_sampler_at_full_width_with_every_feature(tiny_model_di
 
 
 def test_a_rank_refuses_a_host_tier_its_host_cannot_give_before_loading_the_model():
-    worker = Worker(WorkerConfig(model="/not/loaded", device="cpu", swap_space_bytes=1 << 60), rank=1)
+    worker = Worker(dataclasses.replace(worker_config("/not/loaded"), swap_space_bytes=1 << 60), rank=1)
     with pytest.raises(ValueError, match=r"swap_space_bytes=\d+ is more than rank 1's host can give: \d+ bytes"):
         worker.init_device()
     assert worker.model is None

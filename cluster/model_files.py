@@ -1,0 +1,48 @@
+"""What a model directory says beyond its weights, as the engine's settings select it: the tokenizer with the
+chat template in force, and the sampling defaults of its generation config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from cluster.config import EngineConfig
+
+# generation_config.json's sampling fields, as SamplingParams names them: the defaults vLLM's
+# --generation-config auto applies to a request that leaves them unset.
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def chat_template_text(chat_template: str) -> str:
+    """`--chat-template`'s template: the file it names, or the value itself when it is a template (vLLM's rule)."""
+    path = Path(chat_template).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in chat_template or "{%" in chat_template:
+        return chat_template
+    raise ValueError(f"chat_template={chat_template!r} is neither a file nor a Jinja template")
+
+
+def load_tokenizer(config: EngineConfig, model_path: str):
+    """The tokenizer every prompt is encoded with, carrying the chat template `config` names (if any)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.resolved_tokenizer(model_path))
+    if config.chat_template is not None:
+        tokenizer.chat_template = chat_template_text(config.chat_template)
+    return tokenizer
+
+
+def generation_defaults(config: EngineConfig, model_path: str) -> dict[str, Any]:
+    """SamplingParams fields a request falls back to when it leaves them unset: those in the generation config
+    `config.generation_config` names ("auto": the model's own; "vllm": none)."""
+    if config.generation_config == "vllm":
+        return {}
+    root = Path(model_path if config.generation_config == "auto" else config.generation_config)
+    path = root / "generation_config.json"
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return {ours: data[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if data.get(theirs) is not None}
