@@ -6,10 +6,10 @@ import itertools
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from cluster.config import EngineConfig
 from cluster.engine import InProcessEngine, check_params, check_prompt
+from cluster.model_files import load_tokenizer
 from cluster.ray_engine import RayEngine
 from scheduler import SampledLogprobs, SamplingParams
 
@@ -64,7 +64,7 @@ class LLM:
             self.engine = InProcessEngine(self.config)
         else:
             raise ValueError(f"executor={executor!r}: choose 'ray' or 'inprocess'")
-        self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer or self.engine.model_path)
+        self.tokenizer = load_tokenizer(self.config, self.engine.model_path)
         self._ids = itertools.count()
 
     def shutdown(self) -> None:

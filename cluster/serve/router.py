@@ -54,8 +54,8 @@ from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
 from ray.serve.handle import DeploymentHandle
-from transformers import AutoTokenizer
 
+from cluster.model_files import load_tokenizer
 from cluster.serve.options import AppArgs
 from cluster.serve.prompts import body_prompt_ids
 from scheduler.block_hash import BlockHash
@@ -178,7 +178,7 @@ class RouteServer:
 
     def __init__(self, server: DeploymentHandle, args: AppArgs) -> None:
         self.server = server
-        self.tokenizer = AutoTokenizer.from_pretrained(args.engine.tokenizer or args.engine.resolved_model())
+        self.tokenizer = load_tokenizer(args.engine, args.engine.resolved_model())
         self.block_size = args.engine.block_size
         self.server._init()
 

@@ -22,9 +22,9 @@ from google.protobuf.json_format import MessageToDict
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 from starlette.exceptions import HTTPException
-from transformers import AutoTokenizer
 
 from cluster.engine import check_params
+from cluster.model_files import load_tokenizer
 from cluster.ray_engine import RayEngine
 from cluster.raylm_pb2 import GenerateRequest, GenerateResponse
 from cluster.serve import grpc_status
@@ -89,7 +89,7 @@ class LLMServer:
 
     def __init__(self, args: AppArgs) -> None:
         self.engine = RayEngine(args.engine, placement_group=ray.util.get_current_placement_group(), first_bundle=1)
-        self.tokenizer = AutoTokenizer.from_pretrained(args.engine.tokenizer or self.engine.model_path)
+        self.tokenizer = load_tokenizer(args.engine, self.engine.model_path)
         self.model_name = args.model_name
         self.api_key = args.api_key
         self.max_body_bytes = args.max_body_bytes

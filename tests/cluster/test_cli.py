@@ -169,3 +169,58 @@ def test_missing_default_model_package_is_a_one_line_error(tmp_path, command):
                          env={**os.environ, "RAYLM_CACHE_DIR": str(tmp_path)})
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines() == [MISSING_PACKAGE]
+
+
+CHAT_TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
+
+
+def test_a_vllm_serve_command_line_serves_a_hub_model_offline(tmp_path, tiny_model_dir, default_model_dir):
+    """`vllm serve Qwen/Qwen3-0.6B -tp 2 --gpu-memory-utilization 0.8 --enforce-eager --chat-template T --port P`
+    with raylm's executable: the id found in the hub cache with HF_HUB_OFFLINE=1 (a tiny random Qwen3 stands in,
+    with the default model's tokenizer), two ranks, and the chat template in force (the prompt's token count is
+    its rendering's). Only --grpc-port is raylm's own: its default port may be taken on a test machine."""
+    import json
+    import signal
+    import urllib.request
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from tests.cluster.serve.test_server import free_port
+    from tests.hub_cache import put_in_hub_cache
+
+    vocab_size = json.loads((Path(default_model_dir) / "config.json").read_text())["vocab_size"]
+    model = tiny_model_dir("qwen3", vocab_size=vocab_size)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (Path(model) / name).write_bytes((Path(default_model_dir) / name).read_bytes())
+    put_in_hub_cache(tmp_path / "hf" / "hub", "Qwen/Qwen3-0.6B", model)
+    (tmp_path / "template.jinja").write_text(CHAT_TEMPLATE)
+    port = free_port()
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", "Qwen/Qwen3-0.6B", "--tensor-parallel-size", "2",
+         "--gpu-memory-utilization", "0.8", "--enforce-eager", "--chat-template", str(tmp_path / "template.jinja"),
+         "--port", str(port), "--grpc-port", str(free_port())],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in server.stdout:
+            if "raylm: serving" in line or server.poll() is not None:
+                break
+        assert "raylm: serving Qwen/Qwen3-0.6B" in line, line
+        body = {"model": "Qwen/Qwen3-0.6B", "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "user", "content": "Hello there"}]}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            reply = json.loads(response.read())
+        rendered = "[user] Hello there\n[assistant] "
+        expected = len(AutoTokenizer.from_pretrained(model)(rendered, add_special_tokens=False).input_ids)
+        assert reply["usage"]["prompt_tokens"] == expected
+        assert reply["usage"]["completion_tokens"] == 4
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
