@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import itertools
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from scheduler.block_hash import BlockHash
@@ -15,6 +13,7 @@ from scheduler.outputs import (
     CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput, SchedulerOutput,
 )
 from scheduler.request import FINISH_REASONS, Request, RequestStatus, SamplingParams
+from scheduler.waiting_queue import WAITING_QUEUES
 
 
 @dataclass(slots=True)
@@ -75,58 +74,6 @@ class SchedulerStats:
     num_blocks_swapped_in: int = 0  # host -> device copies since start
 
 
-class WaitingQueue:
-    """Waiting requests in policy order: FIFO for fcfs; (priority, arrival) heap for priority.
-
-    Preempted requests go back in front under fcfs; under priority their own
-    (priority, arrival) key already places them. Removal (abort) is lazy in
-    the heap: a removed request is skipped when it reaches the top.
-    """
-
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
-        self.fifo: deque[Request] = deque()
-        self.heap: list[tuple[int, float, int, Request]] = []
-        self.members: dict[str, Request] = {}
-        self.counter = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self.members)
-
-    def add(self, request: Request, front: bool = False) -> None:
-        self.members[request.request_id] = request
-        if self.policy == "fcfs":
-            (self.fifo.appendleft if front else self.fifo.append)(request)
-        else:
-            heapq.heappush(self.heap, (request.priority, request.arrival_time, next(self.counter), request))
-
-    def peek(self) -> Request | None:
-        if self.policy == "fcfs":
-            return self.fifo[0] if self.fifo else None
-        while self.heap and self.members.get(self.heap[0][3].request_id) is not self.heap[0][3]:
-            heapq.heappop(self.heap)
-        return self.heap[0][3] if self.heap else None
-
-    def pop(self) -> Request:
-        request = self.peek()
-        del self.members[request.request_id]
-        if self.policy == "fcfs":
-            self.fifo.popleft()
-        else:
-            heapq.heappop(self.heap)
-        return request
-
-    def remove(self, request: Request) -> None:
-        del self.members[request.request_id]
-        if self.policy == "fcfs":
-            self.fifo.remove(request)
-
-    def __iter__(self):
-        if self.policy == "fcfs":
-            return iter(self.fifo)
-        return iter(sorted((e for e in self.heap if self.members.get(e[3].request_id) is e[3]), key=lambda e: e[:3]))
-
-
 class Scheduler:
     """Decides each step which requests compute how many tokens, within memory and a token budget.
 
@@ -182,7 +129,7 @@ class Scheduler:
         # caller id -> its requests, by object: a finished child's id may be reused by an unrelated caller
         self.children: dict[str, list[Request]] = {}
         self.parked: dict[str, list[Request]] = {}  # n > 1 siblings waiting for child 0's prompt
-        self.waiting = WaitingQueue(config.policy)
+        self.waiting = WAITING_QUEUES[config.policy]()
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.finished_req_ids: set[str] = set()  # to tell the workers next step
@@ -263,7 +210,7 @@ class Scheduler:
         rid = request.request_id
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        elif rid in self.waiting.members:
+        elif request in self.waiting:
             self.waiting.remove(request)
         elif request in self.swapped:
             self.swapped.remove(request)
@@ -291,7 +238,7 @@ class Scheduler:
             return  # the caller aborted the whole group; the siblings are finished by the same abort
         for sibling in reversed(parked):
             if sibling.request_id in self.requests:
-                self.waiting.add(sibling, front=True)
+                self.waiting.requeue(sibling)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -387,7 +334,7 @@ class Scheduler:
             else:
                 new_blocks = allocate(request, num_new)
                 while new_blocks is None:
-                    victim = self._pick_victim()
+                    victim = self.waiting.pick_victim(running)
                     if victim.request_id in num_scheduled:
                         budget += self._unschedule(victim, num_scheduled, cached)
                         i -= 1
@@ -455,7 +402,7 @@ class Scheduler:
         resumed."""
         cfg = self.config
         threshold = cfg.long_prefill_token_threshold
-        key = _priority_key if cfg.policy == "priority" else _arrival_key
+        key = self.waiting.order_key
         num_resumed = 0
         while self.swapped and budget > 0 and len(self.running) < cfg.max_num_seqs:
             request = min(self.swapped, key=key)
@@ -500,14 +447,9 @@ class Scheduler:
             del column[j]
         return num_scheduled.pop(request.request_id)
 
-    def _pick_victim(self) -> Request:
-        if self.config.policy == "fcfs":
-            return self.running[-1]
-        return max(self.running, key=_priority_key)
-
     def _preempt(self, request: Request) -> None:
         """Swap the victim's KV out to the host tier when that pays (``_swap_pays``) and fits, else recompute:
-        free its blocks and send it back to the front of the waiting queue."""
+        free its blocks and put it back in the waiting queue (``requeue``: where its policy puts a preempted one)."""
         self.running.remove(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -517,7 +459,7 @@ class Scheduler:
             return
         self.kv.free(request)
         request.num_computed_tokens = 0
-        self.waiting.add(request, front=True)
+        self.waiting.requeue(request)
 
     def _swap_pays(self, request: Request) -> bool:
         """The cost model of ``preemption_mode="auto"``: recomputing costs one unit per computed token that the
@@ -591,14 +533,6 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
-
-
-def _priority_key(request: Request) -> tuple[int, float]:
-    return request.priority, request.arrival_time
-
-
-def _arrival_key(request: Request) -> float:
-    return request.arrival_time
 
 
 def _stop_status(request: Request, token: int, max_model_len: int) -> RequestStatus | None:
