@@ -280,9 +280,11 @@ class Request:
         return self.status >= RequestStatus.FINISHED_STOPPED
 
     def append_output_token(self, token_id: int) -> None:
+        """A sampled token (the scheduler's per-token hot path: one call, no property, hashing once a block fills)."""
         self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-        if len(self.all_token_ids) % self.block_size == 0:
+        all_token_ids = self.all_token_ids
+        all_token_ids.append(token_id)
+        if len(all_token_ids) % self.block_size == 0:
             self.extend_block_hashes()
 
     def extend_block_hashes(self) -> None:

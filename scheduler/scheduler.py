@@ -479,7 +479,6 @@ class Scheduler:
         """Apply a step's sampled tokens to the requests it scheduled (by object; finished ones are skipped),
         check stop rules, cache newly computed blocks; one delta per sampled request."""
         step = self.in_flight.pop(scheduler_output.step_id)
-        bs = self.block_size
         cache_blocks = self.kv.cache_computed_blocks
         for rid, entries in (runner_output.prompt_logprobs or {}).items():
             request = step[rid]
@@ -496,16 +495,12 @@ class Scheduler:
             request.num_output_placeholders -= 1
             if request.status >= finished:
                 continue  # aborted, or stopped by an earlier step's token: this one is past its end
-            all_ids = request.all_token_ids  # Request.append_output_token, inlined: this loop is the hot path
-            out_ids = request.output_token_ids
-            out_ids.append(token)
-            all_ids.append(token)
-            if len(all_ids) % bs == 0:
-                request.extend_block_hashes()
+            request.append_output_token(token)
+            num_outputs = len(request.output_token_ids)
             entry = logprobs[i] if logprobs is not None else None
             params = request.sampling_params
             if (token != request.eos_token_id and not params.stop_token_ids
-                    and len(out_ids) < params.max_tokens and len(all_ids) < max_model_len):
+                    and num_outputs < params.max_tokens and len(request.all_token_ids) < max_model_len):
                 status = None  # the common case, decided without a call
             else:
                 status = _stop_status(request, token, max_model_len)
@@ -522,7 +517,7 @@ class Scheduler:
                 out.new_token_ids = [token]
                 out.new_logprobs = None if entry is None else [entry]
                 append_out(out)
-            if params.prompt_logprobs is not None and len(out_ids) == 1:
+            if params.prompt_logprobs is not None and num_outputs == 1:
                 out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
         # After the tokens: a token that completes a block's ids lets it be cached now, not a step later.
         running = RequestStatus.RUNNING
