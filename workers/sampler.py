@@ -41,8 +41,8 @@ class SamplingMetadata:
     """Per-row sampling state for one step; row i is the i-th request that samples.
 
     Invariants, so that ``Sampler`` needs no per-row Python on the hot path:
-    - A tensor field is ``None`` iff no row needs that stage; the ``no_*`` /
-      ``all_*`` properties read this, so a flag can never disagree with its data.
+    - A tensor field is ``None`` iff no row needs that stage: the field is the
+      flag (``all_greedy`` reads ``temperature``), so no flag can disagree with its data.
     - Greedy rows (``SamplingParams.greedy``: top_k 1, or a temperature below
       1e-5, which would overflow the logits it divides) are argmaxed after
       min_tokens and penalties. Temperature, min-p, top-k and top-p cannot
@@ -82,26 +82,6 @@ class SamplingMetadata:
     @property
     def all_greedy(self) -> bool:
         return self.temperature is None
-
-    @property
-    def all_random(self) -> bool:
-        return self.greedy is None
-
-    @property
-    def no_penalties(self) -> bool:
-        return self.penalties is None
-
-    @property
-    def no_top_k(self) -> bool:
-        return self.top_k is None
-
-    @property
-    def no_top_p(self) -> bool:
-        return self.top_p is None
-
-    @property
-    def no_min_p(self) -> bool:
-        return self.min_p is None
 
     @classmethod
     def build(
