@@ -168,15 +168,6 @@ class BlockPool:
             else:
                 same[block.block_id] = block
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; refused (False) while any block is in use, as vLLM does."""
-        if self.free_queue.num_free_blocks != self.num_blocks - 1:
-            return False
-        for block in self.blocks:
-            block.block_hash = None
-        self.cached_blocks.clear()
-        return True
-
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Enter one block, known to hold exactly the tokens ``block_hash`` names, into the cache."""
         self.cache_full_blocks([block], [block_hash], 0, 1)

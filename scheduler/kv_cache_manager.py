@@ -252,10 +252,3 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
-
-    def reset_prefix_cache(self) -> bool:
-        if self.host_pool is not None and self.host_pool.num_free_blocks != self.host_pool.num_blocks - 1:
-            return False
-        if not self.block_pool.reset_prefix_cache():
-            return False
-        return self.host_pool is None or self.host_pool.reset_prefix_cache()

@@ -526,9 +526,6 @@ class Scheduler:
                 cache_blocks(request)
         return outputs
 
-    def reset_prefix_cache(self) -> bool:
-        return self.kv.reset_prefix_cache()
-
 
 def _stop_status(request: Request, token: int, max_model_len: int) -> RequestStatus | None:
     params = request.sampling_params
