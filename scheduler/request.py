@@ -284,12 +284,12 @@ class Request:
             self.extend_block_hashes()
 
     def extend_block_hashes(self) -> None:
-        bs = self.block_size
+        block_size = self.block_size
         tokens = self.all_token_ids
         parent = self.block_hashes[-1] if self.block_hashes else None
         extra = self.cache_salt if not self.block_hashes else None
-        for start in range(len(self.block_hashes) * bs, len(tokens) - bs + 1, bs):
-            parent = hash_block_tokens(parent, tokens[start:start + bs], extra)
+        for start in range(len(self.block_hashes) * block_size, len(tokens) - block_size + 1, block_size):
+            parent = hash_block_tokens(parent, tokens[start:start + block_size], extra)
             extra = None
             self.block_hashes.append(parent)
 
