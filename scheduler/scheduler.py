@@ -154,7 +154,7 @@ class Scheduler:
         params = params or SamplingParams()
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
-        if request_id in self.children or any(i in self.requests for i in child_ids):
+        if request_id in self.children or any(child_id in self.requests for child_id in child_ids):
             raise ValueError(f"request_id={request_id!r} is invalid: a request with this id is still running")
         children = []
         for i, req_id in enumerate(child_ids):
@@ -302,8 +302,8 @@ class Scheduler:
 
     def _schedule_running(self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData,
                           preempted: list[Request]) -> int:
-        """Running requests, in order, preempting from the low-priority end when memory runs out; returns the
-        budget left. This loop is the decode hot path: it writes the step's diff as it goes."""
+        """Running requests, in order, preempting the policy's victim (the request it would run last) when memory
+        runs out; returns the budget left. This loop is the decode hot path: it writes the step's diff as it goes."""
         threshold = self.config.long_prefill_token_threshold
         max_model_len = self.config.max_model_len
         block_size = self.block_size
@@ -331,7 +331,7 @@ class Scheduler:
             if num_new > budget:
                 num_new = budget
             if num_computed + num_new <= len(req_to_blocks[req_id]) * block_size:
-                new_ids = []  # the last block still has room
+                new_block_ids = []  # the last block still has room
             else:
                 new_blocks = allocate(request, num_new)
                 while new_blocks is None:
@@ -346,12 +346,12 @@ class Scheduler:
                     new_blocks = allocate(request, num_new)
                 if new_blocks is None:
                     continue
-                new_ids = [b.block_id for b in new_blocks]
+                new_block_ids = [b.block_id for b in new_blocks]
             num_scheduled[req_id] = num_new
             budget -= num_new
             cached_req_ids.append(req_id)
             cached_resumed.append(False)
-            cached_new_block_ids.append(new_ids)
+            cached_new_block_ids.append(new_block_ids)
             cached_num_computed.append(num_computed)
             request.num_computed_tokens = num_computed + num_new
             i += 1
