@@ -43,8 +43,9 @@ def check_params(params: SamplingParams, vocab_size: int) -> None:
         compile_grammar(params.structured_outputs)
 
 
-def stop_token_ids(params: SamplingParams, spec: ModelSpec) -> SamplingParams:
-    """Models with several EOS ids (generation_config) stop on any of them, as transformers does."""
+def with_eos_stop_token_ids(params: SamplingParams, spec: ModelSpec) -> SamplingParams:
+    """``params`` stopping on every EOS id of the model: models with several (generation_config) stop on any of
+    them, as transformers does."""
     extra = [t for t in spec.eos_token_ids if t != spec.eos_token_id and t not in params.stop_token_ids]
     if not extra or params.ignore_eos:
         return params
@@ -84,7 +85,7 @@ class InProcessEngine:
                     priority: int = 0, cache_salt: str | None = None) -> list[RequestOutput]:
         check_prompt(prompt_token_ids, self.spec.vocab_size, self.max_model_len)
         check_params(params, self.spec.vocab_size)
-        return self.scheduler.add_request(request_id, prompt_token_ids, stop_token_ids(params, self.spec),
+        return self.scheduler.add_request(request_id, prompt_token_ids, with_eos_stop_token_ids(params, self.spec),
                                           priority=priority, arrival_time=time.monotonic(), cache_salt=cache_salt)
 
     def step(self) -> list[RequestOutput]:

@@ -21,8 +21,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import EngineConfig
-from cluster.engine import check_params, check_prompt, resolve_max_model_len, stop_token_ids
-from cluster.scheduler_actor import RequestSteps, SchedulerActor
+from cluster.engine import check_params, check_prompt, resolve_max_model_len, with_eos_stop_token_ids
+from cluster.scheduler_actor import SchedulerActor
 from cluster.worker_actor import WorkerActor
 from scheduler import RequestOutput, SamplingParams, SchedulerStats
 from workers.model_loader import read_model_spec
@@ -352,7 +352,7 @@ class RayEngine:
     def _vet(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         check_prompt(prompt_token_ids, self.spec.vocab_size, self.max_model_len)
         check_params(params, self.spec.vocab_size)
-        return stop_token_ids(params, self.spec)
+        return with_eos_stop_token_ids(params, self.spec)
 
     # ---- synchronous interface (InProcessEngine's) --------------------------------------
 
@@ -389,9 +389,6 @@ class RayEngine:
 
     def routing_digest(self, limit: int) -> tuple[list[bytes], int]:
         return ray.get(self.actor.routing_digest.remote(limit))
-
-    def request_steps(self, request_ids: list[str]) -> dict[str, RequestSteps]:
-        return ray.get(self.actor.request_steps.remote(request_ids))
 
     def check_health(self) -> None:
         """Raise RuntimeError saying why when the engine cannot serve, naming the ranks lost and their nodes."""

@@ -22,24 +22,6 @@ from scheduler import (
 # 1.1 ms vs 2.3 ms per empty-step round trip at tp=1 (1.6 vs 3.2 ms at tp=2): a put is a plasma
 # round trip. Above it Ray would put the argument once per rank, so one explicit put is cheaper.
 PUT_PROMPT_TOKENS = 32768
-HISTORY_SIZE = 4096  # requests whose step numbers stats keep: bounded, a server runs for months
-
-
-@dataclass(slots=True)
-class RequestSteps:
-    """Where one caller's request sat in the engine loop, in scheduler step numbers.
-
-    ``arrival_step`` counts the steps already scheduled when it arrived, so a
-    request that joins the running batch at once has ``first_step ==
-    arrival_step + 1``. ``finish_step`` is the step that produced its last delta
-    (for an abort or an error: the steps scheduled by then), ``finish_reason``
-    that of its last delta.
-    """
-
-    arrival_step: int
-    first_step: int | None = None
-    finish_step: int | None = None
-    finish_reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -84,18 +66,19 @@ class _Outbox:
         return self.number, self.unacked
 
 
-def execute_step(workers: list, so: SchedulerOutput) -> asyncio.Future[list[ModelRunnerOutput | None]]:
+def execute_step(workers: list, scheduler_output: SchedulerOutput) -> asyncio.Future[list[ModelRunnerOutput | None]]:
     """Send one step to every rank (the same serialized step) and gather their replies; rank 0's is the output.
 
     Awaiting all ranks, not just rank 0, surfaces a dead rank at once instead of leaving rank 0 in a
     collective, and keeps every rank's queue at most two steps deep (one with async scheduling off).
     Plain actor calls, not a Ray compiled graph: a graph cuts the empty-step round trip (0.7 vs 1.1 ms
-    at tp=1, 0.9 vs 1.6 ms at tp=2) but its channels busy-poll, and the waiting loop burns 0.7-1.0 of a core that a CPU node's
-    ranks need for torch (cluster/bench/ray_overhead.py).
+    at tp=1, 0.9 vs 1.6 ms at tp=2) but its channels busy-poll, and the waiting loop burns 0.7-1.0 of a
+    core that a CPU node's ranks need for torch (cluster/bench/ray_overhead.py).
     """
-    arg = so
-    if len(workers) > 1 and sum(len(r.prompt_token_ids) for r in so.scheduled_new_reqs) > PUT_PROMPT_TOKENS:
-        arg = ray.put(so)
+    arg = scheduler_output
+    new_prompt_tokens = sum(len(r.prompt_token_ids) for r in scheduler_output.scheduled_new_reqs)
+    if len(workers) > 1 and new_prompt_tokens > PUT_PROMPT_TOKENS:
+        arg = ray.put(scheduler_output)
     return asyncio.gather(*[w.execute_model.remote(arg) for w in workers])
 
 
@@ -140,7 +123,6 @@ class SchedulerActor:
         self.streams: dict[str, _Stream] = {}
         self.outboxes: dict[str, _Outbox] = defaultdict(_Outbox)
         self.wake = asyncio.Event()
-        self.history: dict[str, RequestSteps] = {}
         self.error: str | None = None
         self.loop_task: asyncio.Task | None = None
         self.step_timeout_s: float | None = None
@@ -163,31 +145,29 @@ class SchedulerActor:
             self._fail(f"engine step failed: {type(e).__name__}: {e}")
 
     async def _loop(self) -> None:
-        sched = self.scheduler
+        scheduler = self.scheduler
         depth = 2 if self.async_scheduling else 1
         in_flight: deque[tuple[SchedulerOutput, asyncio.Future]] = deque()
         outputs: list[RequestOutput] = []
-        step_id, idle = 0, True
+        idle = True
         try:
             while True:
-                if not in_flight and (idle or not sched.has_unfinished_requests()):
-                    self._route(outputs, step_id)
+                if not in_flight and (idle or not scheduler.has_unfinished_requests()):
+                    self._route(outputs)
                     outputs = []
                     await self.wake.wait()
                 # After an empty plan nothing more can run until a step in flight returns.
                 if not in_flight or not in_flight[-1][0].is_empty:
                     self.wake.clear()  # before scheduling: a request arriving after it wakes the next sleep
-                    so = sched.schedule()
-                    self._note_first_steps(so)
-                    in_flight.append((so, execute_step(self.workers, so)))
+                    scheduler_output = scheduler.schedule()
+                    in_flight.append((scheduler_output, execute_step(self.workers, scheduler_output)))
                     # An empty plan with requests left: none can run until something arrives or leaves.
-                    idle = so.is_empty
-                    if len(in_flight) < depth and not so.is_empty:
+                    idle = scheduler_output.is_empty
+                    if len(in_flight) < depth and not scheduler_output.is_empty:
                         continue
-                self._route(outputs, step_id)
+                self._route(outputs)
                 done, replies = in_flight.popleft()
-                outputs = sched.update_from_output(done, (await self._replies(replies, done.step_id))[0])
-                step_id = done.step_id
+                outputs = scheduler.update_from_output(done, (await self._replies(replies, done.step_id))[0])
                 if not done.is_empty:
                     idle = False  # its tokens, finishes and freed blocks may let the next plan run something
         finally:
@@ -203,14 +183,7 @@ class SchedulerActor:
                                f"{self.step_timeout_s:g} s: a rank is hung (or the step is slower than the "
                                f"timeout allows)") from None
 
-    def _note_first_steps(self, so: SchedulerOutput) -> None:
-        requests = self.scheduler.requests
-        for new in so.scheduled_new_reqs:
-            steps = self.history.get(requests[new.req_id].parent_id or new.req_id)
-            if steps is not None and steps.first_step is None:
-                steps.first_step = so.step_id
-
-    def _route(self, outputs: list[RequestOutput], step_id: int) -> None:
+    def _route(self, outputs: list[RequestOutput]) -> None:
         streams = self.streams
         for out in outputs:
             stream = streams.get(out.request_id)
@@ -221,19 +194,13 @@ class SchedulerActor:
                 stream.num_unfinished -= 1
                 if not stream.num_unfinished:
                     del streams[out.request_id]
-                    self._note_finish(out.request_id, step_id, out.finish_reason)
         for outbox in self.outboxes.values():
             if outbox.pending:
                 outbox.ready.set()
 
-    def _note_finish(self, request_id: str, step_id: int, reason: str | None) -> None:
-        steps = self.history.get(request_id)
-        if steps is not None:
-            steps.finish_step, steps.finish_reason = step_id, reason
-
     def _fail(self, error: str) -> None:
         self.error = error
-        self._route(self.scheduler.fail_all(error), self.scheduler.num_steps)
+        self._route(self.scheduler.fail_all(error))
         for outbox in self.outboxes.values():
             outbox.ready.set()  # a waiting get_outputs must wake to raise
 
@@ -245,18 +212,14 @@ class SchedulerActor:
             raise RuntimeError(f"the engine is unhealthy and takes no new requests: {self.error}")
         finals = self.scheduler.add_request(request_id, prompt_token_ids, params, priority=priority,
                                             arrival_time=time.monotonic(), cache_salt=cache_salt)
-        if len(self.history) >= HISTORY_SIZE:
-            del self.history[next(iter(self.history))]
-        self.history[request_id] = RequestSteps(self.scheduler.num_steps)
         if len(finals) < params.n:
             self.streams[request_id] = _Stream(channel, params.n - len(finals))
             self.wake.set()
-        else:
-            self._note_finish(request_id, self.scheduler.num_steps, finals[-1].finish_reason)
         return finals
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          priority: int = 0, channel: str = "sync", cache_salt: str | None = None) -> list[RequestOutput]:
+                          priority: int = 0, channel: str = "sync",
+                          cache_salt: str | None = None) -> list[RequestOutput]:
         """Queue a request whose deltas go to ``channel``'s outbox (``get_outputs``); returns any immediate finals.
         ``cache_salt`` keeps its prompt's cached blocks apart from those of other salts (tenants)."""
         return self._admit(request_id, prompt_token_ids, params, priority, channel, cache_salt)
@@ -277,8 +240,7 @@ class SchedulerActor:
 
     def _abort(self, request_id: str) -> list[RequestOutput]:
         finals = self.scheduler.abort(request_id)
-        if self.streams.pop(request_id, None) is not None:
-            self._note_finish(request_id, self.scheduler.num_steps, "abort")
+        self.streams.pop(request_id, None)
         return finals
 
     # ---- observability --------------------------------------------------------------
@@ -288,11 +250,7 @@ class SchedulerActor:
 
     async def routing_digest(self, limit: int) -> tuple[list[bytes], int]:
         """The prefix cache's block hashes (at most ``limit``) and the requests it holds (running and waiting)."""
-        s = self.scheduler
-        return s.cached_block_hashes(limit), len(s.requests)
-
-    async def request_steps(self, request_ids: list[str]) -> dict[str, RequestSteps]:
-        return {rid: self.history[rid] for rid in request_ids if rid in self.history}
+        return self.scheduler.cached_block_hashes(limit), len(self.scheduler.requests)
 
     async def check_health(self, timeout_s: float = 10.0) -> None:
         """Raise RuntimeError when the engine cannot serve. An idle loop sends no steps, so ask the ranks."""

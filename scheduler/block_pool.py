@@ -114,12 +114,12 @@ class BlockPool:
         blocks = self.cached_blocks.get(block_hash)
         return next(iter(blocks.values())) if blocks else None
 
-    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
-        if n > self.free_queue.num_free_blocks:
-            raise ValueError(f"cannot get {n} blocks: only {self.free_queue.num_free_blocks} are free")
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks > self.free_queue.num_free_blocks:
+            raise ValueError(f"cannot get {num_blocks} blocks: only {self.free_queue.num_free_blocks} are free")
         out = []
         popleft = self.free_queue.popleft
-        for _ in range(n):
+        for _ in range(num_blocks):
             block = popleft()
             if block.block_hash is not None:
                 self._evict(block)
@@ -160,22 +160,13 @@ class BlockPool:
             block = blocks[i]
             if block.block_hash is not None:  # a shared hit, already cached
                 continue
-            h = block_hashes[i]
-            block.block_hash = h
-            same = cached.get(h)
+            block_hash = block_hashes[i]
+            block.block_hash = block_hash
+            same = cached.get(block_hash)
             if same is None:
-                cached[h] = {block.block_id: block}
+                cached[block_hash] = {block.block_id: block}
             else:
                 same[block.block_id] = block
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; refused (False) while any block is in use, as vLLM does."""
-        if self.free_queue.num_free_blocks != self.num_blocks - 1:
-            return False
-        for block in self.blocks:
-            block.block_hash = None
-        self.cached_blocks.clear()
-        return True
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Enter one block, known to hold exactly the tokens ``block_hash`` names, into the cache."""

@@ -150,9 +150,9 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         return new_blocks
 
-    def _get_device_blocks(self, n: int) -> list[KVCacheBlock]:
+    def _get_device_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """New device blocks; hashed blocks this evicts keep their content in the host tier when it has room."""
-        new_blocks = self.block_pool.get_new_blocks(n)
+        new_blocks = self.block_pool.get_new_blocks(num_blocks)
         evicted = self.block_pool.evicted
         if evicted:
             self._offload(evicted)
@@ -171,7 +171,8 @@ class KVCacheManager:
             self.num_blocks_swapped_out += 1
 
     def _add_swap_in(self, host_blocks: list[KVCacheBlock], device_blocks: list[KVCacheBlock]) -> None:
-        self.blocks_to_swap_in.extend((h.block_id, d.block_id) for h, d in zip(host_blocks, device_blocks))
+        pairs = zip(host_blocks, device_blocks)
+        self.blocks_to_swap_in.extend((host.block_id, device.block_id) for host, device in pairs)
         self.num_blocks_swapped_in += len(host_blocks)
 
     # ---- preemption by swap ------------------------------------------------------------------
@@ -183,33 +184,33 @@ class KVCacheManager:
         num_keep = -(-request.num_computed_tokens // self.block_size)
         if host is None or num_keep == 0 or num_keep > host.num_free_blocks:
             return False
-        rid = request.request_id
-        blocks = self.req_to_blocks.pop(rid)
-        self.num_cached_blocks.pop(rid, None)
+        req_id = request.request_id
+        blocks = self.req_to_blocks.pop(req_id)
+        self.num_cached_blocks.pop(req_id, None)
         host_blocks = host.get_new_blocks(num_keep)
         for block, target in zip(blocks, host_blocks):
             if block.block_hash is not None and self.enable_caching:
                 host.cache_block(target, block.block_hash)  # the copy is a host-tier cache entry too
             self.blocks_to_swap_out.append((block.block_id, target.block_id))
         self.num_blocks_swapped_out += num_keep
-        self.req_to_host_blocks[rid] = host_blocks
+        self.req_to_host_blocks[req_id] = host_blocks
         self.block_pool.free_blocks(reversed(blocks))
         return True
 
     def swap_in(self, request: Request, num_new_tokens: int) -> bool:
         """Give a swapped request device blocks for its computed tokens plus ``num_new_tokens`` and copy its KV
         back into them this step; False, changing nothing, when the device pool cannot hold them."""
-        rid = request.request_id
-        host_blocks = self.req_to_host_blocks[rid]
+        req_id = request.request_id
+        host_blocks = self.req_to_host_blocks[req_id]
         num_needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
         if num_needed > self.block_pool.num_free_blocks:
             return False
-        del self.req_to_host_blocks[rid]
+        del self.req_to_host_blocks[req_id]
         self.held.extend(host_blocks)  # their references pass to the step
         blocks = self._get_device_blocks(num_needed)
         self._add_swap_in(host_blocks, blocks)
-        self.req_to_blocks[rid] = blocks
-        self.num_cached_blocks[rid] = 0  # hashed again once the step that copies them back has returned
+        self.req_to_blocks[req_id] = blocks
+        self.num_cached_blocks[req_id] = 0  # hashed again once the step that copies them back has returned
         return True
 
     def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
@@ -231,13 +232,13 @@ class KVCacheManager:
         """Enter the request's blocks that are now full and computed into the prefix cache."""
         if not self.enable_caching:
             return
-        rid = request.request_id
+        req_id = request.request_id
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
-        num_cached = self.num_cached_blocks.get(rid)
+        num_cached = self.num_cached_blocks.get(req_id)
         if num_cached is None or num_full <= num_cached:
             return
-        self.block_pool.cache_full_blocks(self.req_to_blocks[rid], request.block_hashes, num_cached, num_full)
-        self.num_cached_blocks[rid] = num_full
+        self.block_pool.cache_full_blocks(self.req_to_blocks[req_id], request.block_hashes, num_cached, num_full)
+        self.num_cached_blocks[req_id] = num_full
 
     def free(self, request: Request) -> None:
         """Release a request's blocks (device, or host when swapped), tail first, so its shared prompt head is
@@ -252,10 +253,3 @@ class KVCacheManager:
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
-
-    def reset_prefix_cache(self) -> bool:
-        if self.host_pool is not None and self.host_pool.num_free_blocks != self.host_pool.num_blocks - 1:
-            return False
-        if not self.block_pool.reset_prefix_cache():
-            return False
-        return self.host_pool is None or self.host_pool.reset_prefix_cache()

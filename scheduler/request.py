@@ -272,26 +272,24 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
     def is_finished(self) -> bool:
         return self.status >= RequestStatus.FINISHED_STOPPED
 
     def append_output_token(self, token_id: int) -> None:
+        """A sampled token (the scheduler's per-token hot path: one call, no property, hashing once a block fills)."""
         self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
-        if len(self.all_token_ids) % self.block_size == 0:
+        all_token_ids = self.all_token_ids
+        all_token_ids.append(token_id)
+        if len(all_token_ids) % self.block_size == 0:
             self.extend_block_hashes()
 
     def extend_block_hashes(self) -> None:
-        bs = self.block_size
+        block_size = self.block_size
         tokens = self.all_token_ids
         parent = self.block_hashes[-1] if self.block_hashes else None
         extra = self.cache_salt if not self.block_hashes else None
-        for start in range(len(self.block_hashes) * bs, len(tokens) - bs + 1, bs):
-            parent = hash_block_tokens(parent, tokens[start:start + bs], extra)
+        for start in range(len(self.block_hashes) * block_size, len(tokens) - block_size + 1, block_size):
+            parent = hash_block_tokens(parent, tokens[start:start + block_size], extra)
             extra = None
             self.block_hashes.append(parent)
 

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import itertools
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from scheduler.block_hash import BlockHash
@@ -15,6 +13,7 @@ from scheduler.outputs import (
     CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput, SchedulerOutput,
 )
 from scheduler.request import FINISH_REASONS, Request, RequestStatus, SamplingParams
+from scheduler.waiting_queue import WAITING_QUEUES
 
 
 @dataclass(slots=True)
@@ -75,58 +74,6 @@ class SchedulerStats:
     num_blocks_swapped_in: int = 0  # host -> device copies since start
 
 
-class WaitingQueue:
-    """Waiting requests in policy order: FIFO for fcfs; (priority, arrival) heap for priority.
-
-    Preempted requests go back in front under fcfs; under priority their own
-    (priority, arrival) key already places them. Removal (abort) is lazy in
-    the heap: a removed request is skipped when it reaches the top.
-    """
-
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
-        self.fifo: deque[Request] = deque()
-        self.heap: list[tuple[int, float, int, Request]] = []
-        self.members: dict[str, Request] = {}
-        self.counter = itertools.count()
-
-    def __len__(self) -> int:
-        return len(self.members)
-
-    def add(self, request: Request, front: bool = False) -> None:
-        self.members[request.request_id] = request
-        if self.policy == "fcfs":
-            (self.fifo.appendleft if front else self.fifo.append)(request)
-        else:
-            heapq.heappush(self.heap, (request.priority, request.arrival_time, next(self.counter), request))
-
-    def peek(self) -> Request | None:
-        if self.policy == "fcfs":
-            return self.fifo[0] if self.fifo else None
-        while self.heap and self.members.get(self.heap[0][3].request_id) is not self.heap[0][3]:
-            heapq.heappop(self.heap)
-        return self.heap[0][3] if self.heap else None
-
-    def pop(self) -> Request:
-        request = self.peek()
-        del self.members[request.request_id]
-        if self.policy == "fcfs":
-            self.fifo.popleft()
-        else:
-            heapq.heappop(self.heap)
-        return request
-
-    def remove(self, request: Request) -> None:
-        del self.members[request.request_id]
-        if self.policy == "fcfs":
-            self.fifo.remove(request)
-
-    def __iter__(self):
-        if self.policy == "fcfs":
-            return iter(self.fifo)
-        return iter(sorted((e for e in self.heap if self.members.get(e[3].request_id) is e[3]), key=lambda e: e[:3]))
-
-
 class Scheduler:
     """Decides each step which requests compute how many tokens, within memory and a token budget.
 
@@ -181,8 +128,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # live requests (children for n > 1)
         # caller id -> its requests, by object: a finished child's id may be reused by an unrelated caller
         self.children: dict[str, list[Request]] = {}
-        self.parked: dict[str, list[Request]] = {}  # n > 1 siblings waiting for child 0's prompt
-        self.waiting = WaitingQueue(config.policy)
+        # n > 1 siblings deferred until child 0 has computed the prompt, by child 0's id (not yet waiting)
+        self.deferred: dict[str, list[Request]] = {}
+        self.waiting = WAITING_QUEUES[config.policy]()
         self.running: list[Request] = []
         self.swapped: list[Request] = []
         self.finished_req_ids: set[str] = set()  # to tell the workers next step
@@ -199,22 +147,22 @@ class Scheduler:
                     cache_salt: str | None = None) -> list[RequestOutput]:
         """Queue a request; returns the final outputs of any child that can never run.
 
-        ``n > 1`` fans out into n children; children 1..n-1 are parked until
+        ``n > 1`` fans out into n children; children 1..n-1 are deferred until
         child 0 has computed the prompt, so that they reuse its blocks through the
         prefix cache instead of computing the same prompt n times.
         """
         params = params or SamplingParams()
         n = params.n
-        ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
-        if request_id in self.children or any(i in self.requests for i in ids):
+        child_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+        if request_id in self.children or any(child_id in self.requests for child_id in child_ids):
             raise ValueError(f"request_id={request_id!r} is invalid: a request with this id is still running")
         children = []
-        for i, rid in enumerate(ids):
+        for i, req_id in enumerate(child_ids):
             child_params = params
             if n > 1:
                 child_params = _child_params(params, i)
             children.append(Request(
-                rid, prompt_token_ids, child_params, eos_token_id=self.eos_token_id, priority=priority,
+                req_id, prompt_token_ids, child_params, eos_token_id=self.eos_token_id, priority=priority,
                 arrival_time=arrival_time, block_size=self.block_size, cache_salt=cache_salt,
                 parent_id=request_id if n > 1 else None, index=i))
         self.children[request_id] = children
@@ -225,25 +173,25 @@ class Scheduler:
             return [self._finish(c, RequestStatus.FINISHED_IGNORED, reason) for c in children]
         self.waiting.add(children[0])
         if n > 1 and self.config.enable_prefix_caching:
-            self.parked[children[0].request_id] = children[1:]
+            self.deferred[children[0].request_id] = children[1:]
         else:
             for child in children[1:]:
                 self.waiting.add(child)
         return []
 
     def _infeasible_reason(self, request: Request) -> str | None:
-        cfg = self.config
-        if request.num_prompt_tokens >= cfg.max_model_len:
-            return (f"prompt has {request.num_prompt_tokens} tokens, but max_model_len={cfg.max_model_len} "
+        config = self.config
+        if request.num_prompt_tokens >= config.max_model_len:
+            return (f"prompt has {request.num_prompt_tokens} tokens, but max_model_len={config.max_model_len} "
                     f"leaves no room to generate")
-        max_tokens = min(request.max_total_tokens, cfg.max_model_len)
+        max_tokens = min(request.max_total_tokens, config.max_model_len)
         needed = -(-max_tokens // self.block_size)
         if needed > self.kv.num_usable_blocks:
             return (f"request needs up to {needed} KV blocks ({max_tokens} tokens) but the cache has only "
                     f"{self.kv.num_usable_blocks}; lower max_tokens or grow the KV cache")
-        if not cfg.enable_chunked_prefill and request.num_prompt_tokens > cfg.max_num_batched_tokens:
+        if not config.enable_chunked_prefill and request.num_prompt_tokens > config.max_num_batched_tokens:
             return (f"prompt has {request.num_prompt_tokens} tokens, over max_num_batched_tokens="
-                    f"{cfg.max_num_batched_tokens} with chunked prefill off")
+                    f"{config.max_num_batched_tokens} with chunked prefill off")
         return None
 
     def abort(self, request_id: str) -> list[RequestOutput]:
@@ -260,21 +208,21 @@ class Scheduler:
         return [self._finish(r, RequestStatus.FINISHED_ERROR, error) for r in list(self.requests.values())]
 
     def _finish(self, request: Request, status: RequestStatus, error: str | None = None) -> RequestOutput:
-        rid = request.request_id
+        req_id = request.request_id
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
-        elif rid in self.waiting.members:
+        elif request in self.waiting:
             self.waiting.remove(request)
         elif request in self.swapped:
             self.swapped.remove(request)
         request.status = status
         request.error = error
         self.kv.free(request)
-        self.requests.pop(rid, None)
+        self.requests.pop(req_id, None)
         if request.num_cached_tokens >= 0:  # it was scheduled, so the workers hold it
-            self.finished_req_ids.add(rid)
-        self._release_parked(request)
-        caller_id = request.parent_id or rid
+            self.finished_req_ids.add(req_id)
+        self._release_deferred(request)
+        caller_id = request.parent_id or req_id
         siblings = self.children.get(caller_id)
         if siblings is not None and all(s.is_finished for s in siblings):
             del self.children[caller_id]
@@ -283,15 +231,15 @@ class Scheduler:
                              num_cached_tokens=max(request.num_cached_tokens, 0), error=error,
                              queued_s=request.queued_s)
 
-    def _release_parked(self, request: Request) -> None:
-        parked = self.parked.pop(request.request_id, None)
-        if not parked:
+    def _release_deferred(self, request: Request) -> None:
+        deferred = self.deferred.pop(request.request_id, None)
+        if not deferred:
             return
         if request.status == RequestStatus.FINISHED_ABORTED:
             return  # the caller aborted the whole group; the siblings are finished by the same abort
-        for sibling in reversed(parked):
+        for sibling in reversed(deferred):
             if sibling.request_id in self.requests:
-                self.waiting.add(sibling, front=True)
+                self.waiting.requeue(sibling)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -303,7 +251,7 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting) + sum(map(len, self.parked.values())),
+            num_running=len(self.running), num_waiting=len(self.waiting) + sum(map(len, self.deferred.values())),
             kv_cache_usage=self.kv.usage(), prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits, num_preemptions=self.num_preemptions,
             num_steps=self.num_steps, num_scheduled_tokens=self.last_num_scheduled_tokens,
@@ -317,11 +265,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """One step: running requests first, then swapped ones, then waiting ones, unless this step had to preempt
         (and waiting ones only once no request is left swapped)."""
-        cfg = self.config
+        config = self.config
         num_scheduled: dict[str, int] = {}
         cached = CachedRequestData()
         preempted: list[Request] = []
-        budget = self._schedule_running(cfg.max_num_batched_tokens, num_scheduled, cached, preempted)
+        budget = self._schedule_running(config.max_num_batched_tokens, num_scheduled, cached, preempted)
         new_data: list[NewRequestData] = []
         num_admitted = 0
         if not preempted and self.swapped:
@@ -332,7 +280,7 @@ class Scheduler:
         swap_out, swap_in = self.kv.take_swaps()
         finished = self.finished_req_ids
         self.finished_req_ids = set()
-        total = cfg.max_num_batched_tokens - budget
+        total = config.max_num_batched_tokens - budget
         self.num_steps += 1
         self.in_flight[self.num_steps] = self._add_placeholders(num_scheduled)
         self.last_num_scheduled_tokens = total
@@ -346,20 +294,20 @@ class Scheduler:
         never had one."""
         requests = self.requests
         step = {}
-        for rid in num_scheduled:
-            request = step[rid] = requests[rid]
+        for req_id in num_scheduled:
+            request = step[req_id] = requests[req_id]
             if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1
         return step
 
     def _schedule_running(self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData,
                           preempted: list[Request]) -> int:
-        """Running requests, in order, preempting from the low-priority end when memory runs out; returns the
-        budget left. This loop is the decode hot path: it writes the step's diff as it goes."""
+        """Running requests, in order, preempting the policy's victim (the request it would run last) when memory
+        runs out; returns the budget left. This loop is the decode hot path: it writes the step's diff as it goes."""
         threshold = self.config.long_prefill_token_threshold
         max_model_len = self.config.max_model_len
-        bs = self.block_size
-        c_ids, c_resumed, c_blocks, c_computed = (
+        block_size = self.block_size
+        cached_req_ids, cached_resumed, cached_new_block_ids, cached_num_computed = (
             cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids, cached.num_computed_tokens)
         allocate = self.kv.allocate_slots
         req_to_blocks = self.kv.req_to_blocks
@@ -367,27 +315,27 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            rid = request.request_id
-            num_all = len(request.all_token_ids)
+            req_id = request.request_id
+            num_tokens = len(request.all_token_ids)
             placeholders = request.num_output_placeholders
             if placeholders:
                 if (len(request.output_token_ids) + placeholders >= request.sampling_params.max_tokens
-                        or num_all + placeholders >= max_model_len):
+                        or num_tokens + placeholders >= max_model_len):
                     i += 1
                     continue  # a step in flight samples its last token: another would be wasted
-                num_all += placeholders
-            nc = request.num_computed_tokens
-            num_new = num_all - nc
+                num_tokens += placeholders
+            num_computed = request.num_computed_tokens
+            num_new = num_tokens - num_computed
             if threshold and num_new > threshold:
                 num_new = threshold
             if num_new > budget:
                 num_new = budget
-            if nc + num_new <= len(req_to_blocks[rid]) * bs:
-                new_ids = []  # the last block still has room
+            if num_computed + num_new <= len(req_to_blocks[req_id]) * block_size:
+                new_block_ids = []  # the last block still has room
             else:
                 new_blocks = allocate(request, num_new)
                 while new_blocks is None:
-                    victim = self._pick_victim()
+                    victim = self.waiting.pick_victim(running)
                     if victim.request_id in num_scheduled:
                         budget += self._unschedule(victim, num_scheduled, cached)
                         i -= 1
@@ -398,14 +346,14 @@ class Scheduler:
                     new_blocks = allocate(request, num_new)
                 if new_blocks is None:
                     continue
-                new_ids = [b.block_id for b in new_blocks]
-            num_scheduled[rid] = num_new
+                new_block_ids = [b.block_id for b in new_blocks]
+            num_scheduled[req_id] = num_new
             budget -= num_new
-            c_ids.append(rid)
-            c_resumed.append(False)
-            c_blocks.append(new_ids)
-            c_computed.append(nc)
-            request.num_computed_tokens = nc + num_new
+            cached_req_ids.append(req_id)
+            cached_resumed.append(False)
+            cached_new_block_ids.append(new_block_ids)
+            cached_num_computed.append(num_computed)
+            request.num_computed_tokens = num_computed + num_new
             i += 1
         return budget
 
@@ -413,13 +361,13 @@ class Scheduler:
                           new_data: list[NewRequestData]) -> tuple[int, int]:
         """Waiting requests, in policy order, until one does not fit; returns the budget left and how many
         were admitted."""
-        cfg = self.config
-        threshold = cfg.long_prefill_token_threshold
+        config = self.config
+        threshold = config.long_prefill_token_threshold
         running, waiting = self.running, self.waiting
         allocate, get_computed = self.kv.allocate_slots, self.kv.get_computed_blocks
         get_host_hits, host_tier = self.kv.get_host_hits, self.kv.host_pool is not None
         num_admitted = 0
-        while budget > 0 and len(running) < cfg.max_num_seqs:
+        while budget > 0 and len(running) < config.max_num_seqs:
             request = waiting.peek()
             if request is None:
                 break
@@ -434,7 +382,7 @@ class Scheduler:
             if threshold and num_new > threshold:
                 num_new = threshold
             if num_new > budget:
-                if not cfg.enable_chunked_prefill:
+                if not config.enable_chunked_prefill:
                     break
                 num_new = budget
             if allocate(request, num_new, num_hit_tokens, hits, host_hits=host_hits) is None:
@@ -453,19 +401,19 @@ class Scheduler:
         """Swapped requests, highest priority first, until one does not fit: each gets device blocks, its KV is
         copied back this step, and it goes on from its computed tokens. Returns the budget left and how many
         resumed."""
-        cfg = self.config
-        threshold = cfg.long_prefill_token_threshold
-        key = _priority_key if cfg.policy == "priority" else _arrival_key
+        config = self.config
+        threshold = config.long_prefill_token_threshold
+        key = self.waiting.order_key
         num_resumed = 0
-        while self.swapped and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        while self.swapped and budget > 0 and len(self.running) < config.max_num_seqs:
             request = min(self.swapped, key=key)
-            nc = request.num_computed_tokens
-            num_new = min(request.num_tokens - nc, budget, threshold or budget)
+            num_computed = request.num_computed_tokens
+            num_new = min(request.num_tokens - num_computed, budget, threshold or budget)
             if not self.kv.swap_in(request, num_new):
                 break
             self.swapped.remove(request)
-            self._admit(request, nc, cached, [])
-            request.num_computed_tokens = nc + num_new
+            self._admit(request, num_computed, cached, [])
+            request.num_computed_tokens = num_computed + num_new
             num_scheduled[request.request_id] = num_new
             budget -= num_new
             num_resumed += 1
@@ -474,19 +422,19 @@ class Scheduler:
     def _admit(self, request: Request, num_hit_tokens: int, cached: CachedRequestData,
                new_data: list[NewRequestData]) -> None:
         """Into the running batch, and into the step's diff: whole as new, or its block table anew if resumed."""
-        rid = request.request_id
-        assert not request.num_output_placeholders, f"{rid} admitted with a step in flight"
-        block_ids = self.kv.get_block_ids(rid)
+        req_id = request.request_id
+        assert not request.num_output_placeholders, f"{req_id} admitted with a step in flight"
+        block_ids = self.kv.get_block_ids(req_id)
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
             request.queued_s = time.monotonic() - request.arrival_time
         if request.status == RequestStatus.PREEMPTED:
-            cached.req_ids.append(rid)
+            cached.req_ids.append(req_id)
             cached.resumed_from_preemption.append(True)
             cached.new_block_ids.append(block_ids)
             cached.num_computed_tokens.append(num_hit_tokens)
         else:
-            new_data.append(NewRequestData(rid, request.all_token_ids.copy(), request.sampling_params, block_ids,
+            new_data.append(NewRequestData(req_id, request.all_token_ids.copy(), request.sampling_params, block_ids,
                                            num_hit_tokens))
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -500,14 +448,9 @@ class Scheduler:
             del column[j]
         return num_scheduled.pop(request.request_id)
 
-    def _pick_victim(self) -> Request:
-        if self.config.policy == "fcfs":
-            return self.running[-1]
-        return max(self.running, key=_priority_key)
-
     def _preempt(self, request: Request) -> None:
         """Swap the victim's KV out to the host tier when that pays (``_swap_pays``) and fits, else recompute:
-        free its blocks and send it back to the front of the waiting queue."""
+        free its blocks and put it back in the waiting queue (``requeue``: where its policy puts a preempted one)."""
         self.running.remove(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -517,7 +460,7 @@ class Scheduler:
             return
         self.kv.free(request)
         request.num_computed_tokens = 0
-        self.waiting.add(request, front=True)
+        self.waiting.requeue(request)
 
     def _swap_pays(self, request: Request) -> bool:
         """The cost model of ``preemption_mode="auto"``: recomputing costs one unit per computed token that the
@@ -528,19 +471,18 @@ class Scheduler:
             return False
         if mode == "swap":
             return True
-        nc = request.num_computed_tokens
-        recompute = nc - self.kv.num_prefix_cached_tokens(request)
-        return -(-nc // self.block_size) * self.config.swap_cost_per_block < recompute
+        num_computed = request.num_computed_tokens
+        recompute = num_computed - self.kv.num_prefix_cached_tokens(request)
+        return -(-num_computed // self.block_size) * self.config.swap_cost_per_block < recompute
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         """Apply a step's sampled tokens to the requests it scheduled (by object; finished ones are skipped),
         check stop rules, cache newly computed blocks; one delta per sampled request."""
         step = self.in_flight.pop(scheduler_output.step_id)
-        bs = self.block_size
         cache_blocks = self.kv.cache_computed_blocks
-        for rid, entries in (runner_output.prompt_logprobs or {}).items():
-            request = step[rid]
+        for req_id, entries in (runner_output.prompt_logprobs or {}).items():
+            request = step[req_id]
             if not request.is_finished:
                 request.prompt_logprobs += entries
         outputs = []
@@ -548,31 +490,27 @@ class Scheduler:
         logprobs = runner_output.logprobs
         max_model_len = self.config.max_model_len
         finished = RequestStatus.FINISHED_STOPPED
-        parked = self.parked
-        for i, (rid, token) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
-            request = step[rid]
+        deferred = self.deferred
+        for i, (req_id, token) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
+            request = step[req_id]
             request.num_output_placeholders -= 1
             if request.status >= finished:
                 continue  # aborted, or stopped by an earlier step's token: this one is past its end
-            all_ids = request.all_token_ids  # Request.append_output_token, inlined: this loop is the hot path
-            out_ids = request.output_token_ids
-            out_ids.append(token)
-            all_ids.append(token)
-            if len(all_ids) % bs == 0:
-                request.extend_block_hashes()
+            request.append_output_token(token)
+            num_outputs = len(request.output_token_ids)
             entry = logprobs[i] if logprobs is not None else None
             params = request.sampling_params
             if (token != request.eos_token_id and not params.stop_token_ids
-                    and len(out_ids) < params.max_tokens and len(all_ids) < max_model_len):
+                    and num_outputs < params.max_tokens and len(request.all_token_ids) < max_model_len):
                 status = None  # the common case, decided without a call
             else:
                 status = _stop_status(request, token, max_model_len)
             if status is None:
-                out = RequestOutput(request.parent_id or rid, request.index, [token], False, None,
+                out = RequestOutput(request.parent_id or req_id, request.index, [token], False, None,
                                     None if entry is None else [entry])
                 append_out(out)
-                if parked and rid in parked:
-                    self._release_parked(request)
+                if deferred and req_id in deferred:
+                    self._release_deferred(request)
             else:
                 if request.status == RequestStatus.RUNNING:
                     cache_blocks(request)  # before its blocks are freed, so a later prompt can reuse them
@@ -580,7 +518,7 @@ class Scheduler:
                 out.new_token_ids = [token]
                 out.new_logprobs = None if entry is None else [entry]
                 append_out(out)
-            if params.prompt_logprobs is not None and len(out_ids) == 1:
+            if params.prompt_logprobs is not None and num_outputs == 1:
                 out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
         # After the tokens: a token that completes a block's ids lets it be cached now, not a step later.
         running = RequestStatus.RUNNING
@@ -588,17 +526,6 @@ class Scheduler:
             if request.status == running:
                 cache_blocks(request)
         return outputs
-
-    def reset_prefix_cache(self) -> bool:
-        return self.kv.reset_prefix_cache()
-
-
-def _priority_key(request: Request) -> tuple[int, float]:
-    return request.priority, request.arrival_time
-
-
-def _arrival_key(request: Request) -> float:
-    return request.arrival_time
 
 
 def _stop_status(request: Request, token: int, max_model_len: int) -> RequestStatus | None:

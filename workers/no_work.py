@@ -29,20 +29,21 @@ class NoWorkRunner:
         self.is_driver = is_driver
         self.num_tokens: dict[str, int] = {}
 
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         num_tokens = self.num_tokens
-        for rid in so.finished_req_ids:
-            num_tokens.pop(rid, None)
-        for new in so.scheduled_new_reqs:
+        for req_id in scheduler_output.finished_req_ids:
+            num_tokens.pop(req_id, None)
+        new_reqs = scheduler_output.scheduled_new_reqs
+        for new in new_reqs:
             num_tokens[new.req_id] = len(new.prompt_token_ids)
-        starts = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
-        cached = so.scheduled_cached_reqs
-        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        num_computed = {new.req_id: new.num_computed_tokens for new in new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        num_computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         req_ids, sampled = [], []
-        for rid, n in so.num_scheduled_tokens.items():
-            total = num_tokens[rid]
-            if starts[rid] + n == total:
-                req_ids.append(rid)
-                sampled.append(self.first + total % self.span)
-                num_tokens[rid] = total + 1
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            request_tokens = num_tokens[req_id]
+            if num_computed[req_id] + num_new == request_tokens:
+                req_ids.append(req_id)
+                sampled.append(self.first + request_tokens % self.span)
+                num_tokens[req_id] = request_tokens + 1
         return ModelRunnerOutput(req_ids, sampled) if self.is_driver else None

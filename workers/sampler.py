@@ -41,8 +41,8 @@ class SamplingMetadata:
     """Per-row sampling state for one step; row i is the i-th request that samples.
 
     Invariants, so that ``Sampler`` needs no per-row Python on the hot path:
-    - A tensor field is ``None`` iff no row needs that stage; the ``no_*`` /
-      ``all_*`` properties read this, so a flag can never disagree with its data.
+    - A tensor field is ``None`` iff no row needs that stage: the field is the
+      flag (``all_greedy`` reads ``temperature``), so no flag can disagree with its data.
     - Greedy rows (``SamplingParams.greedy``: top_k 1, or a temperature below
       1e-5, which would overflow the logits it divides) are argmaxed after
       min_tokens and penalties. Temperature, min-p, top-k and top-p cannot
@@ -83,26 +83,6 @@ class SamplingMetadata:
     def all_greedy(self) -> bool:
         return self.temperature is None
 
-    @property
-    def all_random(self) -> bool:
-        return self.greedy is None
-
-    @property
-    def no_penalties(self) -> bool:
-        return self.penalties is None
-
-    @property
-    def no_top_k(self) -> bool:
-        return self.top_k is None
-
-    @property
-    def no_top_p(self) -> bool:
-        return self.top_p is None
-
-    @property
-    def no_min_p(self) -> bool:
-        return self.min_p is None
-
     @classmethod
     def build(
         cls,
@@ -119,23 +99,23 @@ class SamplingMetadata:
         `PenaltyState.penalties`, None when no row has any; `outputs[i]`: those tokens (for bad words; only
         rows with bad words are read)."""
         greedy = [p.greedy for p in params]
-        rand = [p for p, g in zip(params, greedy) if not g]
+        random_params = [p for p, is_greedy in zip(params, greedy) if not is_greedy]
 
         def per_row(field: str, neutral: float) -> list:
-            return [neutral if g else getattr(p, field) for p, g in zip(params, greedy)]
+            return [neutral if is_greedy else getattr(p, field) for p, is_greedy in zip(params, greedy)]
 
         def fp32(values: list) -> Tensor:
             return _to_device(values, torch.float32, device)
 
         def fp32_if_used(field: str, neutral: float) -> Tensor | None:
-            return fp32(per_row(field, neutral)) if any(getattr(p, field) != neutral for p in rand) else None
+            return fp32(per_row(field, neutral)) if any(getattr(p, field) != neutral for p in random_params) else None
 
-        top_k_on = [min(p.top_k, vocab_size) for p in rand if p.top_k != -1]
+        top_k_on = [min(p.top_k, vocab_size) for p in random_params if p.top_k != -1]
         top_k = [vocab_size if k == -1 else min(k, vocab_size) for k in per_row("top_k", -1)]
         logprobs = [p.logprobs for p in params]
         asked = [k for k in logprobs if k is not None]
         return cls(
-            temperature=fp32(per_row("temperature", 1.0)) if rand else None,
+            temperature=fp32(per_row("temperature", 1.0)) if random_params else None,
             greedy=_to_device(greedy, torch.bool, device) if any(greedy) else None,
             top_k=_to_device(top_k, torch.int64, device) if top_k_on else None,
             max_top_k=max(top_k_on, default=vocab_size),
@@ -200,9 +180,10 @@ class PenaltyState:
         triples = [(p.repetition_penalty, p.presence_penalty, p.frequency_penalty) for p in params]
         if all(t == NEUTRAL_PENALTIES for t in triples):
             return None
-        rep, pres, freq = _to_device(triples, torch.float32, self.device).unbind(1)
+        repetition, presence, frequency = _to_device(triples, torch.float32, self.device).unbind(1)
         output_counts = self.output_counts.index_select(0, rows)
-        return Penalties(rep, pres, freq, self.prompt_seen.index_select(0, rows) | (output_counts > 0), output_counts)
+        seen = self.prompt_seen.index_select(0, rows) | (output_counts > 0)
+        return Penalties(repetition, presence, frequency, seen, output_counts)
 
 
 def _build_banned(
@@ -215,16 +196,16 @@ def _build_banned(
 ) -> tuple[Tensor, Tensor] | None:
     rows: list[int] = []
     tokens: list[int] = []
-    for i, (p, n) in enumerate(zip(params, num_outputs)):
+    for i, (p, num_output) in enumerate(zip(params, num_outputs)):
         if p.bad_words_token_ids:
             # vLLM's rule: a bad word's last token is banned when the output ends with the rest of it.
-            out = outputs[i] if outputs is not None else []
-            ids = {w[-1] for w in p.bad_words_token_ids
-                   if len(w) == 1 or len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:] == w[:-1]}
+            output = outputs[i] if outputs is not None else []
+            ids = {word[-1] for word in p.bad_words_token_ids if len(word) == 1
+                   or len(output) >= len(word) - 1 and output[len(output) - len(word) + 1:] == word[:-1]}
             ids = [t for t in ids if t < vocab_size]
             rows += [i] * len(ids)
             tokens += ids
-        if n >= p.min_tokens:
+        if num_output >= p.min_tokens:
             continue
         # EOS is banned even with ignore_eos: min_tokens promises that many real tokens.
         ids = {*p.stop_token_ids, *([] if eos_token_id is None else [eos_token_id])}
@@ -270,48 +251,48 @@ class Sampler:
     """
 
     def __call__(
-        self, logits: Tensor, md: SamplingMetadata
+        self, logits: Tensor, metadata: SamplingMetadata
     ) -> tuple[Tensor, list[SampledLogprobs | None] | None]:
         # Logprobs describe the model's own distribution (vLLM v1's default), so
         # they come from the raw logits, before any processing below.
-        raw_logprobs = None if md.max_num_logprobs is None else logits.log_softmax(-1)
-        logits = self.process_logits(logits, md)
-        if md.all_greedy:
+        raw_logprobs = None if metadata.max_num_logprobs is None else logits.log_softmax(-1)
+        logits = self.process_logits(logits, metadata)
+        if metadata.all_greedy:
             sampled = logits.argmax(-1)
         else:
-            sampled = _exponential_race(logits.softmax(-1), md.generators)
-            if md.greedy is not None:
-                sampled = torch.where(md.greedy, logits.argmax(-1), sampled)
+            sampled = _exponential_race(logits.softmax(-1), metadata.generators)
+            if metadata.greedy is not None:
+                sampled = torch.where(metadata.greedy, logits.argmax(-1), sampled)
         if raw_logprobs is None:
             return sampled, None
-        return sampled, _logprobs_out(raw_logprobs, sampled, md)
+        return sampled, _logprobs_out(raw_logprobs, sampled, metadata)
 
-    def process_logits(self, logits: Tensor, md: SamplingMetadata) -> Tensor:
+    def process_logits(self, logits: Tensor, metadata: SamplingMetadata) -> Tensor:
         """The logits random rows sample from (greedy rows: the logits they argmax)."""
-        if md.allowed is not None:
-            logits.masked_fill_(md.allowed, float("-inf"))
-        if md.bias is not None:
-            rows, tokens, values = md.bias
+        if metadata.allowed is not None:
+            logits.masked_fill_(metadata.allowed, float("-inf"))
+        if metadata.bias is not None:
+            rows, tokens, values = metadata.bias
             logits.index_put_((rows, tokens), values, accumulate=True)
-        if md.grammar is not None:
-            logits.masked_fill_(md.grammar, float("-inf"))
-        if md.banned is not None:
-            logits[md.banned] = float("-inf")
-        if md.penalties is not None:
-            logits = apply_penalties(logits, md.penalties)
-        if md.temperature is not None:
-            logits.div_(md.temperature.unsqueeze(1))
-        if md.min_p is not None:
-            apply_min_p(logits, md.min_p)
-        return apply_top_k_top_p(logits, md)
+        if metadata.grammar is not None:
+            logits.masked_fill_(metadata.grammar, float("-inf"))
+        if metadata.banned is not None:
+            logits[metadata.banned] = float("-inf")
+        if metadata.penalties is not None:
+            logits = apply_penalties(logits, metadata.penalties)
+        if metadata.temperature is not None:
+            logits.div_(metadata.temperature.unsqueeze(1))
+        if metadata.min_p is not None:
+            apply_min_p(logits, metadata.min_p)
+        return apply_top_k_top_p(logits, metadata)
 
 
-def apply_penalties(logits: Tensor, p: Penalties) -> Tensor:
-    rep = torch.where(p.seen, p.repetition.unsqueeze(1), 1.0)
+def apply_penalties(logits: Tensor, penalties: Penalties) -> Tensor:
+    repetition = torch.where(penalties.seen, penalties.repetition.unsqueeze(1), 1.0)
     # Dividing positive and multiplying negative logits both push a seen token down.
-    logits = torch.where(logits > 0, logits / rep, logits * rep)
-    logits -= p.frequency.unsqueeze(1) * p.output_counts
-    logits -= p.presence.unsqueeze(1) * (p.output_counts > 0)
+    logits = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits -= penalties.frequency.unsqueeze(1) * penalties.output_counts
+    logits -= penalties.presence.unsqueeze(1) * (penalties.output_counts > 0)
     return logits
 
 
@@ -321,23 +302,23 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> None:
     logits.masked_fill_(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: Tensor, md: SamplingMetadata) -> Tensor:
-    if md.top_p is None:
-        if md.top_k is not None:
+def apply_top_k_top_p(logits: Tensor, metadata: SamplingMetadata) -> Tensor:
+    if metadata.top_p is None:
+        if metadata.top_k is not None:
             # topk(max_top_k) is much cheaper than a full sort when every row's k is small.
-            k = md.top_k.unsqueeze(1)
-            kth = logits.topk(md.max_top_k, dim=-1).values.gather(1, k.clamp(max=md.max_top_k) - 1)
-            kth.masked_fill_(k > md.max_top_k, float("-inf"))  # top-k off: keep everything
+            k = metadata.top_k.unsqueeze(1)
+            kth = logits.topk(metadata.max_top_k, dim=-1).values.gather(1, k.clamp(max=metadata.max_top_k) - 1)
+            kth.masked_fill_(k > metadata.max_top_k, float("-inf"))  # top-k off: keep everything
             logits.masked_fill_(logits < kth, float("-inf"))
         return logits
     ascending, order = logits.sort(dim=-1)
-    if md.top_k is not None:
-        kth = ascending.gather(1, logits.size(1) - md.top_k.unsqueeze(1))
+    if metadata.top_k is not None:
+        kth = ascending.gather(1, logits.size(1) - metadata.top_k.unsqueeze(1))
         ascending.masked_fill_(ascending < kth, float("-inf"))
     # A token goes when the mass of the tokens less likely than it, itself
     # included, fits in 1 - p: what is left is the smallest set reaching p.
     cumulative = ascending.softmax(-1).cumsum(-1)
-    drop = cumulative <= 1 - md.top_p.unsqueeze(1)
+    drop = cumulative <= 1 - metadata.top_p.unsqueeze(1)
     drop[:, -1] = False  # the most likely token always stays
     ascending.masked_fill_(drop, float("-inf"))
     return logits.scatter_(1, order, ascending)
@@ -358,13 +339,13 @@ def _exponential_race(probs: Tensor, generators: dict[int, torch.Generator]) -> 
 
 
 def _logprobs_out(
-    raw_logprobs: Tensor, sampled: Tensor, md: SamplingMetadata
+    raw_logprobs: Tensor, sampled: Tensor, metadata: SamplingMetadata
 ) -> list[SampledLogprobs | None]:
-    top_values, top_ids = raw_logprobs.topk(md.max_num_logprobs, dim=-1)
+    top_values, top_ids = raw_logprobs.topk(metadata.max_num_logprobs, dim=-1)
     chosen = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
     # One transfer per tensor; per-row Python only touches plain lists.
-    chosen_l, values_l, ids_l = chosen.tolist(), top_values.tolist(), top_ids.tolist()
+    chosen_list, values_list, ids_list = chosen.tolist(), top_values.tolist(), top_ids.tolist()
     return [
-        None if k is None else SampledLogprobs(chosen_l[i], ids_l[i][:k], values_l[i][:k])
-        for i, k in enumerate(md.num_logprobs)
+        None if k is None else SampledLogprobs(chosen_list[i], ids_list[i][:k], values_list[i][:k])
+        for i, k in enumerate(metadata.num_logprobs)
     ]

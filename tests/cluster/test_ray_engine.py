@@ -136,6 +136,8 @@ def test_streaming_n_samples_reports_every_index(engine):
 
 
 def test_dropping_a_stream_mid_way_aborts_it_and_frees_its_blocks(engine):
+    steps_before = engine.stats().num_steps
+
     async def take_three_then_drop():
         stream = engine.generate("dropped", PROMPTS[3], greedy(150))
         got = [await anext(stream) for _ in range(3)]
@@ -145,10 +147,12 @@ def test_dropping_a_stream_mid_way_aborts_it_and_frees_its_blocks(engine):
     got = asyncio.run(asyncio.wait_for(take_three_then_drop(), WAIT_S))
     assert not any(d.finished for d in got)
     wait_until(lambda: is_drained(engine), "the dropped request's blocks are freed")
-    assert engine.request_steps(["dropped"])["dropped"].finish_reason == "abort"
+    assert engine.stats().num_steps - steps_before < 150  # aborted: its 150 tokens would take a step each
 
 
 def test_cancelling_a_consumer_aborts_its_request(engine):
+    steps_before = engine.stats().num_steps
+
     async def cancel_after_first_token():
         first = asyncio.Event()
 
@@ -164,7 +168,7 @@ def test_cancelling_a_consumer_aborts_its_request(engine):
 
     asyncio.run(asyncio.wait_for(cancel_after_first_token(), WAIT_S))
     wait_until(lambda: is_drained(engine), "the cancelled request's blocks are freed")
-    assert engine.request_steps(["cancelled"])["cancelled"].finish_reason == "abort"
+    assert engine.stats().num_steps - steps_before < 150  # aborted: its 150 tokens would take a step each
 
 
 def test_a_second_generate_with_a_running_id_is_refused_and_the_first_runs_on(engine, reference):
@@ -179,7 +183,10 @@ def test_a_second_generate_with_a_running_id_is_refused_and_the_first_runs_on(en
     assert [t for d in deltas for t in d.new_token_ids] == reference[1][:8] and deltas[-1].finished
 
 
-def test_a_new_request_joins_the_running_batch_at_the_next_step(engine):
+def test_a_new_request_joins_the_running_batch_while_others_decode(engine):
+    """(That it joins in the very step scheduled after it arrived: tests/cluster/test_scheduler_actor.py.)"""
+    deltas: list[tuple[str, bool]] = []  # (caller id, finished), in the order the callers received them
+
     async def scenario():
         late: list[asyncio.Task] = []
 
@@ -187,6 +194,7 @@ def test_a_new_request_joins_the_running_batch_at_the_next_step(engine):
             n = 0
             async for d in engine.generate(rid, prompt, params):
                 n += len(d.new_token_ids)
+                deltas.append((rid, d.finished))
                 if on_token:
                     on_token(n)
 
@@ -199,11 +207,8 @@ def test_a_new_request_joins_the_running_batch_at_the_next_step(engine):
         await late[0]
 
     asyncio.run(asyncio.wait_for(scenario(), 2 * WAIT_S))
-    steps = engine.request_steps(["A", "B", "C"])
-    a, c = steps["A"], steps["C"]
-    assert a.first_step < c.arrival_step < a.finish_step  # C arrived while A was decoding
-    assert c.first_step == c.arrival_step + 1  # ... and ran in the very next step
-    assert c.finish_step < a.finish_step  # ... not after A was done
+    after_c = {rid for rid, _ in deltas[deltas.index(("C", True)) + 1:]}
+    assert after_c == {"A", "B"}  # C, arriving while they decode, ran beside them instead of after them
 
 
 def run_mixed(engine, stop: int) -> dict:

@@ -66,17 +66,6 @@ def test_touch_and_free_keep_ref_counts_under_sharing():
     assert blk.ref_cnt == 0 and free_ids(pool)[-1] == 1
 
 
-def test_reset_prefix_cache_only_when_nothing_is_in_use():
-    pool = BlockPool(4)
-    blocks = pool.get_new_blocks(1)
-    h = hash_block_tokens(None, [7])
-    pool.cache_full_blocks(blocks, [h], 0, 1)
-    assert not pool.reset_prefix_cache()
-    pool.free_blocks(blocks)
-    assert pool.reset_prefix_cache()
-    assert pool.get_cached_block(h) is None and blocks[0].block_hash is None
-
-
 def test_hash_chain_depends_on_prefix_and_salt():
     h_a = hash_block_tokens(None, [1, 2, 3, 4])
     h_b = hash_block_tokens(None, [9, 9, 9, 9])

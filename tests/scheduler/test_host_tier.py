@@ -83,7 +83,7 @@ def test_full_host_tier_falls_back_to_recompute():
     while not sched.num_preemptions:
         step(sched, worker)
     assert not sched.swapped and sched.requests["c"].status == RequestStatus.PREEMPTED
-    assert sched.requests["c"].num_computed_tokens == 0 and "c" in sched.waiting.members
+    assert sched.requests["c"].num_computed_tokens == 0 and sched.requests["c"] in sched.waiting
     run_all(sched, worker)
 
 

@@ -389,7 +389,7 @@ def test_abort_of_a_parent_spares_an_unrelated_request_reusing_a_finished_child_
     assert sched.children == {}
 
 
-def test_abort_of_a_parent_aborts_parked_children():
+def test_abort_of_a_parent_aborts_deferred_children():
     sched, worker = make(block_size=4)
     sched.add_request("p", list(range(17)), params(n=2))
     outs = sched.abort("p")

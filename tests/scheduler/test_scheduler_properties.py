@@ -68,7 +68,7 @@ def check_invariants(sched: Scheduler) -> None:
     assert not {r for r, b in kv.req_to_blocks.items() if b} & set(kv.req_to_host_blocks)  # one tier per request
     assert {r.request_id for r in sched.swapped} == set(kv.req_to_host_blocks)
     for r in sched.swapped:
-        assert r.status == RequestStatus.PREEMPTED and r.request_id not in sched.waiting.members
+        assert r.status == RequestStatus.PREEMPTED and r not in sched.waiting
         assert 0 < r.num_computed_tokens <= len(kv.req_to_host_blocks[r.request_id]) * BLOCK
     refs = Counter()
     for rid, blocks in sched.kv.req_to_blocks.items():

@@ -72,9 +72,9 @@ def test_all_greedy_is_argmax():
     logits = torch.randn(4, V)
     params = [SamplingParams(temperature=0.0), SamplingParams(top_k=1, temperature=0.5),
               SamplingParams(temperature=0.0, top_p=0.5), SamplingParams(top_k=1)]
-    md = build(params)
-    sampled, logprobs = Sampler()(logits.clone(), md)
-    assert md.all_greedy and logprobs is None
+    metadata = build(params)
+    sampled, logprobs = Sampler()(logits.clone(), metadata)
+    assert metadata.all_greedy and logprobs is None
     assert sampled.tolist() == logits.argmax(-1).tolist()
 
 
@@ -82,10 +82,10 @@ def test_tiny_temperatures_take_the_greedy_path():
     # As fp32, 1e-40 is subnormal and 1e-50 is 0: dividing these logits by either overflows to inf and NaN.
     logits = LOGITS.flip(0).repeat(3, 1)  # the argmax is the last token, not the first positive one
     params = [SamplingParams(temperature=1e-40), SamplingParams(temperature=1e-50), SamplingParams(temperature=1.0)]
-    md = build(params)
-    assert md.greedy.tolist() == [True, True, False]
+    metadata = build(params)
+    assert metadata.greedy.tolist() == [True, True, False]
     for _ in range(5):
-        sampled, _ = Sampler()(logits.clone(), md)
+        sampled, _ = Sampler()(logits.clone(), metadata)
         assert sampled[:2].tolist() == [V - 1, V - 1]
     sampled, _ = Sampler()(logits[:2].clone(), build(params[:2]))
     assert sampled.tolist() == [V - 1, V - 1]
@@ -202,9 +202,8 @@ def test_repetition_presence_frequency_penalties_match_reference():
 
 def test_neutral_penalties_build_no_token_statistics():
     neutral = build([SamplingParams(), SamplingParams(temperature=0.0)], outputs=[[1, 1], [2]])
-    assert neutral.no_penalties and neutral.penalties is None
+    assert neutral.penalties is None
     one = build([SamplingParams(), SamplingParams(presence_penalty=0.1)], outputs=[[1, 1], [2]])
-    assert not one.no_penalties
     assert one.penalties.output_counts[0].tolist() == [0, 2] + [0] * (V - 2)
 
 
@@ -230,8 +229,8 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
               SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[stop], ignore_eos=True),
               SamplingParams(temperature=0.0, min_tokens=1)]  # EOS banned, its stop id is not
     outputs = [[0], [0, 1, 2], [], []]
-    md = build(params, outputs=outputs, eos=eos)
-    processed = Sampler().process_logits(logits.clone(), md)
+    metadata = build(params, outputs=outputs, eos=eos)
+    processed = Sampler().process_logits(logits.clone(), metadata)
     banned = {(0, eos), (0, stop), (2, eos), (2, stop), (3, eos)}
     for i in range(4):
         for t in range(V):
@@ -292,9 +291,9 @@ def test_logprobs_come_from_raw_logits():
 
 
 def test_no_logprobs_requested_returns_none():
-    md = build([SamplingParams(), SamplingParams(temperature=0.0)])
-    assert md.max_num_logprobs is None
-    assert Sampler()(torch.randn(2, V), md)[1] is None
+    metadata = build([SamplingParams(), SamplingParams(temperature=0.0)])
+    assert metadata.max_num_logprobs is None
+    assert Sampler()(torch.randn(2, V), metadata)[1] is None
 
 
 def test_logit_bias_and_allowed_token_ids_act_per_row():
@@ -314,9 +313,9 @@ def test_a_grammar_bitmask_leaves_only_its_tokens():
     # row 1: tokens 0, 5, 31 and 33 (the second 32-bit word); bit 31 makes the word negative as an int32
     bitmask = np.array([[(1 << 0) | (1 << 5) | -(1 << 31), 1 << 1]], dtype=np.int32)
     params = [SamplingParams(temperature=0)] * 3
-    md = build(params, vocab=40)
-    md.grammar = torch.from_numpy(unpack_banned(bitmask, [1], 3, 40))
-    logits = Sampler().process_logits(torch.randn(3, 40), md)
+    metadata = build(params, vocab=40)
+    metadata.grammar = torch.from_numpy(unpack_banned(bitmask, [1], 3, 40))
+    logits = Sampler().process_logits(torch.randn(3, 40), metadata)
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [0, 5, 31, 33]
     assert torch.isfinite(logits[[0, 2]]).all()
 
@@ -324,6 +323,6 @@ def test_a_grammar_bitmask_leaves_only_its_tokens():
 def test_bad_words_ban_the_token_that_would_complete_them():
     params = [SamplingParams(temperature=0, bad_words_token_ids=[[0], [4, 5, 1]])] * 3
     outputs = [[], [4], [7, 4, 5]]  # row 2 has written all of [4, 5, 1] but its last token
-    md = SamplingMetadata.build(params, [None] * 3, [len(o) for o in outputs], None, V, "cpu", None, outputs)
-    logits = Sampler().process_logits(LOGITS.repeat(3, 1), md)
+    metadata = SamplingMetadata.build(params, [None] * 3, [len(o) for o in outputs], None, V, "cpu", None, outputs)
+    logits = Sampler().process_logits(LOGITS.repeat(3, 1), metadata)
     assert [torch.isinf(row).nonzero().flatten().tolist() for row in logits] == [[0], [0], [0, 1]]

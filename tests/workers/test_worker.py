@@ -94,7 +94,7 @@ def test_profile_runs_the_sampler_at_full_width_with_every_feature(tiny_model_di
     worker.profile_forward()
     md = seen["md"]
     assert seen["rows"] == 96  # max_num_seqs rows, though the forward had 80 tokens
-    assert not (md.all_greedy or md.no_penalties or md.no_top_k or md.no_top_p or md.no_min_p)
+    assert all(stage is not None for stage in (md.temperature, md.penalties, md.top_k, md.top_p, md.min_p))
     assert md.max_num_logprobs == 20 and md.generators
     assert md.penalties.output_counts.shape == (96, worker.spec.vocab_size)
 
