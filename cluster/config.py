@@ -69,6 +69,8 @@ class EngineConfig(BaseModel):
     long_prefill_token_threshold: int = Field(0, ge=0, description="a prefill chunk's largest size, so that "
                                               "decodes keep running beside long prompts (0: the step's budget)")
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
+    enable_chunked_prefill: bool = Field(True, description="split long prompts over several steps (off: a prompt "
+                                         "is computed in one step, so max_num_batched_tokens must hold max_model_len)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="CUDA: the share of each GPU's memory "
                                           "the engine may take; what the weights and activations leave is KV cache")
     kv_cache_bytes: int = Field(GIB, ge=1, description="CPU: the KV cache's size in bytes per rank",
@@ -180,11 +182,20 @@ class EngineConfig(BaseModel):
 
     def scheduler_config(self, num_blocks: int, max_model_len: int, num_host_blocks: int = 0,
                          swap_cost_per_block: float = 1.0) -> SchedulerConfig:
+        """The scheduler's config, once the ranks have sized the pools and the model's length is known: the checks
+        that need those numbers are made here."""
+        if self.preemption_mode == "swap" and num_host_blocks < 2:
+            raise ValueError(f"preemption_mode='swap' needs a host tier, but swap_space={self.swap_space:g} GiB holds "
+                             f"{num_host_blocks} KV blocks per rank (at least 2 are needed): raise swap_space")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is invalid: without chunked "
+                             f"prefill it must be >= max_model_len={max_model_len}")
         return SchedulerConfig(
             num_blocks=num_blocks, block_size=self.block_size, max_model_len=max_model_len,
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
-            enable_prefix_caching=self.enable_prefix_caching, policy=self.scheduling_policy,
+            enable_prefix_caching=self.enable_prefix_caching, enable_chunked_prefill=self.enable_chunked_prefill,
+            policy=self.scheduling_policy,
             num_host_blocks=num_host_blocks, swap_cost_per_block=swap_cost_per_block,
             preemption_mode=self.preemption_mode)
 

@@ -18,42 +18,23 @@ from scheduler.waiting_queue import WAITING_QUEUES
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    """Limits of one engine's scheduler. ``num_blocks`` includes the null block 0."""
+    """Limits of one engine's scheduler. ``num_blocks`` includes the null block 0. cluster's EngineConfig declares
+    and checks every user-facing value and fills in the rest (the pools' sizes, measured by the ranks), so nothing
+    here has a default or a check of its own."""
 
     num_blocks: int
-    block_size: int = 16
-    max_model_len: int = 2048
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    long_prefill_token_threshold: int = 0  # 0: a prefill chunk is limited only by the budget
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"  # or "priority": lower value runs first, ties by arrival
-    num_host_blocks: int = 0  # the host tier, including its unused block 0; 0: no host tier
-    preemption_mode: str = "auto"  # "recompute", "swap" (to the host tier) or "auto" (see Scheduler._swap_pays)
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    long_prefill_token_threshold: int  # 0: a prefill chunk is limited only by the budget
+    enable_prefix_caching: bool
+    enable_chunked_prefill: bool
+    policy: str  # "fcfs", or "priority": lower value runs first, ties by arrival
+    num_host_blocks: int  # the host tier, including its unused block 0; 0: no host tier
+    preemption_mode: str  # "recompute", "swap" (to the host tier) or "auto" (see Scheduler._swap_pays)
     # The time to copy one block to the host tier and back, in units of the time to compute one token.
-    swap_cost_per_block: float = 1.0
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 1")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold} is invalid: must be >= 0")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy={self.policy!r} is invalid: must be 'fcfs' or 'priority'")
-        if self.preemption_mode not in ("recompute", "swap", "auto"):
-            raise ValueError(f"preemption_mode={self.preemption_mode!r} is invalid: must be 'recompute', 'swap' "
-                             f"or 'auto'")
-        if self.preemption_mode == "swap" and self.num_host_blocks < 2:
-            raise ValueError(f"preemption_mode='swap' needs a host tier, but num_host_blocks={self.num_host_blocks} "
-                             f"(set swap_space_bytes)")
-        if self.num_host_blocks == 1 or self.num_host_blocks < 0:
-            raise ValueError(f"num_host_blocks={self.num_host_blocks} is invalid: 0 (no host tier) or >= 2")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} is invalid: without chunked prefill it "
-                f"must be >= max_model_len={self.max_model_len}")
+    swap_cost_per_block: float
 
 
 @dataclass(slots=True)

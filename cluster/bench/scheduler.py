@@ -7,15 +7,16 @@ import random
 import statistics
 import time
 
-from scheduler import ModelRunnerOutput, SamplingParams, Scheduler, SchedulerConfig
+from cluster.config import EngineConfig
+from scheduler import ModelRunnerOutput, SamplingParams, Scheduler
 from scheduler.block_pool import BlockPool
 
 
 def _decode_step_times(num_requests: int, prompt_len: int, block_size: int, steps: int) -> list[float]:
     num_blocks = num_requests * ((prompt_len + steps + 8) // block_size + 2) + 1
-    cfg = SchedulerConfig(num_blocks=num_blocks, block_size=block_size, max_model_len=prompt_len + 4096,
-                          max_num_seqs=num_requests, max_num_batched_tokens=max(8192, prompt_len),
-                          enable_prefix_caching=True)
+    engine = EngineConfig(device="cpu", block_size=block_size, max_num_seqs=num_requests,
+                          max_num_batched_tokens=max(8192, prompt_len))
+    cfg = engine.scheduler_config(num_blocks, prompt_len + 4096)
     sched = Scheduler(cfg, eos_token_id=0)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=4096, ignore_eos=True)

@@ -61,3 +61,14 @@ def test_generation_config_names_auto_vllm_or_a_directory(tmp_path):
         EngineConfig(generation_config="nowhere")
     (tmp_path / "generation_config.json").write_text("{}")
     assert EngineConfig(generation_config=str(tmp_path)).generation_config == str(tmp_path)
+
+
+def test_checks_that_need_the_ranks_numbers_are_made_when_the_scheduler_is_configured():
+    config = EngineConfig(device="cpu", swap_space=1 / 1024, preemption_mode="swap")
+    with pytest.raises(ValueError, match=r"preemption_mode='swap' needs a host tier, but swap_space=0.000976562 GiB "
+                                         r"holds 1 KV blocks per rank"):
+        config.scheduler_config(9, 64, num_host_blocks=1)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=64 is invalid: without chunked prefill it must be "
+                                         ">= max_model_len=128"):
+        EngineConfig(device="cpu", enable_chunked_prefill=False, max_num_batched_tokens=64).scheduler_config(9, 128)
+    assert not EngineConfig(device="cpu", enable_chunked_prefill=False).scheduler_config(9, 64).enable_chunked_prefill

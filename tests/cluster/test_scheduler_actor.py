@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.scheduler_actor import SchedulerActor, _Outbox
-from scheduler import RequestOutput, SamplingParams, SchedulerConfig
+from scheduler import RequestOutput, SamplingParams
+from tests.scheduler.configs import scheduler_config
 from workers.no_work import NoWorkRunner
 
 
@@ -70,7 +71,7 @@ async def started_actor(async_scheduling: bool = True, hang_at: int | None = Non
     actor = SchedulerActor([], eos_token_id=None)
     rank = FakeRank(actor, hang_at)
     actor.workers = [rank]
-    await actor.start(SchedulerConfig(num_blocks=64, block_size=4, max_num_seqs=8), step_timeout_s=0.5,
+    await actor.start(scheduler_config(64, block_size=4, max_num_seqs=8), step_timeout_s=0.5,
                       async_scheduling=async_scheduling)
     return actor, rank
 

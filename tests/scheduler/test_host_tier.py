@@ -2,13 +2,14 @@
 
 import pytest
 
-from scheduler import RequestStatus, Scheduler, SchedulerConfig
+from scheduler import RequestStatus, Scheduler
+from tests.scheduler.configs import scheduler_config
 from tests.scheduler.fake_worker import FakeWorker
 from tests.scheduler.test_scheduler import EOS, params, run_all, step
 
 
 def make(num_blocks=10, block_size=4, num_host_blocks=32, **kw) -> tuple[Scheduler, FakeWorker]:
-    cfg = SchedulerConfig(num_blocks=num_blocks, block_size=block_size, num_host_blocks=num_host_blocks, **kw)
+    cfg = scheduler_config(num_blocks, block_size=block_size, num_host_blocks=num_host_blocks, **kw)
     return Scheduler(cfg, eos_token_id=EOS), FakeWorker(block_size, num_blocks, eos_token_id=EOS,
                                                         num_host_blocks=num_host_blocks)
 
@@ -121,11 +122,3 @@ def test_evicted_prefix_comes_back_from_the_host_tier():
     assert all(sched.kv.block_pool.get_cached_block(h) is not None for h in again.block_hashes[:3])
     run_all(sched, worker)
 
-
-def test_bad_tier_settings_are_named():
-    with pytest.raises(ValueError, match="preemption_mode='sometimes' is invalid"):
-        SchedulerConfig(num_blocks=4, preemption_mode="sometimes")
-    with pytest.raises(ValueError, match="preemption_mode='swap' needs a host tier, but num_host_blocks=0"):
-        SchedulerConfig(num_blocks=4, preemption_mode="swap")
-    with pytest.raises(ValueError, match="num_host_blocks=1 is invalid"):
-        SchedulerConfig(num_blocks=4, num_host_blocks=1)

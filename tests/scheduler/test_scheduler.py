@@ -4,14 +4,15 @@ from pathlib import Path
 
 import pytest
 
-from scheduler import RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from scheduler import RequestStatus, SamplingParams, Scheduler
+from tests.scheduler.configs import scheduler_config
 from tests.scheduler.fake_worker import FakeState, FakeWorker
 
 EOS = 999
 
 
 def make(num_blocks=64, block_size=4, **kw) -> tuple[Scheduler, FakeWorker]:
-    cfg = SchedulerConfig(num_blocks=num_blocks, block_size=block_size, **kw)
+    cfg = scheduler_config(num_blocks, block_size=block_size, **kw)
     return Scheduler(cfg, eos_token_id=EOS), FakeWorker(block_size, num_blocks, eos_token_id=EOS)
 
 
@@ -331,7 +332,7 @@ def test_infeasible_requests_finish_at_once_with_a_reason():
     ({"ignore_eos": False, "min_tokens": 7}, 8, "length"),  # EOS before min_tokens does not stop
 ])
 def test_stop_rules(kw, expect_len, reason):
-    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4), eos_token_id=EOS)
+    sched = Scheduler(scheduler_config(64, block_size=4), eos_token_id=EOS)
     worker = FakeWorker(4, 64, eos_token_id=EOS, eos_every=10)
     sched.add_request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=8, **kw))
     tokens, why = run_all(sched, worker)[("r", 0)]

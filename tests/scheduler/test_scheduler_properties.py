@@ -19,8 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler import RequestStatus, SamplingParams, Scheduler, SchedulerConfig
+from scheduler import RequestStatus, SamplingParams, Scheduler
 from scheduler.block_pool import BlockPool
+from tests.scheduler.configs import scheduler_config
 from tests.scheduler.fake_worker import FakeState, FakeWorker
 
 BLOCK = 4
@@ -110,7 +111,7 @@ tiers = st.sampled_from([(0, "auto", 1.0), (0, "recompute", 1.0), (6, "swap", 1.
        caching=st.booleans(), threshold=st.sampled_from([0, 5]), tier=tiers, pipelined=st.booleans())
 def test_random_histories_keep_the_pool_consistent(history, policy, caching, threshold, tier, pipelined):
     num_host_blocks, mode, swap_cost = tier
-    cfg = SchedulerConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK, max_model_len=MAX_MODEL_LEN, max_num_seqs=6,
+    cfg = scheduler_config(NUM_BLOCKS, block_size=BLOCK, max_model_len=MAX_MODEL_LEN, max_num_seqs=6,
                           max_num_batched_tokens=24, long_prefill_token_threshold=threshold,
                           enable_prefix_caching=caching, policy=policy, num_host_blocks=num_host_blocks,
                           preemption_mode=mode, swap_cost_per_block=swap_cost)

@@ -1,14 +1,15 @@
 """The no-work runner (benchmarking only) keeps the scheduler's contract: it samples exactly when the
 scheduler expects a token, through chunked prefill, preemption and resumption, and stays deterministic."""
 
-from scheduler import SamplingParams, Scheduler, SchedulerConfig
+from scheduler import SamplingParams, Scheduler
+from tests.scheduler.configs import scheduler_config
 from workers.no_work import NoWorkRunner
 
 VOCAB = 49152
 
 
 def run(num_blocks: int, prompts: dict[str, list[int]], max_tokens: int, chunk: int = 0) -> tuple[dict, int]:
-    sched = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=4, max_model_len=256, max_num_seqs=8,
+    sched = Scheduler(scheduler_config(num_blocks, block_size=4, max_model_len=256, max_num_seqs=8,
                                       max_num_batched_tokens=64, long_prefill_token_threshold=chunk,
                                       enable_prefix_caching=True), eos_token_id=0)
     runner = NoWorkRunner(VOCAB)
@@ -44,7 +45,7 @@ def test_preemption_and_resumption_give_the_same_tokens():
 
 
 def test_only_rank_0_returns_tokens():
-    sched = Scheduler(SchedulerConfig(num_blocks=16, block_size=4, max_model_len=64, max_num_seqs=2,
+    sched = Scheduler(scheduler_config(16, block_size=4, max_model_len=64, max_num_seqs=2,
                                       max_num_batched_tokens=64, enable_prefix_caching=False), eos_token_id=0)
     sched.add_request("a", [5, 6, 7], SamplingParams(max_tokens=2))
     so = sched.schedule()
