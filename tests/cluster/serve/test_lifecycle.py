@@ -7,6 +7,7 @@ it starts (Ray's daemons and workers, HAProxy) inherits the session whatever its
 re-parented, so an orphan is found without knowing its name."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 
 from cluster.serve.drain import CODE
 from cluster.serve.ingress import HAPROXY_PORT_ENV
+from cluster.serve.lifecycle import write_launcher
 from tests.cluster.serve.test_server import free_port
 
 DRAIN_TIMEOUT_S = 4.0
@@ -57,6 +59,35 @@ def tree(pid: int) -> set[int]:
         found.add(p := todo.pop())
         todo += children.get(p, [])
     return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_haproxy_launcher_dies_with_the_process_that_started_it(tmp_path, monkeypatch):
+    """As Serve's HAProxyManager actor starts HAProxy, a parent starts the launcher (here for `sleep`), then is
+    killed: the kernel kills what the launcher became."""
+    monkeypatch.setenv("RAYLM_CACHE_DIR", str(tmp_path))
+    sleep = shutil.which("sleep")
+    launcher = write_launcher(sleep)
+    assert write_launcher(sleep) == launcher, "a second server must find the launcher written, not a new one"
+    start = f"import subprocess; p = subprocess.Popen([{str(launcher)!r}, '600']); print(p.pid, flush=True); p.wait()"
+    parent = subprocess.Popen([sys.executable, "-c", start], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    deadline = time.monotonic() + 30
+    while not Path(f"/proc/{child}/cmdline").read_bytes().startswith(sleep.encode()):  # exec'd: sleep itself
+        assert time.monotonic() < deadline and alive(child), "the launcher did not become its program"
+        time.sleep(0.05)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while alive(child):
+        assert time.monotonic() < deadline, "the launched program outlived its parent by 10 s"
+        time.sleep(0.05)
 
 
 class RaylmServe:
@@ -214,7 +245,7 @@ def _replica_loading(server: RaylmServe) -> bool:
 @pytest.mark.parametrize(("when", "signals", "status", "said"), [
     (_has_child, [signal.SIGTERM], 0, "raylm: SIGTERM: stopping; it was still starting"),
     (_replica_loading, [signal.SIGINT], 0, "raylm: SIGINT: stopping; it was still starting"),
-    (_replica_loading, [signal.SIGTERM, signal.SIGTERM], 128 + signal.SIGTERM, "raylm: SIGTERM again: stopping at once"),
+    (_replica_loading, [signal.SIGTERM] * 2, 128 + signal.SIGTERM, "raylm: SIGTERM again: stopping at once"),
 ], ids=["ray-starting", "replica-loading", "replica-loading-twice"])
 def test_a_stop_signal_during_start_up_stops_it_leaving_nothing(model, tmp_path, when, signals, status, said):
     server = RaylmServe(model, free_port(), tmp_path / "serve.log")
