@@ -74,8 +74,11 @@ def haproxy_dies_with_its_parent() -> None:
     """Have the Ray about to start here run Serve's HAProxy (the operator's RAY_SERVE_HAPROXY_BINARY_PATH, else
     Serve's own) through a launcher that ties it to its parent. Call before Ray starts: its processes inherit
     the environment."""
+    from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
     from ray.serve._private.haproxy import _resolve_haproxy_binary  # Serve's own choice, and its error if none
 
+    if not (RAY_SERVE_ENABLE_HA_PROXY and sys.platform.startswith("linux")):  # no HAProxy, or no prctl
+        return
     haproxy = _resolve_haproxy_binary()
     if Path(haproxy).parent == _launcher_dir():  # a second start in this process: already ours
         return
