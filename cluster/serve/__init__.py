@@ -6,7 +6,8 @@ Where things are: ``app.py`` the application's options, assembly and start; ``se
 (routes, validation); ``generation.py`` one request's engine deltas turned into text; ``formats.py`` the
 SSE chunks and responses; ``http_io.py`` body reading and JSON responses; ``grpc_status.py`` the gRPC status
 mapping; ``protocol.py`` the request and response models; ``detokenize.py`` incremental text and stop
-strings; ``metrics.py`` Prometheus; ``ingress.py`` the Ray Serve settings of the streaming path.
+strings; ``metrics.py`` Prometheus; ``ingress.py`` the Ray Serve settings of the streaming path;
+``lifecycle.py`` stop signals and HAProxy's lifetime; ``drain.py`` a stopping replica's drain.
 """
 
 from cluster.serve.ingress import use_fast_ingress

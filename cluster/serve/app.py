@@ -14,9 +14,11 @@ from typing import Any
 import ray
 from ray import serve
 from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
+from ray.serve.context import _get_global_client
 from ray.serve.exceptions import RayServeException
 
 from cluster.ray_engine import connect, engine_bundles, starts_local_ray
+from cluster.serve.lifecycle import StopSignals, haproxy_dies_with_its_parent
 from cluster.serve.options import REPLICA_CPUS, AppArgs, deployment_options, uses_prefix_cache_router
 from cluster.serve.router import RouteServer
 from cluster.serve.server import LLMServer
@@ -42,7 +44,18 @@ def build_app(args: dict[str, Any] | AppArgs) -> serve.Application:
 def start(args: AppArgs, *, address: str | None = None, host: str = "127.0.0.1", port: int = 8000,
           grpc_port: int = 9000, timeout_s: float = 900.0) -> str:
     """Start or join Ray, deploy the app with Serve's HTTP and gRPC proxies, and return the URL once /health answers."""
-    cfg = args.engine
+    start_ray(args, address, host, port, grpc_port)
+    check_serve_ports(host, port, grpc_port, joined=not starts_local_ray(address))
+    serve.start(http_options={"host": host, "port": port},
+                grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
+    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    wait_healthy(url, timeout_s)
+    return url
+
+
+def start_ray(args: AppArgs, address: str | None, host: str, port: int, grpc_port: int) -> None:
+    """Join the cluster at ``address``, or start a Ray of our own set up for serving; nothing if Ray is up."""
     if starts_local_ray(address) and not ray.is_initialized():
         # Nothing of ours can hold the ports yet: a taken one is another process's, and HAProxy would only find
         # out once Ray and Serve are up, as a Ray traceback. (A cluster joined may hold them with its own Serve.)
@@ -52,14 +65,30 @@ def start(args: AppArgs, *, address: str | None = None, host: str = "127.0.0.1",
         # Without this, every scale-down and `raylm serve`'s Ctrl-C waits 30 s even when idle. Set before Ray
         # starts: its controller and replicas read it at import.
         os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", str(LOCAL_MIN_DRAINING_PERIOD_S))
+        haproxy_dies_with_its_parent()  # else a killed raylm leaves HAProxy holding the port (lifecycle.py)
     # A local Ray gets logical CPUs for every replica's reservations (engine_bundles plus the replica's own).
-    connect(address, args.max_replicas * (REPLICA_CPUS + sum(b.get("CPU", 0) for b in engine_bundles(cfg, False))))
-    serve.start(http_options={"host": host, "port": port},
-                grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
-    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-    wait_healthy(url, timeout_s)
-    return url
+    engine_cpus = sum(b.get("CPU", 0) for b in engine_bundles(args.engine, False))
+    connect(address, args.max_replicas * (REPLICA_CPUS + engine_cpus))
+
+
+def check_serve_ports(host: str, port: int, grpc_port: int, *, joined: bool) -> None:
+    """Raise ValueError naming both ports when Serve already runs in this Ray and listens elsewhere than asked:
+    serve.start would keep its ports with only a log line, and /health would be awaited where nobody listens."""
+    try:
+        client = _get_global_client()  # no public way to read a running Serve's options
+    except RayServeException:  # no Serve yet
+        return
+    http = client.http_config
+    grpc = ray.get(client._controller.get_grpc_config.remote())
+    if (http.host, http.port, grpc.port) == (host, port, grpc_port):
+        return
+    asked, running = (f"--host {h} --port {p} --grpc-port {g}" for h, p, g in
+                      ((host, port, grpc_port), (http.host, http.port, grpc.port)))
+    if joined:
+        raise ValueError(f"{asked}: the cluster's Serve already listens at {running}, and Serve keeps the ports "
+                         f"it started with: pass those, or stop its Serve first (`serve shutdown`)")
+    raise ValueError(f"{asked}: Serve, started earlier in this process, already listens at {running}, and Serve "
+                     f"keeps the ports it started with: ask for those, or stop it first (serve.shutdown())")
 
 
 def check_ports_free(host: str, ports: dict[str, int]) -> None:
@@ -94,30 +123,77 @@ def wait_healthy(url: str, timeout_s: float) -> None:
 
 
 def serve_until_interrupted(args: AppArgs, *, address: str | None, host: str, port: int, grpc_port: int) -> None:
-    """`raylm serve`: deploy, print where, and keep serving until Ctrl-C (which deletes the app)."""
-    # A process manager's stop (SIGTERM), or Ctrl-C from a shell that started us in the background, is a Ctrl-C.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.default_int_handler)
+    """`raylm serve`: deploy, print where, and keep serving until Ctrl-C or SIGTERM, which drain the app, stop
+    what this process started and return (exit status 0); a second one stops at once (SystemExit 130 or 143).
+    A failed start stops what it started, then raises."""
+    signals = StopSignals()
+    signals.install()
+    own_ray = starts_local_ray(address) and not ray.is_initialized()
+    deployed = serving = False
     try:
-        # Ctrl-C while starting stops too: on a cluster joined, an app left deploying would serve on unseen.
+        _start_ray(args, address, host, port, grpc_port, signals)
+        check_serve_ports(host, port, grpc_port, joined=not starts_local_ray(address))
+        # From here a stop deletes the app: on a cluster joined, an app left deploying would serve on unseen.
+        deployed = True
         url = start(args, address=address, host=host, port=port, grpc_port=grpc_port)
+        serving = True
         print(f"raylm: serving {args.model_name} at {url}/v1 (OpenAI API) and gRPC on port {grpc_port}; "
-              f"Ctrl-C stops", flush=True)
+              f"Ctrl-C or SIGTERM stops", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        print(f"raylm: stopping; requests in flight get up to drain_timeout_s={args.drain_timeout_s:g} s "
-              f"(Ctrl-C again stops at once)", flush=True)
-        stop_serving(address)
+        what = (f"requests in flight get up to drain_timeout_s={args.drain_timeout_s:g} s" if serving else
+                "it was still starting")
+        print(f"raylm: {signals.name()}: stopping; {what} (a second Ctrl-C or SIGTERM stops at once)", flush=True)
+        _stop(address, deployed, own_ray, signals)
+        print("raylm: stopped", flush=True)
+    except BaseException:
+        _stop(address, deployed, own_ray, signals)
+        raise
 
 
-def stop_serving(address: str | None) -> None:
-    """Delete the app, then shut Serve down if the Ray is our own. Nothing to do before Ray or Serve started."""
+def _start_ray(args: AppArgs, address: str | None, host: str, port: int, grpc_port: int,
+               signals: StopSignals) -> None:
+    """start_ray, a stop signal during it included, with our signal handlers in place again after."""
+    try:
+        start_ray(args, address, host, port, grpc_port)
+    except SystemExit as e:
+        if e.code != signal.SIGTERM:
+            raise
+        # ray.init's own SIGTERM handler, sys.exit(SIGTERM), was in place while it ran.
+        signals.received.append(signal.SIGTERM)
+        raise KeyboardInterrupt from None
+    finally:
+        signals.install()  # over ray.init's (lifecycle.StopSignals says why)
+
+
+def _stop(address: str | None, deployed: bool, own_ray: bool, signals: StopSignals) -> None:
+    """stop_serving and end a Ray this process started, unless a stop signal interrupts: then stop at once,
+    with the shell's status for that signal. Either way a further signal ends the process at once."""
+    try:
+        stop_serving(address, deployed=deployed)
+        if own_ray:
+            ray.shutdown()
+    except KeyboardInterrupt:
+        signals.restore_defaults()
+        print(f"raylm: {signals.name()} again: stopping at once; streams in flight are cut", flush=True)
+        if deployed and not own_ray and ray.is_initialized():
+            with contextlib.suppress(Exception):  # the cluster drains and deletes the app without us
+                serve.delete(APP_NAME, _blocking=False)
+        # A Ray of our own ends with this process: ray.shutdown at exit, and the kernel for what it misses.
+        raise SystemExit(signals.exit_status()) from None
+    signals.restore_defaults()
+
+
+def stop_serving(address: str | None, *, deployed: bool = True) -> None:
+    """Delete the app (if this process deployed it), then shut Serve down if the Ray is our own. Nothing to do
+    before Ray or Serve started."""
     if not ray.is_initialized():
         return
     # Deleting the app drains its replicas (cluster/serve/drain.py) while HAProxy still carries their streams;
     # serve.shutdown alone would take HAProxy down with them and cut every stream without a word.
-    with contextlib.suppress(RayServeException):  # no Serve controller yet: no app either
-        serve.delete(APP_NAME)
+    if deployed:
+        with contextlib.suppress(RayServeException):  # no Serve controller yet: no app either
+            serve.delete(APP_NAME)
     if starts_local_ray(address):
         serve.shutdown()  # our own Ray: stop HAProxy too, before Ray's exit kills its manager under it

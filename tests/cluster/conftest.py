@@ -12,6 +12,7 @@ import ray
 # The session's Ray serves through the same ingress as `raylm serve` (HAProxy, replicas serving HTTP), whose
 # settings Ray's processes read from the environment they start with.
 import cluster.serve  # noqa: F401
+from cluster.serve.lifecycle import haproxy_dies_with_its_parent
 
 # Logical CPUs only count reservations (the engine sets torch threads from the real cores): 8 hold
 # two tp=2 engines at once (1 scheduler + 2 rank bundles each) on these 2-core machines.
@@ -28,6 +29,7 @@ os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 def ray_session():
     """Start the session's local Ray on first use; reuse it if something already started one."""
     if not ray.is_initialized():
+        haproxy_dies_with_its_parent()  # a killed test run leaves no HAProxy holding a port, as raylm serve
         ray.init(num_cpus=SESSION_CPUS, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()

@@ -10,8 +10,8 @@ import pytest
 
 from cluster.bench.soak import KINDS, check, soak
 from cluster.config import EngineConfig
-from cluster.serve import AppArgs, start
-from tests.cluster.serve.test_server import free_port, stop_serve
+from cluster.serve import AppArgs
+from tests.cluster.serve.test_server import free_port, serving
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -27,9 +27,8 @@ def server(request, servable_tiny_model):
     args = AppArgs(engine=EngineConfig(model=path, kv_cache_bytes=16 << 20, num_threads=1, max_num_seqs=16,
                                        scheduling_policy=request.param),
                    served_model_name=MODEL)
-    url = start(args, host="127.0.0.1", port=free_port(), grpc_port=free_port())
-    yield url, request.param
-    stop_serve()
+    with serving(args, host="127.0.0.1", port=free_port(), grpc_port=free_port()) as url:
+        yield url, request.param
 
 
 def test_a_soak_leaves_no_5xx_no_leak_and_bounded_memory(server):

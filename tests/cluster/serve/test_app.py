@@ -4,11 +4,12 @@ import os
 import socket
 
 import pytest
+from ray import serve
 
 from cluster.config import EngineConfig
 from cluster.serve import app
 from cluster.serve.options import AppArgs
-from tests.cluster.serve.test_server import free_port
+from tests.cluster.serve.test_server import free_port, stop_serve
 
 MIN_DRAINING = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 
@@ -71,3 +72,23 @@ def test_joining_a_cluster_leaves_the_ports_to_it(monkeypatch):
     # The cluster's own Serve may hold them already: a redeploy joins it.
     with socket.create_server(("127.0.0.1", 0)) as held:
         _start_until_ray_starts(monkeypatch, "10.0.0.1:6379", port=held.getsockname()[1])
+
+
+def test_a_start_asking_other_ports_than_a_running_serve_is_refused_at_once_naming_both(ray_session):
+    # serve.start would keep the running Serve's ports with only a log line, and start() would then wait for
+    # /health where nobody listens (up to its 900 s). A cluster joined: the user is told the cluster's ports.
+    http, grpc = free_port(), free_port()
+    stop_serve()
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http},
+                    grpc_options={"port": grpc, "grpc_servicer_functions": [app.GRPC_SERVICER]})
+        asked = free_port()
+        running = f"--host 127.0.0.1 --port {http} --grpc-port {grpc}"
+        with pytest.raises(ValueError, match=f"^--host 127.0.0.1 --port {asked} --grpc-port {grpc}: Serve, started "
+                                             f"earlier in this process, already listens at {running}, "):
+            app.start(AppArgs(engine=EngineConfig(model="/m")), port=asked, grpc_port=grpc)
+        with pytest.raises(ValueError, match=f"the cluster's Serve already listens at {running}, .*pass those"):
+            app.check_serve_ports("127.0.0.1", http, asked, joined=True)
+        app.check_serve_ports("127.0.0.1", http, grpc, joined=True)  # its own ports: a redeploy goes ahead
+    finally:
+        stop_serve()

@@ -61,10 +61,10 @@ def test_load_starts_a_second_replica_that_serves_and_idle_scales_back(default_m
     options = deployment_options(args)
     options["autoscaling_config"] |= FAST
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(LLMServer.options(**options).bind(args), name=APP_NAME, route_prefix="/")
     url = f"http://127.0.0.1:{port}"
-    try:
+    try:  # a failed start is stopped too: a Serve left running keeps its ports, and later starts are refused
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(LLMServer.options(**options).bind(args), name=APP_NAME, route_prefix="/")
         assert running_replicas() == 1
         stop = threading.Event()
 

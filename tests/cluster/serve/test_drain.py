@@ -17,12 +17,12 @@ import pytest
 from ray import serve
 
 from cluster.config import EngineConfig
-from cluster.serve import AppArgs, serve_until_interrupted, start
+from cluster.serve import AppArgs, serve_until_interrupted
 from cluster.serve.admission import Admission
 from cluster.serve.app import APP_NAME
 from cluster.serve.drain import CODE, MARGIN_S, Drain
 from cluster.serve.protocol import APIError
-from tests.cluster.serve.test_server import free_port, stop_serve
+from tests.cluster.serve.test_server import free_port, serving, stop_serve
 
 DRAIN_TIMEOUT_S = 4.0
 MAX_MODEL_LEN = 16384
@@ -37,8 +37,8 @@ def app_args(servable_tiny_model) -> AppArgs:
 
 @pytest.fixture(scope="module")
 def url(ray_session, servable_tiny_model):
-    yield start(app_args(servable_tiny_model), host="127.0.0.1", port=free_port(), grpc_port=free_port())
-    stop_serve()
+    with serving(app_args(servable_tiny_model), host="127.0.0.1", port=free_port(), grpc_port=free_port()) as url:
+        yield url
 
 
 async def stream(client: httpx.AsyncClient, url: str, max_tokens: int, events: list[tuple[float, str]],

@@ -17,8 +17,8 @@ import pytest
 
 from cluster.bench.soak import descendant_pids, engine_gauges
 from cluster.config import EngineConfig
-from cluster.serve import AppArgs, start
-from tests.cluster.serve.test_server import free_port, stop_serve
+from cluster.serve import AppArgs
+from tests.cluster.serve.test_server import free_port, serving
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -39,9 +39,8 @@ def url(servable_tiny_model):
     args = AppArgs(engine=EngineConfig(model=path, max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 << 20, num_threads=1,
                                        step_timeout_s=STEP_TIMEOUT_S),
                    request_timeout_s=REQUEST_TIMEOUT_S, health_check_period_s=HEALTH_CHECK_PERIOD_S)
-    url = start(args, host="127.0.0.1", port=free_port(), grpc_port=free_port())
-    yield url
-    stop_serve()
+    with serving(args, host="127.0.0.1", port=free_port(), grpc_port=free_port()) as url:
+        yield url
 
 
 def only_pid(title: str) -> int:

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 
 from cluster.config import EngineConfig
-from cluster.serve import AppArgs, start
-from tests.cluster.serve.test_server import free_port, stop_serve
+from cluster.serve import AppArgs
+from tests.cluster.serve.test_server import free_port, serving
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -28,9 +28,8 @@ def url(servable_tiny_model):
     path = servable_tiny_model()
     args = AppArgs(engine=EngineConfig(model=path, max_model_len=64, kv_cache_bytes=16 << 20, num_threads=1),
                    api_key=KEY, max_body_bytes=1 << 16)
-    url = start(args, host="127.0.0.1", port=free_port(), grpc_port=free_port())
-    yield url
-    stop_serve()
+    with serving(args, host="127.0.0.1", port=free_port(), grpc_port=free_port()) as url:
+        yield url
 
 
 def check_response(case, response) -> None:

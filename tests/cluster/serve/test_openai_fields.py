@@ -15,8 +15,8 @@ from pydantic import BaseModel
 
 from cluster import raylm_pb2, raylm_pb2_grpc
 from cluster.config import EngineConfig
-from cluster.serve import AppArgs, start
-from tests.cluster.serve.test_server import free_port, stop_serve
+from cluster.serve import AppArgs
+from tests.cluster.serve.test_server import free_port, serving
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -47,8 +47,8 @@ def server(default_model_dir):
     args = AppArgs(engine=EngineConfig(model=default_model_dir, max_model_len=1024, max_num_seqs=8,
                                        kv_cache_bytes=64 << 20), served_model_name=MODEL)
     grpc_port = free_port()
-    yield start(args, host="127.0.0.1", port=free_port(), grpc_port=grpc_port), grpc_port
-    stop_serve()
+    with serving(args, host="127.0.0.1", port=free_port(), grpc_port=grpc_port) as url:
+        yield url, grpc_port
 
 
 @pytest.fixture(scope="module")

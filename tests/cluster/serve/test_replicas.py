@@ -11,8 +11,8 @@ import ray
 from ray import serve
 
 from cluster.config import EngineConfig
-from cluster.serve import APP_NAME, AppArgs, start
-from tests.cluster.serve.test_server import STALE_S, WAIT_S, free_port, metrics, stop_serve, wait_metrics
+from cluster.serve import APP_NAME, AppArgs
+from tests.cluster.serve.test_server import STALE_S, WAIT_S, free_port, metrics, serving, wait_metrics
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -30,14 +30,13 @@ def url(default_model_dir):
     args = AppArgs(engine=EngineConfig(model=default_model_dir, max_model_len=1024, max_num_seqs=8,
                                        kv_cache_bytes=96 << 20, block_size=BLOCK),
                    served_model_name=MODEL, min_replicas=2, max_replicas=2)
-    url = start(args, port=free_port(), grpc_port=free_port())
-    deadline = time.monotonic() + 300
-    while running_replicas() < 2:
-        assert time.monotonic() < deadline, "the second replica did not start"
-        time.sleep(0.5)
-    time.sleep(STALE_S)  # HAProxy reloads its config with the second replica
-    yield url
-    stop_serve()
+    with serving(args, port=free_port(), grpc_port=free_port()) as url:
+        deadline = time.monotonic() + 300
+        while running_replicas() < 2:
+            assert time.monotonic() < deadline, "the second replica did not start"
+            time.sleep(0.5)
+        time.sleep(STALE_S)  # HAProxy reloads its config with the second replica
+        yield url
 
 
 def chat(url: str, question: str, system: str = SYSTEM) -> httpx.Response:

@@ -4,10 +4,11 @@ input, the API key, gRPC, and aborts that free the engine's blocks (a stop strin
 disconnects)."""
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 import httpx2 as httpx
@@ -49,6 +50,16 @@ def stop_serve(timeout_s: float = 90.0) -> None:
         time.sleep(0.5)
 
 
+@contextlib.contextmanager
+def serving(args: AppArgs, **kwargs) -> Iterator[str]:
+    """``start(args, **kwargs)``'s URL; stop_serve after, a start that failed included: a Serve left running keeps
+    its ports, and the next module's start would be refused (cluster/serve/app.py check_serve_ports)."""
+    try:
+        yield start(args, **kwargs)
+    finally:
+        stop_serve()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -63,9 +74,8 @@ def server(default_model_dir):
                    served_model_name=MODEL, api_key=KEY, min_replicas=1, max_replicas=2, max_body_bytes=1 << 20,
                    max_queue_len=QUEUE_LEN)
     grpc_port = free_port()
-    url = start(args, host="127.0.0.1", port=free_port(), grpc_port=grpc_port)
-    yield url, grpc_port
-    stop_serve()
+    with serving(args, host="127.0.0.1", port=free_port(), grpc_port=grpc_port) as url:
+        yield url, grpc_port
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,105 @@
+"""How `raylm serve` lives and dies under a process manager: stop signals, and HAProxy's lifetime.
+
+Every process a local `raylm serve` starts must end when it does, however it dies (a drained stop, a second
+signal, SIGKILL, the OOM killer), or a restart on the same port fails on the HAProxy still holding it. Ray
+already ties its own processes to the driver: it starts GCS, the raylet and its monitors with
+PR_SET_PDEATHSIG (the kernel kills them when raylm dies), and the raylet's workers and agents exit once the
+raylet is gone. The one process outside that chain is Serve's HAProxy, a child of the HAProxyManager actor:
+when that actor dies with the raylet, HAProxy is re-parented to init and keeps the port. So HAProxy is started
+through a launcher that asks the kernel for the same parent-death signal, then becomes HAProxy (exec): nothing
+polls, nothing has to run after raylm is killed, and nothing is left for the next start to clean.
+docs/operations.md weighs this against a process group or a pid file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import sys
+from pathlib import Path
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+LAUNCHER_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"  # Serve starts this file as HAProxy (read at import, in the actor)
+
+# -I: no environment or user site; -S: no site-packages (only the standard library is needed). The parent may
+# die between fork and prctl, so the launcher checks its parent is still the one it had.
+LAUNCHER = """#!{python} -IS
+# raylm: HAProxy, killed by the kernel (PR_SET_PDEATHSIG) when the process that started it dies.
+import ctypes, os, signal, sys
+parent = os.getppid()
+if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) != 0:
+    sys.exit(f"raylm haproxy launcher: prctl(PR_SET_PDEATHSIG) failed: {{os.strerror(ctypes.get_errno())}}")
+if os.getppid() != parent:
+    sys.exit("raylm haproxy launcher: the process that started HAProxy is gone")
+os.execv({haproxy!r}, [{haproxy!r}, *sys.argv[1:]])
+"""
+
+
+class StopSignals:
+    """SIGINT and SIGTERM both stop `raylm serve` the way Ctrl-C always did: as a KeyboardInterrupt in the main
+    thread, so a stop during start-up or while serving runs the same drain.
+
+    ``received`` lists the signals in the order they came (the exit status names the last). ``install`` must run
+    again after ray.init, which replaces the SIGTERM handler twice: with a Python one that exits at once, then with
+    its core worker's C++ one, which prints a stack trace before calling that.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        self.received.append(signum)
+        raise KeyboardInterrupt
+
+    def name(self) -> str:
+        return signal.Signals(self.received[-1]).name if self.received else "SIGINT"
+
+    def exit_status(self) -> int:
+        """The shell's status for a process the last signal ended: 130 for SIGINT, 143 for SIGTERM."""
+        return 128 + (self.received[-1] if self.received else signal.SIGINT)
+
+    @staticmethod
+    def restore_defaults() -> None:
+        """One more signal ends the process at once (Ray's own processes end with it)."""
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+
+
+def haproxy_dies_with_its_parent() -> None:
+    """Have the Ray about to start here run Serve's HAProxy (the operator's RAY_SERVE_HAPROXY_BINARY_PATH, else
+    Serve's own) through a launcher that ties it to its parent. Call before Ray starts: its processes inherit
+    the environment."""
+    from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
+    from ray.serve._private.haproxy import _resolve_haproxy_binary  # Serve's own choice, and its error if none
+
+    if not (RAY_SERVE_ENABLE_HA_PROXY and sys.platform.startswith("linux")):  # no HAProxy, or no prctl
+        return
+    haproxy = _resolve_haproxy_binary()
+    if Path(haproxy).parent == _launcher_dir():  # a second start in this process: already ours
+        return
+    os.environ[LAUNCHER_ENV] = str(write_launcher(haproxy))
+
+
+def _launcher_dir() -> Path:
+    """Beside the converted default model (workers/default_model.py): the user's own, so nobody else can swap
+    the file that Ray executes."""
+    return Path(os.environ.get("RAYLM_CACHE_DIR") or Path.home() / ".cache" / "raylm") / "bin"
+
+
+def write_launcher(haproxy: str) -> Path:
+    """The launcher for this interpreter and HAProxy binary, written once (named by its content) and atomically,
+    so that servers starting at once never execute a half-written file."""
+    text = LAUNCHER.format(python=sys.executable, haproxy=haproxy)
+    path = _launcher_dir() / f"haproxy-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}")
+        partial.write_text(text)
+        partial.chmod(0o755)
+        partial.replace(path)
+    return path

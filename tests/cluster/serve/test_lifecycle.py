@@ -1,0 +1,266 @@
+"""`raylm serve` stopped and restarted the way process managers do it: a real `python -m cluster.cli serve` with a
+Ray of its own (a tiny random Llama with a long context, so a stream runs until stopped) killed with SIGKILL
+mid-stream and started again on the same port, stopped with SIGTERM mid-stream, and stopped during start-up.
+
+What a server leaves behind is read from its session: each is started as a session leader, and every process
+it starts (Ray's daemons and workers, HAProxy) inherits the session whatever its parent becomes once
+re-parented, so an orphan is found without knowing its name."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+import pytest
+
+from cluster.serve.drain import CODE
+from cluster.serve.ingress import HAPROXY_PORT_ENV
+from cluster.serve.lifecycle import write_launcher
+from tests.cluster.serve.test_server import free_port
+
+DRAIN_TIMEOUT_S = 4.0
+STOP_BOUND_S = DRAIN_TIMEOUT_S + 15  # SIGTERM to exit (issue 24's target)
+START_BOUND_S = 600  # a cold start: Ray, Serve, the replica and its engine, on a loaded 2-core machine
+# How long a killed server's processes may take to end. HAProxy and Ray's workers end within seconds; Ray's two
+# agents first try to tell a GCS that has gone that their raylet died, and give up ~50 s later.
+GONE_BOUND_S = 120
+MAX_MODEL_LEN = 16384
+REPO = Path(__file__).resolve().parents[3]
+
+
+def session(sid: int) -> dict[int, str]:
+    """The live processes of session ``sid`` (zombies hold nothing), with their command lines."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _ppid, _pgrp, session_id = stat.read_text().rpartition(")")[2].split()[:4]
+            if int(session_id) == sid and state != "Z":
+                found[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:  # it has gone
+            pass
+    return found
+
+
+def tree(pid: int) -> set[int]:
+    """``pid`` and its descendants now."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            children.setdefault(int(stat.read_text().rpartition(")")[2].split()[1]), []).append(int(stat.parent.name))
+        except OSError:
+            pass
+    found, todo = set(), [pid]
+    while todo:
+        found.add(p := todo.pop())
+        todo += children.get(p, [])
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_haproxy_launcher_dies_with_the_process_that_started_it(tmp_path, monkeypatch):
+    """As Serve's HAProxyManager actor starts HAProxy, a parent starts the launcher (here for `sleep`), then is
+    killed: the kernel kills what the launcher became."""
+    monkeypatch.setenv("RAYLM_CACHE_DIR", str(tmp_path))
+    sleep = shutil.which("sleep")
+    launcher = write_launcher(sleep)
+    assert write_launcher(sleep) == launcher, "a second server must find the launcher written, not a new one"
+    start = f"import subprocess; p = subprocess.Popen([{str(launcher)!r}, '600']); print(p.pid, flush=True); p.wait()"
+    parent = subprocess.Popen([sys.executable, "-c", start], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    deadline = time.monotonic() + 30
+    while not Path(f"/proc/{child}/cmdline").read_bytes().startswith(sleep.encode()):  # exec'd: sleep itself
+        assert time.monotonic() < deadline and alive(child), "the launcher did not become its program"
+        time.sleep(0.05)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while alive(child):
+        assert time.monotonic() < deadline, "the launched program outlived its parent by 10 s"
+        time.sleep(0.05)
+
+
+class RaylmServe:
+    """`python -m cluster.cli serve` of this checkout in a session of its own, its output kept in a file."""
+
+    def __init__(self, model: str, port: int, log: Path) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        # Each Ray picks its own HAProxy side ports (cluster/serve/ingress.py): not this test session's.
+        env = {k: v for k, v in os.environ.items() if k not in HAPROXY_PORT_ENV}
+        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", model, "--max-model-len", str(MAX_MODEL_LEN),
+               "--kv-cache-bytes", str(64 << 20), "--num-threads", "1", "--drain-timeout-s", f"{DRAIN_TIMEOUT_S:g}",
+               "--port", str(port), "--grpc-port", str(free_port())]
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
+                                         env=env)
+        self.sid = self.proc.pid
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_until(self, ready, what: str, timeout_s: float = START_BOUND_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            assert self.proc.poll() is None, f"raylm serve exited ({self.proc.returncode}) before {what}:\n" \
+                                             f"{self.output()[-3000:]}"
+            assert time.monotonic() < deadline, f"raylm serve: not {what} after {timeout_s} s:\n{self.output()[-3000:]}"
+            time.sleep(0.2)
+
+    def wait_serving(self) -> None:
+        self.wait_until(lambda: "raylm: serving" in self.output(), "serving")
+
+    def wait_exit(self, timeout_s: float) -> tuple[int, float]:
+        """Its exit status and how long it took from now."""
+        t0 = time.monotonic()
+        try:
+            return self.proc.wait(timeout_s), time.monotonic() - t0
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"raylm serve still running {timeout_s} s on:\n{self.output()[-3000:]}")
+
+    def wait_gone(self, timeout_s: float = GONE_BOUND_S) -> float:
+        """Once raylm serve itself has exited: how long until nothing of its session is left."""
+        t0 = time.monotonic()
+        while left := session(self.sid):
+            assert time.monotonic() - t0 < timeout_s, f"left {timeout_s} s after raylm serve ended: {left}"
+            time.sleep(0.5)
+        return time.monotonic() - t0
+
+    def kill_session(self) -> None:
+        """Teardown: whatever is left (only after a failure)."""
+        for pid in session(self.sid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+
+
+class Stream:
+    """A long completion stream in a thread: its `data:` events, or how its connection broke."""
+
+    def __init__(self, url: str) -> None:
+        self.events: list[str] = []
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(url,), daemon=True)
+        self.thread.start()
+        assert self.started.wait(60), f"no first token within 60 s: {self.events}"
+
+    def _run(self, url: str) -> None:
+        body = {"prompt": [1, 2, 3], "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[6:])
+                        self.started.set()
+        except httpx.TransportError as e:
+            self.events.append(f"connection broken: {type(e).__name__}")
+        self.started.set()
+
+    def end(self, timeout_s: float = 60) -> list[str]:
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), f"the stream still runs {timeout_s} s on"
+        return self.events
+
+
+def assert_clean_output(server: RaylmServe) -> None:
+    output = server.output()
+    assert "Traceback" not in output and "SIGTERM received" not in output, output[-3000:]
+
+
+@pytest.fixture(scope="module")
+def model(servable_tiny_model) -> str:
+    return servable_tiny_model(max_position_embeddings=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def restarted(model, tmp_path_factory):
+    """A server killed with SIGKILL mid-stream, and one started at once on its port: (the killed one, how long
+    it took to be gone, the new one serving, its cold start)."""
+    port = free_port()
+    logs = tmp_path_factory.mktemp("raylm-serve")
+    killed = RaylmServe(model, port, logs / "killed.log")
+    servers = [killed]
+    try:
+        killed.wait_serving()
+        Stream(killed.url)
+        started = tree(killed.proc.pid)
+        assert started <= set(session(killed.sid)), "a process of raylm serve's tree left its session"
+        killed.proc.kill()
+        killed.wait_exit(10)
+        t0 = time.monotonic()
+        again = RaylmServe(model, port, logs / "again.log")
+        servers.append(again)
+        again.wait_serving()
+        cold_start = time.monotonic() - t0
+        print(f"SIGKILL mid-stream, then a start on the same port: serving again {cold_start:.1f} s after the kill "
+              f"({len(started)} processes in the killed server's tree)")
+        yield killed, killed.wait_gone() + cold_start, again
+    finally:
+        for server in servers:
+            server.kill_session()
+
+
+def test_a_killed_server_leaves_nothing_and_a_restart_on_its_port_serves(restarted):
+    _, gone_s, again = restarted
+    r = httpx.post(f"{again.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    print(f"everything of the killed server gone {gone_s:.1f} s after the kill")
+
+
+def test_sigterm_mid_stream_drains_then_exits_0_leaving_nothing(restarted):
+    _, _, server = restarted
+    stream = Stream(server.url)
+    server.proc.send_signal(signal.SIGTERM)
+    status, stop_s = server.wait_exit(STOP_BOUND_S)
+    *_, error, done = stream.end()
+    gone_s = server.wait_gone()
+    print(f"SIGTERM mid-stream: raylm serve exited {status} after {stop_s:.1f} s (drain_timeout_s="
+          f"{DRAIN_TIMEOUT_S:g}), its last process {gone_s:.1f} s later")
+    assert done == "[DONE]" and f'"code":"{CODE}"' in error, stream.events[-2:]
+    assert status == 0, server.output()[-3000:]
+    assert "raylm: SIGTERM: stopping" in server.output() and "raylm: stopped" in server.output()
+    assert_clean_output(server)
+
+
+def _has_child(server: RaylmServe) -> bool:
+    return len(tree(server.proc.pid)) > 1
+
+
+def _replica_loading(server: RaylmServe) -> bool:
+    return any("ServeReplica" in cmdline for cmdline in session(server.sid).values())
+
+
+@pytest.mark.parametrize(("when", "signals", "status", "said"), [
+    (_has_child, [signal.SIGTERM], 0, "raylm: SIGTERM: stopping; it was still starting"),
+    # The first starts the stop (deleting an app still deploying), the second ends it at once. (A single signal
+    # while the replica loads stops as during Ray's start, with exit status 0: 12.2 s here, not worth a cold start.)
+    (_replica_loading, [signal.SIGTERM] * 2, 128 + signal.SIGTERM, "raylm: SIGTERM again: stopping at once"),
+], ids=["ray-starting", "replica-loading-twice"])
+def test_a_stop_signal_during_start_up_stops_it_leaving_nothing(model, tmp_path, when, signals, status, said):
+    server = RaylmServe(model, free_port(), tmp_path / "serve.log")
+    try:
+        server.wait_until(lambda: when(server), when.__name__)
+        for sig in signals:
+            server.proc.send_signal(sig)
+            time.sleep(0.5)
+        got, stop_s = server.wait_exit(STOP_BOUND_S)
+        gone_s = server.wait_gone()
+        print(f"{[signal.Signals(s).name for s in signals]} once {when.__name__}: exit {got} after {stop_s:.1f} s, "
+              f"its last process {gone_s:.1f} s later")
+        assert got == status and said in server.output(), server.output()[-3000:]
+        assert "raylm: serving" not in server.output()
+        assert_clean_output(server)
+    finally:
+        server.kill_session()
