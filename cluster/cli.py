@@ -199,6 +199,9 @@ def _serve_command(args: argparse.Namespace) -> None:
     import os
 
     from cluster.config import EngineConfig
+    from cluster.serve.ingress import use_fast_ingress
+
+    use_fast_ingress()  # before ray.serve is imported: its driver side reads the settings at import
     from cluster.serve import AppArgs, serve_until_interrupted
 
     engine = EngineConfig(model=args.model, **_engine_kwargs(args))

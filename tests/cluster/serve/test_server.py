@@ -5,7 +5,6 @@ disconnects)."""
 
 import asyncio
 import json
-import socket
 import time
 from collections.abc import Callable
 
@@ -21,6 +20,7 @@ from transformers import AutoTokenizer
 
 from cluster import raylm_pb2, raylm_pb2_grpc
 from cluster.config import EngineConfig
+from cluster.engine.network import free_port
 from cluster.serve import AppArgs, start
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -47,12 +47,6 @@ def stop_serve(timeout_s: float = 90.0) -> None:
                    if a["namespace"] == SERVE_NAMESPACE]:
         assert time.monotonic() < deadline, f"Serve actors still alive {timeout_s} s after serve.shutdown: {left}"
         time.sleep(0.5)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
