@@ -16,8 +16,7 @@ class RequestError(ValueError):
     is made, so that the server turns it into a 400 whose ``param`` is the field without reading the message."""
 
     def __init__(self, field: str, value: object, rule: str, message: str | None = None) -> None:
-        shown = repr(value)
-        super().__init__(message or f"{field}={shown if len(shown) <= 80 else shown[:77] + '...'} is invalid: {rule}")
+        super().__init__(message or f"{field}={value!r} is invalid: {rule}")
         self.field, self.value, self.rule = field, value, rule
 
     def __reduce__(self):  # picklable with its fields: it may cross Ray

@@ -48,8 +48,8 @@ def check_constraint(c: StructuredOutputsParams) -> None:
     try:
         compile_grammar(c)
     except ValueError as e:
-        raise RequestError(f"structured_outputs.{kind}", getattr(c, kind),
-                           f"it does not compile: {str(e).removeprefix(kind + ': ')}") from None
+        field, rule = f"structured_outputs.{kind}", f"it does not compile: {str(e).removeprefix(kind + ': ')}"
+        raise RequestError(field, getattr(c, kind), rule, f"{field}: {rule}") from None  # a schema may be long
 
 
 def stop_token_ids(params: SamplingParams, spec: ModelSpec) -> SamplingParams:
