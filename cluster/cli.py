@@ -190,6 +190,9 @@ def serve_settings(args: argparse.Namespace) -> tuple[AppArgs, LaunchConfig]:
 
 
 def _serve_command(args: argparse.Namespace) -> None:
+    from cluster.serve.ingress import use_fast_ingress
+
+    use_fast_ingress()  # before ray.serve is imported: its driver side reads the settings at import
     from cluster.serve import serve_until_interrupted
 
     app_args, launch = serve_settings(args)

@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from cluster.config import EngineConfig
-from cluster.engine import InProcessEngine, check_params, check_prompt
+from cluster.engine.interface import Engine
 from cluster.model_files import load_tokenizer
-from cluster.ray_engine import RayEngine
-from scheduler import SampledLogprobs, SamplingParams
+from scheduler import RequestError, SampledLogprobs, SamplingParams
 
 
 @dataclass(slots=True)
@@ -43,9 +42,10 @@ class LLM:
     """Runs a whole list of prompts to completion with continuous batching.
 
     Prompts may be strings (tokenized here, chat template optional) or lists
-    of token ids. Every prompt, params and priority is checked before any runs, so
-    a bad one raises ValueError naming it instead of failing its batch mid-way; a
-    call that fails or is interrupted part-way aborts the requests it submitted.
+    of token ids. The engine checks each request as it is submitted: a bad one
+    raises ValueError naming it (its index, the field, the value and the rule)
+    instead of failing its batch mid-way; a call that fails or is interrupted
+    part-way aborts the requests it submitted, so none of them runs on.
 
     ``executor="ray"`` (the default) runs the Ray engine: a scheduler actor
     and ``tensor_parallel_size`` worker actors, on the cluster at ``address``
@@ -56,11 +56,16 @@ class LLM:
     def __init__(self, model: str | None = None, *, executor: str = "ray", address: str | None = None,
                  **engine_kwargs) -> None:
         self.config = EngineConfig(model=model, **engine_kwargs)
+        self.engine: Engine
         if executor == "ray":
+            from cluster.engine.ray_client import RayEngine
+
             self.engine = RayEngine(self.config, address)
         elif executor == "inprocess":
             if address is not None:
                 raise ValueError(f"executor='inprocess' joins no cluster, address={address!r}")
+            from cluster.engine.inprocess import InProcessEngine
+
             self.engine = InProcessEngine(self.config)
         else:
             raise ValueError(f"executor={executor!r}: choose 'ray' or 'inprocess'")
@@ -83,28 +88,15 @@ class LLM:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        for i, p in enumerate(params_list):
-            if not isinstance(p, SamplingParams):
-                raise ValueError(f"params[{i}]={p!r} is not a SamplingParams")
-            try:
-                check_params(p, self.engine.spec.vocab_size)
-            except ValueError as e:
-                raise ValueError(f"params[{i}]: {e}") from None
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         for i, p in enumerate(priority or ()):
             if not isinstance(p, int) or isinstance(p, bool):
                 raise ValueError(f"priority[{i}]={p!r} is not an int")
-        results = []
-        for i, prompt in enumerate(prompts):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            try:
-                check_prompt(ids, self.engine.spec.vocab_size, self.engine.max_model_len)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-            results.append(GenerateOutput(str(next(self._ids)), prompt if isinstance(prompt, str) else None, ids))
+        results = [GenerateOutput(str(next(self._ids)), p if isinstance(p, str) else None,
+                                  self.tokenizer.encode(p) if isinstance(p, str) else list(p)) for p in prompts]
         by_id = {r.request_id: r for r in results}
-        total = sum(p.n for p in params_list)
+        total = sum(p.n for p in params_list if isinstance(p, SamplingParams))  # the engine refuses others
         bar = tqdm(total=total, desc="generate", disable=not use_tqdm, unit="seq")
         engine = self.engine
         pending: dict[tuple[str, int], Completion] = {}
@@ -131,7 +123,12 @@ class LLM:
         try:
             for i, (r, p) in enumerate(zip(results, params_list)):
                 submitted += 1  # before the call: aborting a request the engine never took is a no-op
-                absorb(engine.add_request(r.request_id, r.prompt_token_ids, p, priority=priority[i] if priority else 0))
+                try:
+                    finals = engine.add_request(r.request_id, r.prompt_token_ids, p, priority[i] if priority else 0)
+                except RequestError as e:
+                    where = f"request {i} (prompts[{i}], params[{i}])"
+                    raise RequestError(e.field, e.value, e.rule, f"{where}: {e}") from None
+                absorb(finals)
             while engine.has_unfinished_requests():
                 absorb(engine.step())
         except BaseException:  # KeyboardInterrupt too: no request of this call may run on

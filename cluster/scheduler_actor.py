@@ -1,7 +1,7 @@
 """The scheduler actor: one Scheduler, the worker handles, and the engine loop that steps them.
 
 Runs on a CPU head node, so it imports only the standard library, ray and scheduler/ (never
-torch, never the rest of cluster/). ray_engine.py places it and the workers.
+torch, never the rest of cluster/). engine/ray_client.py places it and the workers.
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@
 from scheduler.outputs import (
     CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput, SampledLogprobs, SchedulerOutput,
 )
-from scheduler.request import Request, RequestStatus, SamplingParams, StructuredOutputsParams
+from scheduler.request import Request, RequestError, RequestStatus, SamplingParams, StructuredOutputsParams
 from scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 
 __all__ = [
-    "CachedRequestData", "ModelRunnerOutput", "NewRequestData", "Request", "RequestOutput", "RequestStatus",
-    "SampledLogprobs", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats",
-    "StructuredOutputsParams",
+    "CachedRequestData", "ModelRunnerOutput", "NewRequestData", "Request", "RequestError", "RequestOutput",
+    "RequestStatus", "SampledLogprobs", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerOutput",
+    "SchedulerStats", "StructuredOutputsParams",
 ]

@@ -10,6 +10,19 @@ from dataclasses import dataclass, field
 from scheduler.block_hash import BlockHash, hash_block_tokens
 
 
+class RequestError(ValueError):
+    """A request the engine refuses: ``field`` names what is wrong (a SamplingParams field, ``prompt``,
+    ``structured_outputs.regex``), with its ``value`` and the ``rule`` it breaks. Raised where the check
+    is made, so that the server turns it into a 400 whose ``param`` is the field without reading the message."""
+
+    def __init__(self, field: str, value: object, rule: str, message: str | None = None) -> None:
+        super().__init__(message or f"{field}={value!r} is invalid: {rule}")
+        self.field, self.value, self.rule = field, value, rule
+
+    def __reduce__(self):  # picklable with its fields: it may cross Ray
+        return RequestError, (self.field, self.value, self.rule, str(self))
+
+
 @dataclass(slots=True)
 class StructuredOutputsParams:
     """A constraint on a request's whole output (vLLM's ``structured_outputs``): exactly one kind is set.
@@ -158,7 +171,7 @@ def _real(name: str, value: object) -> float:
 
 def _check(ok: bool, name: str, value: object, rule: str) -> None:
     if not ok:
-        raise ValueError(f"{name}={value!r} is invalid: {rule}")
+        raise RequestError(name, value, rule)
 
 
 class RequestStatus(enum.IntEnum):

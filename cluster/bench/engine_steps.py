@@ -27,7 +27,9 @@ def bench_engine_steps(tp_sizes: tuple[int, ...] = (1, 2), num_requests: int = 6
 
     from cluster.bench.ray_overhead import tiny_llama
     from cluster.config import EngineConfig
-    from cluster.ray_engine import SCHEDULER_CPUS, RayEngine, connect
+    from cluster.engine.connect import connect
+    from cluster.engine.placement import SCHEDULER_CPUS
+    from cluster.engine.ray_client import RayEngine
 
     connect(None, SCHEDULER_CPUS + max(tp_sizes))
     tmp = tempfile.TemporaryDirectory()

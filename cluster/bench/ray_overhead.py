@@ -79,7 +79,9 @@ def bench_ray_overhead(model: str | None = None, tp_sizes: tuple[int, ...] = (1,
     import ray
 
     from cluster.config import EngineConfig
-    from cluster.ray_engine import SCHEDULER_CPUS, RayEngine, connect
+    from cluster.engine.connect import connect
+    from cluster.engine.placement import SCHEDULER_CPUS
+    from cluster.engine.ray_client import RayEngine
 
     # A local Ray sized for the largest engine: the first, smaller one would otherwise size it too small.
     connect(None, SCHEDULER_CPUS + max(tp_sizes))

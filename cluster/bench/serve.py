@@ -22,8 +22,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.bench.servers import free_port, raylm_server, vllm_server
+from cluster.bench.servers import raylm_server, vllm_server
 from cluster.bench.throughput import throughput_workload
+from cluster.engine.network import free_port
 
 NO_WORK_KV_BYTES = 1 << 40  # the no-work model allocates no KV cache: only the scheduler's block count
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,14 +13,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from cluster.engine.network import free_port
+
 START_TIMEOUT_S = 600  # a first start builds the native CPU ops and converts the default model
 STOP_TIMEOUT_S = 60
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

@@ -274,8 +274,9 @@ def bench_soak(model: str | None, rate: float, duration_s: float, max_tokens: in
                seed: int, scheduling_policy: str) -> None:
     """`raylm bench soak`: start `raylm serve` (the default model unless --model) with this scheduling policy,
     run the mix, print the report, and exit non-zero on any problem ``check`` finds."""
-    from cluster.bench.servers import free_port, raylm_server
+    from cluster.bench.servers import raylm_server
     from cluster.config import DEFAULT_MODEL_NAME
+    from cluster.engine.network import free_port
 
     args = [*(["--model", model] if model else []), "--scheduling-policy", scheduling_policy]
     with raylm_server(free_port(), args) as server:

@@ -19,7 +19,8 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.bench.serve import Workload, run_workload
-from cluster.bench.servers import free_port, raylm_server
+from cluster.bench.servers import raylm_server
+from cluster.engine.network import free_port
 
 METRICS_LAG_S = 3.0  # the servers export metrics each second (below): a scrape this long after is current
 

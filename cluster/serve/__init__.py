@@ -6,17 +6,19 @@ Where things are: ``app.py`` the application's options, assembly and start; ``se
 (routes, validation); ``generation.py`` one request's engine deltas turned into text; ``formats.py`` the
 SSE chunks and responses; ``http_io.py`` body reading and JSON responses; ``grpc_status.py`` the gRPC status
 mapping; ``protocol.py`` the request and response models; ``detokenize.py`` incremental text and stop
-strings; ``metrics.py`` Prometheus; ``ingress.py`` the Ray Serve settings of the streaming path;
-``lifecycle.py`` stop signals and HAProxy's lifetime; ``drain.py`` a stopping replica's drain.
+strings; ``metrics.py`` Prometheus; ``ingress.py`` the Ray Serve settings of the streaming path, which
+the process starting Serve sets before it imports this package (``use_fast_ingress``); ``lifecycle.py`` stop
+signals and HAProxy's lifetime; ``drain.py`` a stopping replica's drain.
 """
 
-from cluster.serve.ingress import use_fast_ingress
+import importlib
 
-use_fast_ingress()  # before anything imports ray.serve, whose settings are read at import
-
-from cluster.serve.app import (  # noqa: E402
-    APP_NAME, AppArgs, build_app, deployment_options, serve_until_interrupted, start, wait_healthy,
-)
-
+# Resolved on first use: importing a module of this package (ingress.py above all) must not import ray.serve.
 __all__ = ["APP_NAME", "AppArgs", "build_app", "deployment_options", "serve_until_interrupted", "start",
-           "use_fast_ingress", "wait_healthy"]
+           "wait_healthy"]
+
+
+def __getattr__(name: str):
+    if name not in __all__:
+        raise AttributeError(f"module 'cluster.serve' has no attribute {name!r}")
+    return getattr(importlib.import_module("cluster.serve.app"), name)

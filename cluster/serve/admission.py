@@ -44,8 +44,9 @@ class Admission:
             self.on_reject()
             raise APIError(429, f"this replica holds {self.held} requests, its limit (max_num_seqs running plus "
                                 f"max_queue_len waiting): retry later", code="queue_full")
+        stream = self.engine.generate(request_id, prompt_token_ids, params, priority, cache_salt)  # checks it
         self.held += 1
-        return self._held(self.engine.generate(request_id, prompt_token_ids, params, priority, cache_salt))
+        return self._held(stream)
 
     async def _held(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
         try:

@@ -17,7 +17,8 @@ from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
 from ray.serve.context import _get_global_client
 from ray.serve.exceptions import RayServeException
 
-from cluster.ray_engine import connect, engine_bundles, starts_local_ray
+from cluster.engine.connect import connect, starts_local_ray
+from cluster.engine.placement import engine_bundles
 from cluster.serve.lifecycle import StopSignals, haproxy_dies_with_its_parent
 from cluster.serve.options import REPLICA_CPUS, AppArgs, deployment_options, uses_prefix_cache_router
 from cluster.serve.router import RouteServer

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import ray
 
-from cluster.ray_engine import EngineStopping
+from cluster.engine.streams import EngineStopping
 from cluster.serve.admission import Admission
 from cluster.serve.protocol import APIError
 

@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.ray_engine import EngineStopping
+from cluster.engine.streams import EngineStopping
 from cluster.serve.detokenize import TextStream
 from cluster.serve.metrics import ServeMetrics
-from cluster.serve.protocol import APIError, PromptTokensDetails, SamplingFields, Usage, bad_request, new_id
-from scheduler import RequestOutput, SampledLogprobs, SamplingParams
+from cluster.serve.protocol import APIError, PromptTokensDetails, SamplingFields, Usage, new_id
+from scheduler import RequestError, RequestOutput, SampledLogprobs, SamplingParams
 
 
 @dataclass(slots=True)
@@ -82,11 +82,12 @@ class Generation:
         self.first: RequestOutput | None = None
 
     async def start(self) -> "Generation":
-        """Wait for the first delta, so that a request the engine refuses fails before any response starts."""
+        """Wait for the first delta, so that a request the engine refuses (RequestError, raised to the caller)
+        fails before any response starts."""
         try:
             self.first = await self._next()
-        except ValueError as e:
-            raise bad_request(str(e), "prompt") from None
+        except RequestError:
+            raise
         except TimeoutError:
             await self.stream.aclose()
             raise self._timed_out() from None

@@ -13,12 +13,16 @@ Both are Ray Serve's own modes in the pinned Ray (``RAY_SERVE_ENABLE_HA_PROXY``,
 loop, and buffers access logs); Serve still owns replicas, autoscaling, health checks (HAProxy checks each
 replica's own port) and rolling updates. Ray reads them from the environment of each process it starts,
 so they must be set before Ray starts (a local Ray started here inherits them; a cluster started with
-``ray start`` or KubeRay needs them in its environment: see ``manifests/rayservice.yaml``). An operator
-who sets either variable keeps their value.
+``ray start`` or KubeRay needs them in its environment: see ``manifests/rayservice.yaml``), and before this
+process imports ``ray.serve``, whose driver side reads them at import too (it refuses an ingress request
+router without HAProxy). So the process that starts Serve calls ``use_fast_ingress`` first thing: `raylm
+serve` before it loads the app, the test session in its conftest. An operator who sets either variable keeps
+their value.
 """
 
 import os
-import socket
+
+from cluster.engine.network import free_port
 
 FAST_INGRESS_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
                     # HAProxy hands the prefix-cache router (router.py) each POST's body, up to its buffer size:
@@ -32,16 +36,11 @@ FAST_INGRESS_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_
 HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def use_fast_ingress() -> None:
-    """Put the settings in this process's environment, unless already set, for Ray and its children."""
+    """Put the settings in this process's environment, unless already set, for Ray and its children. Call it
+    before anything imports ``ray.serve`` (the module doc says why)."""
     for name, value in FAST_INGRESS_ENV.items():
         os.environ.setdefault(name, value)
     for name in HAPROXY_PORT_ENV:
         if name not in os.environ:
-            os.environ[name] = str(_free_port())
+            os.environ[name] = str(free_port())

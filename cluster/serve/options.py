@@ -8,7 +8,7 @@ import ray
 from ray.serve.config import RequestRouterConfig
 
 from cluster.config import AppArgs
-from cluster.ray_engine import engine_bundles, resolve_device
+from cluster.engine.placement import engine_bundles, resolve_device
 from cluster.serve import drain
 
 REPLICA_CPUS = 1.0  # the replica tokenizes, detokenizes and formats every token it streams

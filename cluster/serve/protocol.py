@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer
 
-from scheduler import SamplingParams, StructuredOutputsParams
-from workers.structured_output import compile_grammar
+from scheduler import RequestError, SamplingParams, StructuredOutputsParams
 
 M = TypeVar("M", bound=BaseModel)
 TokenId = Annotated[int, Field(ge=0)]
@@ -131,10 +130,13 @@ class SamplingFields(BaseModel):
     - Accepted without behaviour: ``user``, ``metadata``, ``store`` (OpenAI
       bookkeeping that changes no output).
     Ranges are checked here so that each error names the field; SamplingParams
-    re-checks them (and anything this misses becomes a 400 the same way).
+    re-checks them, and the engine checks what needs the model (token ids
+    against the vocabulary, the prompt against the context, whether a
+    constraint compiles): their RequestError becomes a 400 the same way, its
+    field mapped back to this request's parameter by ``param_for``.
     """
 
-
+    PROMPT_PARAM: ClassVar[str] = "prompt"
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -179,34 +181,42 @@ class SamplingFields(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """The output constraint of ``response_format`` or ``structured_outputs``, compiled once to check it:
-        a 400 naming the field before anything is scheduled."""
+        """The output constraint of ``response_format`` or ``structured_outputs``; whether it compiles is the
+        engine's check (``param_for`` names the field it came from)."""
         rf, so = self.response_format, self.structured_outputs
         if rf is not None and rf.type != "text" and so is not None:
             raise bad_request("response_format and structured_outputs both constrain the output; send one",
                               "structured_outputs")
-        param = "structured_outputs"
         if rf is not None and rf.type == "json_object":
-            param, c = "response_format", StructuredOutputsParams(json_object=True)
-        elif rf is not None and rf.type == "json_schema":
+            return StructuredOutputsParams(json_object=True)
+        if rf is not None and rf.type == "json_schema":
             if rf.json_schema is None or rf.json_schema.schema_ is None:
                 raise bad_request("response_format: type json_schema needs json_schema.schema",
                                   "response_format.json_schema")
-            param, c = "response_format.json_schema.schema", StructuredOutputsParams(json=rf.json_schema.schema_)
-        elif so is not None:
-            try:
-                c = StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                                            json_object=bool(so.json_object))
-            except ValueError as e:
-                raise bad_request(f"structured_outputs: {e}", param) from None
-        else:
+            return StructuredOutputsParams(json=rf.json_schema.schema_)
+        if so is None:
             return None
         try:
-            compile_grammar(c)
-        except ValueError as e:
-            field = str(e).split(":", 1)[0]
-            raise bad_request(f"{param}: {e}", param if param != "structured_outputs" else f"{param}.{field}") from None
-        return c
+            return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                           json_object=bool(so.json_object))
+        except RequestError as e:
+            raise bad_request(f"structured_outputs: {e}", "structured_outputs") from None
+
+    def refusal(self, e: RequestError) -> APIError:
+        """The 400 for a RequestError of this request's SamplingParams or of the engine's check."""
+        return bad_request(str(e), self.param_for(e.field))
+
+    def param_for(self, field: str) -> str:
+        """This request's parameter behind a RequestError's field (SamplingParams' names, or the engine check's:
+        ``prompt[i]``, ``structured_outputs.regex``)."""
+        if field == "prompt" or field.startswith("prompt["):
+            return self.PROMPT_PARAM
+        if field.startswith("structured_outputs") and self.structured_outputs is None:
+            rf = self.response_format
+            if rf is not None and rf.type != "text":
+                return "response_format.json_schema.schema" if rf.type == "json_schema" else "response_format"
+            return "tools"  # a forced tool call's constraint, built from the tools' parameters
+        return "bad_words" if field == "bad_words_token_ids" else field
 
     def check_policy(self) -> None:
         """Values the server refuses although their field exists (see the class docstring)."""
@@ -229,7 +239,6 @@ class SamplingFields(BaseModel):
             if constraint is not None:
                 raise bad_request("tool_choice forces a tool call, which response_format or structured_outputs "
                                   "would constrain as well; send one", "tool_choice")
-            compile_grammar(tool_constraint)  # built from tools' parameters: each was checked by the client's schema
             constraint = tool_constraint
         try:
             return SamplingParams(
@@ -241,8 +250,8 @@ class SamplingFields(BaseModel):
                 prompt_logprobs=self.num_prompt_logprobs(),
                 allowed_token_ids=self.allowed_token_ids, structured_outputs=constraint,
                 bad_words_token_ids=bad_words_token_ids)
-        except ValueError as e:  # "name=value is invalid: rule"
-            raise bad_request(str(e), str(e).split("=", 1)[0]) from None
+        except RequestError as e:
+            raise self.refusal(e) from None
 
 
 class CompletionRequest(SamplingFields):
@@ -346,6 +355,8 @@ def _json_or_text(arguments: str) -> Any:
 
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions. ``max_completion_tokens`` is the newer name for ``max_tokens``."""
+
+    PROMPT_PARAM: ClassVar[str] = "messages"
 
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None

@@ -19,21 +19,21 @@ load. With one replica there is nothing to choose and no router is attached.
 What replicas publish. Each replica's ``record_routing_stats`` (polled by Serve's controller every
 ``options.ROUTING_STATS_PERIOD_S`` and pushed to every handle) returns a digest: the hashes of up to
 ``DIGEST_BLOCKS`` blocks its scheduler's prefix cache holds (most recently cached first; the same chained
-xxh3 hashes the scheduler computes; the router hashes a body's ``cache_salt`` in as the scheduler does, though
-today the replica refuses that field with a 400, so such a body is routed by load), and the number of requests its scheduler holds. So the
-digest is exact but up to one period plus the controller's push old. To cover that gap the router also
+xxh3 hashes the scheduler computes, a body's ``cache_salt`` hashed into its first block as the scheduler
+does, so salted requests meet only their own salt's blocks), and the number of requests its scheduler holds.
+So the digest is exact but up to one period plus the controller's push old. To cover that gap the router also
 remembers, per replica, the block hashes of the requests it routed there in the last ``RECENT_S`` seconds
 of the digest's time, and counts the requests it routed after the digest as load.
 
 The choice, per request. Its hit on a replica is the number of its leading block hashes the replica's digest
-or recent routes hold. Among the replicas with the longest hit, the least loaded (load: the digest's
-requests plus this router's later routes) is the pick, unless it is overloaded *for this request*: its load
-exceeds ``OVERLOAD_FACTOR`` times the least-loaded replica's plus half a replica's ``max_ongoing_requests``
-(its batch, ``max_num_seqs``, by default), i.e. the request would queue behind a multiple of the work it
-would find elsewhere, and more than half a batch of it. The slack matters because the load is an
-over-estimate between digests: it counts every request routed since the last one, finished or not. With no hit of at least one block, or an
-overloaded pick, the request goes to the less loaded of two replicas drawn at random (power of two). A
-body the router cannot hash (not JSON, a field the replica refuses, a chat template that fails, a body
+or recent routes hold. Among the replicas with the longest hit, the least loaded (load: the digest's requests
+plus this router's later routes) is the pick, unless it is overloaded *for this request*: its load exceeds
+``OVERLOAD_FACTOR`` times the least-loaded replica's plus half a replica's ``max_ongoing_requests`` (its
+batch, ``max_num_seqs``, by default), i.e. the request would queue behind a multiple of the work it would find
+elsewhere, and more than half a batch of it. The slack matters because the load is an over-estimate between
+digests: it counts every request routed since the last one, finished or not. With no hit of at least one
+block, or an overloaded pick, the request goes to the less loaded of two replicas drawn at random (power of
+two). A body the router cannot hash (not JSON, a field the replica refuses, a chat template that fails, a body
 HAProxy truncated) is routed by load, and the replica answers it with its normal 400. A replica that dies
 leaves Serve's replica set when its health check fails, and its digest and recent routes go with it.
 """
@@ -50,9 +50,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from ray import serve
-from ray.serve._private.request_router.common import PendingRequest
-from ray.serve._private.request_router.replica_wrapper import RunningReplica
-from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 from ray.serve.handle import DeploymentHandle
 
 from cluster.model_files import load_tokenizer

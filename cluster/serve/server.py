@@ -23,9 +23,8 @@ from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 from starlette.exceptions import HTTPException
 
-from cluster.engine import check_params
+from cluster.engine.ray_client import RayEngine
 from cluster.model_files import load_tokenizer
-from cluster.ray_engine import RayEngine
 from cluster.raylm_pb2 import GenerateRequest, GenerateResponse
 from cluster.serve import grpc_status
 from cluster.serve.admission import Admission
@@ -39,11 +38,12 @@ from cluster.serve.options import AppArgs
 from cluster.serve.prompts import chat_ids, chat_request_ids, prompt_ids
 from cluster.serve.router import replica_routing_stats
 from cluster.serve.protocol import (
-    APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+    APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
     ModelCard, ModelList, SamplingFields, TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse,
     bad_request, new_id, now, parse,
 )
 from cluster.serve.tools import ToolCalling
+from scheduler import RequestError
 
 
 ENGINE_STATS_PERIOD_S = 1.0
@@ -79,9 +79,10 @@ async def _internal_error(_: Request, e: Exception) -> Response:
 class LLMServer:
     """One replica: a RayEngine, the tokenizer, and this replica's metrics.
 
-    Every request is validated (400 naming the parameter), sized against the
-    context and the KV cache, and tokenized here before it reaches the engine,
-    so the engine only sees requests it can run; the API key (when set) guards
+    Every request is parsed (400 naming the parameter), sized against the
+    context and the KV cache, and tokenized here; the engine's check of it
+    (cluster/engine/request_check.py) is a 400 naming the parameter too,
+    before any response starts; the API key (when set) guards
     everything but /health. Admission bounds the requests it holds (429 past
     that) and ``request_timeout_s`` how long each may take (504); once Serve stops the replica, Drain
     refuses new requests and ends those still running after ``drain_timeout_s`` (503).
@@ -178,11 +179,10 @@ class LLMServer:
         params = req.sampling_params(max_tokens, num_logprobs, tools.constraint() if tools else None,
                                      self._bad_words(req.bad_words))
         try:
-            check_params(params, self.engine.spec.vocab_size)
-        except ValueError as e:  # "field: problem"
-            raise bad_request(str(e), str(e).split(":", 1)[0]) from None
-        return await Generation(self.admission, self.tokenizer, self.metrics, prompt_ids, params, req,
-                                self.request_timeout_s).start()
+            return await Generation(self.admission, self.tokenizer, self.metrics, prompt_ids, params, req,
+                                    self.request_timeout_s).start()
+        except RequestError as e:  # the engine's check
+            raise req.refusal(e) from None
 
     async def _run(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int, num_logprobs: int | None,
                    fmt_type: Callable[..., Format], prefix: str, **fmt_fields: Any) -> Response:

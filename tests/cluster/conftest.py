@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 import ray
 
+from cluster.serve.ingress import use_fast_ingress
+
 # The session's Ray serves through the same ingress as `raylm serve` (HAProxy, replicas serving HTTP), whose
-# settings Ray's processes read from the environment they start with.
-import cluster.serve  # noqa: F401
-from cluster.serve.lifecycle import haproxy_dies_with_its_parent
+# settings Ray's processes, and ray.serve in this one, read from the environment they start with.
+use_fast_ingress()
+from cluster.serve.lifecycle import haproxy_dies_with_its_parent  # noqa: E402  (after the ingress settings)
 
 # Logical CPUs only count reservations (the engine sets torch threads from the real cores): 8 hold
 # two tp=2 engines at once (1 scheduler + 2 rank bundles each) on these 2-core machines.

@@ -17,7 +17,7 @@ import aiohttp
 import ray
 
 from cluster.config import EngineConfig
-from cluster.ray_engine import RayEngine
+from cluster.engine.ray_client import RayEngine
 from cluster.serve import AppArgs, start
 from tests.cluster.test_ray_engine import config, run_to_completion
 

@@ -186,7 +186,7 @@ def test_a_vllm_serve_command_line_serves_a_hub_model_offline(tmp_path, tiny_mod
 
     from transformers import AutoTokenizer
 
-    from tests.cluster.serve.test_server import free_port
+    from cluster.engine.network import free_port
     from tests.hub_cache import put_in_hub_cache
 
     vocab_size = json.loads((Path(default_model_dir) / "config.json").read_text())["vocab_size"]

@@ -9,14 +9,14 @@ import subprocess
 import sys
 
 import jsonschema
-
 import pytest
 import ray
 import torch
 
 from cluster import LLM, EngineConfig, SamplingParams
-from cluster.engine import InProcessEngine
-from scheduler import StructuredOutputsParams
+from cluster.config import GIB
+from cluster.engine.inprocess import InProcessEngine
+from scheduler import RequestError, StructuredOutputsParams
 
 NEW_TOKENS = 32
 BASE = ("The history of the Roman empire is long and complicated. It began when the city of Rome was "
@@ -124,7 +124,7 @@ def test_greedy_matches_transformers_under_swap_preemption_without_recomputing(s
     _, ids, expected = smol
     block_bytes = ray.get(smol[0].engine.workers[0].call.remote("block_bytes"))
     llm = LLM(model=default_model_dir, executor="inprocess", kv_cache_bytes=block_bytes * 24,
-              swap_space_bytes=block_bytes * 64, preemption_mode="swap", enable_prefix_caching=False)
+              swap_space=block_bytes * 64 / GIB, preemption_mode="swap", enable_prefix_caching=False)
     computed = []
     schedule = llm.engine.scheduler.schedule
     llm.engine.scheduler.schedule = lambda: computed.append((so := schedule()).total_num_scheduled_tokens) or so
@@ -139,7 +139,7 @@ def test_greedy_matches_transformers_with_prefix_hits_from_the_host_tier(smol, d
     _, ids, expected = smol
     block_bytes = ray.get(smol[0].engine.workers[0].call.remote("block_bytes"))
     llm = LLM(model=default_model_dir, executor="inprocess", kv_cache_bytes=block_bytes * 24,
-              swap_space_bytes=block_bytes * 128, max_num_seqs=2)
+              swap_space=block_bytes * 128 / GIB, max_num_seqs=2)
     assert_same(llm.generate(ids, greedy(), use_tqdm=False), expected)
     before = llm.engine.stats()
     # Again: the later prompts pushed the earlier ones' blocks out of the device pool, into the host tier.
@@ -202,10 +202,12 @@ def test_logprobs_and_finish_reasons(smol):
     assert out.outputs[0].finish_reason in ("stop", "length") and out.outputs[0].text
 
 
-def test_bad_input_raises_before_anything_runs(smol, tmp_path):
+def test_bad_input_raises_naming_it_and_leaves_nothing_running(smol, tmp_path):
+    """The engine's check refuses request 1; request 0, submitted before it, is aborted."""
     llm, ids, _ = smol
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(ValueError, match=r"request 1 .*: prompt\[2\]=10000000 is invalid: .*outside the vocabulary"):
         llm.generate([ids[0], [1, 2, 10**7]], greedy(), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([[5] * (llm.engine.max_model_len + 1)], greedy(), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
@@ -310,13 +312,15 @@ def test_n_2_with_a_constraint_gives_each_child_its_own_matcher(smol):
             jsonschema.validate(json.loads(o.text), CONSTRAINED_SCHEMA)
 
 
-def test_a_constraint_that_does_not_compile_is_refused_before_anything_runs(smol):
+def test_a_constraint_that_does_not_compile_is_refused_and_nothing_runs_on(smol):
     llm, ids, _ = smol
     bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed"))
-    with pytest.raises(ValueError, match=r"params\[1\]: regex:"):
+    refused = r"request 1 \(prompts\[1\], params\[1\]\): structured_outputs.regex: it does not compile"
+    with pytest.raises(RequestError, match=refused) as e:
         llm.generate(ids[:2], [greedy(), bad], use_tqdm=False)
+    assert (e.value.field, e.value.value) == ("structured_outputs.regex", "(unclosed")
     assert not llm.engine.has_unfinished_requests()
-    with pytest.raises(ValueError, match="logit_bias: token id"):
+    with pytest.raises(ValueError, match=r"logit_bias=1000000 is invalid: token id outside the vocabulary"):
         llm.generate(ids[:1], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
 
 

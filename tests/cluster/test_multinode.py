@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from cluster.engine import InProcessEngine
+from cluster.engine.inprocess import InProcessEngine
 from tests.cluster.hosts import VENV_BIN, Network, why_hosts_cannot_be_made
 from tests.cluster.test_ray_engine import config, run_to_completion
 

@@ -2,6 +2,7 @@
 failures and placement. Tiny random models and few tokens keep it fast."""
 
 import asyncio
+import inspect
 import sys
 import threading
 import time
@@ -11,9 +12,11 @@ import ray
 import torch
 
 from cluster.config import EngineConfig
-from cluster.engine import InProcessEngine
-from cluster.ray_engine import RayEngine, merge_deltas
-from scheduler import RequestOutput, SampledLogprobs, SamplingParams
+from cluster.engine.inprocess import InProcessEngine
+from cluster.engine.interface import Engine
+from cluster.engine.ray_client import RayEngine
+from cluster.engine.streams import merge_deltas
+from scheduler import RequestError, RequestOutput, SampledLogprobs, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -246,9 +249,16 @@ def test_bad_prompt_is_refused_before_it_reaches_the_engine(engine):
     async def consume():
         return [d async for d in engine.generate("bad", [], greedy(4))]
 
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(RequestError, match="prompt=\\[\\] is invalid: it must have at least one token"):
         asyncio.run(consume())
     engine.check_health()
+
+
+@pytest.mark.parametrize("executor", [InProcessEngine, RayEngine])
+def test_both_executors_implement_the_engine_interface(executor):
+    for name, member in vars(Engine).items():
+        if callable(member) and not name.startswith("_"):
+            assert inspect.signature(getattr(executor, name)) == inspect.signature(member), name
 
 
 def test_scheduler_actor_process_never_imports_torch(engine):
@@ -266,7 +276,10 @@ def test_dead_worker_fails_in_flight_requests_and_health_then_a_new_engine_works
             for s in streams:
                 assert not (await anext(s)).finished
             ray.kill(e.workers[dead_rank])
-            return [[d async for d in s][-1] for s in streams]
+            finals = []
+            for s in streams:
+                finals.append([d async for d in s][-1])
+            return finals
 
         finals = asyncio.run(asyncio.wait_for(kill_mid_generation(), WAIT_S))
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cluster import EngineConfig, SamplingParams
-from cluster.engine import InProcessEngine
+from cluster.engine.inprocess import InProcessEngine
 from tests.workers.test_model_runner import prompts, run
 
 MODEL_TYPES = ["llama", "qwen2", "qwen3"]

@@ -7,7 +7,7 @@ import torch
 
 from cluster import EngineConfig, SamplingParams
 from scheduler import StructuredOutputsParams
-from cluster.engine import InProcessEngine
+from cluster.engine.inprocess import InProcessEngine
 
 
 def run(engine: InProcessEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:

@@ -7,9 +7,10 @@ import pytest
 from ray import serve
 
 from cluster.config import EngineConfig
+from cluster.engine.network import free_port
 from cluster.serve import app
 from cluster.serve.options import AppArgs
-from tests.cluster.serve.test_server import free_port, stop_serve
+from tests.cluster.serve.test_server import stop_serve
 
 MIN_DRAINING = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 

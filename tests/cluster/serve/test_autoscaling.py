@@ -12,11 +12,12 @@ from pydantic import ValidationError
 from ray import serve
 
 from cluster.config import EngineConfig
+from cluster.engine.network import free_port
 from cluster.serve import APP_NAME, AppArgs, deployment_options
 from cluster.serve.metrics import render_node_metrics
 from cluster.serve.server import LLMServer
-from tests.cluster.serve.test_server import free_port, stop_serve
 from tests.cluster.serve.test_replicas import MODEL, running_replicas
+from tests.cluster.serve.test_server import stop_serve
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -17,12 +17,13 @@ import pytest
 from ray import serve
 
 from cluster.config import EngineConfig
+from cluster.engine.network import free_port
 from cluster.serve import AppArgs, serve_until_interrupted
 from cluster.serve.admission import Admission
 from cluster.serve.app import APP_NAME
 from cluster.serve.drain import CODE, MARGIN_S, Drain
 from cluster.serve.protocol import APIError
-from tests.cluster.serve.test_server import free_port, serving, stop_serve
+from tests.cluster.serve.test_server import serving, stop_serve
 
 DRAIN_TIMEOUT_S = 4.0
 MAX_MODEL_LEN = 16384

@@ -17,8 +17,9 @@ import pytest
 
 from cluster.bench.soak import descendant_pids, engine_gauges
 from cluster.config import EngineConfig
+from cluster.engine.network import free_port
 from cluster.serve import AppArgs
-from tests.cluster.serve.test_server import free_port, serving
+from tests.cluster.serve.test_server import serving
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

@@ -13,8 +13,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 
 from cluster.config import EngineConfig
+from cluster.engine.network import free_port
 from cluster.serve import AppArgs
-from tests.cluster.serve.test_server import free_port, serving
+from tests.cluster.serve.test_server import serving
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

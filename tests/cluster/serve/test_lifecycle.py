@@ -18,10 +18,10 @@ from pathlib import Path
 import httpx2 as httpx
 import pytest
 
+from cluster.engine.network import free_port
 from cluster.serve.drain import CODE
 from cluster.serve.ingress import HAPROXY_PORT_ENV
 from cluster.serve.lifecycle import write_launcher
-from tests.cluster.serve.test_server import free_port
 
 DRAIN_TIMEOUT_S = 4.0
 STOP_BOUND_S = DRAIN_TIMEOUT_S + 15  # SIGTERM to exit (issue 24's target)

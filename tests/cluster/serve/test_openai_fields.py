@@ -15,8 +15,9 @@ from pydantic import BaseModel
 
 from cluster import raylm_pb2, raylm_pb2_grpc
 from cluster.config import EngineConfig
+from cluster.engine.network import free_port
 from cluster.serve import AppArgs
-from tests.cluster.serve.test_server import free_port, serving
+from tests.cluster.serve.test_server import serving
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

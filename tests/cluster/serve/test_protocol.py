@@ -10,13 +10,21 @@ import yaml
 from pydantic import ValidationError
 
 from cluster import cli
-from cluster.serve.protocol import (
-    APIError, ChatCompletionChunk, ChatCompletionRequest, ChatStreamChoice, CompletionChunk, CompletionRequest,
-    Delta, Usage, parse,
-)
+from cluster.engine.request_check import check_constraint
 from cluster.serve import AppArgs, build_app, deployment_options
 from cluster.serve.drain import MARGIN_S
-from scheduler import StructuredOutputsParams
+from cluster.serve.protocol import (
+    APIError,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatStreamChoice,
+    CompletionChunk,
+    CompletionRequest,
+    Delta,
+    Usage,
+    parse,
+)
+from scheduler import RequestError, StructuredOutputsParams
 
 SERVE_CONFIG = Path(__file__).parents[3] / "manifests" / "serve_config.yaml"
 
@@ -216,11 +224,33 @@ def test_sampling_fields_reach_sampling_params():
     (CompletionRequest, {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids", "at least 1"),
 ])
 def test_the_field_policy_refuses_with_a_400_naming_the_field(model, body, param, says):
+    """What the request itself refuses, or the engine's check of its constraint (a RequestError, which the
+    replica turns into this request's 400 the same way)."""
     with pytest.raises(APIError) as e:
         req = parse(model, body)
-        req.sampling_params(8, None)
+        constraint = req.sampling_params(8, None).structured_outputs
+        try:
+            check_constraint(constraint) if constraint is not None else None
+        except RequestError as refused:
+            raise req.refusal(refused) from None
     assert (e.value.status, e.value.param) == (400, param)
     assert says in e.value.message
+
+
+@pytest.mark.parametrize(("model", "body", "field", "param"), [
+    (CompletionRequest, {"prompt": [1, 2]}, "prompt[1]", "prompt"),
+    (ChatCompletionRequest, CHAT, "prompt", "messages"),
+    (ChatCompletionRequest, CHAT, "prompt_logprobs", "prompt_logprobs"),
+    (CompletionRequest, {"prompt": "x", "bad_words": ["a"]}, "bad_words_token_ids", "bad_words"),
+    (CompletionRequest, {"prompt": "x", "structured_outputs": {"regex": "("}}, "structured_outputs.regex",
+     "structured_outputs.regex"),
+    (ChatCompletionRequest, CHAT | {"response_format": {"type": "json_object"}}, "structured_outputs.json_object",
+     "response_format"),
+    (ChatCompletionRequest, CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}],
+                                    "tool_choice": "required"}, "structured_outputs.json", "tools"),
+])
+def test_an_engine_refusal_names_the_requests_own_parameter(model, body, field, param):
+    assert parse(model, body).param_for(field) == param
 
 
 def test_prompt_logprobs_asked_directly_or_by_echo_with_logprobs_take_the_larger_top_k():

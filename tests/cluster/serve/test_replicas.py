@@ -11,8 +11,9 @@ import ray
 from ray import serve
 
 from cluster.config import EngineConfig
+from cluster.engine.network import free_port
 from cluster.serve import APP_NAME, AppArgs
-from tests.cluster.serve.test_server import STALE_S, WAIT_S, free_port, metrics, serving, wait_metrics
+from tests.cluster.serve.test_server import STALE_S, WAIT_S, metrics, serving, wait_metrics
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 

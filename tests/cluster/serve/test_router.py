@@ -8,7 +8,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from cluster.serve.router import (
-    MIN_HIT_BLOCKS, OVERLOAD_FACTOR, RecentRoutes, _hit, choose, request_block_hashes,
+    MIN_HIT_BLOCKS,
+    OVERLOAD_FACTOR,
+    RecentRoutes,
+    _hit,
+    choose,
+    request_block_hashes,
 )
 from scheduler.request import Request
 

@@ -6,7 +6,6 @@ disconnects)."""
 import asyncio
 import contextlib
 import json
-import socket
 import time
 from collections.abc import Callable, Iterator
 
@@ -14,14 +13,15 @@ import grpc
 import httpx2 as httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 from ray.serve._private.constants import SERVE_NAMESPACE  # no public name for it
 from transformers import AutoTokenizer
 
 from cluster import raylm_pb2, raylm_pb2_grpc
 from cluster.config import EngineConfig
+from cluster.engine.network import free_port
 from cluster.serve import AppArgs, start
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -58,12 +58,6 @@ def serving(args: AppArgs, **kwargs) -> Iterator[str]:
         yield start(args, **kwargs)
     finally:
         stop_serve()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -1,55 +1,16 @@
-"""The in-process engine: one Scheduler and one Worker in this process, no Ray (tp=1 debugging)."""
+"""The in-process executor: one Scheduler and one Worker in this process, no Ray (tp=1 debugging, and
+machines without Ray: nothing here imports it)."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from cluster.config import EngineConfig
+from cluster.engine.interface import resolve_max_model_len
+from cluster.engine.request_check import check_request
 from scheduler import RequestOutput, SamplingParams, Scheduler, SchedulerStats
-from workers.model_loader import ModelSpec, read_model_spec
-from workers.structured_output import compile_grammar
+from workers.model_loader import read_model_spec
 from workers.worker import Worker
-
-
-def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
-    if config.max_model_len is None:
-        return min(spec.max_position_embeddings, 8192)
-    if config.max_model_len > spec.max_position_embeddings:
-        raise ValueError(f"max_model_len={config.max_model_len} is over the model's "
-                         f"max_position_embeddings={spec.max_position_embeddings}")
-    return config.max_model_len
-
-
-def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
-    """Reject a prompt before it reaches the batch, so one bad request never fails the others."""
-    if not prompt_token_ids:
-        raise ValueError("prompt is empty: it must have at least one token")
-    for t in prompt_token_ids:
-        if not isinstance(t, int) or not 0 <= t < vocab_size:
-            raise ValueError(f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
-    if len(prompt_token_ids) >= max_model_len:
-        raise ValueError(f"prompt has {len(prompt_token_ids)} tokens, but max_model_len={max_model_len} "
-                         f"leaves no room to generate")
-
-
-def check_params(params: SamplingParams, vocab_size: int) -> None:
-    """Reject what SamplingParams cannot check alone: token ids past the vocabulary, a constraint that does not
-    compile. Here, before scheduling, because a worker meeting them would fail the whole step."""
-    for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
-        if bad := next((t for t in ids if t >= vocab_size), None):
-            raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})")
-    if params.structured_outputs is not None:
-        compile_grammar(params.structured_outputs)
-
-
-def with_eos_stop_token_ids(params: SamplingParams, spec: ModelSpec) -> SamplingParams:
-    """``params`` stopping on every EOS id of the model: models with several (generation_config) stop on any of
-    them, as transformers does."""
-    extra = [t for t in spec.eos_token_ids if t != spec.eos_token_id and t not in params.stop_token_ids]
-    if not extra or params.ignore_eos:
-        return params
-    return dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
 
 
 class InProcessEngine:
@@ -57,6 +18,7 @@ class InProcessEngine:
 
     The same step the Ray engine runs (schedule → execute → update), without
     actors: what tests and `--executor inprocess` use to debug the model path.
+    Implements interface.Engine.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -83,10 +45,9 @@ class InProcessEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, cache_salt: str | None = None) -> list[RequestOutput]:
-        check_prompt(prompt_token_ids, self.spec.vocab_size, self.max_model_len)
-        check_params(params, self.spec.vocab_size)
-        return self.scheduler.add_request(request_id, prompt_token_ids, with_eos_stop_token_ids(params, self.spec),
-                                          priority=priority, arrival_time=time.monotonic(), cache_salt=cache_salt)
+        params = check_request(prompt_token_ids, params, self.spec, self.max_model_len)
+        return self.scheduler.add_request(request_id, prompt_token_ids, params, priority=priority,
+                                          arrival_time=time.monotonic(), cache_salt=cache_salt)
 
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()

@@ -1,0 +1,52 @@
+"""Joining a Ray cluster, or starting a local Ray that can hold an engine."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import ray
+
+
+def connect(address: str | None, min_cpus: float, timeout_s: float = 60.0) -> None:
+    """Join the cluster at ``address`` (or $RAY_ADDRESS), else start a local Ray that can hold the engine. A head
+    that does not answer within ``timeout_s`` is an error naming the address."""
+    if ray.is_initialized():
+        return
+    if not starts_local_ray(address):
+        check_head_answers(address or os.environ["RAY_ADDRESS"], timeout_s)
+        ray.init(address=address)
+        return
+    # Ray starts its workers at nice 15, below its own daemons and every other process on the node. A rank's
+    # torch threads are the engine's critical path: at nice 15 any nice-0 process (a load generator, a build)
+    # takes their cores at once, and the other threads wait for the preempted one at the next barrier.
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    # Logical CPUs only count reservations; the engine sets thread counts from the real cores.
+    ray.init(num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)), include_dashboard=False)
+
+
+def starts_local_ray(address: str | None) -> bool:
+    """Whether `connect(address, ...)` starts a Ray of its own (no address given, none in $RAY_ADDRESS)."""
+    return address is None and "RAY_ADDRESS" not in os.environ
+
+
+def check_head_answers(address: str, timeout_s: float) -> None:
+    """Raise RuntimeError unless the head's GCS at ``address`` (HOST:PORT) accepts a connection within
+    ``timeout_s``: ray.init would retry an unreachable or wrong address silently for minutes. Other forms
+    ("auto", ray://...) are left to Ray."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=max(0.1, min(5.0, deadline - time.monotonic()))).close()
+            return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"no Ray head answers at {address} within placement_timeout_s={timeout_s:g} ({e}): check the "
+                    f"address (`ray start --head` prints it; the port is 6379 unless --port says otherwise) and "
+                    f"that this machine reaches that host and port") from None
+            time.sleep(0.5)

@@ -1,0 +1,46 @@
+"""The interface both executors implement (InProcessEngine, RayEngine), and what they derive alike."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from cluster.config import EngineConfig
+from scheduler import RequestOutput, SamplingParams, SchedulerStats
+from workers.model_loader import ModelSpec
+
+
+class Engine(Protocol):
+    """What the offline LLM drives, on either executor. The caller steps it: ``add_request`` checks a request
+    (request_check.check_request, raising RequestError, a ValueError, naming the field) and returns the
+    deltas already final (a request the prefix cache answers at once); ``step`` returns the deltas since the
+    last call, with at least one while ``has_unfinished_requests``. Every delta of a request is returned once,
+    to whichever call made it. The Ray executor adds an async surface for the Serve app (RayEngine.generate).
+    """
+
+    model_path: str
+    spec: ModelSpec
+    max_model_len: int
+    num_blocks: int
+    device: str
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, cache_salt: str | None = None) -> list[RequestOutput]: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def abort(self, request_id: str) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def stats(self) -> SchedulerStats: ...
+
+    def shutdown(self) -> None: ...
+
+
+def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
+    if config.max_model_len is None:
+        return min(spec.max_position_embeddings, 8192)
+    if config.max_model_len > spec.max_position_embeddings:
+        raise ValueError(f"max_model_len={config.max_model_len} is over the model's "
+                         f"max_position_embeddings={spec.max_position_embeddings}")
+    return config.max_model_len

@@ -1,0 +1,146 @@
+"""The Ray executor: a placement group, one worker actor per tensor-parallel rank, and the scheduler actor
+that steps them. RayEngine is its client in the caller's process: the synchronous interface.Engine (what
+the offline LLM drives), plus, for the Serve app, async streams of deltas (streams.py) and health."""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import AsyncIterator
+
+import ray
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.config import EngineConfig
+from cluster.engine.connect import connect
+from cluster.engine.health import diagnose
+from cluster.engine.interface import resolve_max_model_len
+from cluster.engine.placement import SCHEDULER_CPUS, bundle_device, engine_bundles, place, resolve_device
+from cluster.engine.request_check import check_request
+from cluster.engine.startup import init_workers, start_workers
+from cluster.engine.streams import DeltaStreams
+from cluster.scheduler_actor import SchedulerActor
+from scheduler import RequestOutput, SamplingParams, SchedulerStats
+from workers.model_loader import read_model_spec
+
+RaySchedulerActor = ray.remote(SchedulerActor)
+
+
+def _release(pg: PlacementGroup | None, actors: list) -> None:
+    """Kill the engine's actors and free its own placement group (run once, through weakref.finalize)."""
+    if not ray.is_initialized():
+        return
+    for actor in actors:
+        ray.kill(actor)
+    if pg is not None:
+        remove_placement_group(pg)
+
+
+class RayEngine:
+    """One engine on a Ray cluster: a placement group, the scheduler actor, one worker actor per rank.
+
+    Invariants: once __init__ returns, every rank holds its model shard and a KV
+    cache of the same ``num_blocks`` and the scheduler loop runs; if __init__
+    fails it leaves no actor or placement group behind, and shutdown() (or
+    garbage collection) releases them. Given a ``placement_group`` (a Serve
+    replica's, which Serve reserved with engine_bundles at ``first_bundle``), the
+    engine places itself there and leaves the group to its owner. The synchronous
+    interface (interface.Engine) and the async streams take their deltas from two
+    channels of the scheduler actor, so either may be used alone or both at once.
+    ``_unfinished`` maps each id added through add_request to its samples still
+    running, so step() knows without a round trip whether there is anything to wait for.
+    """
+
+    def __init__(self, config: EngineConfig, address: str | None = None, *,
+                 placement_group: PlacementGroup | None = None, first_bundle: int = 0) -> None:
+        self.config = config
+        tp = config.tensor_parallel_size
+        self.model_path = config.resolved_model()
+        self.spec = read_model_spec(self.model_path, tp)
+        self.max_model_len = resolve_max_model_len(config, self.spec)
+        connect(address, SCHEDULER_CPUS + tp * (config.num_threads or 1), config.placement_timeout_s)
+        self.device = (bundle_device(placement_group, first_bundle + 1)
+                       if placement_group is not None and config.device == "auto" else resolve_device(config.device))
+        pg = placement_group or place(engine_bundles(config, self.device == "cuda"), config.placement_strategy,
+                                      config.placement_timeout_s)
+        self.placement_group = pg
+        owned: list = []
+        self._finalizer = weakref.finalize(self, _release, None if placement_group else pg, owned)
+        self._unfinished: dict[str, int] = {}
+        self._received = 0  # the last batch number the synchronous channel got (get_outputs)
+        try:
+            self.workers = start_workers(config, self.model_path, self.max_model_len, pg, first_bundle, self.device)
+            owned.extend(self.workers)
+            self.actor = RaySchedulerActor.options(
+                num_cpus=SCHEDULER_CPUS,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle),
+            ).remote(self.workers, self.spec.eos_token_id)
+            owned.append(self.actor)
+            self.streams = DeltaStreams(self.actor, f"async-{os.getpid()}-{id(self)}")
+            self.num_blocks, num_host_blocks, self.rank_nodes = init_workers(
+                self.workers, config.num_threads, self.device, config.placement_timeout_s)
+            swap_cost = ray.get(self.workers[0].call.remote("swap_cost_per_block"))
+            ray.get(self.actor.start.remote(config.scheduler_config(self.num_blocks, self.max_model_len,
+                                                                    num_host_blocks, swap_cost),
+                                            config.step_timeout_s, config.async_scheduling))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Kill the actors and remove the placement group; in-flight requests end with an actor error."""
+        self._finalizer()
+
+    # ---- synchronous interface (interface.Engine) ------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0, cache_salt: str | None = None) -> list[RequestOutput]:
+        params = check_request(prompt_token_ids, params, self.spec, self.max_model_len)
+        finals = ray.get(self.actor.add_request.remote(request_id, list(prompt_token_ids), params, priority,
+                                                       "sync", cache_salt))
+        if len(finals) < params.n:
+            self._unfinished[request_id] = params.n - len(finals)
+        return finals
+
+    def step(self) -> list[RequestOutput]:
+        """The deltas of add_request's requests that arrived since the last call (waits for at least one)."""
+        if not self._unfinished:
+            return []
+        self._received, outputs = ray.get(self.actor.get_outputs.remote("sync", self._received))
+        for out in outputs:
+            if out.finished and out.request_id in self._unfinished:
+                self._unfinished[out.request_id] -= 1
+                if not self._unfinished[out.request_id]:
+                    del self._unfinished[out.request_id]
+        return outputs
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        self._unfinished.pop(request_id, None)
+        return ray.get(self.actor.abort.remote(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._unfinished)
+
+    def stats(self) -> SchedulerStats:
+        return ray.get(self.actor.stats.remote())
+
+    # ---- the Serve app's: async streams, health, routing ------------------------------------
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """The request's deltas as they come; leaving the loop early (or being cancelled) aborts it. The request
+        is checked here, before the stream exists: a RequestError is raised by this call."""
+        params = check_request(prompt_token_ids, params, self.spec, self.max_model_len)
+        return self.streams.stream(request_id, prompt_token_ids, params, priority, cache_salt)
+
+    def end_callers(self, error: BaseException) -> int:
+        """End every ``generate`` still running by raising ``error`` in it (DeltaStreams.end_callers)."""
+        return self.streams.end_callers(error)
+
+    def check_health(self) -> None:
+        """Raise RuntimeError saying why when the engine cannot serve, naming the ranks lost and their nodes."""
+        diagnose(self.actor, self.workers, self.rank_nodes)
+
+    def routing_digest(self, limit: int) -> tuple[list[bytes], int]:
+        return ray.get(self.actor.routing_digest.remote(limit))

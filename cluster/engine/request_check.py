@@ -1,0 +1,61 @@
+"""The one check of a request, at the engine boundary: both executors run it once in add_request (and
+RayEngine in generate), before anything is scheduled, so that one bad request never fails a step the
+others share. Every refusal is a RequestError naming the field, its value and the rule; the server turns
+it into a 400 whose ``param`` is that field, offline it is the ValueError the caller sees."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from scheduler import RequestError, SamplingParams, StructuredOutputsParams
+from workers.model_loader import ModelSpec
+from workers.structured_output import compile_grammar
+
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def check_request(prompt_token_ids: list[int], params: SamplingParams, spec: ModelSpec,
+                  max_model_len: int) -> SamplingParams:
+    """The params the engine runs (stop_token_ids with the model's extra EOS ids), or RequestError. What
+    SamplingParams checks alone it checked when it was built; here is what needs the model."""
+    if not isinstance(params, SamplingParams):
+        raise RequestError("params", params, "must be a SamplingParams")
+    check_prompt(prompt_token_ids, spec.vocab_size, max_model_len)
+    for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
+        if (bad := next((t for t in ids if t >= spec.vocab_size), None)) is not None:
+            raise RequestError(name, bad, f"token id outside the vocabulary [0, {spec.vocab_size})")
+    if params.structured_outputs is not None:
+        check_constraint(params.structured_outputs)
+    return with_eos_stop_token_ids(params, spec)
+
+
+def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    if not prompt_token_ids:
+        raise RequestError("prompt", prompt_token_ids, "it must have at least one token")
+    for i, t in enumerate(prompt_token_ids):
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+            raise RequestError(f"prompt[{i}]", t, f"token id outside the vocabulary [0, {vocab_size})")
+    if len(prompt_token_ids) >= max_model_len:
+        raise RequestError("prompt", len(prompt_token_ids), f"max_model_len={max_model_len} leaves no room",
+                           f"prompt has {len(prompt_token_ids)} tokens, but max_model_len={max_model_len} leaves "
+                           f"no room to generate")
+
+
+def check_constraint(c: StructuredOutputsParams) -> None:
+    """Compile the constraint's grammar, the only time before the sampling rank builds its matcher: one that
+    fails there would fail the whole step."""
+    kind = next(k for k in CONSTRAINT_KINDS if getattr(c, k) not in (None, False))
+    try:
+        compile_grammar(c)
+    except ValueError as e:
+        field, rule = f"structured_outputs.{kind}", f"it does not compile: {str(e).removeprefix(kind + ': ')}"
+        raise RequestError(field, getattr(c, kind), rule, f"{field}: {rule}") from None  # a schema may be long
+
+
+def with_eos_stop_token_ids(params: SamplingParams, spec: ModelSpec) -> SamplingParams:
+    """``params`` stopping on every EOS id of the model: models with several (generation_config) stop on any of
+    them, as transformers does."""
+    extra = [t for t in spec.eos_token_ids if t != spec.eos_token_id and t not in params.stop_token_ids]
+    if not extra or params.ignore_eos:
+        return params
+    return dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)

@@ -1,0 +1,112 @@
+"""Starting an engine's ranks: one worker actor per rank in its bundle, then on every rank its device, the
+process group, its model shard and a KV cache of the same size."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import Counter
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.config import EngineConfig
+from cluster.engine.network import free_port, interface_of
+from cluster.worker_actor import WorkerActor
+
+RayWorker = ray.remote(WorkerActor)
+SOCKET_IFNAME = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
+
+
+@dataclass(slots=True)
+class NodeInfo:
+    """Where a rank landed: what thread counts and the process-group address are derived from."""
+
+    node_id: str
+    ip: str
+    num_cores: int  # cores this process may run on (not Ray's logical CPUs, which only count reservations)
+    free_port: int
+    ifname: str | None  # the interface holding ``ip``, when one does
+
+
+def _node_info(_actor: WorkerActor) -> NodeInfo:
+    """Runs inside a rank's actor (through ``__ray_call__``)."""
+    ip = ray.util.get_node_ip_address()
+    return NodeInfo(ray.get_runtime_context().get_node_id(), ip, len(os.sched_getaffinity(0)), free_port(),
+                    interface_of(ip))
+
+
+def _socket_ifname(_actor: WorkerActor, var: str, default: str | None) -> str | None:
+    """Runs inside a rank's actor: the interface ``var`` names for the backend, set to ``default`` first when
+    the environment leaves it unset."""
+    if not os.environ.get(var) and default:
+        os.environ[var] = default
+    return os.environ.get(var)
+
+
+def _init_device(actor: WorkerActor, num_threads: int) -> str:
+    """Runs inside a rank's actor: fix its torch thread count (Ray's OMP_NUM_THREADS follows num_cpus), then
+    take its device."""
+    actor.worker.config.num_threads = num_threads
+    return actor.worker.init_device()
+
+
+def start_workers(config: EngineConfig, model_path: str, max_model_len: int, pg: PlacementGroup,
+                  first_bundle: int, device: str) -> list:
+    """Rank r goes to bundle ``first_bundle + 1 + r`` (``first_bundle`` is the scheduler's)."""
+    wcfg = dataclasses.replace(config.worker_config(model_path, max_model_len), device=device)
+    return [RayWorker.options(
+        num_cpus=config.num_threads or 1, num_gpus=1 if device == "cuda" else 0,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + 1 + r),
+    ).remote(wcfg, r) for r in range(config.tensor_parallel_size)]
+
+
+def init_workers(workers: list, num_threads: int | None, device: str,
+                 timeout_s: float) -> tuple[int, int, list[NodeInfo]]:
+    """Device, process group, model shard and KV cache on every rank; returns the blocks each rank holds (device,
+    host tier) and where each rank runs. The ranks must form their process group within ``timeout_s``."""
+    infos: list[NodeInfo] = ray.get([w.__ray_call__.remote(_node_info) for w in workers])
+    ranks_per_node = Counter(i.node_id for i in infos)
+    # Co-located ranks share their node's cores: oversubscribed torch threads stall at every barrier.
+    threads = [num_threads or max(1, i.num_cores // ranks_per_node[i.node_id]) for i in infos]
+    ray.get([w.__ray_call__.remote(_init_device, n) for w, n in zip(workers, threads)])
+    form_process_group(workers, infos, "nccl" if device == "cuda" else "gloo", timeout_s)
+    ray.get([w.call.remote("load_model") for w in workers])
+    num_blocks = min(ray.get([w.call.remote("determine_num_blocks") for w in workers]))
+    if num_blocks < 2:
+        block_bytes = ray.get(workers[0].call.remote("block_bytes"))
+        raise ValueError(f"the KV cache holds {num_blocks} blocks of {block_bytes} bytes; raise kv_cache_bytes "
+                         f"or gpu_memory_utilization")
+    num_host_blocks = min(ray.get([w.call.remote("determine_num_host_blocks") for w in workers]))
+    ray.get([w.call.remote("init_cache", num_blocks, num_host_blocks) for w in workers])
+    return num_blocks, num_host_blocks, infos
+
+
+def form_process_group(workers: list, infos: list[NodeInfo], backend: str, timeout_s: float) -> None:
+    """Join every rank to the process group at rank 0's node IP (the one Ray uses, so the other nodes reach
+    it), or raise RuntimeError naming the interface setting: a rank listening where the others cannot reach
+    fails deep in gloo, or waits out the group's 300 s timeout."""
+    # Gloo's default is the address the host name resolves to: often a loopback (127.0.1.1 on Debian) or an
+    # interface the other nodes cannot reach. So unless told otherwise, gloo listens on the interface holding
+    # the node's Ray IP. NCCL picks its interfaces by its own rules, unless NCCL_SOCKET_IFNAME says.
+    var = SOCKET_IFNAME[backend]
+    ifnames = ray.get([w.__ray_call__.remote(_socket_ifname, var, i.ifname if backend == "gloo" else None)
+                       for w, i in zip(workers, infos)])
+    master = infos[0]
+    refs = [w.call.remote("init_distributed", rank, len(workers), master.ip, master.free_port, backend)
+            for rank, w in enumerate(workers)]
+    try:
+        ray.get(refs, timeout=timeout_s)
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError) as e:
+        why = (f"not within placement_timeout_s={timeout_s:g}" if isinstance(e, ray.exceptions.GetTimeoutError)
+               else str(e.cause).strip().splitlines()[-1][-300:])
+        ranks = "; ".join(f"rank {r} on node {i.ip}, {var}={n or 'unset'}"
+                          for r, (i, n) in enumerate(zip(infos, ifnames)))
+        raise RuntimeError(
+            f"the {len(workers)} ranks did not form their {backend} process group at tcp://{master.ip}:"
+            f"{master.free_port} ({ranks}): {why}. Each rank listens on the interface {var} names, so every node "
+            f"must reach the others there. Set {var} to the interface that holds each node's Ray IP, in the "
+            f"environment `ray start` runs in (docs/multinode.md), and let that traffic through the nodes' "
+            f"firewalls") from None

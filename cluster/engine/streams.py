@@ -1,0 +1,112 @@
+"""The Ray executor's async side: the deltas of every ``RayEngine.generate`` stream, fetched together."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import ray
+
+from scheduler import RequestError, RequestOutput, SamplingParams
+
+
+class EngineStopping(RuntimeError):
+    """The engine's owner is stopping it: a request still running was ended before it finished."""
+
+
+def merge_deltas(deltas: list[RequestOutput]) -> list[RequestOutput]:
+    """Fold the queued deltas of each sample into one, so a consumer that lags costs one object per sample."""
+    if len(deltas) == 1:
+        return deltas
+    by_index: dict[int, list[RequestOutput]] = {}
+    for d in deltas:
+        by_index.setdefault(d.index, []).append(d)
+    return [group[0] if len(group) == 1 else _fold(group) for group in by_index.values()]
+
+
+def _fold(group: list[RequestOutput]) -> RequestOutput:
+    last = group[-1]
+    logprobs = [lp for d in group for lp in d.new_logprobs or []] if any(d.new_logprobs for d in group) else None
+    return RequestOutput(last.request_id, last.index, [t for d in group for t in d.new_token_ids], last.finished,
+                         last.finish_reason, logprobs, last.num_prompt_tokens, last.num_cached_tokens, last.error,
+                         last.queued_s)
+
+
+class DeltaStreams:
+    """The streams of one engine share one channel of its scheduler actor: a single pump fetches each step's
+    deltas for all of them in one call and hands them out, where a Ray stream per request would cost one
+    object per request per step (a fifth of a core at 64 requests on 2 cores, taken from the ranks).
+
+    Invariants: ``queues`` holds one queue per stream still open, keyed by request id (so an id runs once);
+    ``received`` is the last batch the channel got, which the pump's next call acknowledges; a stream that
+    ends before its request finished there aborts it.
+    """
+
+    def __init__(self, actor, channel: str) -> None:
+        self.actor = actor
+        self.channel = channel
+        self.received = 0
+        self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self.pump: asyncio.Task | None = None
+
+    async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
+                     cache_salt: str | None) -> AsyncIterator[RequestOutput]:
+        """The request's deltas as they come (``params`` checked); leaving early or being cancelled aborts it."""
+        if request_id in self.queues:  # checked here: its queue would take the running caller's deltas
+            raise RequestError("request_id", request_id, "a request with this id is still running")
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.queues[request_id] = queue
+        remaining = params.n
+        try:
+            self._ensure_pump()
+            finals = await self.actor.add_request.remote(request_id, list(prompt_token_ids), params, priority,
+                                                        self.channel, cache_salt)
+            for out in finals:
+                remaining -= 1
+                yield out
+            while remaining:
+                deltas = [await queue.get()]
+                while not queue.empty():
+                    deltas.append(queue.get_nowait())
+                for item in deltas:
+                    if isinstance(item, BaseException):
+                        raise item
+                for out in merge_deltas(deltas):
+                    remaining -= out.finished
+                    yield out
+        finally:
+            self.queues.pop(request_id, None)
+            if remaining:
+                self.actor.abort.remote(request_id)
+
+    def end_callers(self, error: BaseException) -> int:
+        """End every stream still open by raising ``error`` in it, each aborting its request in the engine
+        (and so freeing its KV blocks) as it leaves; returns how many were open."""
+        for queue in self.queues.values():
+            queue.put_nowait(error)
+        return len(self.queues)
+
+    def _ensure_pump(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.pump is None or self.pump.done() or self.pump.get_loop() is not loop:
+            self.pump = loop.create_task(self._pump_outputs())
+
+    async def _pump_outputs(self) -> None:
+        """Hand each batch of the channel's deltas to the streams' queues, for as long as the loop lives; on
+        failure every waiting stream gets the exception. Cancelled (its loop closing), it cancels the call it
+        waits on in the actor; should that call still return a batch, the next pump's acknowledgement
+        (``received``) gets the batch sent again."""
+        while True:
+            ref = self.actor.get_outputs.remote(self.channel, self.received)
+            try:
+                self.received, outputs = await ref
+            except asyncio.CancelledError:
+                ray.cancel(ref)
+                raise
+            except Exception as e:  # the actor died or the engine failed: nobody's deltas will come
+                self.end_callers(e)
+                return
+            for out in outputs:
+                queue = self.queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
