@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from cluster.config import EngineConfig
 from cluster.engine.interface import Engine
-from cluster.model_files import load_tokenizer
+from cluster.model_files import generation_defaults, load_tokenizer
 from scheduler import RequestError, SampledLogprobs, SamplingParams
 
 
@@ -80,12 +80,17 @@ class LLM:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                   return_dict=False)
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` samples with when given no params: SamplingParams' defaults, with the model's own where
+        --generation-config (auto: its generation_config.json) names them, as vLLM's LLM does."""
+        return SamplingParams(**generation_defaults(self.config, self.engine.model_path))
+
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None, *, use_tqdm: bool = True,
                  priority: list[int] | None = None) -> list[GenerateOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        params_list = params if isinstance(params, list) else [params or self.default_sampling_params()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):

@@ -9,10 +9,10 @@ from typing import Any
 
 from cluster.config import EngineConfig
 
-# generation_config.json's sampling fields, as SamplingParams names them: the defaults vLLM's
-# --generation-config auto applies to a request that leaves them unset.
-GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+# generation_config.json's sampling fields (SamplingParams names them alike): the defaults --generation-config auto
+# applies to a request that leaves them unset, as vLLM does. max_new_tokens is not one: a request's length is the
+# room its context leaves unless it asks for less.
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def chat_template_text(chat_template: str) -> str:
@@ -45,4 +45,4 @@ def generation_defaults(config: EngineConfig, model_path: str) -> dict[str, Any]
     if not path.is_file():
         return {}
     data = json.loads(path.read_text())
-    return {ours: data[theirs] for theirs, ours in GENERATION_DEFAULTS.items() if data.get(theirs) is not None}
+    return {name: data[name] for name in GENERATION_DEFAULTS if data.get(name) is not None}

@@ -230,9 +230,11 @@ class SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         tool_constraint: StructuredOutputsParams | None = None,
-                        bad_words_token_ids: list[list[int]] | None = None) -> SamplingParams:
+                        bad_words_token_ids: list[list[int]] | None = None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
         """``tool_constraint``: the grammar a forced tool_choice imposes (the server builds it from tools);
-        ``bad_words_token_ids``: ``bad_words`` tokenized (by the server, which holds the tokenizer)."""
+        ``bad_words_token_ids``: ``bad_words`` tokenized (by the server, which holds the tokenizer); ``defaults``:
+        the model's sampling defaults (--generation-config), for the fields this request left unset."""
         self.check_policy()
         constraint = self.constraint()
         if tool_constraint is not None:
@@ -240,10 +242,14 @@ class SamplingFields(BaseModel):
                 raise bad_request("tool_choice forces a tool call, which response_format or structured_outputs "
                                   "would constrain as well; send one", "tool_choice")
             constraint = tool_constraint
+        sampling = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p",
+                                                            "repetition_penalty")}
+        sampling.update({k: v for k, v in (defaults or {}).items() if k not in self.model_fields_set})
         try:
             return SamplingParams(
-                temperature=self.temperature, top_p=self.top_p, top_k=-1 if self.top_k == 0 else self.top_k,
-                min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                temperature=sampling["temperature"], top_p=sampling["top_p"],
+                top_k=-1 if sampling["top_k"] == 0 else sampling["top_k"], min_p=sampling["min_p"],
+                repetition_penalty=sampling["repetition_penalty"],
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
                 max_tokens=max_tokens, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids or [],
                 ignore_eos=self.ignore_eos, n=self.n, logprobs=logprobs, logit_bias=self.logit_bias,

@@ -24,7 +24,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 from starlette.exceptions import HTTPException
 
 from cluster.engine.ray_client import RayEngine
-from cluster.model_files import load_tokenizer
+from cluster.model_files import generation_defaults, load_tokenizer
 from cluster.raylm_pb2 import GenerateRequest, GenerateResponse
 from cluster.serve import grpc_status
 from cluster.serve.admission import Admission
@@ -91,6 +91,7 @@ class LLMServer:
     def __init__(self, args: AppArgs) -> None:
         self.engine = RayEngine(args.engine, placement_group=ray.util.get_current_placement_group(), first_bundle=1)
         self.tokenizer = load_tokenizer(args.engine, self.engine.model_path)
+        self.sampling_defaults = generation_defaults(args.engine, self.engine.model_path)
         self.model_name = args.model_name
         self.api_key = args.api_key
         self.max_body_bytes = args.max_body_bytes
@@ -177,7 +178,7 @@ class LLMServer:
             raise bad_request(f"priority={req.priority} needs the priority scheduling policy; this server schedules "
                               f"{self.scheduling_policy} (serve with scheduling_policy=priority)", "priority")
         params = req.sampling_params(max_tokens, num_logprobs, tools.constraint() if tools else None,
-                                     self._bad_words(req.bad_words))
+                                     self._bad_words(req.bad_words), self.sampling_defaults)
         try:
             return await Generation(self.admission, self.tokenizer, self.metrics, prompt_ids, params, req,
                                     self.request_timeout_s).start()
