@@ -105,7 +105,8 @@ class InputBuffers:
 
     def writable(self) -> dict[str, np.ndarray]:
         """The host side's numpy views, once the last upload's copies have read them."""
-        if self.uploaded is not None:
+        # query() first: after a step's read-back the copies are long done, and a needless wait is a host sync.
+        if self.uploaded is not None and not self.uploaded.query():
             self.uploaded.synchronize()
         return self.np
 

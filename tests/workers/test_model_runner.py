@@ -124,6 +124,9 @@ class OrderCheckingEvent:
         # Only used prefixes are copied: compare where the step wrote (the token-sized buffers' first slots).
         assert all(torch.equal(dev[n][:1], host[n][:1]) for n in ("input_ids", "positions", "query_start_loc"))
 
+    def query(self):
+        return False  # as if the GPU were still behind: every rewrite must wait
+
     def synchronize(self):
         self.waits += 1
         if self.uploaded is not None:
