@@ -10,7 +10,6 @@ from transformers import AutoTokenizer
 
 from cluster.config import EngineConfig
 from cluster.engine import InProcessEngine, check_params, check_prompt
-from cluster.ray_engine import RayEngine
 from scheduler import SampledLogprobs, SamplingParams
 
 
@@ -57,6 +56,8 @@ class LLM:
                  **engine_kwargs) -> None:
         self.config = EngineConfig(model=model, **engine_kwargs)
         if executor == "ray":
+            from cluster.ray_engine import RayEngine  # here: the in-process executor runs where Ray is not installed
+
             self.engine = RayEngine(self.config, address)
         elif executor == "inprocess":
             if address is not None:
