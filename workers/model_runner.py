@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
-
-import warnings
 
 import numpy as np
 import torch
@@ -94,7 +93,7 @@ class InputBuffers:
     def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device,
                  uploaded: Any = None) -> None:
         shapes = {"T": (max_tokens,), "R": (max_reqs,), "R+1": (max_reqs + 1,), "RxB": (max_reqs, max_blocks)}
-        # `uploaded` (an event: record() / synchronize()) is given only by tests, to copy between CPU tensors.
+        # `uploaded` (an event: record, query, synchronize) is given only by tests, to copy between CPU tensors.
         self.copies = device.type == "cuda" or uploaded is not None
         host = {name: torch.zeros(shapes[size], dtype=dtype, pin_memory=device.type == "cuda")
                 for name, (dtype, size) in _BUFFERS.items()}
