@@ -109,7 +109,10 @@ class EngineConfig(BaseModel):
     def _swap_space_fits(cls, swap_space: float) -> float:
         from workers.cache_engine import check_swap_space
 
-        check_swap_space(int(swap_space * GIB))
+        try:
+            check_swap_space(int(swap_space * GIB))
+        except ValueError as e:
+            raise ValueError(f"swap_space={swap_space:g} GiB per rank: {e}") from None
         return swap_space
 
     @field_validator("preemption_mode")

@@ -9,7 +9,37 @@ and imports workers/ only in its constructor, inside the rank's process.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from typing import Any
+
+
+def node_gpu_lists(node_ids: Sequence[str], gpu_ids: Sequence[Sequence[int | str]]) -> list[str]:
+    """Per rank, the CUDA_VISIBLE_DEVICES naming every GPU the engine's ranks hold on that rank's node: Ray's
+    ids of the node's ranks, in order (numerically where they are numbers, as Ray numbers them)."""
+    per_node: dict[str, set[str]] = {}
+    for node, ids in zip(node_ids, gpu_ids):
+        per_node.setdefault(node, set()).update(str(i) for i in ids)
+    return [",".join(sorted(per_node[node], key=_gpu_order)) for node in node_ids]
+
+
+def _gpu_order(gpu_id: str) -> tuple[int, int, str]:
+    return (0, int(gpu_id), "") if gpu_id.isdigit() else (1, 0, gpu_id)
+
+
+def share_node_gpus(workers: list, node_ids: Sequence[str]) -> None:
+    """Let every rank see all the GPUs the engine holds on its node, not only its own, before any rank
+    touches CUDA. Ray masks each actor to its one GPU, and NCCL between ranks that cannot see each other's
+    devices loses P2P/NVLink (it falls back to shared memory through the host) and has hung on NVSwitch nodes
+    (ray-project/ray#16979). Each rank then picks its own GPU by its position in the list (cuda_index). Each
+    rank also learns how many ranks share its host's memory (each pins its own host tier)."""
+    import ray
+
+    gpu_ids = ray.get([w.gpu_ids.remote() for w in workers])
+    lists = node_gpu_lists(node_ids, gpu_ids)
+    ranks_on_node = {node: list(node_ids).count(node) for node in node_ids}
+    ray.get([w.see_node_gpus.remote(visible, ranks_on_node[node])
+             for w, visible, node in zip(workers, lists, node_ids)])
 
 
 class WorkerActor:
@@ -22,6 +52,15 @@ class WorkerActor:
 
         # The GPU ids Ray assigned this actor choose its device (workers.worker.cuda_index).
         self.worker = Worker(config, rank, gpu_ids=ray.get_gpu_ids())
+
+    def gpu_ids(self) -> list[int | str]:
+        return self.worker.gpu_ids
+
+    def see_node_gpus(self, visible_devices: str, ranks_on_node: int) -> None:
+        """Before init_device: CUDA reads CUDA_VISIBLE_DEVICES once, when the process first initialises it."""
+        if visible_devices:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices
+        self.worker.ranks_on_host = ranks_on_node
 
     def execute_model(self, scheduler_output: Any) -> Any:
         """The hot path: one step; rank 0 returns the sampled tokens, the others None."""

@@ -23,11 +23,36 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
 
 
+# The flash-attn 2 releases whose paged calls raylm was reviewed against. Later builds add a host sync to the
+# paged decode path, which breaks CUDA-graph capture (the runner then decodes eagerly) and costs every step.
+SUPPORTED_VERSIONS = ((2, 6, 0), (2, 8, 3))
+
+
+def version_supported(version: str) -> bool:
+    """Whether a flash_attn `__version__` ("2.8.3", "2.7.4.post1", ...) is within SUPPORTED_VERSIONS."""
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(c for c in piece if c.isdigit()) if piece[:1].isdigit() else ""
+        if not digits:
+            return False
+        parts.append(int(digits))
+    low, high = SUPPORTED_VERSIONS
+    return low <= tuple(parts) <= high
+
+
 def load_flash_attn() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None:
-    """(flash_attn_varlen_func, flash_attn_with_kvcache), or None when flash_attn does not import."""
+    """(flash_attn_varlen_func, flash_attn_with_kvcache), or None when flash_attn does not import or is a
+    version outside SUPPORTED_VERSIONS (with a warning naming it)."""
     try:
+        import flash_attn
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
     except (ImportError, OSError):  # OSError: a wheel built against another torch or CUDA
+        return None
+    version = getattr(flash_attn, "__version__", "unknown")
+    if not version_supported(version):
+        low, high = (".".join(map(str, v)) for v in SUPPORTED_VERSIONS)
+        warnings.warn(f"flash_attn {version} is outside the versions raylm supports ({low} to {high}); not used",
+                      stacklevel=2)
         return None
     return flash_attn_varlen_func, flash_attn_with_kvcache
 

@@ -21,6 +21,7 @@ _KEYS_PER_STEP = 32
 # read by one program while most of the GPU's SMs idle (flash-decoding).
 _SPLIT_BELOW_PROGRAMS = 256
 _PARTITION = 512
+_MERGE_SPLITS_PER_STEP = 16
 
 
 @triton.jit
@@ -105,14 +106,15 @@ def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tabl
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["stride_table"])
+# The split count changes with the longest context: as a constexpr, or specialised on (as Triton does for ints
+# divisible by 16), every step whose longest context crossed a partition boundary would compile both kernels again.
+@triton.jit(do_not_specialize=["stride_table", "num_splits"])
 def _paged_decode_split_kernel(part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
                                seq_lens_ptr, query_start_loc_ptr, scale,
-                               stride_qt, stride_qh, stride_block, stride_slot, stride_head, stride_table,
+                               stride_qt, stride_qh, stride_block, stride_slot, stride_head, stride_table, num_splits,
                                NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                                HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr,
-                               KEYS: tl.constexpr, PARTITION: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                               PRECISION: tl.constexpr):
+                               KEYS: tl.constexpr, PARTITION: tl.constexpr, PRECISION: tl.constexpr):
     """One program: the single query of one request, its GROUP heads on one KV head, against the keys of one
     partition of its context. Writes the partition's normalised output and log-sum-exp (base 2); a partition
     past the context writes 0 and -inf, so the merge needs no length."""
@@ -124,7 +126,7 @@ def _paged_decode_split_kernel(part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v
     row_ok = rows < GROUP
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = d < HEAD_DIM
-    part = ((req * NUM_HEADS + head) * NUM_SPLITS + split).to(tl.int64)
+    part = (req * NUM_HEADS + head).to(tl.int64) * num_splits + split
     seq_len = tl.load(seq_lens_ptr + req)
     start = split * PARTITION
     if start < seq_len:
@@ -152,23 +154,43 @@ def _paged_decode_split_kernel(part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v
         tl.store(part_lse_ptr + part, tl.full([ROWS], float("-inf"), tl.float32), mask=row_ok)
 
 
-@triton.jit
-def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, stride_ot, stride_oh,
+@triton.jit(do_not_specialize=["num_splits"])
+def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, stride_ot, stride_oh, num_splits,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """One program: one request's head, its partitions weighted by their share of the softmax mass."""
+                         SPLITS_PER_STEP: tl.constexpr):
+    """One program: one request's head, its partitions weighted by their share of the softmax mass, read
+    SPLITS_PER_STEP at a time with a running max (a 128k context's 256 partitions at once would not fit in
+    registers)."""
     req = tl.program_id(0)
     head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS_PAD)
-    ok = splits < NUM_SPLITS
     d = tl.arange(0, HEAD_DIM_PAD)
-    base = (req * NUM_HEADS + head).to(tl.int64) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + base + splits, mask=ok, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))  # partition 0 is never empty, so the max is finite
-    parts = tl.load(part_out_ptr + (base + splits)[:, None] * HEAD_DIM_PAD + d[None, :], mask=ok[:, None], other=0.0)
-    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    base = (req * NUM_HEADS + head).to(tl.int64) * num_splits
+    m = tl.full([1], float("-inf"), tl.float32)
+    denom = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
+    # Partition 0 is never empty, so the running max is finite after the first step.
+    for first in range(0, num_splits, SPLITS_PER_STEP):
+        splits = first + tl.arange(0, SPLITS_PER_STEP)
+        ok = splits < num_splits
+        lse = tl.load(part_lse_ptr + base + splits, mask=ok, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        weight = tl.exp2(lse - m_new)
+        alpha = tl.exp2(m - m_new)
+        parts = tl.load(part_out_ptr + (base + splits)[:, None] * HEAD_DIM_PAD + d[None, :], mask=ok[:, None],
+                        other=0.0)
+        denom = denom * alpha + tl.sum(weight, 0)
+        acc = acc * alpha + tl.sum(parts * weight[:, None], 0)
+        m = m_new
     token = tl.load(query_start_loc_ptr + req)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, (acc / denom).to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+def split_count(max_seq_len: int) -> int:
+    """Partitions a split decode uses: enough _PARTITION-key ones for the longest context, rounded up to a power
+    of two so that the scratch buffers come in a few sizes the caching allocator reuses (the partitions past a
+    context cost one store each)."""
+    return triton.next_power_of_2(triton.cdiv(max_seq_len, _PARTITION))
 
 
 class TritonBackend:
@@ -199,9 +221,9 @@ class TritonBackend:
                         scale: float) -> torch.Tensor:
         _, _, block_size, kv_heads, head_dim = kv_cache.shape
         group = q.shape[1] // kv_heads
-        num_splits = triton.cdiv(md.max_seq_len, _PARTITION)
-        if md.max_query_len == 1 and num_splits > 1 and md.seq_lens.shape[0] * kv_heads < _SPLIT_BELOW_PROGRAMS:
-            return self._split_decode(q, kv_cache, md, scale, num_splits)
+        few_programs = md.seq_lens.shape[0] * kv_heads < _SPLIT_BELOW_PROGRAMS
+        if md.max_query_len == 1 and md.max_seq_len > _PARTITION and few_programs:
+            return self._split_decode(q, kv_cache, md, scale, split_count(md.max_seq_len))
         # A decode-only step needs one token per tile; bigger tiles would only hold masked rows.
         rows = max(_MIN_ROWS, triton.next_power_of_2(group)) if md.max_query_len == 1 \
             else max(_PREFILL_ROWS, triton.next_power_of_2(group))
@@ -231,15 +253,14 @@ class TritonBackend:
         _paged_decode_split_kernel[(num_reqs, kv_heads, num_splits)](
             part_out, part_lse, q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            md.block_tables.stride(0),
+            md.block_tables.stride(0), num_splits,
             NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
             ROWS=max(_MIN_ROWS, triton.next_power_of_2(group)), KEYS=_KEYS_PER_STEP, PARTITION=_PARTITION,
-            NUM_SPLITS=num_splits, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
         out = q.new_empty(q.shape)
         _merge_splits_kernel[(num_reqs, num_heads)](
-            out, part_out, part_lse, md.query_start_loc, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            out, part_out, part_lse, md.query_start_loc, out.stride(0), out.stride(1), num_splits,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PER_STEP=_MERGE_SPLITS_PER_STEP,
         )
         return out

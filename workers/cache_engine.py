@@ -19,11 +19,26 @@ def host_memory_available() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_swap_space(swap_space_bytes: int, where: str = "this host") -> None:
-    """Refuse a host tier larger than the host's available memory, before anything big is loaded."""
-    available = host_memory_available()
-    if swap_space_bytes > available:
-        raise ValueError(f"swap_space_bytes={swap_space_bytes} is more than {where} can give: "
+def pinned_bytes(nbytes: int) -> int:
+    """What pinning `nbytes` of host memory through torch takes: its caching host allocator (behind
+    `pin_memory=True`) rounds every allocation up to a power of two, so a 40 GiB host tier pins 64 GiB."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+def check_swap_space(swap_space_bytes: int, where: str = "this host", pinned: bool = False, ranks_on_host: int = 1,
+                     available: int | None = None) -> None:
+    """Refuse a host tier larger than the host's available memory, before anything big is loaded. A pinned
+    tier counts as `pinned_bytes` of it, and every one of the `ranks_on_host` ranks sharing the host pins its
+    own; `available` defaults to host_memory_available()."""
+    if swap_space_bytes <= 0:
+        return
+    available = host_memory_available() if available is None else available
+    each = pinned_bytes(swap_space_bytes) if pinned else swap_space_bytes
+    if each * ranks_on_host > available:
+        takes = f"pins {each} bytes (rounded up to a power of two by torch's pinned-memory allocator)" if pinned \
+            else f"takes {each} bytes"
+        ranks = f" on each of {ranks_on_host} ranks" if ranks_on_host > 1 else ""
+        raise ValueError(f"swap_space_bytes={swap_space_bytes} {takes}{ranks}: more than {where} can give, "
                          f"{available} bytes of memory are available")
 
 

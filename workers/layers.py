@@ -244,7 +244,10 @@ ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
-    inv_freq = 1.0 / rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    """On CPU, whatever the default device (models are built under `with device:`), as transformers computes
+    it: CUDA's pow and division may round differently, and fp32 greedy equality needs the same frequencies."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / rope.theta ** exponents
     s = dict(rope.scaling)
     if rope.rope_type == "linear":
         return inv_freq / s["factor"]
@@ -267,7 +270,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig):
         super().__init__()
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), _inv_freq(head_dim, rope))
+        inv_freq = _inv_freq(head_dim, rope).to(torch.get_default_device())
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         dtype = torch.get_default_dtype()
         self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
         self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,14 +17,18 @@ from workers.sampler import PenaltyState, Sampler, SamplingMetadata, has_penalti
 from workers.structured_output import GrammarBitmasks
 
 # Decode batch sizes captured as CUDA graphs (vLLM's and nano-vllm's choice): every size up to 4, then
-# every multiple of 8. A step of n decodes runs the smallest captured size >= n, padded.
-_GRAPH_SIZES = (1, 2, 4, *range(8, 1025, 8))
+# every multiple of 8 up to 512. A step of n decodes runs the smallest captured size >= n, padded; a larger
+# decode batch runs eagerly, where a step's launch overhead is small against its work anyway.
+MAX_GRAPH_SIZE = 512
+_GRAPH_SIZES = (1, 2, 4, *range(8, MAX_GRAPH_SIZE + 1, 8))
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """The captured sizes for an engine of `max_num_seqs`: up to the first size that holds them all."""
+    """The captured sizes for an engine of `max_num_seqs`: up to the first size that holds them all, at most
+    MAX_GRAPH_SIZE (batches beyond it run eagerly)."""
     sizes = [s for s in _GRAPH_SIZES if s < max_num_seqs]
-    return sizes + [next(s for s in _GRAPH_SIZES if s >= max_num_seqs)]
+    cover = next((s for s in _GRAPH_SIZES if s >= max_num_seqs), None)
+    return sizes + [cover] if cover else sizes
 
 
 @dataclass(slots=True)
@@ -75,22 +80,34 @@ class InputBuffers:
     """A step's input tensors, allocated once for the largest step (`max_tokens` tokens, `max_reqs`
     requests of up to `max_blocks` blocks) and rewritten in place every step.
 
-    Invariants: a step writes the host side through numpy views (``np``) and ``upload`` copies
-    each used prefix once to the device side (``dev``) without blocking; on CPU the two sides are
-    one tensor and nothing is copied. The device tensors keep their addresses for the runner's
-    life, so a captured CUDA graph reads each step's inputs in place. On CUDA the host side is
-    pinned, so the copies are truly asynchronous; it is rewritten only after the previous step's
-    tokens were read back, by which time those copies have finished.
+    Invariants: a step writes the host side through the numpy views ``writable()`` returns and
+    ``upload`` copies each used prefix once to the device side (``dev``) without blocking; on CPU
+    the two sides are one tensor and nothing is copied. The device tensors keep their addresses for
+    the runner's life, so a captured CUDA graph reads each step's inputs in place. With copies, the
+    host side is pinned, so a copy is truly asynchronous and may still be reading it long after
+    ``upload`` returned (a step with no sampled token never syncs, and the GPU can run a step or more
+    behind the host): ``upload`` records ``uploaded`` after its copies, and ``writable`` waits for it,
+    so the host side is never rewritten under a pending copy.
     """
 
-    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device,
+                 uploaded: Any = None) -> None:
         shapes = {"T": (max_tokens,), "R": (max_reqs,), "R+1": (max_reqs + 1,), "RxB": (max_reqs, max_blocks)}
-        self.copies = device.type == "cuda"
-        host = {name: torch.zeros(shapes[size], dtype=dtype, pin_memory=self.copies)
+        # `uploaded` (an event: record, query, synchronize) is given only by tests, to copy between CPU tensors.
+        self.copies = device.type == "cuda" or uploaded is not None
+        host = {name: torch.zeros(shapes[size], dtype=dtype, pin_memory=device.type == "cuda")
                 for name, (dtype, size) in _BUFFERS.items()}
         self.np = {name: t.numpy() for name, t in host.items()}
         self.host = host
-        self.dev = {name: t.to(device) for name, t in host.items()} if self.copies else host
+        self.dev = {name: t.to(device, copy=True) for name, t in host.items()} if self.copies else host
+        self.uploaded = uploaded if uploaded is not None else (torch.cuda.Event() if self.copies else None)
+
+    def writable(self) -> dict[str, np.ndarray]:
+        """The host side's numpy views, once the last upload's copies have read them."""
+        # query() first: after a step's read-back the copies are long done, and a needless wait is a host sync.
+        if self.uploaded is not None and not self.uploaded.query():
+            self.uploaded.synchronize()
+        return self.np
 
     def upload(self, num_tokens: int, num_reqs: int, num_logits: int) -> dict[str, torch.Tensor]:
         """The device tensors' used prefixes, after queueing their copies."""
@@ -101,7 +118,19 @@ class InputBuffers:
             out[name] = self.dev[name][:n]
             if self.copies:
                 out[name].copy_(self.host[name][:n], non_blocking=True)
+        if self.uploaded is not None:
+            self.uploaded.record()
         return out
+
+
+def _logprob_stats(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """Each row's logprob of its target, the target's rank (1 = the likeliest), and the row's top k: what
+    prompt_logprobs returns. Holds [rows, vocab] in fp32 twice, beside the logits (the profile counts it)."""
+    raw = logits.float().log_softmax(-1)
+    chosen = raw.gather(1, targets.unsqueeze(1))
+    ranks = (raw > chosen).sum(-1) + 1
+    top_values, top_ids = raw.topk(k, dim=-1)
+    return chosen.squeeze(1), ranks, top_values, top_ids
 
 
 @dataclass(slots=True)
@@ -232,7 +261,7 @@ class ModelRunner:
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
         num_new = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
-        buf = self.buffers.np
+        buf = self.buffers.writable()
         cu = buf["query_start_loc"]
         cu[0] = 0
         np.cumsum(num_new, out=cu[1:num_reqs + 1])
@@ -275,7 +304,7 @@ class ModelRunner:
 
     def _pad_decode(self, start: int, end: int) -> None:
         """Rows start..end-1 become one-token requests on the null block (slot 0, context of 1)."""
-        buf = self.buffers.np
+        buf = self.buffers.writable()
         for name in ("input_ids", "positions", "slot_mapping", "block_tables"):
             buf[name][start:end] = 0
         buf["seq_lens"][start:end] = 1
@@ -365,12 +394,9 @@ class ModelRunner:
         if logits is None:
             return None
         targets = np.concatenate([self.token_ids[s.row, first + 1:first + 1 + n] for s, first, n, _ in spans])
-        raw = logits.float().log_softmax(-1)
-        chosen = raw.gather(1, torch.from_numpy(targets).to(self.device).unsqueeze(1))
-        ranks = (raw > chosen).sum(-1) + 1
         k = max(s.sampling_params.prompt_logprobs for s, *_ in spans)
-        top_values, top_ids = raw.topk(k, dim=-1)
-        chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
+        chosen, ranks, top_values, top_ids = _logprob_stats(logits, torch.from_numpy(targets).to(self.device), k)
+        chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
         values_l, ids_l = top_values.tolist(), top_ids.tolist()
         out, i = {}, 0
         for state, _, count, _ in spans:
@@ -393,11 +419,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_sampling(self, hidden: torch.Tensor, num_rows: int) -> None:
-        """Logits and every sampler stage at `num_rows` rows, from rows of `hidden`: the memory a full
-        batch of requests using penalties, top-k, top-p, min-p, seeds and logprobs takes at once."""
+        """Logits and every sampler stage at `num_rows` rows, from rows of `hidden`, with prompt logprobs of
+        every row of `hidden` computed meanwhile, as a step does: the memory a full batch of requests using
+        penalties, top-k, top-p, min-p, seeds and logprobs takes at once, beside a chunk asking prompt_logprobs."""
         logits = self.model.compute_logits(hidden[torch.arange(num_rows, device=hidden.device) % hidden.shape[0]])
+        prompt_logits = self.model.compute_logits(hidden)  # every rank joins the vocabulary-parallel logits
         if not self.is_driver:
             return
+        _logprob_stats(prompt_logits, torch.zeros(hidden.shape[0], dtype=torch.int64, device=hidden.device), 20)
+        del prompt_logits
         params = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
                                  presence_penalty=0.5, frequency_penalty=0.5, seed=0, logprobs=20)] * num_rows
         rows = max(num_rows, self.token_ids.shape[0])
@@ -412,22 +442,35 @@ class ModelRunner:
     @torch.inference_mode()
     def capture_decode_graphs(self) -> None:
         """Capture the decode forward at each of `decode_sizes`, largest first so that the smaller
-        graphs reuse its memory pool. Needs the KV cache bound: the graphs hold its address."""
-        dev = self.buffers.dev
-        pool = None
-        for size in reversed(self.decode_sizes):
-            self._pad_decode(0, size)
-            self.buffers.upload(size, size, 0)
-            md = AttentionMetadata.build(
-                query_start_loc=dev["query_start_loc"][:size + 1], seq_lens=dev["seq_lens"][:size],
-                block_tables=dev["block_tables"][:size], slot_mapping=dev["slot_mapping"][:size], max_query_len=1,
-                max_seq_len=self.max_model_len, backend=self.attn_backend)
-            args = (dev["input_ids"][:size], dev["positions"][:size], md)
-            self.model(*args)  # outside the capture: Triton compiles, cuBLAS picks its kernels
+        graphs reuse its memory pool. Needs the KV cache bound: the graphs hold its address.
+
+        A backend that cannot be captured (a flash-attn build that syncs with the host in its decode
+        path, say) makes the capture raise: the runner then drops every graph and runs decodes eagerly,
+        with a warning naming the error, rather than failing the engine at start."""
+        try:
+            pool = None
+            for size in reversed(self.decode_sizes):
+                pool = self._capture(size, pool)
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(*args)
-            pool = graph.pool()
-            self.graphs[size] = (graph, hidden)
+        except Exception as e:  # whatever broke the capture, eager decodes are the remedy
+            warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly, as "
+                          f"enforce_eager=True would", stacklevel=2)
+            self.graphs.clear()
+            self.decode_sizes = []
+
+    def _capture(self, size: int, pool: Any) -> Any:
+        dev = self.buffers.dev
+        self._pad_decode(0, size)
+        self.buffers.upload(size, size, 0)
+        md = AttentionMetadata.build(
+            query_start_loc=dev["query_start_loc"][:size + 1], seq_lens=dev["seq_lens"][:size],
+            block_tables=dev["block_tables"][:size], slot_mapping=dev["slot_mapping"][:size], max_query_len=1,
+            max_seq_len=self.max_model_len, backend=self.attn_backend)
+        args = (dev["input_ids"][:size], dev["positions"][:size], md)
+        self.model(*args)  # outside the capture: Triton compiles, cuBLAS picks its kernels
         torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            hidden = self.model(*args)
+        self.graphs[size] = (graph, hidden)
+        return graph.pool()

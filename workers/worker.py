@@ -102,14 +102,30 @@ class MemorySnapshot:
 
 
 def kv_cache_budget(total: int, utilization: float, before: MemorySnapshot, after: MemorySnapshot,
-                    profile_peak: int) -> int:
+                    profile_peak: int, graph_pool: int = 0) -> int:
     """Bytes left for the KV cache: the share of the device we may use, less what was in use before
     the profile (weights, context, others), the profile's peak (activations, logits and sampler at
-    full width), and memory outside torch that appeared during the profile: NCCL allocates its
-    buffers at the first collective, which the profile makes, and torch's allocator never sees them.
+    full width), memory outside torch that appeared during the profile (NCCL allocates its buffers at
+    the first collective, which the profile makes, and torch's allocator never sees them), and the
+    CUDA graphs' private pool, captured only after the cache exists (`graph_pool`, an estimate).
     `after` is taken once the profile's blocks went back to the driver (empty_cache)."""
     non_torch_growth = max((after.used - after.torch_reserved) - (before.used - before.torch_reserved), 0)
-    return int(total * utilization) - before.used - profile_peak - non_torch_growth
+    return int(total * utilization) - before.used - profile_peak - non_torch_growth - graph_pool
+
+
+def profile_peak(allocated_start: int, allocated_peak: int, reserved_start: int, reserved_peak: int) -> int:
+    """The profile's peak as the device sees it: what torch's caching allocator reserved for it, which is
+    the tensors' peak plus the fragmentation between them (never less than the tensors' peak)."""
+    return max(allocated_peak - allocated_start, reserved_peak - reserved_start)
+
+
+def graph_pool_bytes(forward_peak: int, forward_tokens: int, max_graph_size: int) -> int:
+    """An estimate of the CUDA graphs' private pool: the activations of the largest captured decode (one token
+    per request), scaled from the profile forward's peak over `forward_tokens` tokens (activations grow with
+    tokens; the smaller graphs share the largest one's pool). 0 without graphs."""
+    if not max_graph_size or forward_tokens <= 0:
+        return 0
+    return forward_peak * min(max_graph_size, forward_tokens) // forward_tokens
 
 
 @dataclass(slots=True)
@@ -157,6 +173,7 @@ class Worker:
         self.spec = None
         self.runner: ModelRunner | NoWorkRunner | None = None
         self.cache: CacheEngine | None = None
+        self.ranks_on_host = 1  # ranks sharing this host's memory (each pins its own host tier); set by the actor
 
     def init_device(self) -> str:
         cfg = self.config
@@ -167,7 +184,8 @@ class Worker:
             torch.cuda.set_device(self.device)
         else:
             keep_freed_memory()
-        check_swap_space(self.config.swap_space_bytes, f"rank {self.rank}'s host")
+        check_swap_space(cfg.swap_space_bytes, f"rank {self.rank}'s host", pinned=self.device.type == "cuda",
+                         ranks_on_host=self.ranks_on_host)
         # Ray sets OMP_NUM_THREADS from the actor's num_cpus (often 1); choose on purpose instead.
         threads = cfg.num_threads or len(os.sched_getaffinity(0))
         torch.set_num_threads(threads)
@@ -236,17 +254,18 @@ class Worker:
         cache = self._new_cache(self._profile_blocks())
         cache.bind(self.model.attention_layers)
         torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-        self.profile_forward()
+        start = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        forward_peak = self.profile_forward()
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - start
+        peak = profile_peak(start[0], torch.cuda.max_memory_allocated(), start[1], torch.cuda.max_memory_reserved())
         # The layers' views would keep the throwaway cache alive next to the real one.
         for layer in self.model.attention_layers:
             layer.kv_cache = torch.empty(0)
         del cache
         torch.cuda.empty_cache()  # hand the profile's blocks back, for the real cache
+        graphs = graph_pool_bytes(forward_peak, sum(self._profile_lens()), max(self.runner.decode_sizes, default=0))
         budget = kv_cache_budget(torch.cuda.mem_get_info()[1], self.config.gpu_memory_utilization, before,
-                                 MemorySnapshot.take(), peak)
+                                 MemorySnapshot.take(), peak, graphs)
         return max(budget // self.block_bytes(), 0)
 
     def determine_num_host_blocks(self) -> int:
@@ -278,10 +297,12 @@ class Worker:
         return len(lens) * -(-lens[0] // self.config.block_size) + 1
 
     @torch.inference_mode()
-    def profile_forward(self) -> None:
+    def profile_forward(self) -> int:
         """The largest step the scheduler may send (a forward over max_num_batched_tokens tokens), then logits
-        and the sampler at max_num_seqs rows with every sampling feature on; the KV cache bound to the layers
-        must hold `_profile_blocks()` blocks. Its peak memory is what a busy step needs beside the cache."""
+        and the sampler at max_num_seqs rows with every sampling feature on, and prompt logprobs of every token;
+        the KV cache bound to the layers must hold `_profile_blocks()` blocks. Its peak memory is what a busy
+        step needs beside the cache. Returns the forward's own peak (bytes over what was allocated at its
+        start; 0 off CUDA), from which the graphs' pool is estimated."""
         cfg = self.config
         lens = self._profile_lens()
         dev = self.device
@@ -294,8 +315,12 @@ class Worker:
         md = AttentionMetadata.build(query_start_loc=cu, seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
                                      block_tables=tables, slot_mapping=slots, max_query_len=max(lens),
                                      max_seq_len=max(lens), backend=self.runner.attn_backend)
+        cuda = dev.type == "cuda"
+        start = torch.cuda.memory_allocated() if cuda else 0
         hidden = self.model(torch.zeros(sum(lens), dtype=torch.long, device=dev), positions, md)
+        forward_peak = torch.cuda.max_memory_allocated() - start if cuda else 0
         self.runner.profile_sampling(hidden, cfg.max_num_seqs)
+        return forward_peak
 
     def init_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         if self.model is None:  # the no-work runner reads no KV

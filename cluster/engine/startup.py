@@ -14,7 +14,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import EngineConfig
 from cluster.engine.network import free_port, interface_of
-from cluster.worker_actor import WorkerActor
+from cluster.worker_actor import WorkerActor, share_node_gpus
 
 RayWorker = ray.remote(WorkerActor)
 SOCKET_IFNAME = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
@@ -71,6 +71,7 @@ def init_workers(workers: list, num_threads: int | None, device: str,
     ranks_per_node = Counter(i.node_id for i in infos)
     # Co-located ranks share their node's cores: oversubscribed torch threads stall at every barrier.
     threads = [num_threads or max(1, i.num_cores // ranks_per_node[i.node_id]) for i in infos]
+    share_node_gpus(workers, [i.node_id for i in infos])
     ray.get([w.__ray_call__.remote(_init_device, n) for w, n in zip(workers, threads)])
     form_process_group(workers, infos, "nccl" if device == "cuda" else "gloo", timeout_s)
     ray.get([w.call.remote("load_model") for w in workers])

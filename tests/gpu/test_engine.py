@@ -1,6 +1,8 @@
 """The whole step on one GPU with the in-process executor: greedy equality with transformers, memory at
 gpu_memory_utilization 0.9, CUDA-graph decodes against eager ones, and a step free of hidden host syncs."""
 
+import gc
+
 import pytest
 import torch
 
@@ -29,6 +31,17 @@ def cuda_engine(path: str, **kw) -> InProcessEngine:
     return InProcessEngine(EngineConfig(**{"model": path, "device": "cuda", "gpu_memory_utilization": 0.3, **kw}))
 
 
+def run_and_free(engine: InProcessEngine, ids: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    """`run`, then the engine's GPU memory handed back: an engine sizes its KV cache from the memory free when
+    it starts, so one built while another still holds its cache and graphs would get (almost) none."""
+    try:
+        return run(engine, ids, params)
+    finally:
+        engine.shutdown()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def greedy(n: int, max_tokens: int) -> list[SamplingParams]:
     return [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)] * n
 
@@ -39,14 +52,14 @@ def test_tiny_models_match_transformers_in_fp32(tiny_model_dir, model_type, back
     path = tiny_model_dir(model_type)
     ids = prompts(6)
     expected = hf_greedy(path, ids, 16, torch.float32)
-    assert run(cuda_engine(path, dtype="float32", attention_backend=backend), ids, greedy(6, 16)) == expected
+    assert run_and_free(cuda_engine(path, dtype="float32", attention_backend=backend), ids, greedy(6, 16)) == expected
 
 
 def test_default_model_matches_transformers_in_fp32_and_bf16_divergence_is_reported(default_model_dir):
     ids = prompts(8)
     expected = hf_greedy(default_model_dir, ids, 32, torch.float32)
-    assert run(cuda_engine(default_model_dir, dtype="float32"), ids, greedy(8, 32)) == expected
-    got = run(cuda_engine(default_model_dir), ids, greedy(8, 32))  # dtype auto: bf16
+    assert run_and_free(cuda_engine(default_model_dir, dtype="float32"), ids, greedy(8, 32)) == expected
+    got = run_and_free(cuda_engine(default_model_dir), ids, greedy(8, 32))  # dtype auto: bf16
     hf_bf16 = hf_greedy(default_model_dir, ids, 32, torch.bfloat16)
     first = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, expected)]
     first_hf = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(hf_bf16, expected)]
@@ -65,6 +78,7 @@ def test_256_rows_of_every_sampling_feature_fit_at_utilization_0_9(default_model
     outs = run(engine, prompts(256), params)
     assert all(len(o) == 48 for o in outs)
     free, _ = torch.cuda.mem_get_info()
+    engine.shutdown()
     assert total - free <= 0.92 * total, "serving used more of the GPU than gpu_memory_utilization allows"
 
 
@@ -79,9 +93,10 @@ def test_graph_decode_equals_eager_decode(default_model_dir, backend):
     dtype = "float32" if backend == "triton" else "bfloat16"
     graphs = cuda_engine(default_model_dir, dtype=dtype, attention_backend=backend)
     assert graphs.worker.runner.graphs, "no decode graph was captured"
+    got = run_and_free(graphs, ids, params)  # before the eager engine starts: each sizes its cache from free memory
     eager = cuda_engine(default_model_dir, dtype=dtype, attention_backend=backend, enforce_eager=True)
     assert not eager.worker.runner.graphs
-    got, want = run(graphs, ids, params), run(eager, ids, params)
+    want = run_and_free(eager, ids, params)
     if dtype == "float32":
         assert got == want
     else:  # padded shapes may pick other GEMM kernels: bf16 sums may round differently, so allow late drift

@@ -24,7 +24,7 @@ def test_kv_bytes_identical_after_a_round_trip_through_pinned_memory():
 
 
 def test_prefix_hits_from_the_host_tier_give_the_same_greedy_tokens(tiny_model_dir):
-    engine = cuda_engine(tiny_model_dir("llama"), dtype="float32", swap_space_bytes=64 << 20)
+    engine = cuda_engine(tiny_model_dir("llama"), dtype="float32", swap_space=1 / 16)
     ids = prompts(6)
     params = greedy(6, 8)
     expected = run(engine, ids, params)

@@ -130,3 +130,32 @@ def test_store_kv_goes_to_the_fallback(backend):
     backend.store_kv(k, v, batch.kv_cache, batch.slot_mapping)
     assert torch.equal(batch.kv_cache[0].view(-1, 1, 32)[batch.slot_mapping], k)
     assert torch.equal(batch.kv_cache[1].view(-1, 1, 32)[batch.slot_mapping], v)
+
+
+@pytest.mark.parametrize("version,supported", [
+    ("2.8.3", True), ("2.6.0", True), ("2.7.4.post1", True), ("2.8.3.post1", True),
+    ("2.9.0", False), ("2.5.9", False), ("3.0.0b1", False), ("unknown", False),
+])
+def test_only_reviewed_flash_attn_versions_are_supported(version, supported):
+    from kernels.flash_attention import version_supported
+
+    assert version_supported(version) == supported
+
+
+@pytest.mark.parametrize("version", ["2.8.3", "2.9.1"])
+def test_a_flash_attn_outside_the_supported_versions_is_not_used(monkeypatch, version):
+    """A stand-in `flash_attn` package (the real one needs CUDA to import) of each version."""
+    import sys
+    import types
+
+    from kernels.flash_attention import load_flash_attn
+
+    package = types.ModuleType("flash_attn")
+    package.__version__ = version
+    package.flash_attn_varlen_func = package.flash_attn_with_kvcache = lambda *a, **k: None
+    monkeypatch.setitem(sys.modules, "flash_attn", package)
+    if version == "2.8.3":
+        assert load_flash_attn() == (package.flash_attn_varlen_func, package.flash_attn_with_kvcache)
+    else:
+        with pytest.warns(UserWarning, match=r"flash_attn 2\.9\.1 is outside the versions raylm supports"):
+            assert load_flash_attn() is None

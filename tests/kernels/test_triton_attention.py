@@ -57,10 +57,39 @@ def test_long_decodes_take_the_split_path_and_match_unsplit(monkeypatch):
     split = backend._split_decode
     monkeypatch.setattr(backend, "_split_decode", lambda *a: calls.append(a[-1]) or split(*a))
     out = backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(backend), SCALE)
-    assert calls == [3]  # cdiv(1100, 512) partitions
+    assert calls == [4]  # cdiv(1100, 512) = 3 partitions, bucketed to 4 (the fourth is past every context)
     monkeypatch.setattr(triton_attention, "_SPLIT_BELOW_PROGRAMS", 0)
     whole = backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(backend), SCALE)
-    assert calls == [3] and float((out - whole).abs().max()) <= 1e-5
+    assert calls == [4] and float((out - whole).abs().max()) <= 1e-5
+
+
+@pytest.mark.parametrize("max_seq_len,splits", [(513, 2), (1024, 2), (1025, 4), (2048, 4), (2049, 8), (9000, 32),
+                                                (131072, 256)])
+def test_split_count_is_bucketed_to_a_power_of_two(max_seq_len, splits):
+    from kernels.triton_attention import split_count
+
+    assert split_count(max_seq_len) == splits
+
+
+def test_more_partitions_than_the_merge_reads_at_once_match_the_torch_path():
+    # 9,000 keys: 18 partitions, bucketed to 32, merged 16 at a time (two steps of the running max).
+    batch = make_batch([1, 1], [9000, 700], block_size=32, kv_heads=1, group=2, head_dim=16)
+    assert max_error_against_torch_path(batch) <= 1e-4
+
+
+@pytest.mark.parametrize("kernel_name", ["_paged_decode_split_kernel", "_merge_splits_kernel"])
+def test_split_count_is_a_run_time_argument(kernel_name):
+    """A constexpr split count (or one Triton specialises on) recompiled both kernels each time the longest
+    context crossed a partition boundary."""
+    from triton.runtime.jit import JITFunction
+
+    from kernels import triton_attention
+
+    kernel = getattr(triton_attention, kernel_name)
+    jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
+    params = {p.name: p for p in jit.params}
+    assert not params["num_splits"].is_constexpr and params["num_splits"].do_not_specialize
+    assert not any("SPLITS_PAD" in name or name == "NUM_SPLITS" for name in params)
 
 
 def test_paged_attention_handles_head_dim_below_the_tile():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from workers.cache_engine import CacheEngine, check_swap_space, host_memory_available
+from workers.cache_engine import CacheEngine, check_swap_space, host_memory_available, pinned_bytes
 
 
 def engine(num_host_blocks=6, dtype=torch.bfloat16) -> CacheEngine:
@@ -38,5 +38,25 @@ def test_swap_out_reads_a_block_before_the_same_steps_swap_in_overwrites_it():
 
 def test_swap_space_larger_than_the_host_is_refused_naming_the_memory():
     check_swap_space(1 << 20)
-    with pytest.raises(ValueError, match=r"swap_space_bytes=\d+ is more than this host can give: \d+ bytes"):
+    with pytest.raises(ValueError, match=r"swap_space_bytes=\d+ takes \d+ bytes: more than this host can give, "
+                                         r"\d+ bytes"):
         check_swap_space(host_memory_available() * 2)
+
+
+@pytest.mark.parametrize("nbytes,pinned", [(0, 0), (1, 1), (4096, 4096), (4097, 8192), (40 << 30, 64 << 30),
+                                           ((1 << 30) + 1, 2 << 30)])
+def test_pinned_size_is_the_next_power_of_two(nbytes, pinned):
+    assert pinned_bytes(nbytes) == pinned
+
+
+def test_a_pinned_tier_that_fits_only_unrounded_is_refused_naming_both_sizes():
+    swap, available = (40 << 30), (48 << 30)
+    check_swap_space(swap, available=available)  # unpinned (CPU): 40 GiB of 48 fits
+    with pytest.raises(ValueError, match=rf"swap_space_bytes={swap} pins {64 << 30} bytes .* {available} bytes"):
+        check_swap_space(swap, pinned=True, available=available)
+
+
+def test_every_rank_on_a_host_pins_its_own_tier():
+    check_swap_space(3 << 30, pinned=True, ranks_on_host=2, available=9 << 30)  # 2 x 4 GiB of 9
+    with pytest.raises(ValueError, match=r"on each of 3 ranks"):
+        check_swap_space(3 << 30, pinned=True, ranks_on_host=3, available=9 << 30)

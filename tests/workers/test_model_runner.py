@@ -108,3 +108,72 @@ def test_the_runner_appends_its_own_samples_and_feeds_its_matcher_from_them(defa
     while pending:
         got += [t for o in sched.update_from_output(*pending.popleft()) for t in o.new_token_ids]
     assert got == expected and tok.decode(got, skip_special_tokens=True) in choices
+
+
+class OrderCheckingEvent:
+    """Stands in for the CUDA event InputBuffers records after each upload, to copy between CPU tensors: at
+    record() the copies must have been queued (device side equal to the host side), and at synchronize() the
+    host side must still hold what the last upload copied, i.e. nothing was rewritten under a pending copy."""
+
+    def __init__(self):
+        self.buffers, self.uploaded, self.waits = None, None, 0
+
+    def record(self):
+        host, dev = self.buffers.host, self.buffers.dev
+        self.uploaded = {name: t.clone() for name, t in host.items()}
+        # Only used prefixes are copied: compare where the step wrote (the token-sized buffers' first slots).
+        assert all(torch.equal(dev[n][:1], host[n][:1]) for n in ("input_ids", "positions", "query_start_loc"))
+
+    def query(self):
+        return False  # as if the GPU were still behind: every rewrite must wait
+
+    def synchronize(self):
+        self.waits += 1
+        if self.uploaded is not None:
+            assert all(torch.equal(self.buffers.host[n], t) for n, t in self.uploaded.items()), \
+                "the host side was rewritten before the last upload's copies were waited for"
+
+
+def test_input_buffers_are_rewritten_only_after_the_last_uploads_copies(tiny_model_dir):
+    from workers.model_runner import InputBuffers
+
+    eng = engine(tiny_model_dir("llama"), max_num_batched_tokens=32)
+    runner = eng.worker.runner
+    event = OrderCheckingEvent()
+    old = runner.buffers
+    runner.buffers = event.buffers = InputBuffers(old.host["input_ids"].shape[0], old.host["seq_lens"].shape[0],
+                                                  old.host["block_tables"].shape[1], torch.device("cpu"), event)
+    # A 100-token prompt in 32-token chunks: three steps that sample nothing (no sync at all on CUDA), then decodes.
+    params = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 2
+    ids = [prompts(9)[8][:100], prompts(2)[1]]
+    expected = run(engine(tiny_model_dir("llama"), max_num_batched_tokens=32), ids, params)
+    assert run(eng, ids, params) == expected
+    assert event.waits >= 6
+
+
+def test_graph_sizes_stop_at_512_and_larger_decode_batches_run_eagerly(tiny_model_dir):
+    from workers.model_runner import MAX_GRAPH_SIZE, graph_batch_sizes
+
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(37) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert graph_batch_sizes(512)[-1] == graph_batch_sizes(2000)[-1] == MAX_GRAPH_SIZE == 512
+    runner = engine(tiny_model_dir("llama"), max_num_seqs=600).worker.runner
+    runner.decode_sizes = graph_batch_sizes(600)
+    assert runner._decode_size(512, 512) == 512 and runner._decode_size(513, 513) == 0
+
+
+def test_a_capture_that_raises_leaves_the_runner_decoding_eagerly(tiny_model_dir):
+    """CUDA graphs cannot be captured on CPU: the capture raises as a backend that syncs with the host would
+    on a GPU, and the runner must fall back to eager decodes with a warning instead of failing."""
+    import pytest
+
+    path = tiny_model_dir("llama")
+    ids, params = prompts(3), [SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)] * 3
+    expected = run(engine(path), ids, params)
+    eng = engine(path)
+    runner = eng.worker.runner
+    runner.decode_sizes = [1, 2, 4]
+    with pytest.warns(UserWarning, match="CUDA graph capture failed .*decoding eagerly"):
+        runner.capture_decode_graphs()
+    assert runner.decode_sizes == [] and not runner.graphs
+    assert run(eng, ids, params) == expected

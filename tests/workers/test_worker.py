@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tests.workers.configs import worker_config
-from workers.worker import MemorySnapshot, Worker, cuda_index, kv_cache_budget, resolve_dtype
+from workers.worker import (MemorySnapshot, Worker, cuda_index, graph_pool_bytes, kv_cache_budget, profile_peak,
+                            resolve_dtype)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 GiB = 1 << 30
@@ -50,6 +51,8 @@ def test_worker_runs_a_bf16_checkpoint_in_fp32_on_cpu(tiny_model_dir, tmp_path):
     ([3], None, 3),
     ([3], "0,1,2,3", 3),         # set, the operator's list
     ([3], "3,2,1,0", 0),
+    ([1], "0,1", 1),             # the engine's default: every rank sees its node's GPUs (share_node_gpus)
+    ([2], "2,3", 0),
     (["GPU-b1"], "GPU-a0,GPU-b1", 1),  # UUIDs, as some clusters list them
     ([], None, 0),               # no Ray: the first GPU
 ])
@@ -75,6 +78,24 @@ def test_budget_takes_out_the_profile_peak_and_memory_outside_torch():
     # Memory outside torch that shrank (another process left) is not a credit.
     shrunk = MemorySnapshot(used=18 * GiB, torch_reserved=16 * GiB)
     assert kv_cache_budget(total, 0.9, before, shrunk, 6 * GiB) == int(72 * GiB) - 26 * GiB
+    # The CUDA graphs' pool, captured after the cache is sized, comes out of the budget too.
+    assert kv_cache_budget(total, 0.9, before, same, 6 * GiB, graph_pool=GiB) == int(72 * GiB) - 27 * GiB
+
+
+def test_profile_peak_counts_what_the_allocator_reserved_beyond_the_tensors():
+    # Tensors peaked 6 GiB over the start; fragmentation made the allocator reserve 7.5 GiB for them.
+    assert profile_peak(10 * GiB, 16 * GiB, 10 * GiB, 17 * GiB + GiB // 2) == 7 * GiB + GiB // 2
+    # Reserved memory the start already held (cached blocks reused by the profile) is not counted twice.
+    assert profile_peak(10 * GiB, 16 * GiB, 14 * GiB, 17 * GiB) == 6 * GiB
+
+
+@pytest.mark.parametrize("forward_peak,tokens,max_graph,expected", [
+    (4 * GiB, 2048, 512, GiB),      # the largest graph decodes 512 tokens of the profile's 2048
+    (4 * GiB, 2048, 0, 0),          # no graphs (eager, CPU, or a backend that cannot be captured)
+    (4 * GiB, 256, 512, 4 * GiB),   # never more than the profile's own forward
+])
+def test_graph_pool_is_the_largest_graphs_share_of_the_forward_peak(forward_peak, tokens, max_graph, expected):
+    assert graph_pool_bytes(forward_peak, tokens, max_graph) == expected
 
 
 def test_profile_runs_the_sampler_at_full_width_with_every_feature(tiny_model_dir):
@@ -91,9 +112,13 @@ def test_profile_runs_the_sampler_at_full_width_with_every_feature(tiny_model_di
         return sampler(logits, md)
 
     worker.runner.sampler = spy
-    worker.profile_forward()
+    logits_rows = []
+    compute_logits = worker.model.compute_logits
+    worker.model.compute_logits = lambda hidden: logits_rows.append(hidden.shape[0]) or compute_logits(hidden)
+    assert worker.profile_forward() == 0  # the forward's own peak is measured on CUDA only
     md = seen["md"]
     assert seen["rows"] == 96  # max_num_seqs rows, though the forward had 80 tokens
+    assert logits_rows == [96, 80]  # and, while the sampler's logits live, prompt logprobs of every token
     assert all(stage is not None for stage in (md.temperature, md.penalties, md.top_k, md.top_p, md.min_p))
     assert md.max_num_logprobs == 20 and md.generators
     assert md.penalties.output_counts.shape == (96, worker.spec.vocab_size)
@@ -101,6 +126,24 @@ def test_profile_runs_the_sampler_at_full_width_with_every_feature(tiny_model_di
 
 def test_a_rank_refuses_a_host_tier_its_host_cannot_give_before_loading_the_model():
     worker = Worker(dataclasses.replace(worker_config("/not/loaded"), swap_space_bytes=1 << 60), rank=1)
-    with pytest.raises(ValueError, match=r"swap_space_bytes=\d+ is more than rank 1's host can give: \d+ bytes"):
+    with pytest.raises(ValueError, match=r"swap_space_bytes=\d+ takes \d+ bytes: more than rank 1's host can give"):
         worker.init_device()
     assert worker.model is None
+
+
+def test_device_cuda_without_cuda_is_refused_before_loading_the_model():
+    worker = Worker(dataclasses.replace(worker_config("/not/loaded"), device="cuda"))
+    with pytest.raises(ValueError, match="device='cuda' was asked for but torch sees no CUDA device"):
+        worker.init_device()
+    assert worker.model is None
+
+
+def test_rope_frequencies_are_computed_on_cpu_whatever_the_default_device():
+    """transformers computes inv_freq on CPU; built under `with device:` on a GPU, CUDA's pow could round
+    differently and break fp32 greedy equality. The meta device stands in: values there would be lost."""
+    from workers.layers import RopeConfig, _inv_freq
+
+    rope = RopeConfig(theta=10000.0)
+    with torch.device("meta"):
+        inside = _inv_freq(64, rope)
+    assert inside.device.type == "cpu" and torch.equal(inside, _inv_freq(64, rope))

