@@ -52,8 +52,13 @@ def main(job_path: str) -> None:
 
     # Prefix caching is left at vllm's default, on (as raylm's); the random prompts share no
     # prefix, so it costs only the block hashing. The KV block size stays the CPU backend's own.
-    llm = LLM(model=job["model"], dtype="float32", max_num_seqs=len(prompts),
-              max_model_len=_max_model_len(prompts, max_tokens), max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+    llm = LLM(
+        model=job["model"],
+        dtype="float32",
+        max_num_seqs=len(prompts),
+        max_model_len=_max_model_len(prompts, max_tokens),
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+    )
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
     llm.generate(inputs[:2], params[:2], use_tqdm=False)  # warm-up: first-call allocations, compilation
@@ -63,8 +68,17 @@ def main(job_path: str) -> None:
     got, want = sum(len(o.outputs[0].token_ids) for o in outs), sum(max_tokens)
     if got != want:
         sys.exit(f"vllm produced {got} output tokens, the workload asks for {want}")
-    print(json.dumps({"seconds": seconds, "output_tokens": got, "prompt_tokens": sum(map(len, prompts)),
-                      "vllm_version": vllm.__version__}), flush=True)
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "output_tokens": got,
+                "prompt_tokens": sum(map(len, prompts)),
+                "vllm_version": vllm.__version__,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":  # vllm spawns its engine and worker processes, which re-import this file

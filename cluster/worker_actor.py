@@ -38,8 +38,9 @@ def share_node_gpus(workers: list, node_ids: Sequence[str]) -> None:
     gpu_ids = ray.get([w.gpu_ids.remote() for w in workers])
     lists = node_gpu_lists(node_ids, gpu_ids)
     ranks_on_node = {node: list(node_ids).count(node) for node in node_ids}
-    ray.get([w.see_node_gpus.remote(visible, ranks_on_node[node])
-             for w, visible, node in zip(workers, lists, node_ids)])
+    ray.get(
+        [w.see_node_gpus.remote(visible, ranks_on_node[node]) for w, visible, node in zip(workers, lists, node_ids)]
+    )
 
 
 class WorkerActor:

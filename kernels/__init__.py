@@ -1,10 +1,10 @@
 """Attention and KV-store ops behind one small interface; they see tensors only, never requests.
 
-    backend = select_backend("auto", device)
-    md = AttentionMetadata.build(query_start_loc=..., seq_lens=..., block_tables=..., slot_mapping=...,
-                                 max_query_len=..., max_seq_len=..., backend=backend)   # once per step
-    backend.store_kv(k, v, kv_cache_layer, md.slot_mapping)                             # per layer
-    out = backend.paged_attention(q, kv_cache_layer, md, scale)
+backend = select_backend("auto", device)
+md = AttentionMetadata.build(query_start_loc=..., seq_lens=..., block_tables=..., slot_mapping=...,
+                             max_query_len=..., max_seq_len=..., backend=backend)   # once per step
+backend.store_kv(k, v, kv_cache_layer, md.slot_mapping)                             # per layer
+out = backend.paged_attention(q, kv_cache_layer, md, scale)
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ def default_block_size(name: str, device: torch.device | str, dtype: torch.dtype
     return PAGE_BLOCK_MULTIPLE if chosen.name == "flash_attn" else DEFAULT_BLOCK_SIZE
 
 
-def select_backend(name: str, device: torch.device | str, block_size: int | None = None,
-                   dtype: torch.dtype | None = None) -> AttentionBackend:
+def select_backend(
+    name: str, device: torch.device | str, block_size: int | None = None, dtype: torch.dtype | None = None
+) -> AttentionBackend:
     """The backend called `name` for `device`.
 
     "auto" is flash_attn when it imports on CUDA (and `block_size` and `dtype`, when given, meet

@@ -65,10 +65,17 @@ def load_cpu_ops() -> bool:
         from torch.utils.cpp_extension import load
 
         _ninja_on_path()
-        load(name="raylm_cpu_ops", sources=[str(SOURCE)], extra_cflags=CFLAGS,
-             extra_ldflags=["-fopenmp"], build_directory=_build_dir(), is_python_module=False, verbose=False)
+        load(
+            name="raylm_cpu_ops",
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=_build_dir(),
+            is_python_module=False,
+            verbose=False,
+        )
         _loaded = True
-    except Exception as e:  # noqa: BLE001 - any build failure means: use torch's ops
+    except Exception as e:
         logger.warning("raylm: the native CPU ops could not be built (%s: %s); using torch's", type(e).__name__, e)
     return _loaded
 

@@ -51,8 +51,9 @@ def load_flash_attn() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.
     version = getattr(flash_attn, "__version__", "unknown")
     if not version_supported(version):
         low, high = (".".join(map(str, v)) for v in SUPPORTED_VERSIONS)
-        warnings.warn(f"flash_attn {version} is outside the versions raylm supports ({low} to {high}); not used",
-                      stacklevel=2)
+        warnings.warn(
+            f"flash_attn {version} is outside the versions raylm supports ({low} to {high}); not used", stacklevel=2
+        )
         return None
     return flash_attn_varlen_func, flash_attn_with_kvcache
 
@@ -89,30 +90,50 @@ class FlashAttnBackend:
     name = "flash_attn"
     graph_capturable = True  # decodes go through flash_attn_with_kvcache, which reads lengths on the device
 
-    def __init__(self, varlen_func: Callable[..., torch.Tensor], kvcache_func: Callable[..., torch.Tensor],
-                 fallback: AttentionBackend):
+    def __init__(
+        self,
+        varlen_func: Callable[..., torch.Tensor],
+        kvcache_func: Callable[..., torch.Tensor],
+        fallback: AttentionBackend,
+    ):
         self.varlen_func, self.kvcache_func, self.fallback = varlen_func, kvcache_func, fallback
 
     def plan(self, md: AttentionMetadata) -> FlashAttnPlan:
-        return FlashAttnPlan(cu_seqlens_k=F.pad(md.seq_lens.cumsum(0, dtype=torch.int32), (1, 0)),
-                             fallback=self.fallback.plan(md))
+        return FlashAttnPlan(
+            cu_seqlens_k=F.pad(md.seq_lens.cumsum(0, dtype=torch.int32), (1, 0)), fallback=self.fallback.plan(md)
+        )
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         self.fallback.store_kv(k, v, kv_cache, slot_mapping)
 
-    def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
-                        scale: float) -> torch.Tensor:
+    def paged_attention(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         reason = unusable_reason(kv_cache.shape[2], kv_cache.dtype, kv_cache.shape[-1])
         if reason is not None:
             # The default warnings filter shows this once per process, not once per layer.
-            warnings.warn(f"flash_attn cannot serve this KV cache ({reason}); using {self.fallback.name}",
-                          stacklevel=2)
+            warnings.warn(f"flash_attn cannot serve this KV cache ({reason}); using {self.fallback.name}", stacklevel=2)
             return self.fallback.paged_attention(q, kv_cache, dataclasses.replace(md, plan=md.plan.fallback), scale)
         if md.max_query_len == 1:
-            out = self.kvcache_func(q.unsqueeze(1), kv_cache[0], kv_cache[1], cache_seqlens=md.seq_lens,
-                                    block_table=md.block_tables, softmax_scale=scale, causal=True)
+            out = self.kvcache_func(
+                q.unsqueeze(1),
+                kv_cache[0],
+                kv_cache[1],
+                cache_seqlens=md.seq_lens,
+                block_table=md.block_tables,
+                softmax_scale=scale,
+                causal=True,
+            )
             return out.squeeze(1)
-        return self.varlen_func(q, kv_cache[0], kv_cache[1], md.query_start_loc, md.plan.cu_seqlens_k,
-                                md.max_query_len, md.max_seq_len, softmax_scale=scale, causal=True,
-                                block_table=md.block_tables)
+        return self.varlen_func(
+            q,
+            kv_cache[0],
+            kv_cache[1],
+            md.query_start_loc,
+            md.plan.cu_seqlens_k,
+            md.max_query_len,
+            md.max_seq_len,
+            softmax_scale=scale,
+            causal=True,
+            block_table=md.block_tables,
+        )

@@ -24,11 +24,13 @@ class AttentionBackend(Protocol):
 
     def plan(self, md: AttentionMetadata) -> Any: ...
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None: ...
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None: ...
 
-    def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
-                        scale: float) -> torch.Tensor: ...
+    def paged_attention(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+    ) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -53,9 +55,17 @@ class AttentionMetadata:
     plan: Any = None
 
     @classmethod
-    def build(cls, *, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-              slot_mapping: torch.Tensor, max_query_len: int, max_seq_len: int,
-              backend: AttentionBackend) -> AttentionMetadata:
+    def build(
+        cls,
+        *,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        max_query_len: int,
+        max_seq_len: int,
+        backend: AttentionBackend,
+    ) -> AttentionMetadata:
         md = cls(query_start_loc, seq_lens, block_tables, slot_mapping, max_query_len, max_seq_len)
         md.plan = backend.plan(md)
         return md

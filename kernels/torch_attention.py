@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from itertools import pairwise
 
 import torch
@@ -91,24 +91,32 @@ class TorchBackend:
                 groups.append(_make_decode_group(decodes, starts, q_lens, seq_lens, md))
         if rest:
             sub_q, sub_s = [q_lens[b] for b in rest], [seq_lens[b] for b in rest]
-            groups += [_make_group([rest[i] for i in members], starts, q_lens, seq_lens, md.block_tables)
-                       for members in _partition(sub_q, sub_s)]
+            groups += [
+                _make_group([rest[i] for i in members], starts, q_lens, seq_lens, md.block_tables)
+                for members in _partition(sub_q, sub_s)
+            ]
         return groups
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         _, _, _, kv_heads, head_dim = kv_cache.shape
         kv_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
         kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
-    def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
-                        scale: float) -> torch.Tensor:
+    def paged_attention(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         out = q.new_empty(q.shape)
         for group in md.plan:
             if isinstance(group, _DecodeGroup):
                 if kv_cache.dtype == q.dtype == torch.float32 and kv_cache.device.type == "cpu":
-                    rows = self._paged_decode(q.index_select(0, group.tokens), kv_cache[0], kv_cache[1],
-                                              group.block_tables, group.seq_lens, scale)
+                    rows = self._paged_decode(
+                        q.index_select(0, group.tokens),
+                        kv_cache[0],
+                        kv_cache[1],
+                        group.block_tables,
+                        group.seq_lens,
+                        scale,
+                    )
                     out.index_copy_(0, group.tokens, rows)
                     continue
                 group = group.fallback()
@@ -122,8 +130,11 @@ class TorchBackend:
         blocks = g.block_tables[:, : -(-g.kv_len // block_size)].flatten()
         shape = (2, blocks.numel(), block_size, kv_heads, head_dim)
         size = math.prod(shape)
-        if self._scratch.numel() < size or self._scratch.dtype != kv_cache.dtype \
-                or self._scratch.device != kv_cache.device:
+        if (
+            self._scratch.numel() < size
+            or self._scratch.dtype != kv_cache.dtype
+            or self._scratch.device != kv_cache.device
+        ):
             self._scratch = kv_cache.new_empty(size)
         gathered = self._scratch[:size].view(shape)
         # Whole blocks make the gather a few large row copies; the tail past kv_len is only sliced off.
@@ -151,8 +162,9 @@ def _partition(q_lens: list[int], seq_lens: list[int]) -> list[list[int]]:
     return [*groups, members]
 
 
-def _make_group(members: list[int], starts: list[int], q_lens: list[int], seq_lens: list[int],
-                block_tables: torch.Tensor) -> _Group:
+def _make_group(
+    members: list[int], starts: list[int], q_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor
+) -> _Group:
     """Indices and mask of one group, built on CPU from python ints and moved once per step."""
     device = block_tables.device
     first = torch.tensor([starts[b] for b in members])
@@ -174,12 +186,16 @@ def _make_group(members: list[int], starts: list[int], q_lens: list[int], seq_le
         real=None if real is None else real.to(device),
         out_tokens=(tokens if real is None else tokens[real]).to(device),
         block_tables=block_tables[torch.tensor(members, device=device)],
-        mask=mask, q_len=q_len, kv_len=kv_len, causal=causal,
+        mask=mask,
+        q_len=q_len,
+        kv_len=kv_len,
+        causal=causal,
     )
 
 
-def _make_decode_group(members: list[int], starts: list[int], q_lens: list[int], seq_lens: list[int],
-                       md: AttentionMetadata) -> _DecodeGroup:
+def _make_decode_group(
+    members: list[int], starts: list[int], q_lens: list[int], seq_lens: list[int], md: AttentionMetadata
+) -> _DecodeGroup:
     index = torch.tensor(members)
     return _DecodeGroup(
         tokens=torch.tensor([starts[b] for b in members]),
@@ -197,11 +213,17 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: _Group, scale:
     qg = q.index_select(0, g.tokens)
     if g.q_len == 1:
         # Query heads sharing a KV head become that head's rows, so each KV page is read once.
-        out = F.scaled_dot_product_attention(qg.view(n, kv_heads, -1, head_dim), k, v, attn_mask=g.mask,
-                                             scale=scale)
+        out = F.scaled_dot_product_attention(qg.view(n, kv_heads, -1, head_dim), k, v, attn_mask=g.mask, scale=scale)
         rows = out.reshape(n, num_heads, head_dim)
     else:
-        out = F.scaled_dot_product_attention(qg.view(n, g.q_len, num_heads, head_dim).transpose(1, 2), k, v,
-                                             attn_mask=g.mask, is_causal=g.causal, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            qg.view(n, g.q_len, num_heads, head_dim).transpose(1, 2),
+            k,
+            v,
+            attn_mask=g.mask,
+            is_causal=g.causal,
+            scale=scale,
+            enable_gqa=True,
+        )
         rows = out.transpose(1, 2).reshape(n * g.q_len, num_heads, head_dim)
     return rows if g.real is None else rows.index_select(0, g.real)

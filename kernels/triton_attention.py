@@ -25,9 +25,27 @@ _MERGE_SPLITS_PER_STEP = 16
 
 
 @triton.jit
-def _fold_keys(q, m, denom, acc, pos, pos_ok, visible, table_row_ptr, k_cache_ptr, v_cache_ptr, kv_head,
-               stride_block, stride_slot, stride_head, d, d_ok, qk_scale,
-               BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr):
+def _fold_keys(
+    q,
+    m,
+    denom,
+    acc,
+    pos,
+    pos_ok,
+    visible,
+    table_row_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    kv_head,
+    stride_block,
+    stride_slot,
+    stride_head,
+    d,
+    d_ok,
+    qk_scale,
+    BLOCK_SIZE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """The keys and values at positions `pos` (where `pos_ok`) folded into each row's running softmax (max
     `m`, sum `denom`, weighted values `acc`, base 2), scores outside `visible` [rows, keys] masked."""
     block = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0)
@@ -45,10 +63,23 @@ def _fold_keys(q, m, denom, acc, pos, pos_ok, visible, table_row_ptr, k_cache_pt
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                     stride_kt, stride_kh, stride_vt, stride_vh, stride_slot, stride_head,
-                     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_slot,
+    stride_head,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token)
     h = tl.arange(0, HEADS_PAD)[:, None]
@@ -62,13 +93,32 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 # The table's row stride is its width, which changes with the longest context: specialised on (as Triton does
 # for ints divisible by 16), the first step whose width was a multiple of 16 would compile again mid-serving.
 @triton.jit(do_not_specialize=["stride_table"])
-def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                            query_start_loc_ptr, scale,
-                            stride_qt, stride_qh, stride_ot, stride_oh,
-                            stride_block, stride_slot, stride_head, stride_table,
-                            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                            BLOCK_SIZE: tl.constexpr, TOKENS_PER_TILE: tl.constexpr, ROWS: tl.constexpr,
-                            KEYS: tl.constexpr, PRECISION: tl.constexpr):
+def _paged_attention_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_block,
+    stride_slot,
+    stride_head,
+    stride_table,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TOKENS_PER_TILE: tl.constexpr,
+    ROWS: tl.constexpr,
+    KEYS: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """One program: up to TOKENS_PER_TILE query tokens of one request times the GROUP query heads
     that share one KV head (row r = token r // GROUP, head r % GROUP), against that KV head."""
     req = tl.program_id(0)
@@ -84,8 +134,11 @@ def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tabl
         row_ok = (rows < TOKENS_PER_TILE * GROUP) & (token < q_len)
         d = tl.arange(0, HEAD_DIM_PAD)
         d_ok = d < HEAD_DIM
-        q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         q_pos = seq_len - q_len + token
         # Keys past the tile's last query position are masked for every row, so never loaded.
         kv_end = tl.minimum(seq_len, seq_len - q_len + tile_start + TOKENS_PER_TILE)
@@ -98,23 +151,65 @@ def _paged_attention_kernel(out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tabl
             pos_ok = pos < kv_end
             # Key 0 is visible to every row, so each row's running max is finite after the first step.
             visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
-            m, denom, acc = _fold_keys(q, m, denom, acc, pos, pos_ok, visible, block_tables_ptr + req * stride_table,
-                                       k_cache_ptr, v_cache_ptr, kv_head, stride_block, stride_slot, stride_head,
-                                       d, d_ok, qk_scale, BLOCK_SIZE, PRECISION)
+            m, denom, acc = _fold_keys(
+                q,
+                m,
+                denom,
+                acc,
+                pos,
+                pos_ok,
+                visible,
+                block_tables_ptr + req * stride_table,
+                k_cache_ptr,
+                v_cache_ptr,
+                kv_head,
+                stride_block,
+                stride_slot,
+                stride_head,
+                d,
+                d_ok,
+                qk_scale,
+                BLOCK_SIZE,
+                PRECISION,
+            )
         out = acc / denom[:, None]
-        tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(
+            out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
+        )
 
 
 # The split count changes with the longest context: as a constexpr, or specialised on (as Triton does for ints
 # divisible by 16), every step whose longest context crossed a partition boundary would compile both kernels again.
 @triton.jit(do_not_specialize=["stride_table", "num_splits"])
-def _paged_decode_split_kernel(part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-                               seq_lens_ptr, query_start_loc_ptr, scale,
-                               stride_qt, stride_qh, stride_block, stride_slot, stride_head, stride_table, num_splits,
-                               NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                               HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr,
-                               KEYS: tl.constexpr, PARTITION: tl.constexpr, PRECISION: tl.constexpr):
+def _paged_decode_split_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_block,
+    stride_slot,
+    stride_head,
+    stride_table,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    ROWS: tl.constexpr,
+    KEYS: tl.constexpr,
+    PARTITION: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """One program: the single query of one request, its GROUP heads on one KV head, against the keys of one
     partition of its context. Writes the partition's normalised output and log-sum-exp (base 2); a partition
     past the context writes 0 and -inf, so the merge needs no length."""
@@ -131,8 +226,11 @@ def _paged_decode_split_kernel(part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v
     start = split * PARTITION
     if start < seq_len:
         token = tl.load(query_start_loc_ptr + req)
-        q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q = tl.load(
+            q_ptr + token * stride_qt + head[:, None] * stride_qh + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         end = tl.minimum(seq_len, start + PARTITION)
         qk_scale = scale * 1.4426950408889634
         m = tl.full([ROWS], float("-inf"), tl.float32)
@@ -142,22 +240,52 @@ def _paged_decode_split_kernel(part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v
             pos = key + tl.arange(0, KEYS)
             pos_ok = pos < end
             # The query is its context's last token: every key before `end` is visible, no causal cut.
-            m, denom, acc = _fold_keys(q, m, denom, acc, pos, pos_ok, pos_ok[None, :],
-                                       block_tables_ptr + req * stride_table, k_cache_ptr, v_cache_ptr, kv_head,
-                                       stride_block, stride_slot, stride_head, d, d_ok, qk_scale, BLOCK_SIZE,
-                                       PRECISION)
+            m, denom, acc = _fold_keys(
+                q,
+                m,
+                denom,
+                acc,
+                pos,
+                pos_ok,
+                pos_ok[None, :],
+                block_tables_ptr + req * stride_table,
+                k_cache_ptr,
+                v_cache_ptr,
+                kv_head,
+                stride_block,
+                stride_slot,
+                stride_head,
+                d,
+                d_ok,
+                qk_scale,
+                BLOCK_SIZE,
+                PRECISION,
+            )
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], acc / denom[:, None], mask=row_ok[:, None])
         tl.store(part_lse_ptr + part, m + tl.log2(denom), mask=row_ok)
     else:
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32),
-                 mask=row_ok[:, None])
+        tl.store(
+            part_out_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :],
+            tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32),
+            mask=row_ok[:, None],
+        )
         tl.store(part_lse_ptr + part, tl.full([ROWS], float("-inf"), tl.float32), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, stride_ot, stride_oh, num_splits,
-                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                         SPLITS_PER_STEP: tl.constexpr):
+def _merge_splits_kernel(
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    query_start_loc_ptr,
+    stride_ot,
+    stride_oh,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PER_STEP: tl.constexpr,
+):
     """One program: one request's head, its partitions weighted by their share of the softmax mass, read
     SPLITS_PER_STEP at a time with a running max (a 128k context's 256 partitions at once would not fit in
     registers)."""
@@ -176,14 +304,18 @@ def _merge_splits_kernel(out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_pt
         m_new = tl.maximum(m, tl.max(lse, 0))
         weight = tl.exp2(lse - m_new)
         alpha = tl.exp2(m - m_new)
-        parts = tl.load(part_out_ptr + (base + splits)[:, None] * HEAD_DIM_PAD + d[None, :], mask=ok[:, None],
-                        other=0.0)
+        parts = tl.load(
+            part_out_ptr + (base + splits)[:, None] * HEAD_DIM_PAD + d[None, :], mask=ok[:, None], other=0.0
+        )
         denom = denom * alpha + tl.sum(weight, 0)
         acc = acc * alpha + tl.sum(parts * weight[:, None], 0)
         m = m_new
     token = tl.load(query_start_loc_ptr + req)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, (acc / denom).to(out_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + d,
+        (acc / denom).to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
 
 
 def split_count(max_seq_len: int) -> int:
@@ -206,43 +338,76 @@ class TritonBackend:
     def plan(self, md: AttentionMetadata) -> None:
         return None
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         _, _, _, kv_heads, head_dim = kv_cache.shape
         k_cache, v_cache = (kv_cache[i].view(-1, kv_heads, head_dim) for i in (0, 1))
         _store_kv_kernel[(k.shape[0],)](
-            k, v, k_cache, v_cache, slot_mapping,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1),
-            KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-            HEADS_PAD=triton.next_power_of_2(kv_heads), HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            KV_HEADS=kv_heads,
+            HEAD_DIM=head_dim,
+            HEADS_PAD=triton.next_power_of_2(kv_heads),
+            HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         )
 
-    def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
-                        scale: float) -> torch.Tensor:
+    def paged_attention(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
         _, _, block_size, kv_heads, head_dim = kv_cache.shape
         group = q.shape[1] // kv_heads
         few_programs = md.seq_lens.shape[0] * kv_heads < _SPLIT_BELOW_PROGRAMS
         if md.max_query_len == 1 and md.max_seq_len > _PARTITION and few_programs:
             return self._split_decode(q, kv_cache, md, scale, split_count(md.max_seq_len))
         # A decode-only step needs one token per tile; bigger tiles would only hold masked rows.
-        rows = max(_MIN_ROWS, triton.next_power_of_2(group)) if md.max_query_len == 1 \
+        rows = (
+            max(_MIN_ROWS, triton.next_power_of_2(group))
+            if md.max_query_len == 1
             else max(_PREFILL_ROWS, triton.next_power_of_2(group))
+        )
         tokens_per_tile = rows // group
         out = q.new_empty(q.shape)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         grid = (md.seq_lens.shape[0], triton.cdiv(md.max_query_len, tokens_per_tile), kv_heads)
         _paged_attention_kernel[grid](
-            out, q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), md.block_tables.stride(0),
-            GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-            BLOCK_SIZE=block_size, TOKENS_PER_TILE=tokens_per_tile, ROWS=rows, KEYS=_KEYS_PER_STEP,
+            out,
+            q,
+            k_cache,
+            v_cache,
+            md.block_tables,
+            md.seq_lens,
+            md.query_start_loc,
+            scale,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            md.block_tables.stride(0),
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+            BLOCK_SIZE=block_size,
+            TOKENS_PER_TILE=tokens_per_tile,
+            ROWS=rows,
+            KEYS=_KEYS_PER_STEP,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
         return out
 
-    def _split_decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
-                      num_splits: int) -> torch.Tensor:
+    def _split_decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float, num_splits: int
+    ) -> torch.Tensor:
         _, _, block_size, kv_heads, head_dim = kv_cache.shape
         num_reqs, num_heads = md.seq_lens.shape[0], q.shape[1]
         head_dim_pad = max(16, triton.next_power_of_2(head_dim))
@@ -251,16 +416,44 @@ class TritonBackend:
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         group = num_heads // kv_heads
         _paged_decode_split_kernel[(num_reqs, kv_heads, num_splits)](
-            part_out, part_lse, q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            md.block_tables.stride(0), num_splits,
-            NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
-            ROWS=max(_MIN_ROWS, triton.next_power_of_2(group)), KEYS=_KEYS_PER_STEP, PARTITION=_PARTITION,
+            part_out,
+            part_lse,
+            q,
+            k_cache,
+            v_cache,
+            md.block_tables,
+            md.seq_lens,
+            md.query_start_loc,
+            scale,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            md.block_tables.stride(0),
+            num_splits,
+            NUM_HEADS=num_heads,
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_SIZE=block_size,
+            ROWS=max(_MIN_ROWS, triton.next_power_of_2(group)),
+            KEYS=_KEYS_PER_STEP,
+            PARTITION=_PARTITION,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
         out = q.new_empty(q.shape)
         _merge_splits_kernel[(num_reqs, num_heads)](
-            out, part_out, part_lse, md.query_start_loc, out.stride(0), out.stride(1), num_splits,
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PER_STEP=_MERGE_SPLITS_PER_STEP,
+            out,
+            part_out,
+            part_lse,
+            md.query_start_loc,
+            out.stride(0),
+            out.stride(1),
+            num_splits,
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            SPLITS_PER_STEP=_MERGE_SPLITS_PER_STEP,
         )
         return out

@@ -1,13 +1,29 @@
 """The scheduler: requests, KV-cache block management and the step loop's decisions. No torch here."""
 
 from scheduler.outputs import (
-    CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput, SampledLogprobs, SchedulerOutput,
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestOutput,
+    SampledLogprobs,
+    SchedulerOutput,
 )
 from scheduler.request import Request, RequestError, RequestStatus, SamplingParams, StructuredOutputsParams
 from scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 
 __all__ = [
-    "CachedRequestData", "ModelRunnerOutput", "NewRequestData", "Request", "RequestError", "RequestOutput",
-    "RequestStatus", "SampledLogprobs", "SamplingParams", "Scheduler", "SchedulerConfig", "SchedulerOutput",
-    "SchedulerStats", "StructuredOutputsParams",
+    "CachedRequestData",
+    "ModelRunnerOutput",
+    "NewRequestData",
+    "Request",
+    "RequestError",
+    "RequestOutput",
+    "RequestStatus",
+    "SampledLogprobs",
+    "SamplingParams",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "SchedulerStats",
+    "StructuredOutputsParams",
 ]

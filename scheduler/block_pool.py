@@ -152,8 +152,9 @@ class BlockPool:
             if block.ref_cnt == 0 and block is not self.null_block:
                 append(block)
 
-    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash],
-                          num_cached: int, num_full: int) -> None:
+    def cache_full_blocks(
+        self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash], num_cached: int, num_full: int
+    ) -> None:
         """Enter blocks[num_cached:num_full] into the prefix cache under their hashes."""
         cached = self.cached_blocks
         for i in range(num_cached, num_full):

@@ -32,8 +32,7 @@ class KVCacheManager:
       the step's plan is final, so no other copy of the same step targets it.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_host_blocks: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size={block_size} is invalid: must be >= 1")
         self.block_size = block_size

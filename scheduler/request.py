@@ -45,16 +45,30 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
         kinds += ["json_object"] if self.json_object is True else []
-        _check(len(kinds) == 1, "structured_outputs", kinds or None,
-               "set exactly one of json, json_object, regex, choice, grammar")
-        _check(self.json is None or isinstance(self.json, (str, dict)), "json", self.json,
-               "must be a JSON schema (a dict or its text)")
+        _check(
+            len(kinds) == 1,
+            "structured_outputs",
+            kinds or None,
+            "set exactly one of json, json_object, regex, choice, grammar",
+        )
+        _check(
+            self.json is None or isinstance(self.json, (str, dict)),
+            "json",
+            self.json,
+            "must be a JSON schema (a dict or its text)",
+        )
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             _check(value is None or isinstance(value, str) and value != "", name, value, "must be a non-empty string")
-        _check(self.choice is None or isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
-               and all(isinstance(c, str) for c in self.choice), "choice", self.choice,
-               "must be a non-empty list of strings")
+        _check(
+            self.choice is None
+            or isinstance(self.choice, (list, tuple))
+            and len(self.choice) > 0
+            and all(isinstance(c, str) for c in self.choice),
+            "choice",
+            self.choice,
+            "must be a non-empty list of strings",
+        )
         _check(isinstance(self.json_object, bool), "json_object", self.json_object, "must be a bool")
 
 
@@ -104,8 +118,12 @@ class SamplingParams:
             setattr(self, name, _real(name, getattr(self, name)))
         for name in _INT_FIELDS:
             value = getattr(self, name)
-            _check(value is None and name in ("seed", "logprobs", "prompt_logprobs") or _is_int(value),
-                   name, value, "must be an integer")
+            _check(
+                value is None and name in ("seed", "logprobs", "prompt_logprobs") or _is_int(value),
+                name,
+                value,
+                "must be an integer",
+            )
         _check(self.temperature >= 0, "temperature", self.temperature, "must be >= 0")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
         _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "must be -1 (off) or >= 1")
@@ -114,34 +132,70 @@ class SamplingParams:
         _check(-2 <= self.presence_penalty <= 2, "presence_penalty", self.presence_penalty, "must be in [-2, 2]")
         _check(-2 <= self.frequency_penalty <= 2, "frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
         # torch.Generator.manual_seed's range; a negative seed means the same as seed + 2**64 there.
-        _check(self.seed is None or -2**63 <= self.seed < 2**64, "seed", self.seed, "must be in [-2**63, 2**64)")
+        _check(self.seed is None or -(2**63) <= self.seed < 2**64, "seed", self.seed, "must be in [-2**63, 2**64)")
         _check(self.max_tokens >= 1, "max_tokens", self.max_tokens, "must be >= 1")
-        _check(0 <= self.min_tokens <= self.max_tokens,
-               "min_tokens", self.min_tokens, f"must be in [0, max_tokens={self.max_tokens}]")
+        _check(
+            0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            self.min_tokens,
+            f"must be in [0, max_tokens={self.max_tokens}]",
+        )
         _check(self.n >= 1, "n", self.n, "must be >= 1")
-        _check(self.logprobs is None or 0 <= self.logprobs <= 20,
-               "logprobs", self.logprobs, "must be None or in [0, 20]")
-        _check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
-               "prompt_logprobs", self.prompt_logprobs, "must be None or in [0, 20]")
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", self.logprobs, "must be None or in [0, 20]"
+        )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            "prompt_logprobs",
+            self.prompt_logprobs,
+            "must be None or in [0, 20]",
+        )
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "must be a bool")
         stop = self.stop_token_ids
-        _check(isinstance(stop, (list, tuple)) and all(_is_int(t) and t >= 0 for t in stop),
-               "stop_token_ids", self.stop_token_ids, "must be a list of non-negative integers")
+        _check(
+            isinstance(stop, (list, tuple)) and all(_is_int(t) and t >= 0 for t in stop),
+            "stop_token_ids",
+            self.stop_token_ids,
+            "must be a list of non-negative integers",
+        )
         self.stop_token_ids = list(self.stop_token_ids)
         bias = self.logit_bias
-        _check(bias is None or isinstance(bias, dict) and all(
-            _is_int(t) and t >= 0 and isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100
-            for t, v in bias.items()), "logit_bias", bias, "must map token ids to numbers in [-100, 100]")
+        _check(
+            bias is None
+            or isinstance(bias, dict)
+            and all(
+                _is_int(t) and t >= 0 and isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100
+                for t, v in bias.items()
+            ),
+            "logit_bias",
+            bias,
+            "must map token ids to numbers in [-100, 100]",
+        )
         allowed = self.allowed_token_ids
-        _check(allowed is None or isinstance(allowed, (list, tuple)) and len(allowed) > 0
-               and all(_is_int(t) and t >= 0 for t in allowed), "allowed_token_ids", allowed,
-               "must be a non-empty list of non-negative integers")
+        _check(
+            allowed is None
+            or isinstance(allowed, (list, tuple))
+            and len(allowed) > 0
+            and all(_is_int(t) and t >= 0 for t in allowed),
+            "allowed_token_ids",
+            allowed,
+            "must be a non-empty list of non-negative integers",
+        )
         bad = self.bad_words_token_ids
-        _check(bad is None or isinstance(bad, (list, tuple)) and all(
-            isinstance(w, (list, tuple)) and w and all(_is_int(t) and t >= 0 for t in w) for w in bad),
-            "bad_words_token_ids", bad, "must be a list of non-empty token id lists")
-        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
-               "structured_outputs", self.structured_outputs, "must be a StructuredOutputsParams")
+        _check(
+            bad is None
+            or isinstance(bad, (list, tuple))
+            and all(isinstance(w, (list, tuple)) and w and all(_is_int(t) and t >= 0 for t in w) for w in bad),
+            "bad_words_token_ids",
+            bad,
+            "must be a list of non-empty token id lists",
+        )
+        _check(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            self.structured_outputs,
+            "must be a StructuredOutputsParams",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -215,10 +269,27 @@ class Request:
     """
 
     __slots__ = (
-        "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "sampling_params",
-        "eos_token_id", "priority", "arrival_time", "status", "num_computed_tokens",
-        "num_cached_tokens", "block_hashes", "block_size", "cache_salt", "parent_id", "index",
-        "error", "num_preemptions", "max_total_tokens", "num_output_placeholders", "queued_s",
+        "request_id",
+        "prompt_token_ids",
+        "output_token_ids",
+        "all_token_ids",
+        "sampling_params",
+        "eos_token_id",
+        "priority",
+        "arrival_time",
+        "status",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "block_hashes",
+        "block_size",
+        "cache_salt",
+        "parent_id",
+        "index",
+        "error",
+        "num_preemptions",
+        "max_total_tokens",
+        "num_output_placeholders",
+        "queued_s",
         "prompt_logprobs",
     )
 
@@ -302,10 +373,12 @@ class Request:
         parent = self.block_hashes[-1] if self.block_hashes else None
         extra = self.cache_salt if not self.block_hashes else None
         for start in range(len(self.block_hashes) * block_size, len(tokens) - block_size + 1, block_size):
-            parent = hash_block_tokens(parent, tokens[start:start + block_size], extra)
+            parent = hash_block_tokens(parent, tokens[start : start + block_size], extra)
             extra = None
             self.block_hashes.append(parent)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, status={self.status.name}, "
-                f"computed={self.num_computed_tokens}/{self.num_tokens})")
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

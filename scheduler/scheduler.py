@@ -10,7 +10,11 @@ from dataclasses import dataclass
 from scheduler.block_hash import BlockHash
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.outputs import (
-    CachedRequestData, ModelRunnerOutput, NewRequestData, RequestOutput, SchedulerOutput,
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestOutput,
+    SchedulerOutput,
 )
 from scheduler.request import FINISH_REASONS, Request, RequestStatus, SamplingParams
 from scheduler.waiting_queue import WAITING_QUEUES
@@ -104,8 +108,9 @@ class Scheduler:
         self.config = config
         self.block_size = config.block_size
         self.eos_token_id = eos_token_id
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 config.num_host_blocks)
+        self.kv = KVCacheManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching, config.num_host_blocks
+        )
         self.requests: dict[str, Request] = {}  # live requests (children for n > 1)
         # caller id -> its requests, by object: a finished child's id may be reused by an unrelated caller
         self.children: dict[str, list[Request]] = {}
@@ -123,9 +128,16 @@ class Scheduler:
 
     # ---- requests in and out -------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    *, priority: int = 0, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> list[RequestOutput]:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
         """Queue a request; returns the final outputs of any child that can never run.
 
         ``n > 1`` fans out into n children; children 1..n-1 are deferred until
@@ -142,10 +154,20 @@ class Scheduler:
             child_params = params
             if n > 1:
                 child_params = _child_params(params, i)
-            children.append(Request(
-                req_id, prompt_token_ids, child_params, eos_token_id=self.eos_token_id, priority=priority,
-                arrival_time=arrival_time, block_size=self.block_size, cache_salt=cache_salt,
-                parent_id=request_id if n > 1 else None, index=i))
+            children.append(
+                Request(
+                    req_id,
+                    prompt_token_ids,
+                    child_params,
+                    eos_token_id=self.eos_token_id,
+                    priority=priority,
+                    arrival_time=arrival_time,
+                    block_size=self.block_size,
+                    cache_salt=cache_salt,
+                    parent_id=request_id if n > 1 else None,
+                    index=i,
+                )
+            )
         self.children[request_id] = children
         for child in children:
             self.requests[child.request_id] = child
@@ -163,16 +185,22 @@ class Scheduler:
     def _infeasible_reason(self, request: Request) -> str | None:
         config = self.config
         if request.num_prompt_tokens >= config.max_model_len:
-            return (f"prompt has {request.num_prompt_tokens} tokens, but max_model_len={config.max_model_len} "
-                    f"leaves no room to generate")
+            return (
+                f"prompt has {request.num_prompt_tokens} tokens, but max_model_len={config.max_model_len} "
+                f"leaves no room to generate"
+            )
         max_tokens = min(request.max_total_tokens, config.max_model_len)
         needed = -(-max_tokens // self.block_size)
         if needed > self.kv.num_usable_blocks:
-            return (f"request needs up to {needed} KV blocks ({max_tokens} tokens) but the cache has only "
-                    f"{self.kv.num_usable_blocks}; lower max_tokens or grow the KV cache")
+            return (
+                f"request needs up to {needed} KV blocks ({max_tokens} tokens) but the cache has only "
+                f"{self.kv.num_usable_blocks}; lower max_tokens or grow the KV cache"
+            )
         if not config.enable_chunked_prefill and request.num_prompt_tokens > config.max_num_batched_tokens:
-            return (f"prompt has {request.num_prompt_tokens} tokens, over max_num_batched_tokens="
-                    f"{config.max_num_batched_tokens} with chunked prefill off")
+            return (
+                f"prompt has {request.num_prompt_tokens} tokens, over max_num_batched_tokens="
+                f"{config.max_num_batched_tokens} with chunked prefill off"
+            )
         return None
 
     def abort(self, request_id: str) -> list[RequestOutput]:
@@ -207,10 +235,17 @@ class Scheduler:
         siblings = self.children.get(caller_id)
         if siblings is not None and all(s.is_finished for s in siblings):
             del self.children[caller_id]
-        return RequestOutput(caller_id, request.index, [], True, FINISH_REASONS[status],
-                             num_prompt_tokens=request.num_prompt_tokens,
-                             num_cached_tokens=max(request.num_cached_tokens, 0), error=error,
-                             queued_s=request.queued_s)
+        return RequestOutput(
+            caller_id,
+            request.index,
+            [],
+            True,
+            FINISH_REASONS[status],
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            error=error,
+            queued_s=request.queued_s,
+        )
 
     def _release_deferred(self, request: Request) -> None:
         deferred = self.deferred.pop(request.request_id, None)
@@ -232,14 +267,21 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
-            num_running=len(self.running), num_waiting=len(self.waiting) + sum(map(len, self.deferred.values())),
-            kv_cache_usage=self.kv.usage(), prefix_cache_queries=self.kv.prefix_cache_queries,
-            prefix_cache_hits=self.kv.prefix_cache_hits, num_preemptions=self.num_preemptions,
-            num_steps=self.num_steps, num_scheduled_tokens=self.last_num_scheduled_tokens,
-            num_admitted=self.last_num_admitted, num_swapped=len(self.swapped), host_cache_usage=self.kv.host_usage(),
+            num_running=len(self.running),
+            num_waiting=len(self.waiting) + sum(map(len, self.deferred.values())),
+            kv_cache_usage=self.kv.usage(),
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_steps=self.num_steps,
+            num_scheduled_tokens=self.last_num_scheduled_tokens,
+            num_admitted=self.last_num_admitted,
+            num_swapped=len(self.swapped),
+            host_cache_usage=self.kv.host_usage(),
             host_prefix_cache_hits=self.kv.host_prefix_cache_hits,
             num_blocks_swapped_out=self.kv.num_blocks_swapped_out,
-            num_blocks_swapped_in=self.kv.num_blocks_swapped_in)
+            num_blocks_swapped_in=self.kv.num_blocks_swapped_in,
+        )
 
     # ---- one step ----------------------------------------------------------------
 
@@ -266,8 +308,17 @@ class Scheduler:
         self.in_flight[self.num_steps] = self._add_placeholders(num_scheduled)
         self.last_num_scheduled_tokens = total
         self.last_num_admitted = num_admitted
-        return SchedulerOutput(new_data, cached, num_scheduled, total, finished,
-                               {r.request_id for r in preempted}, self.num_steps, swap_out, swap_in)
+        return SchedulerOutput(
+            new_data,
+            cached,
+            num_scheduled,
+            total,
+            finished,
+            {r.request_id for r in preempted},
+            self.num_steps,
+            swap_out,
+            swap_in,
+        )
 
     def _add_placeholders(self, num_scheduled: dict[str, int]) -> dict[str, Request]:
         """The step's requests by id; each one it samples (its computed count now reaches its tokens plus
@@ -281,15 +332,20 @@ class Scheduler:
                 request.num_output_placeholders += 1
         return step
 
-    def _schedule_running(self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData,
-                          preempted: list[Request]) -> int:
+    def _schedule_running(
+        self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData, preempted: list[Request]
+    ) -> int:
         """Running requests, in order, preempting the policy's victim (the request it would run last) when memory
         runs out; returns the budget left. This loop is the decode hot path: it writes the step's diff as it goes."""
         threshold = self.config.long_prefill_token_threshold
         max_model_len = self.config.max_model_len
         block_size = self.block_size
         cached_req_ids, cached_resumed, cached_new_block_ids, cached_num_computed = (
-            cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids, cached.num_computed_tokens)
+            cached.req_ids,
+            cached.resumed_from_preemption,
+            cached.new_block_ids,
+            cached.num_computed_tokens,
+        )
         allocate = self.kv.allocate_slots
         req_to_blocks = self.kv.req_to_blocks
         running = self.running
@@ -300,8 +356,10 @@ class Scheduler:
             num_tokens = len(request.all_token_ids)
             placeholders = request.num_output_placeholders
             if placeholders:
-                if (len(request.output_token_ids) + placeholders >= request.sampling_params.max_tokens
-                        or num_tokens + placeholders >= max_model_len):
+                if (
+                    len(request.output_token_ids) + placeholders >= request.sampling_params.max_tokens
+                    or num_tokens + placeholders >= max_model_len
+                ):
                     i += 1
                     continue  # a step in flight samples its last token: another would be wasted
                 num_tokens += placeholders
@@ -338,8 +396,9 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData,
-                          new_data: list[NewRequestData]) -> tuple[int, int]:
+    def _schedule_waiting(
+        self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData, new_data: list[NewRequestData]
+    ) -> tuple[int, int]:
         """Waiting requests, in policy order, until one does not fit; returns the budget left and how many
         were admitted."""
         config = self.config
@@ -377,8 +436,9 @@ class Scheduler:
             num_admitted += 1
         return budget, num_admitted
 
-    def _schedule_swapped(self, budget: int, num_scheduled: dict[str, int],
-                          cached: CachedRequestData) -> tuple[int, int]:
+    def _schedule_swapped(
+        self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData
+    ) -> tuple[int, int]:
         """Swapped requests, highest priority first, until one does not fit: each gets device blocks, its KV is
         copied back this step, and it goes on from its computed tokens. Returns the budget left and how many
         resumed."""
@@ -400,8 +460,9 @@ class Scheduler:
             num_resumed += 1
         return budget, num_resumed
 
-    def _admit(self, request: Request, num_hit_tokens: int, cached: CachedRequestData,
-               new_data: list[NewRequestData]) -> None:
+    def _admit(
+        self, request: Request, num_hit_tokens: int, cached: CachedRequestData, new_data: list[NewRequestData]
+    ) -> None:
         """Into the running batch, and into the step's diff: whole as new, or its block table anew if resumed."""
         req_id = request.request_id
         assert not request.num_output_placeholders, f"{req_id} admitted with a step in flight"
@@ -415,8 +476,9 @@ class Scheduler:
             cached.new_block_ids.append(block_ids)
             cached.num_computed_tokens.append(num_hit_tokens)
         else:
-            new_data.append(NewRequestData(req_id, request.all_token_ids.copy(), request.sampling_params, block_ids,
-                                           num_hit_tokens))
+            new_data.append(
+                NewRequestData(req_id, request.all_token_ids.copy(), request.sampling_params, block_ids, num_hit_tokens)
+            )
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
@@ -424,8 +486,12 @@ class Scheduler:
         """Take back a request already scheduled this step (a priority victim); returns its tokens."""
         j = cached.req_ids.index(request.request_id)
         request.num_computed_tokens = cached.num_computed_tokens[j]
-        for column in (cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids,
-                       cached.num_computed_tokens):
+        for column in (
+            cached.req_ids,
+            cached.resumed_from_preemption,
+            cached.new_block_ids,
+            cached.num_computed_tokens,
+        ):
             del column[j]
         return num_scheduled.pop(request.request_id)
 
@@ -456,8 +522,9 @@ class Scheduler:
         recompute = num_computed - self.kv.num_prefix_cached_tokens(request)
         return -(-num_computed // self.block_size) * self.config.swap_cost_per_block < recompute
 
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
         """Apply a step's sampled tokens to the requests it scheduled (by object; finished ones are skipped),
         check stop rules, cache newly computed blocks; one delta per sampled request."""
         step = self.in_flight.pop(scheduler_output.step_id)
@@ -481,14 +548,19 @@ class Scheduler:
             num_outputs = len(request.output_token_ids)
             entry = logprobs[i] if logprobs is not None else None
             params = request.sampling_params
-            if (token != request.eos_token_id and not params.stop_token_ids
-                    and num_outputs < params.max_tokens and len(request.all_token_ids) < max_model_len):
+            if (
+                token != request.eos_token_id
+                and not params.stop_token_ids
+                and num_outputs < params.max_tokens
+                and len(request.all_token_ids) < max_model_len
+            ):
                 status = None  # the common case, decided without a call
             else:
                 status = _stop_status(request, token, max_model_len)
             if status is None:
-                out = RequestOutput(request.parent_id or req_id, request.index, [token], False, None,
-                                    None if entry is None else [entry])
+                out = RequestOutput(
+                    request.parent_id or req_id, request.index, [token], False, None, None if entry is None else [entry]
+                )
                 append_out(out)
                 if deferred and req_id in deferred:
                     self._release_deferred(request)

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+
 def pytest_configure(config: pytest.Config) -> None:
     """Everything outside tests/gpu is the CPU suite. On a GPU machine device="auto" would pick CUDA (and bf16,
     which breaks fp32 equality with transformers), tp=2 tests would wait for a second GPU, and module-scoped

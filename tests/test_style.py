@@ -8,8 +8,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def ruff(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ruff", *args, str(ROOT)], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run([sys.executable, "-m", "ruff", *args, str(ROOT)], capture_output=True, text=True, timeout=120)
 
 
 def test_ruff_lint_is_clean():

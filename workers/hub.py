@@ -22,8 +22,7 @@ def hub_cache(download_dir: str | None) -> str:
     return download_dir or constants.HF_HUB_CACHE
 
 
-def resolve_model(name: str, revision: str | None = None, download_dir: str | None = None,
-                  weights: bool = True) -> str:
+def resolve_model(name: str, revision: str | None = None, download_dir: str | None = None, weights: bool = True) -> str:
     """The local directory holding model `name`: `name` itself when it is a directory, else the hub snapshot of
     repository `name` at `revision`. FileNotFoundError names the id and the cache when neither is there."""
     path = Path(name).expanduser()
@@ -36,14 +35,18 @@ def resolve_model(name: str, revision: str | None = None, download_dir: str | No
 
     where = f"{name!r}" + (f" at revision {revision!r}" if revision else "")
     try:
-        return snapshot_download(name, revision=revision, cache_dir=download_dir,
-                                 allow_patterns=MODEL_FILES if weights else TOKENIZER_FILES)
+        return snapshot_download(
+            name, revision=revision, cache_dir=download_dir, allow_patterns=MODEL_FILES if weights else TOKENIZER_FILES
+        )
     except LocalEntryNotFoundError as e:
-        raise FileNotFoundError(f"model {where} is not in the Hugging Face cache at {hub_cache(download_dir)} and "
-                                f"cannot be fetched ({_first_line(e)})") from None
+        raise FileNotFoundError(
+            f"model {where} is not in the Hugging Face cache at {hub_cache(download_dir)} and "
+            f"cannot be fetched ({_first_line(e)})"
+        ) from None
     except RepositoryNotFoundError:
-        raise FileNotFoundError(f"model {where}: no such repository on the Hugging Face hub (or it is private or "
-                                "gated: set HF_TOKEN)") from None
+        raise FileNotFoundError(
+            f"model {where}: no such repository on the Hugging Face hub (or it is private or gated: set HF_TOKEN)"
+        ) from None
     except HfHubHTTPError as e:
         raise FileNotFoundError(f"model {where} could not be fetched: {_first_line(e)}") from None
 

@@ -42,8 +42,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x W^T + b, through the packed weight when there is one."""
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -247,7 +248,7 @@ def _inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     """On CPU, whatever the default device (models are built under `with device:`), as transformers computes
     it: CUDA's pow and division may round differently, and fp32 greedy equality needs the same frequencies."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / rope.theta ** exponents
+    inv_freq = 1.0 / rope.theta**exponents
     s = dict(rope.scaling)
     if rope.rope_type == "linear":
         return inv_freq / s["factor"]

@@ -31,8 +31,7 @@ def _architecture(root: Path) -> str:
     supported = [a for a in architectures if a in MODEL_REGISTRY]
     if not supported:
         raise ValueError(
-            f"unsupported architecture {architectures} in {root / 'config.json'}; "
-            f"supported: {sorted(MODEL_REGISTRY)}"
+            f"unsupported architecture {architectures} in {root / 'config.json'}; supported: {sorted(MODEL_REGISTRY)}"
         )
     return supported[0]
 

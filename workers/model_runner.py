@@ -70,8 +70,12 @@ class CachedRequestState:
 
 
 _BUFFERS = {  # name: (dtype, sized by tokens (T), requests (R), R + 1, or R x blocks per request)
-    "input_ids": (torch.int64, "T"), "positions": (torch.int64, "T"), "slot_mapping": (torch.int64, "T"),
-    "query_start_loc": (torch.int32, "R+1"), "seq_lens": (torch.int32, "R"), "block_tables": (torch.int32, "RxB"),
+    "input_ids": (torch.int64, "T"),
+    "positions": (torch.int64, "T"),
+    "slot_mapping": (torch.int64, "T"),
+    "query_start_loc": (torch.int32, "R+1"),
+    "seq_lens": (torch.int32, "R"),
+    "block_tables": (torch.int32, "RxB"),
     "logits_indices": (torch.int64, "R"),
 }
 
@@ -90,13 +94,16 @@ class InputBuffers:
     so the host side is never rewritten under a pending copy.
     """
 
-    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device,
-                 uploaded: Any = None) -> None:
+    def __init__(
+        self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device, uploaded: Any = None
+    ) -> None:
         shapes = {"T": (max_tokens,), "R": (max_reqs,), "R+1": (max_reqs + 1,), "RxB": (max_reqs, max_blocks)}
         # `uploaded` (an event: record, query, synchronize) is given only by tests, to copy between CPU tensors.
         self.copies = device.type == "cuda" or uploaded is not None
-        host = {name: torch.zeros(shapes[size], dtype=dtype, pin_memory=device.type == "cuda")
-                for name, (dtype, size) in _BUFFERS.items()}
+        host = {
+            name: torch.zeros(shapes[size], dtype=dtype, pin_memory=device.type == "cuda")
+            for name, (dtype, size) in _BUFFERS.items()
+        }
         self.np = {name: t.numpy() for name, t in host.items()}
         self.host = host
         self.dev = {name: t.to(device, copy=True) for name, t in host.items()} if self.copies else host
@@ -171,10 +178,22 @@ class ModelRunner:
     ``capture_decode_graphs``.
     """
 
-    def __init__(self, model: torch.nn.Module, attn_backend, block_size: int, max_model_len: int,
-                 vocab_size: int, eos_token_id: int | None, device: torch.device, is_driver: bool = True,
-                 max_rows: int = 64, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 decode_sizes: list[int] | None = None, grammar: GrammarBitmasks | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        attn_backend,
+        block_size: int,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_id: int | None,
+        device: torch.device,
+        is_driver: bool = True,
+        max_rows: int = 64,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        decode_sizes: list[int] | None = None,
+        grammar: GrammarBitmasks | None = None,
+    ) -> None:
         self.model = model
         self.grammar = grammar
         self.attn_backend = attn_backend
@@ -224,14 +243,23 @@ class ModelRunner:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(params.seed)
             prompt = new.prompt_token_ids
-            self.token_ids[row, :len(prompt)] = prompt
-            self.block_table[row, :len(new.block_ids)] = new.block_ids
+            self.token_ids[row, : len(prompt)] = prompt
+            self.block_table[row, : len(new.block_ids)] = new.block_ids
             penalized = self.is_driver and has_penalties(params)
             if penalized:
                 self.penalty_state.start(row, prompt, self.token_ids.shape[0])
             self.requests[new.req_id] = CachedRequestState(
-                new.req_id, row, len(prompt), [], len(new.block_ids), new.num_computed_tokens, params, gen, penalized,
-                matcher=self._matcher(params))
+                new.req_id,
+                row,
+                len(prompt),
+                [],
+                len(new.block_ids),
+                new.num_computed_tokens,
+                params,
+                gen,
+                penalized,
+                matcher=self._matcher(params),
+            )
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self.requests[rid]
@@ -240,7 +268,7 @@ class ModelRunner:
                 state.parked = False
                 state.num_blocks = 0
             if new_blocks:
-                self.block_table[state.row, state.num_blocks:state.num_blocks + len(new_blocks)] = new_blocks
+                self.block_table[state.row, state.num_blocks : state.num_blocks + len(new_blocks)] = new_blocks
                 state.num_blocks += len(new_blocks)
             state.num_computed_tokens = cached.num_computed_tokens[i]
 
@@ -264,7 +292,7 @@ class ModelRunner:
         buf = self.buffers.writable()
         cu = buf["query_start_loc"]
         cu[0] = 0
-        np.cumsum(num_new, out=cu[1:num_reqs + 1])
+        np.cumsum(num_new, out=cu[1 : num_reqs + 1])
         total = int(cu[num_reqs])
         token_req = np.repeat(np.arange(num_reqs), num_new)
         positions = buf["positions"][:total]
@@ -278,7 +306,7 @@ class ModelRunner:
         buf["slot_mapping"][:total] = block_tables[token_req, positions // bs].astype(np.int64) * bs + positions % bs
         num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
         sampling = np.nonzero(seq_lens == num_tokens)[0]
-        buf["logits_indices"][:len(sampling)] = cu[1:num_reqs + 1][sampling] - 1
+        buf["logits_indices"][: len(sampling)] = cu[1 : num_reqs + 1][sampling] - 1
         prompt_spans = []
         for i, s in enumerate(states):
             first, count = s.prompt_logprob_span(int(starts[i]), int(num_new[i]))
@@ -290,11 +318,23 @@ class ModelRunner:
             num_reqs = total = graph_size
         dev = self.buffers.upload(total, num_reqs, len(sampling))
         md = AttentionMetadata.build(
-            query_start_loc=dev["query_start_loc"], seq_lens=dev["seq_lens"], block_tables=dev["block_tables"],
-            slot_mapping=dev["slot_mapping"], max_query_len=int(num_new.max()), max_seq_len=int(seq_lens.max()),
-            backend=self.attn_backend)
-        return StepInputs(dev["input_ids"], dev["positions"], md, dev["logits_indices"],
-                          [states[i] for i in sampling], graph_size, prompt_spans)
+            query_start_loc=dev["query_start_loc"],
+            seq_lens=dev["seq_lens"],
+            block_tables=dev["block_tables"],
+            slot_mapping=dev["slot_mapping"],
+            max_query_len=int(num_new.max()),
+            max_seq_len=int(seq_lens.max()),
+            backend=self.attn_backend,
+        )
+        return StepInputs(
+            dev["input_ids"],
+            dev["positions"],
+            md,
+            dev["logits_indices"],
+            [states[i] for i in sampling],
+            graph_size,
+            prompt_spans,
+        )
 
     def _decode_size(self, num_reqs: int, num_tokens: int) -> int:
         """The padded size of a decode-only step that fits a captured size, else 0."""
@@ -308,10 +348,11 @@ class ModelRunner:
         for name in ("input_ids", "positions", "slot_mapping", "block_tables"):
             buf[name][start:end] = 0
         buf["seq_lens"][start:end] = 1
-        buf["query_start_loc"][start + 1:end + 1] = np.arange(start + 1, end + 1)
+        buf["query_start_loc"][start + 1 : end + 1] = np.arange(start + 1, end + 1)
 
-    def prepare_sampling(self, states: list[CachedRequestState]) -> tuple[SamplingMetadata, torch.Tensor | None,
-                                                                          torch.Tensor | None]:
+    def prepare_sampling(
+        self, states: list[CachedRequestState]
+    ) -> tuple[SamplingMetadata, torch.Tensor | None, torch.Tensor | None]:
         """The step's sampling metadata, and which sampled rows (and runner rows) count for penalties."""
         params = [s.sampling_params for s in states]
         penalized = [i for i, s in enumerate(states) if s.penalized]
@@ -321,9 +362,16 @@ class ModelRunner:
             rows = torch.tensor([states[i].row for i in penalized]).to(self.device, non_blocking=True)
             all_rows = torch.tensor([s.row for s in states]).to(self.device, non_blocking=True)
             penalties = self.penalty_state.penalties(params, all_rows)
-        md = SamplingMetadata.build(params, [s.generator for s in states], [len(s.output_token_ids) for s in states],
-                                    self.eos_token_id, self.vocab_size, self.device, penalties,
-                                    [s.output_token_ids for s in states])
+        md = SamplingMetadata.build(
+            params,
+            [s.generator for s in states],
+            [len(s.output_token_ids) for s in states],
+            self.eos_token_id,
+            self.vocab_size,
+            self.device,
+            penalties,
+            [s.output_token_ids for s in states],
+        )
         return md, index, rows
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -383,8 +431,9 @@ class ModelRunner:
             if state.matcher is not None and not state.matcher.is_stopped():
                 state.matcher.consume_tokens([token])
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, spans: list[tuple[CachedRequestState, int, int, int]]
-                         ) -> dict[str, list[SampledLogprobs]] | None:
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, spans: list[tuple[CachedRequestState, int, int, int]]
+    ) -> dict[str, list[SampledLogprobs]] | None:
         """Logprobs of the prompt tokens this step's chunks predict, with each one's rank and top-k (rank 0
         only; every rank joins the vocabulary-parallel logits)."""
         index = np.concatenate([np.arange(b, b + n) for _, _, n, b in spans])
@@ -393,7 +442,7 @@ class ModelRunner:
             state.num_prompt_logprobs = first + count
         if logits is None:
             return None
-        targets = np.concatenate([self.token_ids[s.row, first + 1:first + 1 + n] for s, first, n, _ in spans])
+        targets = np.concatenate([self.token_ids[s.row, first + 1 : first + 1 + n] for s, first, n, _ in spans])
         k = max(s.sampling_params.prompt_logprobs for s, *_ in spans)
         chosen, ranks, top_values, top_ids = _logprob_stats(logits, torch.from_numpy(targets).to(self.device), k)
         chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
@@ -401,8 +450,9 @@ class ModelRunner:
         out, i = {}, 0
         for state, _, count, _ in spans:
             k = state.sampling_params.prompt_logprobs
-            out[state.req_id] = [SampledLogprobs(chosen_l[j], ids_l[j][:k], values_l[j][:k], ranks_l[j])
-                                 for j in range(i, i + count)]
+            out[state.req_id] = [
+                SampledLogprobs(chosen_l[j], ids_l[j][:k], values_l[j][:k], ranks_l[j]) for j in range(i, i + count)
+            ]
             i += count
         return out
 
@@ -410,7 +460,7 @@ class ModelRunner:
         """The step's one device-to-host transfer, into pinned memory, and its one sync."""
         if self.device.type != "cuda":
             return sampled.tolist()
-        host = self.sampled_host[:sampled.shape[0]]
+        host = self.sampled_host[: sampled.shape[0]]
         host.copy_(sampled, non_blocking=True)
         torch.cuda.current_stream().synchronize()
         return host.tolist()
@@ -428,15 +478,27 @@ class ModelRunner:
             return
         _logprob_stats(prompt_logits, torch.zeros(hidden.shape[0], dtype=torch.int64, device=hidden.device), 20)
         del prompt_logits
-        params = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
-                                 presence_penalty=0.5, frequency_penalty=0.5, seed=0, logprobs=20)] * num_rows
+        params = [
+            SamplingParams(
+                temperature=0.7,
+                top_k=50,
+                top_p=0.9,
+                min_p=0.05,
+                repetition_penalty=1.1,
+                presence_penalty=0.5,
+                frequency_penalty=0.5,
+                seed=0,
+                logprobs=20,
+            )
+        ] * num_rows
         rows = max(num_rows, self.token_ids.shape[0])
         for row in range(num_rows):
             self.penalty_state.start(row, [0], rows)
         gen = torch.Generator(device=self.device)
         penalties = self.penalty_state.penalties(params, torch.arange(num_rows, device=self.device))
-        smd = SamplingMetadata.build(params, [gen] * num_rows, [0] * num_rows, self.eos_token_id, self.vocab_size,
-                                     self.device, penalties)
+        smd = SamplingMetadata.build(
+            params, [gen] * num_rows, [0] * num_rows, self.eos_token_id, self.vocab_size, self.device, penalties
+        )
         self.sampler(logits.float(), smd)
 
     @torch.inference_mode()
@@ -453,8 +515,10 @@ class ModelRunner:
                 pool = self._capture(size, pool)
             torch.cuda.synchronize()
         except Exception as e:  # whatever broke the capture, eager decodes are the remedy
-            warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly, as "
-                          f"enforce_eager=True would", stacklevel=2)
+            warnings.warn(
+                f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly, as enforce_eager=True would",
+                stacklevel=2,
+            )
             self.graphs.clear()
             self.decode_sizes = []
 
@@ -463,9 +527,14 @@ class ModelRunner:
         self._pad_decode(0, size)
         self.buffers.upload(size, size, 0)
         md = AttentionMetadata.build(
-            query_start_loc=dev["query_start_loc"][:size + 1], seq_lens=dev["seq_lens"][:size],
-            block_tables=dev["block_tables"][:size], slot_mapping=dev["slot_mapping"][:size], max_query_len=1,
-            max_seq_len=self.max_model_len, backend=self.attn_backend)
+            query_start_loc=dev["query_start_loc"][: size + 1],
+            seq_lens=dev["seq_lens"][:size],
+            block_tables=dev["block_tables"][:size],
+            slot_mapping=dev["slot_mapping"][:size],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            backend=self.attn_backend,
+        )
         args = (dev["input_ids"][:size], dev["positions"][:size], md)
         self.model(*args)  # outside the capture: Triton compiles, cuBLAS picks its kernels
         torch.cuda.synchronize()

@@ -49,9 +49,7 @@ class ModelSpec:
         if self.num_heads % tp_size:
             problems.append(f"num_attention_heads={self.num_heads} is not divisible by tp_size={tp_size}")
         if self.num_kv_heads % tp_size and tp_size % self.num_kv_heads:
-            problems.append(
-                f"num_key_value_heads={self.num_kv_heads} and tp_size={tp_size}: neither divides the other"
-            )
+            problems.append(f"num_key_value_heads={self.num_kv_heads} and tp_size={tp_size}: neither divides the other")
         if self.intermediate_size % tp_size:
             problems.append(f"intermediate_size={self.intermediate_size} is not divisible by tp_size={tp_size}")
         if problems:

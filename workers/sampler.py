@@ -172,8 +172,7 @@ class PenaltyState:
 
     def count(self, rows: Tensor, tokens: Tensor) -> None:
         """One more output of `tokens[i]` for row `rows[i]` (at most one per row)."""
-        self.output_counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.float32),
-                                      accumulate=True)
+        self.output_counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
 
     def penalties(self, params: list[SamplingParams], rows: Tensor) -> Penalties | None:
         """The penalties of a batch whose row i is runner row rows[i]; None when every row is neutral."""
@@ -200,8 +199,11 @@ def _build_banned(
         if p.bad_words_token_ids:
             # vLLM's rule: a bad word's last token is banned when the output ends with the rest of it.
             output = outputs[i] if outputs is not None else []
-            ids = {word[-1] for word in p.bad_words_token_ids if len(word) == 1
-                   or len(output) >= len(word) - 1 and output[len(output) - len(word) + 1:] == word[:-1]}
+            ids = {
+                word[-1]
+                for word in p.bad_words_token_ids
+                if len(word) == 1 or len(output) >= len(word) - 1 and output[len(output) - len(word) + 1 :] == word[:-1]
+            }
             ids = [t for t in ids if t < vocab_size]
             rows += [i] * len(ids)
             tokens += ids
@@ -218,15 +220,20 @@ def _build_banned(
     return _to_device(rows, torch.int64, device), _to_device(tokens, torch.int64, device)
 
 
-def _build_bias(params: list[SamplingParams], vocab_size: int,
-                device: torch.device | str) -> tuple[Tensor, Tensor, Tensor] | None:
-    entries = [(i, t, v) for i, p in enumerate(params) if p.logit_bias
-               for t, v in p.logit_bias.items() if t < vocab_size]
+def _build_bias(
+    params: list[SamplingParams], vocab_size: int, device: torch.device | str
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    entries = [
+        (i, t, v) for i, p in enumerate(params) if p.logit_bias for t, v in p.logit_bias.items() if t < vocab_size
+    ]
     if not entries:
         return None
     rows, tokens, values = zip(*entries)
-    return (_to_device(rows, torch.int64, device), _to_device(tokens, torch.int64, device),
-            _to_device(values, torch.float32, device))
+    return (
+        _to_device(rows, torch.int64, device),
+        _to_device(tokens, torch.int64, device),
+        _to_device(values, torch.float32, device),
+    )
 
 
 def _build_allowed(params: list[SamplingParams], vocab_size: int, device: torch.device | str) -> Tensor | None:
@@ -338,9 +345,7 @@ def _exponential_race(probs: Tensor, generators: dict[int, torch.Generator]) -> 
     return probs.div_(q).argmax(-1)
 
 
-def _logprobs_out(
-    raw_logprobs: Tensor, sampled: Tensor, metadata: SamplingMetadata
-) -> list[SampledLogprobs | None]:
+def _logprobs_out(raw_logprobs: Tensor, sampled: Tensor, metadata: SamplingMetadata) -> list[SampledLogprobs | None]:
     top_values, top_ids = raw_logprobs.topk(metadata.max_num_logprobs, dim=-1)
     chosen = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
     # One transfer per tensor; per-row Python only touches plain lists.

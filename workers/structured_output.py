@@ -69,8 +69,7 @@ class GrammarBitmasks:
       inline limit) sent to every rank.
     """
 
-    def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: list[int],
-                 device: torch.device) -> None:
+    def __init__(self, tokenizer_path: str, vocab_size: int, eos_token_ids: list[int], device: torch.device) -> None:
         self.tokenizer_path, self.vocab_size, self.eos_token_ids = tokenizer_path, vocab_size, eos_token_ids
         self.tokenizer: llguidance.LLTokenizer | None = None  # built at the first constraint (~0.3 s)
         self.executor = llguidance.LLExecutor()
@@ -84,6 +83,7 @@ class GrammarBitmasks:
     def matcher(self, c: StructuredOutputsParams) -> llguidance.LLMatcher:
         if self.tokenizer is None:
             from transformers import AutoTokenizer
+
             hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
             self.tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
         return llguidance.LLMatcher(self.tokenizer, compile_grammar(c), log_level=0)
@@ -103,8 +103,7 @@ class GrammarBitmasks:
         for i, m in enumerate(matchers):
             if m.is_stopped() or m.is_error():
                 host[i] = self.eos_only
-        return torch.from_numpy(unpack_banned(host, rows, num_rows, self.vocab_size)).to(self.device,
-                                                                                         non_blocking=True)
+        return torch.from_numpy(unpack_banned(host, rows, num_rows, self.vocab_size)).to(self.device, non_blocking=True)
 
 
 def unpack_banned(bitmasks: np.ndarray, rows: list[int], num_rows: int, vocab_size: int) -> np.ndarray:

@@ -17,9 +17,9 @@ from workers.cache_engine import CacheEngine, check_swap_space
 from workers.hub import resolve_model
 from workers.layers import can_pack, pack_for_cpu
 from workers.model_loader import load_model, read_model_spec
-from workers.structured_output import GrammarBitmasks
 from workers.model_runner import ModelRunner, graph_batch_sizes
 from workers.no_work import NoWorkRunner
+from workers.structured_output import GrammarBitmasks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # glibc's mallopt parameters. A step's activations (megabytes each) are above glibc's default mmap
@@ -48,8 +48,9 @@ def wants_cuda(device: str) -> bool:
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
-def resolve_dtype(name: str, checkpoint_dtype: torch.dtype | None, device: torch.device,
-                  bf16_supported: bool = True) -> torch.dtype:
+def resolve_dtype(
+    name: str, checkpoint_dtype: torch.dtype | None, device: torch.device, bf16_supported: bool = True
+) -> torch.dtype:
     """The dtype a rank runs in. A name other than "auto" is taken as given.
 
     "auto" is float32 on CPU (these CPUs have no fast half-precision matmul, and fp32 keeps greedy
@@ -101,8 +102,14 @@ class MemorySnapshot:
         return cls(total - free, torch.cuda.memory_reserved())
 
 
-def kv_cache_budget(total: int, utilization: float, before: MemorySnapshot, after: MemorySnapshot,
-                    profile_peak: int, graph_pool: int = 0) -> int:
+def kv_cache_budget(
+    total: int,
+    utilization: float,
+    before: MemorySnapshot,
+    after: MemorySnapshot,
+    profile_peak: int,
+    graph_pool: int = 0,
+) -> int:
     """Bytes left for the KV cache: the share of the device we may use, less what was in use before
     the profile (weights, context, others), the profile's peak (activations, logits and sampler at
     full width), memory outside torch that appeared during the profile (NCCL allocates its buffers at
@@ -184,8 +191,12 @@ class Worker:
             torch.cuda.set_device(self.device)
         else:
             keep_freed_memory()
-        check_swap_space(cfg.swap_space_bytes, f"rank {self.rank}'s host", pinned=self.device.type == "cuda",
-                         ranks_on_host=self.ranks_on_host)
+        check_swap_space(
+            cfg.swap_space_bytes,
+            f"rank {self.rank}'s host",
+            pinned=self.device.type == "cuda",
+            ranks_on_host=self.ranks_on_host,
+        )
         # Ray sets OMP_NUM_THREADS from the actor's num_cpus (often 1); choose on purpose instead.
         threads = cfg.num_threads or len(os.sched_getaffinity(0))
         torch.set_num_threads(threads)
@@ -193,14 +204,26 @@ class Worker:
             torch.manual_seed(cfg.seed)
         return str(self.device)
 
-    def init_distributed(self, rank: int, world_size: int, master_addr: str, master_port: int,
-                         backend: str | None = None, timeout_s: float = 300) -> None:
+    def init_distributed(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        backend: str | None = None,
+        timeout_s: float = 300,
+    ) -> None:
         self.rank = rank
         if world_size == 1:
             return
         backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
 
     def load_model(self) -> None:
         cfg = self.config
@@ -213,34 +236,59 @@ class Worker:
         bf16 = self.device.type != "cuda" or torch.cuda.is_bf16_supported()
         self.dtype = resolve_dtype(cfg.dtype, self.spec.dtype, self.device, bf16)
         backend = select_backend(cfg.attention_backend, self.device, cfg.block_size, self.dtype)
-        self.model = load_model(model_dir, dtype=self.dtype, device=self.device, attn_backend=backend,
-                                tp_rank=self.rank, tp_size=tp)
+        self.model = load_model(
+            model_dir, dtype=self.dtype, device=self.device, attn_backend=backend, tp_rank=self.rank, tp_size=tp
+        )
         if can_pack(self.device, self.dtype):
             pack_for_cpu(self.model)
         # Only graph-capturable backends on CUDA pad decodes to the captured sizes; elsewhere padding is waste.
         graphs = self.device.type == "cuda" and not cfg.enforce_eager and backend.graph_capturable
         grammar = None
         if self.rank == 0:
-            tokenizer_dir = (resolve_model(cfg.tokenizer, cfg.tokenizer_revision, cfg.download_dir, weights=False)
-                             if cfg.tokenizer else model_dir)
-            grammar = GrammarBitmasks(tokenizer_dir, self.spec.vocab_size,
-                                      list(self.spec.eos_token_ids), self.device)
-        self.runner = ModelRunner(self.model, backend, cfg.block_size, cfg.max_model_len, self.spec.vocab_size,
-                                  self.spec.eos_token_id, self.device, is_driver=self.rank == 0, grammar=grammar,
-                                  max_rows=min(cfg.max_num_seqs, 256), max_num_seqs=cfg.max_num_seqs,
-                                  max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                  decode_sizes=graph_batch_sizes(cfg.max_num_seqs) if graphs else None)
+            tokenizer_dir = (
+                resolve_model(cfg.tokenizer, cfg.tokenizer_revision, cfg.download_dir, weights=False)
+                if cfg.tokenizer
+                else model_dir
+            )
+            grammar = GrammarBitmasks(tokenizer_dir, self.spec.vocab_size, list(self.spec.eos_token_ids), self.device)
+        self.runner = ModelRunner(
+            self.model,
+            backend,
+            cfg.block_size,
+            cfg.max_model_len,
+            self.spec.vocab_size,
+            self.spec.eos_token_id,
+            self.device,
+            is_driver=self.rank == 0,
+            grammar=grammar,
+            max_rows=min(cfg.max_num_seqs, 256),
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            decode_sizes=graph_batch_sizes(cfg.max_num_seqs) if graphs else None,
+        )
 
     def _new_cache(self, num_blocks: int, num_host_blocks: int = 0) -> CacheEngine:
         cfg, spec = self.config, self.spec
-        return CacheEngine(spec.num_layers, num_blocks, cfg.block_size, spec.kv_heads_per_rank(cfg.tensor_parallel_size),
-                           spec.head_dim, self.dtype, self.device, num_host_blocks)
+        return CacheEngine(
+            spec.num_layers,
+            num_blocks,
+            cfg.block_size,
+            spec.kv_heads_per_rank(cfg.tensor_parallel_size),
+            spec.head_dim,
+            self.dtype,
+            self.device,
+            num_host_blocks,
+        )
 
     def block_bytes(self) -> int:
         spec = self.spec
-        return CacheEngine.block_bytes(spec.num_layers, self.config.block_size,
-                                       spec.kv_heads_per_rank(self.config.tensor_parallel_size), spec.head_dim,
-                                       self.dtype)
+        return CacheEngine.block_bytes(
+            spec.num_layers,
+            self.config.block_size,
+            spec.kv_heads_per_rank(self.config.tensor_parallel_size),
+            spec.head_dim,
+            self.dtype,
+        )
 
     def determine_num_blocks(self) -> int:
         """Blocks this rank can hold. CPU (and the no-work runner, which holds no KV): kv_cache_bytes. GPU: what
@@ -264,8 +312,14 @@ class Worker:
         del cache
         torch.cuda.empty_cache()  # hand the profile's blocks back, for the real cache
         graphs = graph_pool_bytes(forward_peak, sum(self._profile_lens()), max(self.runner.decode_sizes, default=0))
-        budget = kv_cache_budget(torch.cuda.mem_get_info()[1], self.config.gpu_memory_utilization, before,
-                                 MemorySnapshot.take(), peak, graphs)
+        budget = kv_cache_budget(
+            torch.cuda.mem_get_info()[1],
+            self.config.gpu_memory_utilization,
+            before,
+            MemorySnapshot.take(),
+            peak,
+            graphs,
+        )
         return max(budget // self.block_bytes(), 0)
 
     def determine_num_host_blocks(self) -> int:
@@ -312,9 +366,15 @@ class Worker:
         seq_ids = torch.cat([torch.full((n,), i, device=dev) for i, n in enumerate(lens)])
         slots = tables[seq_ids, positions // cfg.block_size].long() * cfg.block_size + positions % cfg.block_size
         cu = torch.tensor([0] + lens, device=dev).cumsum(0).to(torch.int32)
-        md = AttentionMetadata.build(query_start_loc=cu, seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-                                     block_tables=tables, slot_mapping=slots, max_query_len=max(lens),
-                                     max_seq_len=max(lens), backend=self.runner.attn_backend)
+        md = AttentionMetadata.build(
+            query_start_loc=cu,
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=tables,
+            slot_mapping=slots,
+            max_query_len=max(lens),
+            max_seq_len=max(lens),
+            backend=self.runner.attn_backend,
+        )
         cuda = dev.type == "cuda"
         start = torch.cuda.memory_allocated() if cuda else 0
         hidden = self.model(torch.zeros(sum(lens), dtype=torch.long, device=dev), positions, md)

@@ -18,8 +18,9 @@ def _decode_steps_per_s(engine, num_requests: int, max_tokens: int) -> float:
     return (engine.stats().num_steps - steps0) / (time.perf_counter() - t0)
 
 
-def bench_engine_steps(tp_sizes: tuple[int, ...] = (1, 2), num_requests: int = 64, max_tokens: int = 1000,
-                       rounds: int = 2) -> dict:
+def bench_engine_steps(
+    tp_sizes: tuple[int, ...] = (1, 2), num_requests: int = 64, max_tokens: int = 1000, rounds: int = 2
+) -> dict:
     """Engine steps/s of the Ray engine with the no-work model (no forward, no KV: what is left is the scheduler,
     the Ray round trip to every rank and the loop) at ``num_requests`` running decodes, serial loop vs async
     scheduling, alternated ``rounds`` times so that a busy machine slows both alike; the best round counts."""
@@ -34,15 +35,24 @@ def bench_engine_steps(tp_sizes: tuple[int, ...] = (1, 2), num_requests: int = 6
     connect(None, SCHEDULER_CPUS + max(tp_sizes))
     tmp = tempfile.TemporaryDirectory()
     model = tiny_llama(tmp.name, max_len=max_tokens + 64)
-    print(f"raylm bench engine-steps: no-work model, {num_requests} requests decoding {max_tokens} tokens each, "
-          f"best of {rounds}")
+    print(
+        f"raylm bench engine-steps: no-work model, {num_requests} requests decoding {max_tokens} tokens each, "
+        f"best of {rounds}"
+    )
     results: dict = {}
     try:
         for tp in tp_sizes:
             for _ in range(rounds):
                 for mode in (False, True):
-                    engine = RayEngine(EngineConfig(model=model, tensor_parallel_size=tp, no_work_model=True,
-                                                    max_num_seqs=num_requests, async_scheduling=mode))
+                    engine = RayEngine(
+                        EngineConfig(
+                            model=model,
+                            tensor_parallel_size=tp,
+                            no_work_model=True,
+                            max_num_seqs=num_requests,
+                            async_scheduling=mode,
+                        )
+                    )
                     try:
                         _decode_steps_per_s(engine, num_requests, 20)  # warm-up: Ray's workers and imports
                         rate = _decode_steps_per_s(engine, num_requests, max_tokens)
@@ -50,8 +60,10 @@ def bench_engine_steps(tp_sizes: tuple[int, ...] = (1, 2), num_requests: int = 6
                         engine.shutdown()
                     results[(tp, mode)] = max(results.get((tp, mode), 0.0), rate)
             serial, pipelined = results[(tp, False)], results[(tp, True)]
-            print(f"  tp={tp} serial {serial:7.0f} steps/s   async {pipelined:7.0f} steps/s   "
-                  f"ratio {pipelined / serial:.2f}x")
+            print(
+                f"  tp={tp} serial {serial:7.0f} steps/s   async {pipelined:7.0f} steps/s   "
+                f"ratio {pipelined / serial:.2f}x"
+            )
     finally:
         tmp.cleanup()
     return results

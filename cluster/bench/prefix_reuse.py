@@ -10,19 +10,25 @@ import time
 from scheduler import SamplingParams
 
 # What each run changes; the device pool and the workload stay the same.
-RUNS = (("no prefix caching", dict(enable_prefix_caching=False)),
-        ("prefix caching", dict(enable_prefix_caching=True)),
-        ("prefix caching + host tier", dict(enable_prefix_caching=True)))
+RUNS = (
+    ("no prefix caching", dict(enable_prefix_caching=False)),
+    ("prefix caching", dict(enable_prefix_caching=True)),
+    ("prefix caching + host tier", dict(enable_prefix_caching=True)),
+)
 
 
-def prefix_reuse_workload(num_docs: int, doc_len: int, num_questions: int, question_len: int, vocab_size: int,
-                          seed: int = 0) -> list[list[int]]:
+def prefix_reuse_workload(
+    num_docs: int, doc_len: int, num_questions: int, question_len: int, vocab_size: int, seed: int = 0
+) -> list[list[int]]:
     """Prompts in rounds: round q asks question q of every document in turn, so a document's prefix comes back
     only after all the others have passed through."""
     rng = random.Random(seed)
     docs = [[rng.randrange(100, vocab_size) for _ in range(doc_len)] for _ in range(num_docs)]
-    return [doc + [rng.randrange(100, vocab_size) for _ in range(question_len)]
-            for _ in range(num_questions) for doc in docs]
+    return [
+        doc + [rng.randrange(100, vocab_size) for _ in range(question_len)]
+        for _ in range(num_questions)
+        for doc in docs
+    ]
 
 
 def block_bytes_of(model_path: str, block_size: int, dtype: str, device: str) -> int:
@@ -54,8 +60,17 @@ def run_one(engine, request_id: str, prompt: list[int], max_tokens: int) -> tupl
     return time.perf_counter() - t0, first, tokens
 
 
-def bench_prefix_reuse(model: str | None, num_docs: int, doc_len: int, num_questions: int, question_len: int,
-                       max_tokens: int, executor: str, address: str | None, **engine_kwargs) -> None:
+def bench_prefix_reuse(
+    model: str | None,
+    num_docs: int,
+    doc_len: int,
+    num_questions: int,
+    question_len: int,
+    max_tokens: int,
+    executor: str,
+    address: str | None,
+    **engine_kwargs,
+) -> None:
     from cluster.config import GIB, EngineConfig
     from cluster.llm import LLM
 
@@ -71,17 +86,25 @@ def bench_prefix_reuse(model: str | None, num_docs: int, doc_len: int, num_quest
 
     vocab = AutoTokenizer.from_pretrained(config.tokenizer or model_path).vocab_size
     prompts = prefix_reuse_workload(num_docs, doc_len, num_questions, question_len, vocab)
-    print(f"prefix-reuse: {num_docs} documents of {doc_len} tokens, {num_questions} questions of {question_len} "
-          f"tokens each in rounds, {max_tokens} output tokens, one request at a time ({executor} executor); "
-          f"device pool {kv_cache_bytes >> 20} MiB ({device_docs} documents), host tier "
-          f"{swap_space_bytes >> 20} MiB (all {num_docs})")
+    print(
+        f"prefix-reuse: {num_docs} documents of {doc_len} tokens, {num_questions} questions of {question_len} "
+        f"tokens each in rounds, {max_tokens} output tokens, one request at a time ({executor} executor); "
+        f"device pool {kv_cache_bytes >> 20} MiB ({device_docs} documents), host tier "
+        f"{swap_space_bytes >> 20} MiB (all {num_docs})"
+    )
     kwargs = {**engine_kwargs, "kv_cache_bytes": kv_cache_bytes}
     engines = []
     try:
         for name, overrides in RUNS:
             swap = swap_space_bytes if "host tier" in name else 0
-            engines.append(LLM(model=model_path, executor=executor, address=address,
-                               **{**kwargs, **overrides, "swap_space": swap / GIB}).engine)
+            engines.append(
+                LLM(
+                    model=model_path,
+                    executor=executor,
+                    address=address,
+                    **{**kwargs, **overrides, "swap_space": swap / GIB},
+                ).engine
+            )
             run_one(engines[-1], "warm-up", [7] * 8, 2)  # first-call allocations
         # Request by request, each run in turn: a shared machine's load swings then hit every run alike.
         latencies, ttfts, outputs = ([[] for _ in RUNS] for _ in range(3))
@@ -101,10 +124,12 @@ def bench_prefix_reuse(model: str | None, num_docs: int, doc_len: int, num_quest
         ttft.sort()
         p99 = ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))]
         hit = st.prefix_cache_hits / st.prefix_cache_queries if st.prefix_cache_queries else 0.0
-        print(f"  {name:28s} total {total:7.2f} s ({base / total:5.2f}x prefix caching alone)   TTFT median "
-              f"{statistics.median(ttft) * 1e3:8.1f} ms  p99 {p99 * 1e3:8.1f} ms   prefix hit rate {hit:5.1%} "
-              f"(host tier {st.host_prefix_cache_hits} tokens)   KV blocks swapped out {st.num_blocks_swapped_out}, "
-              f"in {st.num_blocks_swapped_in}")
+        print(
+            f"  {name:28s} total {total:7.2f} s ({base / total:5.2f}x prefix caching alone)   TTFT median "
+            f"{statistics.median(ttft) * 1e3:8.1f} ms  p99 {p99 * 1e3:8.1f} ms   prefix hit rate {hit:5.1%} "
+            f"(host tier {st.host_prefix_cache_hits} tokens)   KV blocks swapped out {st.num_blocks_swapped_out}, "
+            f"in {st.num_blocks_swapped_in}"
+        )
     same = all(o == outputs[0] for o in outputs)
     print(f"  identical greedy outputs across runs: {same}")
     if not same:

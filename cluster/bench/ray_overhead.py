@@ -11,8 +11,15 @@ def tiny_llama(path: str, max_len: int = 256) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_len)
+    cfg = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_len,
+    )
     LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
     return path
 
@@ -70,8 +77,9 @@ class _RoundTrips:
             dag.teardown()
 
 
-def bench_ray_overhead(model: str | None = None, tp_sizes: tuple[int, ...] = (1, 2), steps: int = 300,
-                       warmup: int = 30) -> dict:
+def bench_ray_overhead(
+    model: str | None = None, tp_sizes: tuple[int, ...] = (1, 2), steps: int = 300, warmup: int = 30
+) -> dict:
     """Round trip of an empty step (nothing scheduled) from an async actor to every rank of a Ray engine:
     the engine loop's path (step by value), a ray.put broadcast, and a Ray compiled graph."""
     import tempfile
@@ -93,14 +101,16 @@ def bench_ray_overhead(model: str | None = None, tp_sizes: tuple[int, ...] = (1,
         engine = RayEngine(EngineConfig(model=model, tensor_parallel_size=tp, kv_cache_bytes=1 << 22))
         prober = ray.remote(_RoundTrips).options(num_cpus=0).remote(engine.workers)
         try:
-            row = {"by value (engine loop)": ray.get(prober.plain.remote(warmup + steps, False))[warmup:],
-                   "ray.put broadcast": ray.get(prober.plain.remote(warmup + steps, True))[warmup:]}
+            row = {
+                "by value (engine loop)": ray.get(prober.plain.remote(warmup + steps, False))[warmup:],
+                "ray.put broadcast": ray.get(prober.plain.remote(warmup + steps, True))[warmup:],
+            }
             try:
                 times, idle_cpu = ray.get(prober.compiled.remote(warmup + steps, 2.0))
                 row["compiled graph"] = times[warmup:]
                 print(f"  tp={tp} compiled graph: the waiting driver burns {idle_cpu:.2f} CPU cores while idle")
                 results[(tp, "compiled idle cores")] = idle_cpu
-            except Exception as e:  # noqa: BLE001 - compiled graphs are experimental; report, don't fail
+            except Exception as e:
                 print(f"  tp={tp} compiled graph failed: {type(e).__name__}: {e}")
             for name, times in row.items():
                 times.sort()
@@ -113,4 +123,3 @@ def bench_ray_overhead(model: str | None = None, tp_sizes: tuple[int, ...] = (1,
     if tmp is not None:
         tmp.cleanup()
     return results
-

@@ -46,14 +46,25 @@ class Workload:
         return sum(n for _, n in self.requests)
 
 
-def make_workload(dataset: str, num_requests: int, vocab_size: int, *, input_len: int = 128, output_len: int = 128,
-                  min_len: int = 32, max_len: int = 256, request_rate: float = float("inf"), seed: int = 0) -> Workload:
+def make_workload(
+    dataset: str,
+    num_requests: int,
+    vocab_size: int,
+    *,
+    input_len: int = 128,
+    output_len: int = 128,
+    min_len: int = 32,
+    max_len: int = 256,
+    request_rate: float = float("inf"),
+    seed: int = 0,
+) -> Workload:
     """``random``: fixed input and output lengths, random token ids (vllm bench serve's random dataset with a
     range ratio of 0); ``uniform``: both lengths uniform in [min_len, max_len] (the throughput benchmark's)."""
     if dataset == "random":
         rng = random.Random(seed)
-        requests = [([rng.randrange(100, vocab_size) for _ in range(input_len)], output_len)
-                    for _ in range(num_requests)]
+        requests = [
+            ([rng.randrange(100, vocab_size) for _ in range(input_len)], output_len) for _ in range(num_requests)
+        ]
         shape = f"random {input_len} in / {output_len} out"
     elif dataset == "uniform":
         requests = throughput_workload(num_requests, min_len, max_len, vocab_size, seed)
@@ -61,8 +72,9 @@ def make_workload(dataset: str, num_requests: int, vocab_size: int, *, input_len
     else:
         raise ValueError(f"dataset={dataset!r}: expected 'random' or 'uniform'")
     rate = "all at once" if request_rate == float("inf") else f"Poisson {request_rate:g} req/s"
-    return Workload(requests, request_rate, f"{num_requests} requests, {shape} (seed {seed}, token-id prompts, "
-                                            f"ignore_eos), {rate}")
+    return Workload(
+        requests, request_rate, f"{num_requests} requests, {shape} (seed {seed}, token-id prompts, ignore_eos), {rate}"
+    )
 
 
 @dataclass(slots=True)
@@ -79,9 +91,17 @@ class StreamTimes:
 
 def completion_payload(model: str, prompt: list[int], max_tokens: int) -> dict:
     """The body `vllm bench serve` (openai-completions backend) sends, field for field."""
-    return {"model": model, "prompt": prompt, "temperature": 0.0, "repetition_penalty": 1.0,
-            "max_tokens": max_tokens, "logprobs": None, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    return {
+        "model": model,
+        "prompt": prompt,
+        "temperature": 0.0,
+        "repetition_penalty": 1.0,
+        "max_tokens": max_tokens,
+        "logprobs": None,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
 
 
 async def _stream_completion(session, url: str, payload: dict, headers: dict) -> StreamTimes:
@@ -101,28 +121,33 @@ async def _stream_completion(session, url: str, payload: dict, headers: dict) ->
                     t.output_tokens = chunk["usage"]["completion_tokens"]
                 if chunk.get("choices") and chunk["choices"][0]["text"]:
                     t.chunks.append(time.perf_counter())
-    except Exception as e:  # noqa: BLE001 - a failed request is counted and reported, not fatal
+    except Exception as e:
         t.error = f"{type(e).__name__}: {e}"
     t.end = time.perf_counter()
     return t
 
 
-async def _send_all(url: str, model: str, work: Workload, api_key: str | None,
-                    seed: int) -> tuple[list[StreamTimes], float]:
+async def _send_all(
+    url: str, model: str, work: Workload, api_key: str | None, seed: int
+) -> tuple[list[StreamTimes], float]:
     import aiohttp
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     rng = random.Random(seed)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
+    ) as session:
         warm = await _stream_completion(session, url, completion_payload(model, work.requests[0][0], 4), headers)
         if warm.error:
             raise RuntimeError(f"the warm-up request failed: {warm.error}")
         t0 = time.perf_counter()
         tasks = []
         for prompt, out_len in work.requests:
-            tasks.append(asyncio.create_task(_stream_completion(session, url, completion_payload(model, prompt, out_len),
-                                                                headers)))
+            tasks.append(
+                asyncio.create_task(
+                    _stream_completion(session, url, completion_payload(model, prompt, out_len), headers)
+                )
+            )
             if work.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(work.request_rate))
         results = await asyncio.gather(*tasks)
@@ -137,16 +162,18 @@ def _ms_stats(values: list[float]) -> dict:
 
 
 def served_model(url: str, api_key: str | None) -> str:
-    request = urllib.request.Request(f"{url}/v1/models",
-                                     headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    request = urllib.request.Request(
+        f"{url}/v1/models", headers={"Authorization": f"Bearer {api_key}"} if api_key else {}
+    )
     with urllib.request.urlopen(request, timeout=30) as r:
         return json.load(r)["data"][0]["id"]
 
 
 def engine_steps(url: str, api_key: str | None) -> float | None:
     """raylm's engine step counter from /metrics (None from a server without it, like vllm)."""
-    request = urllib.request.Request(f"{url}/metrics", headers={"Authorization": f"Bearer {api_key}"} if api_key
-                                     else {})
+    request = urllib.request.Request(
+        f"{url}/metrics", headers={"Authorization": f"Bearer {api_key}"} if api_key else {}
+    )
     with urllib.request.urlopen(request, timeout=30) as r:
         m = re.search(r"^raylm:engine_steps_total\{[^}]*\} (\S+)$", r.read().decode(), re.MULTILINE)
     return float(m.group(1)) if m else None
@@ -166,10 +193,14 @@ def run_workload(name: str, url: str, work: Workload, api_key: str | None = None
     output_tokens = sum(r.output_tokens for r in ok)
     chunks = sum(len(r.chunks) for r in ok)
     row = {
-        "name": name, "duration_s": seconds, "completed": len(ok), "num_requests": len(work.requests),
+        "name": name,
+        "duration_s": seconds,
+        "completed": len(ok),
+        "num_requests": len(work.requests),
         "output_throughput": output_tokens / seconds,
         "total_throughput": (sum(len(p) for p, _ in done) + output_tokens) / seconds,
-        "chunks_per_s": chunks / seconds, "tokens_per_chunk": output_tokens / max(chunks, 1),
+        "chunks_per_s": chunks / seconds,
+        "tokens_per_chunk": output_tokens / max(chunks, 1),
         "steps_per_s": (steps1 - steps0) / seconds if steps0 is not None and steps1 is not None else None,
         "ttft": _ms_stats([r.chunks[0] - r.sent for r in ok]),
         "tpot": _ms_stats([(r.end - r.chunks[0]) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
@@ -182,18 +213,25 @@ def run_workload(name: str, url: str, work: Workload, api_key: str | None = None
 
 def print_row(row: dict) -> None:
     steps = f", {row['steps_per_s']:.1f} engine steps/s" if row["steps_per_s"] is not None else ""
-    print(f"  {row['name']}: {row['completed']}/{row['num_requests']} ok in {row['duration_s']:.1f} s, "
-          f"{row['output_throughput']:.1f} output tok/s, {row['total_throughput']:.1f} total tok/s, "
-          f"{row['chunks_per_s']:.0f} SSE chunks/s ({row['tokens_per_chunk']:.2f} tokens per chunk){steps}")
+    print(
+        f"  {row['name']}: {row['completed']}/{row['num_requests']} ok in {row['duration_s']:.1f} s, "
+        f"{row['output_throughput']:.1f} output tok/s, {row['total_throughput']:.1f} total tok/s, "
+        f"{row['chunks_per_s']:.0f} SSE chunks/s ({row['tokens_per_chunk']:.2f} tokens per chunk){steps}"
+    )
     for key in ("ttft", "tpot", "itl", "e2el"):
         s = row[key]
         print(f"    {key.upper():5s} ms   mean {s['mean']:9.1f}   median {s['median']:9.1f}   p99 {s['p99']:9.1f}")
 
 
 def _ratios(ours: dict, theirs: dict) -> None:
-    print(f"  raylm / {theirs['name']}: output tok/s {ours['output_throughput'] / theirs['output_throughput']:.2f}x, "
-          + ", ".join(f"{k.upper()} {stat} {ours[k][stat] / theirs[k][stat]:.2f}x"
-                      for k in ("ttft", "tpot") for stat in ("mean", "median", "p99")))
+    print(
+        f"  raylm / {theirs['name']}: output tok/s {ours['output_throughput'] / theirs['output_throughput']:.2f}x, "
+        + ", ".join(
+            f"{k.upper()} {stat} {ours[k][stat] / theirs[k][stat]:.2f}x"
+            for k in ("ttft", "tpot")
+            for stat in ("mean", "median", "p99")
+        )
+    )
 
 
 def offline_reference(model: str | None, work: Workload) -> tuple[dict, float]:
@@ -215,22 +253,33 @@ def offline_reference(model: str | None, work: Workload) -> tuple[dict, float]:
     finally:
         llm.shutdown()
         import ray
+
         ray.shutdown()
-    row = {"name": "raylm offline (Ray engine)", "output_throughput": work.output_tokens / seconds,
-           "duration_s": seconds}
+    row = {
+        "name": "raylm offline (Ray engine)",
+        "output_throughput": work.output_tokens / seconds,
+        "duration_s": seconds,
+    }
     print(f"  {row['name']}: {seconds:.1f} s, {row['output_throughput']:.1f} output tok/s")
     one_step = sorted(lat)[len(lat) // 2]
     print(f"  offline, one {len(prompt)}-token prefill plus one decode step: {one_step * 1e3:.1f} ms (median of 5)")
     return row, one_step
 
 
-def bench_serve(url: str | None = None, model: str | None = None, work_args: dict | None = None,
-                compare: list[str] = (), api_key: str | None = None, seed: int = 0,
-                num_threads: int | None = None) -> dict:
+def bench_serve(
+    url: str | None = None,
+    model: str | None = None,
+    work_args: dict | None = None,
+    compare: list[str] = (),
+    api_key: str | None = None,
+    seed: int = 0,
+    num_threads: int | None = None,
+) -> dict:
     """Against ``url``, or (with ``compare``) against servers it starts: raylm, then each peer."""
     model_path = model
     if model_path is None:
         from workers.default_model import default_model_path
+
         model_path = default_model_path()
     vocab_size = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
     work = make_workload(vocab_size=vocab_size, seed=seed, **(work_args or {}))
@@ -251,26 +300,43 @@ def bench_serve(url: str | None = None, model: str | None = None, work_args: dic
         _ratios(rows["raylm"], rows["vllm"])
     if "offline" in compare:
         rows["offline"], rows["one_step_s"] = offline_reference(model, work)
-        print(f"  raylm serve / offline, output tok/s: "
-              f"{rows['raylm']['output_throughput'] / rows['offline']['output_throughput']:.2f}x; "
-              f"TTFT median / one prefill + decode step: "
-              f"{rows['raylm']['ttft']['median'] / 1e3 / rows['one_step_s']:.2f}x")
+        print(
+            f"  raylm serve / offline, output tok/s: "
+            f"{rows['raylm']['output_throughput'] / rows['offline']['output_throughput']:.2f}x; "
+            f"TTFT median / one prefill + decode step: "
+            f"{rows['raylm']['ttft']['median'] / 1e3 / rows['one_step_s']:.2f}x"
+        )
     return rows
 
 
-def bench_serve_ceiling(model: str | None = None, concurrency: tuple[int, ...] = (64, 256, 1024),
-                        output_len: int = 256, input_len: int = 32, seed: int = 0) -> dict:
+def bench_serve_ceiling(
+    model: str | None = None,
+    concurrency: tuple[int, ...] = (64, 256, 1024),
+    output_len: int = 256,
+    input_len: int = 32,
+    seed: int = 0,
+) -> dict:
     """One `raylm serve --no-work-model` replica; each level sends that many streams at once."""
     model_path = model
     if model_path is None:
         from workers.default_model import default_model_path
+
         model_path = default_model_path()
     vocab_size = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
-    print(f"raylm bench serve --no-work-model: one replica whose ranks do no tensor work; {input_len}-token prompts, "
-          f"{output_len} output tokens per stream, all streams at once")
+    print(
+        f"raylm bench serve --no-work-model: one replica whose ranks do no tensor work; {input_len}-token prompts, "
+        f"{output_len} output tokens per stream, all streams at once"
+    )
     rows = {}
-    args = ["--no-work-model", "--kv-cache-bytes", str(NO_WORK_KV_BYTES), "--max-num-seqs", str(max(concurrency)),
-            "--max-num-batched-tokens", str(max(2048, max(concurrency) * input_len))]
+    args = [
+        "--no-work-model",
+        "--kv-cache-bytes",
+        str(NO_WORK_KV_BYTES),
+        "--max-num-seqs",
+        str(max(concurrency)),
+        "--max-num-batched-tokens",
+        str(max(2048, max(concurrency) * input_len)),
+    ]
     with raylm_server(free_port(), [*(["--model", model] if model else []), *args]) as server:
         for c in concurrency:
             work = make_workload("random", c, vocab_size, input_len=input_len, output_len=output_len, seed=seed)

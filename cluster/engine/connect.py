@@ -48,5 +48,6 @@ def check_head_answers(address: str, timeout_s: float) -> None:
                 raise RuntimeError(
                     f"no Ray head answers at {address} within placement_timeout_s={timeout_s:g} ({e}): check the "
                     f"address (`ray start --head` prints it; the port is 6379 unless --port says otherwise) and "
-                    f"that this machine reaches that host and port") from None
+                    f"that this machine reaches that host and port"
+                ) from None
             time.sleep(0.5)

@@ -23,8 +23,10 @@ class InProcessEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         if config.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size}: the in-process engine "
-                             f"runs one rank; use the Ray engine for tensor parallelism")
+            raise ValueError(
+                f"tensor_parallel_size={config.tensor_parallel_size}: the in-process engine "
+                f"runs one rank; use the Ray engine for tensor parallelism"
+            )
         self.config = config
         self.model_path = config.resolved_model()
         self.spec = read_model_spec(self.model_path)
@@ -34,20 +36,35 @@ class InProcessEngine:
         self.worker.load_model()
         num_blocks = self.worker.determine_num_blocks()
         if num_blocks < 2:
-            raise ValueError(f"the KV cache holds {num_blocks} blocks of {self.worker.block_bytes()} bytes; "
-                             f"raise kv_cache_bytes (now {config.kv_cache_bytes}) or gpu_memory_utilization")
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {self.worker.block_bytes()} bytes; "
+                f"raise kv_cache_bytes (now {config.kv_cache_bytes}) or gpu_memory_utilization"
+            )
         num_host_blocks = self.worker.determine_num_host_blocks()
         self.worker.init_cache(num_blocks, num_host_blocks)
         self.num_blocks = num_blocks
-        self.scheduler = Scheduler(config.scheduler_config(num_blocks, self.max_model_len, num_host_blocks,
-                                                           self.worker.swap_cost_per_block()),
-                                   eos_token_id=self.spec.eos_token_id)
+        self.scheduler = Scheduler(
+            config.scheduler_config(num_blocks, self.max_model_len, num_host_blocks, self.worker.swap_cost_per_block()),
+            eos_token_id=self.spec.eos_token_id,
+        )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None) -> list[RequestOutput]:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
         params = check_request(prompt_token_ids, params, self.spec, self.max_model_len)
-        return self.scheduler.add_request(request_id, prompt_token_ids, params, priority=priority,
-                                          arrival_time=time.monotonic(), cache_salt=cache_salt)
+        return self.scheduler.add_request(
+            request_id,
+            prompt_token_ids,
+            params,
+            priority=priority,
+            arrival_time=time.monotonic(),
+            cache_salt=cache_salt,
+        )
 
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()

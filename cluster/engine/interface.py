@@ -23,8 +23,14 @@ class Engine(Protocol):
     num_blocks: int
     device: str
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None) -> list[RequestOutput]: ...
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]: ...
 
     def step(self) -> list[RequestOutput]: ...
 
@@ -41,6 +47,8 @@ def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
     if config.max_model_len is None:
         return min(spec.max_position_embeddings, 8192)
     if config.max_model_len > spec.max_position_embeddings:
-        raise ValueError(f"max_model_len={config.max_model_len} is over the model's "
-                         f"max_position_embeddings={spec.max_position_embeddings}")
+        raise ValueError(
+            f"max_model_len={config.max_model_len} is over the model's "
+            f"max_position_embeddings={spec.max_position_embeddings}"
+        )
     return config.max_model_len

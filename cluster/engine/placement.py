@@ -34,14 +34,18 @@ def placement_error(bundles: list[dict[str, float]], strategy: str, timeout_s: f
     have, free = ray.cluster_resources(), ray.available_resources()
     nodes = sum(1 for n in ray.nodes() if n["Alive"])
     missing = {k: v - have.get(k, 0) for k, v in need.items() if v > have.get(k, 0)}
-    msg = (f"cannot place the engine within placement_timeout_s={timeout_s:g}: its {len(bundles)} bundles "
-           f"{bundles} ({strategy}) need {_show(need, need)} in all; the cluster has {_show(have, need)} "
-           f"({_show(free, need)} free) on {nodes} node(s)")
+    msg = (
+        f"cannot place the engine within placement_timeout_s={timeout_s:g}: its {len(bundles)} bundles "
+        f"{bundles} ({strategy}) need {_show(need, need)} in all; the cluster has {_show(have, need)} "
+        f"({_show(free, need)} free) on {nodes} node(s)"
+    )
     if missing:
         return msg + f"; missing: {_show(missing, missing)}"
     if strategy == "STRICT_SPREAD" and nodes < len(bundles):
-        return msg + (f"; STRICT_SPREAD puts each bundle (the scheduler and every rank) on its own node: "
-                      f"it needs {len(bundles)} nodes")
+        return msg + (
+            f"; STRICT_SPREAD puts each bundle (the scheduler and every rank) on its own node: "
+            f"it needs {len(bundles)} nodes"
+        )
     return msg + "; the resources exist but not free, or not on one node as the strategy requires"
 
 

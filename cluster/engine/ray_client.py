@@ -52,18 +52,28 @@ class RayEngine:
     running, so step() knows without a round trip whether there is anything to wait for.
     """
 
-    def __init__(self, config: EngineConfig, address: str | None = None, *,
-                 placement_group: PlacementGroup | None = None, first_bundle: int = 0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        address: str | None = None,
+        *,
+        placement_group: PlacementGroup | None = None,
+        first_bundle: int = 0,
+    ) -> None:
         self.config = config
         tp = config.tensor_parallel_size
         self.model_path = config.resolved_model()
         self.spec = read_model_spec(self.model_path, tp)
         self.max_model_len = resolve_max_model_len(config, self.spec)
         connect(address, SCHEDULER_CPUS + tp * (config.num_threads or 1), config.placement_timeout_s)
-        self.device = (bundle_device(placement_group, first_bundle + 1)
-                       if placement_group is not None and config.device == "auto" else resolve_device(config.device))
-        pg = placement_group or place(engine_bundles(config, self.device == "cuda"), config.placement_strategy,
-                                      config.placement_timeout_s)
+        self.device = (
+            bundle_device(placement_group, first_bundle + 1)
+            if placement_group is not None and config.device == "auto"
+            else resolve_device(config.device)
+        )
+        pg = placement_group or place(
+            engine_bundles(config, self.device == "cuda"), config.placement_strategy, config.placement_timeout_s
+        )
         self.placement_group = pg
         owned: list = []
         self._finalizer = weakref.finalize(self, _release, None if placement_group else pg, owned)
@@ -79,11 +89,16 @@ class RayEngine:
             owned.append(self.actor)
             self.streams = DeltaStreams(self.actor, f"async-{os.getpid()}-{id(self)}")
             self.num_blocks, num_host_blocks, self.rank_nodes = init_workers(
-                self.workers, config.num_threads, self.device, config.placement_timeout_s)
+                self.workers, config.num_threads, self.device, config.placement_timeout_s
+            )
             swap_cost = ray.get(self.workers[0].call.remote("swap_cost_per_block"))
-            ray.get(self.actor.start.remote(config.scheduler_config(self.num_blocks, self.max_model_len,
-                                                                    num_host_blocks, swap_cost),
-                                            config.step_timeout_s, config.async_scheduling))
+            ray.get(
+                self.actor.start.remote(
+                    config.scheduler_config(self.num_blocks, self.max_model_len, num_host_blocks, swap_cost),
+                    config.step_timeout_s,
+                    config.async_scheduling,
+                )
+            )
         except BaseException:
             self.shutdown()
             raise
@@ -94,11 +109,18 @@ class RayEngine:
 
     # ---- synchronous interface (interface.Engine) ------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, cache_salt: str | None = None) -> list[RequestOutput]:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
         params = check_request(prompt_token_ids, params, self.spec, self.max_model_len)
-        finals = ray.get(self.actor.add_request.remote(request_id, list(prompt_token_ids), params, priority,
-                                                       "sync", cache_salt))
+        finals = ray.get(
+            self.actor.add_request.remote(request_id, list(prompt_token_ids), params, priority, "sync", cache_salt)
+        )
         if len(finals) < params.n:
             self._unfinished[request_id] = params.n - len(finals)
         return finals
@@ -127,8 +149,14 @@ class RayEngine:
 
     # ---- the Serve app's: async streams, health, routing ------------------------------------
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """The request's deltas as they come; leaving the loop early (or being cancelled) aborts it. The request
         is checked here, before the stream exists: a RequestError is raised by this call."""
         params = check_request(prompt_token_ids, params, self.spec, self.max_model_len)

@@ -14,8 +14,9 @@ from workers.structured_output import compile_grammar
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def check_request(prompt_token_ids: list[int], params: SamplingParams, spec: ModelSpec,
-                  max_model_len: int) -> SamplingParams:
+def check_request(
+    prompt_token_ids: list[int], params: SamplingParams, spec: ModelSpec, max_model_len: int
+) -> SamplingParams:
     """The params the engine runs (stop_token_ids with the model's extra EOS ids), or RequestError. What
     SamplingParams checks alone it checked when it was built; here is what needs the model."""
     if not isinstance(params, SamplingParams):
@@ -36,9 +37,12 @@ def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: in
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
             raise RequestError(f"prompt[{i}]", t, f"token id outside the vocabulary [0, {vocab_size})")
     if len(prompt_token_ids) >= max_model_len:
-        raise RequestError("prompt", len(prompt_token_ids), f"max_model_len={max_model_len} leaves no room",
-                           f"prompt has {len(prompt_token_ids)} tokens, but max_model_len={max_model_len} leaves "
-                           f"no room to generate")
+        raise RequestError(
+            "prompt",
+            len(prompt_token_ids),
+            f"max_model_len={max_model_len} leaves no room",
+            f"prompt has {len(prompt_token_ids)} tokens, but max_model_len={max_model_len} leaves no room to generate",
+        )
 
 
 def check_constraint(c: StructuredOutputsParams) -> None:

@@ -34,8 +34,9 @@ class NodeInfo:
 def _node_info(_actor: WorkerActor) -> NodeInfo:
     """Runs inside a rank's actor (through ``__ray_call__``)."""
     ip = ray.util.get_node_ip_address()
-    return NodeInfo(ray.get_runtime_context().get_node_id(), ip, len(os.sched_getaffinity(0)), free_port(),
-                    interface_of(ip))
+    return NodeInfo(
+        ray.get_runtime_context().get_node_id(), ip, len(os.sched_getaffinity(0)), free_port(), interface_of(ip)
+    )
 
 
 def _socket_ifname(_actor: WorkerActor, var: str, default: str | None) -> str | None:
@@ -53,18 +54,24 @@ def _init_device(actor: WorkerActor, num_threads: int) -> str:
     return actor.worker.init_device()
 
 
-def start_workers(config: EngineConfig, model_path: str, max_model_len: int, pg: PlacementGroup,
-                  first_bundle: int, device: str) -> list:
+def start_workers(
+    config: EngineConfig, model_path: str, max_model_len: int, pg: PlacementGroup, first_bundle: int, device: str
+) -> list:
     """Rank r goes to bundle ``first_bundle + 1 + r`` (``first_bundle`` is the scheduler's)."""
     wcfg = dataclasses.replace(config.worker_config(model_path, max_model_len), device=device)
-    return [RayWorker.options(
-        num_cpus=config.num_threads or 1, num_gpus=1 if device == "cuda" else 0,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + 1 + r),
-    ).remote(wcfg, r) for r in range(config.tensor_parallel_size)]
+    return [
+        RayWorker.options(
+            num_cpus=config.num_threads or 1,
+            num_gpus=1 if device == "cuda" else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + 1 + r),
+        ).remote(wcfg, r)
+        for r in range(config.tensor_parallel_size)
+    ]
 
 
-def init_workers(workers: list, num_threads: int | None, device: str,
-                 timeout_s: float) -> tuple[int, int, list[NodeInfo]]:
+def init_workers(
+    workers: list, num_threads: int | None, device: str, timeout_s: float
+) -> tuple[int, int, list[NodeInfo]]:
     """Device, process group, model shard and KV cache on every rank; returns the blocks each rank holds (device,
     host tier) and where each rank runs. The ranks must form their process group within ``timeout_s``."""
     infos: list[NodeInfo] = ray.get([w.__ray_call__.remote(_node_info) for w in workers])
@@ -78,8 +85,10 @@ def init_workers(workers: list, num_threads: int | None, device: str,
     num_blocks = min(ray.get([w.call.remote("determine_num_blocks") for w in workers]))
     if num_blocks < 2:
         block_bytes = ray.get(workers[0].call.remote("block_bytes"))
-        raise ValueError(f"the KV cache holds {num_blocks} blocks of {block_bytes} bytes; raise kv_cache_bytes "
-                         f"or gpu_memory_utilization")
+        raise ValueError(
+            f"the KV cache holds {num_blocks} blocks of {block_bytes} bytes; raise kv_cache_bytes "
+            f"or gpu_memory_utilization"
+        )
     num_host_blocks = min(ray.get([w.call.remote("determine_num_host_blocks") for w in workers]))
     ray.get([w.call.remote("init_cache", num_blocks, num_host_blocks) for w in workers])
     return num_blocks, num_host_blocks, infos
@@ -93,21 +102,32 @@ def form_process_group(workers: list, infos: list[NodeInfo], backend: str, timeo
     # interface the other nodes cannot reach. So unless told otherwise, gloo listens on the interface holding
     # the node's Ray IP. NCCL picks its interfaces by its own rules, unless NCCL_SOCKET_IFNAME says.
     var = SOCKET_IFNAME[backend]
-    ifnames = ray.get([w.__ray_call__.remote(_socket_ifname, var, i.ifname if backend == "gloo" else None)
-                       for w, i in zip(workers, infos)])
+    ifnames = ray.get(
+        [
+            w.__ray_call__.remote(_socket_ifname, var, i.ifname if backend == "gloo" else None)
+            for w, i in zip(workers, infos)
+        ]
+    )
     master = infos[0]
-    refs = [w.call.remote("init_distributed", rank, len(workers), master.ip, master.free_port, backend)
-            for rank, w in enumerate(workers)]
+    refs = [
+        w.call.remote("init_distributed", rank, len(workers), master.ip, master.free_port, backend)
+        for rank, w in enumerate(workers)
+    ]
     try:
         ray.get(refs, timeout=timeout_s)
     except (ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError) as e:
-        why = (f"not within placement_timeout_s={timeout_s:g}" if isinstance(e, ray.exceptions.GetTimeoutError)
-               else str(e.cause).strip().splitlines()[-1][-300:])
-        ranks = "; ".join(f"rank {r} on node {i.ip}, {var}={n or 'unset'}"
-                          for r, (i, n) in enumerate(zip(infos, ifnames)))
+        why = (
+            f"not within placement_timeout_s={timeout_s:g}"
+            if isinstance(e, ray.exceptions.GetTimeoutError)
+            else str(e.cause).strip().splitlines()[-1][-300:]
+        )
+        ranks = "; ".join(
+            f"rank {r} on node {i.ip}, {var}={n or 'unset'}" for r, (i, n) in enumerate(zip(infos, ifnames))
+        )
         raise RuntimeError(
             f"the {len(workers)} ranks did not form their {backend} process group at tcp://{master.ip}:"
             f"{master.free_port} ({ranks}): {why}. Each rank listens on the interface {var} names, so every node "
             f"must reach the others there. Set {var} to the interface that holds each node's Ray IP, in the "
             f"environment `ray start` runs in (docs/multinode.md), and let that traffic through the nodes' "
-            f"firewalls") from None
+            f"firewalls"
+        ) from None

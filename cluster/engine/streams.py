@@ -27,9 +27,18 @@ def merge_deltas(deltas: list[RequestOutput]) -> list[RequestOutput]:
 def _fold(group: list[RequestOutput]) -> RequestOutput:
     last = group[-1]
     logprobs = [lp for d in group for lp in d.new_logprobs or []] if any(d.new_logprobs for d in group) else None
-    return RequestOutput(last.request_id, last.index, [t for d in group for t in d.new_token_ids], last.finished,
-                         last.finish_reason, logprobs, last.num_prompt_tokens, last.num_cached_tokens, last.error,
-                         last.queued_s)
+    return RequestOutput(
+        last.request_id,
+        last.index,
+        [t for d in group for t in d.new_token_ids],
+        last.finished,
+        last.finish_reason,
+        logprobs,
+        last.num_prompt_tokens,
+        last.num_cached_tokens,
+        last.error,
+        last.queued_s,
+    )
 
 
 class DeltaStreams:
@@ -49,8 +58,14 @@ class DeltaStreams:
         self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self.pump: asyncio.Task | None = None
 
-    async def stream(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-                     cache_salt: str | None) -> AsyncIterator[RequestOutput]:
+    async def stream(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        cache_salt: str | None,
+    ) -> AsyncIterator[RequestOutput]:
         """The request's deltas as they come (``params`` checked); leaving early or being cancelled aborts it."""
         if request_id in self.queues:  # checked here: its queue would take the running caller's deltas
             raise RequestError("request_id", request_id, "a request with this id is still running")
@@ -59,8 +74,9 @@ class DeltaStreams:
         remaining = params.n
         try:
             self._ensure_pump()
-            finals = await self.actor.add_request.remote(request_id, list(prompt_token_ids), params, priority,
-                                                        self.channel, cache_salt)
+            finals = await self.actor.add_request.remote(
+                request_id, list(prompt_token_ids), params, priority, self.channel, cache_salt
+            )
             for out in finals:
                 remaining -= 1
                 yield out

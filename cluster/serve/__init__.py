@@ -14,8 +14,7 @@ signals and HAProxy's lifetime; ``drain.py`` a stopping replica's drain.
 import importlib
 
 # Resolved on first use: importing a module of this package (ingress.py above all) must not import ray.serve.
-__all__ = ["APP_NAME", "AppArgs", "build_app", "deployment_options", "serve_until_interrupted", "start",
-           "wait_healthy"]
+__all__ = ["APP_NAME", "AppArgs", "build_app", "deployment_options", "serve_until_interrupted", "start", "wait_healthy"]
 
 
 def __getattr__(name: str):

@@ -34,16 +34,26 @@ class Admission:
         """Refuse every request from now on with ``error``; the ones held run on."""
         self.closed = error
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+    def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """The engine's stream, or a 429 raised before any stream exists (not an async generator on purpose:
         the refusal must come from the call, not from the first delta)."""
         if self.closed is not None:
             raise self.closed
         if self.held >= self.capacity:
             self.on_reject()
-            raise APIError(429, f"this replica holds {self.held} requests, its limit (max_num_seqs running plus "
-                                f"max_queue_len waiting): retry later", code="queue_full")
+            raise APIError(
+                429,
+                f"this replica holds {self.held} requests, its limit (max_num_seqs running plus "
+                f"max_queue_len waiting): retry later",
+                code="queue_full",
+            )
         stream = self.engine.generate(request_id, prompt_token_ids, params, priority, cache_salt)  # checks it
         self.held += 1
         return self._held(stream)

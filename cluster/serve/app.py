@@ -42,13 +42,22 @@ def build_app(args: dict[str, Any] | AppArgs) -> serve.Application:
     return server
 
 
-def start(args: AppArgs, *, address: str | None = None, host: str = "127.0.0.1", port: int = 8000,
-          grpc_port: int = 9000, timeout_s: float = 900.0) -> str:
+def start(
+    args: AppArgs,
+    *,
+    address: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    grpc_port: int = 9000,
+    timeout_s: float = 900.0,
+) -> str:
     """Start or join Ray, deploy the app with Serve's HTTP and gRPC proxies, and return the URL once /health answers."""
     start_ray(args, address, host, port, grpc_port)
     check_serve_ports(host, port, grpc_port, joined=not starts_local_ray(address))
-    serve.start(http_options={"host": host, "port": port},
-                grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]})
+    serve.start(
+        http_options={"host": host, "port": port},
+        grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
+    )
     serve.run(build_app(args), name=APP_NAME, route_prefix="/")
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     wait_healthy(url, timeout_s)
@@ -83,13 +92,19 @@ def check_serve_ports(host: str, port: int, grpc_port: int, *, joined: bool) -> 
     grpc = ray.get(client._controller.get_grpc_config.remote())
     if (http.host, http.port, grpc.port) == (host, port, grpc_port):
         return
-    asked, running = (f"--host {h} --port {p} --grpc-port {g}" for h, p, g in
-                      ((host, port, grpc_port), (http.host, http.port, grpc.port)))
+    asked, running = (
+        f"--host {h} --port {p} --grpc-port {g}"
+        for h, p, g in ((host, port, grpc_port), (http.host, http.port, grpc.port))
+    )
     if joined:
-        raise ValueError(f"{asked}: the cluster's Serve already listens at {running}, and Serve keeps the ports "
-                         f"it started with: pass those, or stop its Serve first (`serve shutdown`)")
-    raise ValueError(f"{asked}: Serve, started earlier in this process, already listens at {running}, and Serve "
-                     f"keeps the ports it started with: ask for those, or stop it first (serve.shutdown())")
+        raise ValueError(
+            f"{asked}: the cluster's Serve already listens at {running}, and Serve keeps the ports "
+            f"it started with: pass those, or stop its Serve first (`serve shutdown`)"
+        )
+    raise ValueError(
+        f"{asked}: Serve, started earlier in this process, already listens at {running}, and Serve "
+        f"keeps the ports it started with: ask for those, or stop it first (serve.shutdown())"
+    )
 
 
 def check_ports_free(host: str, ports: dict[str, int]) -> None:
@@ -104,8 +119,14 @@ def check_ports_free(host: str, ports: dict[str, int]) -> None:
             try:
                 s.bind(address)
             except OSError as e:
-                hint = (" (another server holds it, or an HAProxy that `ray stop --force` left behind); stop it "
-                        f"or pass another {flag}") if e.errno == errno.EADDRINUSE else ""
+                hint = (
+                    (
+                        " (another server holds it, or an HAProxy that `ray stop --force` left behind); stop it "
+                        f"or pass another {flag}"
+                    )
+                    if e.errno == errno.EADDRINUSE
+                    else ""
+                )
                 raise ValueError(f"{flag} {port}: cannot listen on {host}:{port}: {e.strerror}{hint}") from None
 
 
@@ -138,13 +159,19 @@ def serve_until_interrupted(args: AppArgs, *, address: str | None, host: str, po
         deployed = True
         url = start(args, address=address, host=host, port=port, grpc_port=grpc_port)
         serving = True
-        print(f"raylm: serving {args.model_name} at {url}/v1 (OpenAI API) and gRPC on port {grpc_port}; "
-              f"Ctrl-C or SIGTERM stops", flush=True)
+        print(
+            f"raylm: serving {args.model_name} at {url}/v1 (OpenAI API) and gRPC on port {grpc_port}; "
+            f"Ctrl-C or SIGTERM stops",
+            flush=True,
+        )
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
-        what = (f"requests in flight get up to drain_timeout_s={args.drain_timeout_s:g} s" if serving else
-                "it was still starting")
+        what = (
+            f"requests in flight get up to drain_timeout_s={args.drain_timeout_s:g} s"
+            if serving
+            else "it was still starting"
+        )
         print(f"raylm: {signals.name()}: stopping; {what} (a second Ctrl-C or SIGTERM stops at once)", flush=True)
         _stop(address, deployed, own_ray, signals)
         print("raylm: stopped", flush=True)
@@ -153,8 +180,7 @@ def serve_until_interrupted(args: AppArgs, *, address: str | None, host: str, po
         raise
 
 
-def _start_ray(args: AppArgs, address: str | None, host: str, port: int, grpc_port: int,
-               signals: StopSignals) -> None:
+def _start_ray(args: AppArgs, address: str | None, host: str, port: int, grpc_port: int, signals: StopSignals) -> None:
     """start_ray, a stop signal during it included, with our signal handlers in place again after."""
     try:
         start_ray(args, address, host, port, grpc_port)

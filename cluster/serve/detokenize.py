@@ -48,17 +48,19 @@ class IncrementalDetokenizer:
         if len(text) <= len(prefix) or text.endswith(REPLACEMENT_CHAR):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return text[len(prefix):]
+        return text[len(prefix) :]
 
     def flush(self) -> str:
         """The text still held back at the end (an incomplete character stays U+FFFD)."""
         prefix, text = self._window()
         self.prefix_offset = self.read_offset = len(self.ids)
-        return text[len(prefix):]
+        return text[len(prefix) :]
 
     def _window(self) -> tuple[str, str]:
         decode, skip = self.decode, self.skip_special_tokens
-        return decode(self.ids[self.prefix_offset:self.read_offset], skip), decode(self.ids[self.prefix_offset:], skip)
+        return decode(self.ids[self.prefix_offset : self.read_offset], skip), decode(
+            self.ids[self.prefix_offset :], skip
+        )
 
 
 class StopStringMatcher:
@@ -91,11 +93,12 @@ class StopStringMatcher:
         if hits:
             self.stopped, self.held = True, ""
             start, minus_len = min(hits)  # the earliest, and the longest of those starting there
-            return text[:start - minus_len if self.include_stop else start]
-        keep = max((k for s in self.stops for k in range(1, min(len(s), len(text) + 1))
-                    if text.endswith(s[:k])), default=0)
-        self.held = text[len(text) - keep:]
-        return text[:len(text) - keep]
+            return text[: start - minus_len if self.include_stop else start]
+        keep = max(
+            (k for s in self.stops for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])), default=0
+        )
+        self.held = text[len(text) - keep :]
+        return text[: len(text) - keep]
 
     def flush(self) -> str:
         """At the end of the stream what was held cannot become a stop string any more."""
@@ -112,8 +115,14 @@ class TextStream:
 
     __slots__ = ("detokenizer", "matcher")
 
-    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], stops: Sequence[str],
-                 skip_special_tokens: bool = True, include_stop: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: Sequence[int],
+        stops: Sequence[str],
+        skip_special_tokens: bool = True,
+        include_stop: bool = False,
+    ) -> None:
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self.matcher = StopStringMatcher(stops, include_stop)
 

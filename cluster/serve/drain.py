@@ -46,8 +46,9 @@ class Drain:
     never serves again.
     """
 
-    def __init__(self, admission: Admission, timeout_s: float,
-                 is_stopping: Callable[[], bool] = serve_is_stopping) -> None:
+    def __init__(
+        self, admission: Admission, timeout_s: float, is_stopping: Callable[[], bool] = serve_is_stopping
+    ) -> None:
         self.admission = admission
         self.timeout_s = timeout_s
         self.is_stopping = is_stopping
@@ -61,14 +62,26 @@ class Drain:
     async def run(self) -> int:
         """Drain now; returns how many requests the deadline ended."""
         held = self.admission.held
-        self.admission.close(APIError(503, "this replica is shutting down and takes no new requests: retry "
-                                           "(another replica serves it)", code=CODE))
+        self.admission.close(
+            APIError(
+                503,
+                "this replica is shutting down and takes no new requests: retry (another replica serves it)",
+                code=CODE,
+            )
+        )
         logger.info("raylm: draining %d requests, for up to drain_timeout_s=%g s", held, self.timeout_s)
         deadline = time.monotonic() + self.timeout_s
         while self.admission.held and time.monotonic() < deadline:
             await asyncio.sleep(POLL_S)
-        ended = self.admission.engine.end_callers(EngineStopping(
-            f"this replica is shutting down and the request did not finish within its drain_timeout_s="
-            f"{self.timeout_s:g} s; it was aborted: retry")) if self.admission.held else 0
+        ended = (
+            self.admission.engine.end_callers(
+                EngineStopping(
+                    f"this replica is shutting down and the request did not finish within its drain_timeout_s="
+                    f"{self.timeout_s:g} s; it was aborted: retry"
+                )
+            )
+            if self.admission.held
+            else 0
+        )
         logger.info("raylm: drained; %d requests ended at the deadline", ended)
         return ended

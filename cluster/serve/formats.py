@@ -10,12 +10,25 @@ from typing import Any
 from pydantic import BaseModel
 
 from cluster.serve.generation import Generation, Piece
-from cluster.serve.tools import ToolCalling, ToolCallStream
 from cluster.serve.protocol import (
-    AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionResponse, ChatLogprobs,
-    ChatStreamChoice, CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse, Delta,
-    PromptLogprob, TokenLogprob, TopLogprob, Usage, now,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionResponse,
+    Delta,
+    PromptLogprob,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    now,
 )
+from cluster.serve.tools import ToolCalling, ToolCallStream
 from scheduler import SampledLogprobs
 
 
@@ -64,16 +77,27 @@ class CompletionFormat:
         self.offsets[p.index] = self._add(out, offset, offset + len(p.text), p.token_ids, p.logprobs)
         return out
 
-    def _add(self, out: CompletionLogprobs, offset: int, end: int, token_ids: list[int],
-             logprobs: list[SampledLogprobs | None]) -> int:
+    def _add(
+        self,
+        out: CompletionLogprobs,
+        offset: int,
+        end: int,
+        token_ids: list[int],
+        logprobs: list[SampledLogprobs | None],
+    ) -> int:
         for token_id, lp in zip(token_ids, logprobs):
             token = _token_str(self.tokenizer, token_id)
             out.tokens.append(token)
             out.token_logprobs.append(None if lp is None else lp.logprob)
             out.text_offset.append(offset)
-            out.top_logprobs.append(None if lp is None else {
-                _token_str(self.tokenizer, t): v
-                for t, v in zip(lp.top_token_ids[:self.num_logprobs], lp.top_logprobs[:self.num_logprobs])})
+            out.top_logprobs.append(
+                None
+                if lp is None
+                else {
+                    _token_str(self.tokenizer, t): v
+                    for t, v in zip(lp.top_token_ids[: self.num_logprobs], lp.top_logprobs[: self.num_logprobs])
+                }
+            )
             offset = min(offset + len(token), end)
         return end
 
@@ -83,31 +107,55 @@ class CompletionFormat:
             return None
         out: list[dict[int, PromptLogprob] | None] = [None]
         for token_id, lp in zip(self.prompt_token_ids[1:], entries):
-            d = {token_id: PromptLogprob(logprob=lp.logprob, rank=lp.rank,
-                                         decoded_token=_token_str(self.tokenizer, token_id))}
-            top = zip(lp.top_token_ids[:self.num_prompt_logprobs], lp.top_logprobs[:self.num_prompt_logprobs])
+            d = {
+                token_id: PromptLogprob(
+                    logprob=lp.logprob, rank=lp.rank, decoded_token=_token_str(self.tokenizer, token_id)
+                )
+            }
+            top = zip(lp.top_token_ids[: self.num_prompt_logprobs], lp.top_logprobs[: self.num_prompt_logprobs])
             for rank, (t, v) in enumerate(top, 1):
                 d.setdefault(t, PromptLogprob(logprob=v, rank=rank, decoded_token=_token_str(self.tokenizer, t)))
             out.append(d)
         return out
 
     def chunk(self, pieces: list[Piece], usage: bool) -> list[BaseModel]:
-        choices = [CompletionChoice(index=p.index, text=self._text(p), logprobs=self.logprobs(p),
-                                    finish_reason=p.finish_reason,
-                                    prompt_logprobs=self.prompt_logprobs(p.prompt_logprobs)) for p in pieces]
-        return [CompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
-                                **({"usage": None} if usage else {}))]
+        choices = [
+            CompletionChoice(
+                index=p.index,
+                text=self._text(p),
+                logprobs=self.logprobs(p),
+                finish_reason=p.finish_reason,
+                prompt_logprobs=self.prompt_logprobs(p.prompt_logprobs),
+            )
+            for p in pieces
+        ]
+        return [
+            CompletionChunk(
+                id=self.id,
+                created=self.created,
+                model=self.model,
+                choices=choices,
+                **({"usage": None} if usage else {}),
+            )
+        ]
 
     def usage_chunk(self, usage: Usage) -> BaseModel:
         return CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
 
     def response(self, gen: Generation, texts: list[str], logprobs: list[list[BaseModel]]) -> BaseModel:
-        choices = [CompletionChoice(index=i, text=self.echo + t, finish_reason=s.finish_reason,
-                                    logprobs=_merge_completion_logprobs(lps) if self.num_logprobs is not None
-                                    else None, prompt_logprobs=self.prompt_logprobs(s.prompt_logprobs))
-                   for i, (s, t, lps) in enumerate(zip(gen.samples, texts, logprobs))]
-        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                  usage=gen.usage())
+        choices = [
+            CompletionChoice(
+                index=i,
+                text=self.echo + t,
+                finish_reason=s.finish_reason,
+                logprobs=_merge_completion_logprobs(lps) if self.num_logprobs is not None else None,
+                prompt_logprobs=self.prompt_logprobs(s.prompt_logprobs),
+            )
+            for i, (s, t, lps) in enumerate(zip(gen.samples, texts, logprobs))
+        ]
+        return CompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=gen.usage()
+        )
 
 
 def _merge_completion_logprobs(parts: list[CompletionLogprobs]) -> CompletionLogprobs:
@@ -138,9 +186,15 @@ class ChatFormat:
     streams: dict[int, ToolCallStream] = field(default_factory=dict)
 
     def opening(self, n: int, usage: bool) -> list[BaseModel]:
-        return [ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[
-            ChatStreamChoice(index=i, delta=Delta(role="assistant", content="")) for i in range(n)],
-            **({"usage": None} if usage else {}))]
+        return [
+            ChatCompletionChunk(
+                id=self.id,
+                created=self.created,
+                model=self.model,
+                choices=[ChatStreamChoice(index=i, delta=Delta(role="assistant", content="")) for i in range(n)],
+                **({"usage": None} if usage else {}),
+            )
+        ]
 
     def _top(self, token_id: int, logprob: float) -> TopLogprob:
         token = _token_str(self.tokenizer, token_id)
@@ -149,20 +203,37 @@ class ChatFormat:
     def logprobs(self, p: Piece) -> ChatLogprobs | None:
         if self.num_logprobs is None or not p.logprobs:
             return None
-        return ChatLogprobs(content=[
-            TokenLogprob(**self._top(t, lp.logprob).model_dump(),
-                         top_logprobs=[self._top(i, v) for i, v in zip(lp.top_token_ids, lp.top_logprobs)])
-            for t, lp in zip(p.token_ids, p.logprobs)])
+        return ChatLogprobs(
+            content=[
+                TokenLogprob(
+                    **self._top(t, lp.logprob).model_dump(),
+                    top_logprobs=[self._top(i, v) for i, v in zip(lp.top_token_ids, lp.top_logprobs)],
+                )
+                for t, lp in zip(p.token_ids, p.logprobs)
+            ]
+        )
 
     def _chunk(self, choices: list[ChatStreamChoice], usage: bool) -> BaseModel:
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=choices,
-                                   **({"usage": None} if usage else {}))
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=choices, **({"usage": None} if usage else {})
+        )
 
     def chunk(self, pieces: list[Piece], usage: bool) -> list[BaseModel]:
         if self.tools is None:
-            return [self._chunk([ChatStreamChoice(index=p.index, delta=Delta(content=p.text or None),
-                                                  logprobs=self.logprobs(p), finish_reason=p.finish_reason)
-                                 for p in pieces], usage)]
+            return [
+                self._chunk(
+                    [
+                        ChatStreamChoice(
+                            index=p.index,
+                            delta=Delta(content=p.text or None),
+                            logprobs=self.logprobs(p),
+                            finish_reason=p.finish_reason,
+                        )
+                        for p in pieces
+                    ],
+                    usage,
+                )
+            ]
         chunks = []
         for p in pieces:  # a chunk per tool call delta, as OpenAI streams them
             stream = self.streams.setdefault(p.index, ToolCallStream(self.tools))
@@ -182,12 +253,19 @@ class ChatFormat:
         choices = []
         for i, (s, t, lps) in enumerate(zip(gen.samples, texts, logprobs)):
             content, calls = self.tools.parse(t) if self.tools else (t, [])
-            choices.append(ChatChoice(index=i, message=AssistantMessage(content=content, tool_calls=calls),
-                                      finish_reason=_finish_reason(s.finish_reason, bool(calls)),
-                                      logprobs=ChatLogprobs(content=[c for lp in lps for c in lp.content])
-                                      if self.num_logprobs is not None else None))
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=choices,
-                                      usage=gen.usage())
+            choices.append(
+                ChatChoice(
+                    index=i,
+                    message=AssistantMessage(content=content, tool_calls=calls),
+                    finish_reason=_finish_reason(s.finish_reason, bool(calls)),
+                    logprobs=ChatLogprobs(content=[c for lp in lps for c in lp.content])
+                    if self.num_logprobs is not None
+                    else None,
+                )
+            )
+        return ChatCompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=gen.usage()
+        )
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:
@@ -232,5 +310,3 @@ async def collect(gen: Generation, fmt: Format) -> BaseModel:
                 if (lp := fmt.logprobs(p)) is not None:
                     logprobs[p.index].append(lp)
     return fmt.response(gen, ["".join(t) for t in texts], logprobs)
-
-

@@ -66,13 +66,26 @@ class Generation:
     arrival, queueing included) with a 504, aborting it in the engine.
     """
 
-    def __init__(self, engine: Any, tokenizer: Any, metrics: ServeMetrics, prompt_ids: list[int],
-                 params: SamplingParams, req: SamplingFields, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        metrics: ServeMetrics,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        req: SamplingFields,
+        timeout_s: float | None = None,
+    ) -> None:
         self.metrics = metrics
         self.prompt_ids = prompt_ids
-        self.samples = [Sample(TextStream(tokenizer, prompt_ids, req.stop_strings, req.skip_special_tokens,
-                                          req.include_stop_str_in_output))
-                        for _ in range(params.n)]
+        self.samples = [
+            Sample(
+                TextStream(
+                    tokenizer, prompt_ids, req.stop_strings, req.skip_special_tokens, req.include_stop_str_in_output
+                )
+            )
+            for _ in range(params.n)
+        ]
         self.arrival = time.monotonic()
         self.timeout_s = timeout_s
         self.deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
@@ -81,7 +94,7 @@ class Generation:
         self.stream = engine.generate(new_id("req"), prompt_ids, params, req.priority, req.cache_salt)
         self.first: RequestOutput | None = None
 
-    async def start(self) -> "Generation":
+    async def start(self) -> Generation:
         """Wait for the first delta, so that a request the engine refuses (RequestError, raised to the caller)
         fails before any response starts."""
         try:
@@ -106,8 +119,9 @@ class Generation:
                     break
                 out = await self._next()
         except Exception as e:
-            self._end_unfinished("error", self._timed_out() if isinstance(e, TimeoutError)
-                                 else engine_error(e, "the engine failed"))
+            self._end_unfinished(
+                "error", self._timed_out() if isinstance(e, TimeoutError) else engine_error(e, "the engine failed")
+            )
             yield [Piece(i, "", [], None, "error", s.error) for i, s in enumerate(self.samples) if s.error]
         finally:
             await self.stream.aclose()  # aborts in the engine whatever has not finished there
@@ -120,8 +134,11 @@ class Generation:
             return await anext(self.stream, None)
 
     def _timed_out(self) -> APIError:
-        return APIError(504, f"the request did not finish within this server's request_timeout_s="
-                             f"{self.timeout_s:g} s; it was aborted", code="request_timeout")
+        return APIError(
+            504,
+            f"the request did not finish within this server's request_timeout_s={self.timeout_s:g} s; it was aborted",
+            code="request_timeout",
+        )
 
     def _absorb(self, out: RequestOutput) -> list[Piece]:
         s = self.samples[out.index]
@@ -148,22 +165,24 @@ class Generation:
             self.queued_s = out.queued_s if self.queued_s is None else self.queued_s
             text += s.text.finish()
         if s.finish_reason is not None:
-            self.metrics.finished(s.finish_reason, len(s.token_ids), self.arrival, s.first_token_time, t,
-                                  self.queued_s)
-        return [Piece(out.index, text, out.new_token_ids, out.new_logprobs, s.finish_reason, s.error,
-                      out.prompt_logprobs)]
+            self.metrics.finished(s.finish_reason, len(s.token_ids), self.arrival, s.first_token_time, t, self.queued_s)
+        return [
+            Piece(out.index, text, out.new_token_ids, out.new_logprobs, s.finish_reason, s.error, out.prompt_logprobs)
+        ]
 
     def _end_unfinished(self, reason: str, error: APIError | None = None) -> None:
         for s in self.samples:
             if s.finish_reason is None:
                 s.finish_reason, s.error = reason, error
-                self.metrics.finished(reason, len(s.token_ids), self.arrival, s.first_token_time,
-                                      time.monotonic(), self.queued_s)
+                self.metrics.finished(
+                    reason, len(s.token_ids), self.arrival, s.first_token_time, time.monotonic(), self.queued_s
+                )
 
     def usage(self) -> Usage:
         completion = sum(len(s.token_ids) for s in self.samples)
-        return Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=completion,
-                     total_tokens=len(self.prompt_ids) + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens))
-
-
+        return Usage(
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=completion,
+            total_tokens=len(self.prompt_ids) + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens),
+        )

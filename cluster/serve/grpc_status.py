@@ -8,9 +8,14 @@ from ray.serve.grpc_util import RayServegRPCContext
 from cluster.serve.generation import Piece
 from cluster.serve.protocol import APIError
 
-GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-              404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-              503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+GRPC_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
 
 
 def check(p: Piece) -> None:
@@ -21,5 +26,3 @@ def check(p: Piece) -> None:
 def abort(context: RayServegRPCContext, e: APIError) -> None:
     context.set_code(GRPC_CODES.get(e.status, grpc.StatusCode.INTERNAL))
     context.set_details(f"{e.param}: {e.message}" if e.param and not e.message.startswith(e.param) else e.message)
-
-

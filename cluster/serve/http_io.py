@@ -39,8 +39,11 @@ async def read_json(request: Request, limit: int) -> Any:
     except RecursionError:  # the decoder recurses once per level of nesting
         raise bad_request("the body is nested too deeply to decode as JSON", code="invalid_json") from None
     if SURROGATE_ESCAPE.search(body) and (where := lone_surrogate(value)) is not None:
-        raise bad_request(f"{where or 'body'}: the text holds a lone UTF-16 surrogate (an unpaired \\uD800-"
-                          f"\\uDFFF escape), which is not Unicode text", where or None)
+        raise bad_request(
+            f"{where or 'body'}: the text holds a lone UTF-16 surrogate (an unpaired \\uD800-"
+            f"\\uDFFF escape), which is not Unicode text",
+            where or None,
+        )
     return value
 
 

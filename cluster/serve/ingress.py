@@ -24,12 +24,15 @@ import os
 
 from cluster.engine.network import free_port
 
-FAST_INGRESS_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
-                    # HAProxy hands the prefix-cache router (router.py) each POST's body, up to its buffer size:
-                    # 256 KiB holds prompts of tens of thousands of tokens (a longer one is routed by load), where
-                    # Ray's default (8 MiB) would size every HAProxy buffer for the largest body.
-                    "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
-                    "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE": str(256 << 10)}
+FAST_INGRESS_ENV = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    # HAProxy hands the prefix-cache router (router.py) each POST's body, up to its buffer size:
+    # 256 KiB holds prompts of tens of thousands of tokens (a longer one is routed by load), where
+    # Ray's default (8 MiB) would size every HAProxy buffer for the largest body.
+    "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
+    "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE": str(256 << 10),
+}
 # HAProxy also listens on two fixed ports of every interface (its Prometheus metrics, 9101, and stats page,
 # 8404), so a second Serve on one host (another `raylm serve --port`, a test session beside a server) failed
 # to start its HAProxy; each Ray started here takes free ones instead.

@@ -25,18 +25,89 @@ from scheduler import SchedulerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # vLLM's buckets, so that dashboards built for vLLM read these histograms the same way.
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0]
-REQUEST_TIME_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                        120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+TPOT_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+REQUEST_TIME_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
 # Ray's exporter prefixes every user metric with "ray_" and forbids ':'; these map its names back to vLLM's.
 RAY_PREFIXES = {"ray_vllm_": "vllm:", "ray_raylm_": "raylm:"}
 # Labels Ray adds to every series; the replica label already tells replicas apart.
-RAY_LABELS = {"Component", "NodeAddress", "SessionName", "Version", "WorkerId", "JobId", "otel_scope_name",
-              "otel_scope_schema_url", "otel_scope_version"}
+RAY_LABELS = {
+    "Component",
+    "NodeAddress",
+    "SessionName",
+    "Version",
+    "WorkerId",
+    "JobId",
+    "otel_scope_name",
+    "otel_scope_schema_url",
+    "otel_scope_version",
+}
 TAGS = ("model_name", "replica")
 
 
@@ -60,53 +131,95 @@ class ServeMetrics:
         tags = {"model_name": model_name, "replica": replica}
         self.prompt_tokens = _counter("vllm_prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = _counter("vllm_generation_tokens", "Tokens generated.")
-        self.success = _counter("vllm_request_success", "Finished requests (samples), by finish reason.",
-                                ("finished_reason",))
-        self.ttft = _histogram("vllm_time_to_first_token_seconds", "Time to the first generated token.",
-                               TTFT_BUCKETS)
-        self.tpot = _histogram("vllm_time_per_output_token_seconds",
-                               "Mean time per output token after the first, per request.", TPOT_BUCKETS)
-        self.itl = _histogram("vllm_inter_token_latency_seconds", "Time between two deltas of one request, per "
-                              "token.", TPOT_BUCKETS)
+        self.success = _counter(
+            "vllm_request_success", "Finished requests (samples), by finish reason.", ("finished_reason",)
+        )
+        self.ttft = _histogram("vllm_time_to_first_token_seconds", "Time to the first generated token.", TTFT_BUCKETS)
+        self.tpot = _histogram(
+            "vllm_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            TPOT_BUCKETS,
+        )
+        self.itl = _histogram(
+            "vllm_inter_token_latency_seconds", "Time between two deltas of one request, per token.", TPOT_BUCKETS
+        )
         self.e2e = _histogram("vllm_e2e_request_latency_seconds", "Arrival to last token.", REQUEST_TIME_BUCKETS)
-        self.queue = _histogram("vllm_request_queue_time_seconds", "Time waiting in the scheduler before the "
-                                "request first ran.", REQUEST_TIME_BUCKETS)
-        self.prefill = _histogram("vllm_request_prefill_time_seconds", "First scheduled to first token.",
-                                  REQUEST_TIME_BUCKETS)
-        self.decode = _histogram("vllm_request_decode_time_seconds", "First token to last token.",
-                                 REQUEST_TIME_BUCKETS)
+        self.queue = _histogram(
+            "vllm_request_queue_time_seconds",
+            "Time waiting in the scheduler before the request first ran.",
+            REQUEST_TIME_BUCKETS,
+        )
+        self.prefill = _histogram(
+            "vllm_request_prefill_time_seconds", "First scheduled to first token.", REQUEST_TIME_BUCKETS
+        )
+        self.decode = _histogram("vllm_request_decode_time_seconds", "First token to last token.", REQUEST_TIME_BUCKETS)
         self.prompt_hist = _histogram("vllm_request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
-        self.rejected = _counter("raylm_requests_rejected", "Requests refused because the replica's queue was full "
-                                 "(429).")
-        self.generation_hist = _histogram("vllm_request_generation_tokens", "Generated tokens per sample.",
-                                          TOKEN_BUCKETS)
-        self.engine_gauges = [Gauge(n, d, tag_keys=TAGS) for n, d in (
-            ("vllm_num_requests_running", "Requests in the running batch."),
-            ("vllm_num_requests_waiting", "Requests waiting to be scheduled."),
-            ("vllm_kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use."),
-            # the host tier: vLLM v0's names
-            ("vllm_num_requests_swapped", "Requests preempted by swap, their KV in host memory."),
-            ("vllm_cpu_cache_usage_perc", "Host-tier KV-cache usage: 1 means every block is in use."))]
-        self.engine_counters = [_counter(n, d) for n, d in (
-            ("vllm_prefix_cache_queries", "Prefix-cache queries (tokens)."),
-            ("vllm_prefix_cache_hits", "Prefix-cache hits (tokens)."),
-            ("vllm_num_preemptions", "Preemptions (recompute or swap) since start."),
-            ("raylm_engine_steps", "Engine steps (schedule, execute, update) since start."),
-            # the host tier: the prefix-cache counter's name with v0's cpu_, raylm's own for block copies
-            ("vllm_cpu_prefix_cache_hits", "Prefix-cache hits (tokens) served from the host tier."),
-            ("raylm_kv_blocks_swapped_out", "KV blocks copied from the device to the host tier."),
-            ("raylm_kv_blocks_swapped_in", "KV blocks copied from the host tier to the device."))]
-        self.info = info = Gauge("vllm_cache_config_info", "The KV cache's configuration, in labels (value 1).",
-                     tag_keys=TAGS + tuple(cache_config))
-        for metric in [self.prompt_tokens, self.generation_tokens, self.success, self.ttft, self.tpot, self.itl,
-                       self.e2e, self.queue, self.prefill, self.decode, self.prompt_hist, self.generation_hist, self.rejected,
-                       info, *self.engine_gauges, *self.engine_counters]:
+        self.rejected = _counter(
+            "raylm_requests_rejected", "Requests refused because the replica's queue was full (429)."
+        )
+        self.generation_hist = _histogram(
+            "vllm_request_generation_tokens", "Generated tokens per sample.", TOKEN_BUCKETS
+        )
+        self.engine_gauges = [
+            Gauge(n, d, tag_keys=TAGS)
+            for n, d in (
+                ("vllm_num_requests_running", "Requests in the running batch."),
+                ("vllm_num_requests_waiting", "Requests waiting to be scheduled."),
+                ("vllm_kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use."),
+                # the host tier: vLLM v0's names
+                ("vllm_num_requests_swapped", "Requests preempted by swap, their KV in host memory."),
+                ("vllm_cpu_cache_usage_perc", "Host-tier KV-cache usage: 1 means every block is in use."),
+            )
+        ]
+        self.engine_counters = [
+            _counter(n, d)
+            for n, d in (
+                ("vllm_prefix_cache_queries", "Prefix-cache queries (tokens)."),
+                ("vllm_prefix_cache_hits", "Prefix-cache hits (tokens)."),
+                ("vllm_num_preemptions", "Preemptions (recompute or swap) since start."),
+                ("raylm_engine_steps", "Engine steps (schedule, execute, update) since start."),
+                # the host tier: the prefix-cache counter's name with v0's cpu_, raylm's own for block copies
+                ("vllm_cpu_prefix_cache_hits", "Prefix-cache hits (tokens) served from the host tier."),
+                ("raylm_kv_blocks_swapped_out", "KV blocks copied from the device to the host tier."),
+                ("raylm_kv_blocks_swapped_in", "KV blocks copied from the host tier to the device."),
+            )
+        ]
+        self.info = info = Gauge(
+            "vllm_cache_config_info",
+            "The KV cache's configuration, in labels (value 1).",
+            tag_keys=TAGS + tuple(cache_config),
+        )
+        for metric in [
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.success,
+            self.ttft,
+            self.tpot,
+            self.itl,
+            self.e2e,
+            self.queue,
+            self.prefill,
+            self.decode,
+            self.prompt_hist,
+            self.generation_hist,
+            self.rejected,
+            info,
+            *self.engine_gauges,
+            *self.engine_counters,
+        ]:
             metric.set_default_tags(tags)
         self.cache_config = cache_config
         self.engine_totals = [0] * len(self.engine_counters)
 
-    def finished(self, reason: str, num_tokens: int, arrival: float, first_token: float | None, end: float,
-                 queued_s: float | None) -> None:
+    def finished(
+        self,
+        reason: str,
+        num_tokens: int,
+        arrival: float,
+        first_token: float | None,
+        end: float,
+        queued_s: float | None,
+    ) -> None:
         """Record one finished sample: its finish reason, and its latencies (times from time.monotonic();
         ``queued_s`` the scheduler's wait before it first ran, None if it never ran)."""
         self.success.inc(tags={"finished_reason": reason})
@@ -128,8 +241,15 @@ class ServeMetrics:
         gauges = (s.num_running, s.num_waiting, s.kv_cache_usage, s.num_swapped, s.host_cache_usage)
         for gauge, value in zip(self.engine_gauges, gauges, strict=True):
             gauge.set(value)
-        totals = (s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions, s.num_steps,
-                  s.host_prefix_cache_hits, s.num_blocks_swapped_out, s.num_blocks_swapped_in)
+        totals = (
+            s.prefix_cache_queries,
+            s.prefix_cache_hits,
+            s.num_preemptions,
+            s.num_steps,
+            s.host_prefix_cache_hits,
+            s.num_blocks_swapped_out,
+            s.num_blocks_swapped_in,
+        )
         for i, (counter, total) in enumerate(zip(self.engine_counters, totals, strict=True)):
             if total > self.engine_totals[i]:
                 counter.inc(total - self.engine_totals[i])
@@ -151,11 +271,11 @@ def render_node_metrics(port: int) -> str:
         prefix = next((p for p in RAY_PREFIXES if family.name.startswith(p)), None)
         if prefix is None:
             continue
-        name = RAY_PREFIXES[prefix] + family.name[len(prefix):]
+        name = RAY_PREFIXES[prefix] + family.name[len(prefix) :]
         lines += [f"# HELP {name} {family.documentation}", f"# TYPE {name} {family.type}"]
         for s in family.samples:
             labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(s.labels.items()) if k not in RAY_LABELS)
-            lines.append(f"{RAY_PREFIXES[prefix]}{s.name[len(prefix):]}{{{labels}}} {s.value!r}")
+            lines.append(f"{RAY_PREFIXES[prefix]}{s.name[len(prefix) :]}{{{labels}}} {s.value!r}")
     return "\n".join(lines) + "\n"
 
 

@@ -14,7 +14,11 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from cluster.serve.protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse, TokenizeChatRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorResponse,
+    TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
 
@@ -25,10 +29,15 @@ BODIES: dict[str, list[type[BaseModel]]] = {
     "/tokenize": [TokenizeCompletionRequest, TokenizeChatRequest],
     "/detokenize": [DetokenizeRequest],
 }
-ERRORS = {"400": "Bad input, naming the parameter", "401": "A missing or wrong API key",
-          "404": "An unknown model or route", "413": "A body over max_body_bytes",
-          "429": "The replica's queue is full (Retry-After says when to retry)",
-          "503": "The engine failed or the replica is shutting down (Retry-After)", "504": "Past request_timeout_s"}
+ERRORS = {
+    "400": "Bad input, naming the parameter",
+    "401": "A missing or wrong API key",
+    "404": "An unknown model or route",
+    "413": "A body over max_body_bytes",
+    "429": "The replica's queue is full (Retry-After says when to retry)",
+    "503": "The engine failed or the replica is shutting down (Retry-After)",
+    "504": "Past request_timeout_s",
+}
 
 
 def _ref(model: type[BaseModel], schemas: dict[str, Any]) -> dict[str, str]:

@@ -28,7 +28,8 @@ def deployment_options(args: AppArgs) -> dict[str, Any]:
     if uses_prefix_cache_router(args):
         routing["request_router_config"] = RequestRouterConfig(
             request_router_class="cluster.serve.router:PrefixCacheRouter",
-            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S)
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+        )
     return dict(
         **routing,
         ray_actor_options={"num_cpus": REPLICA_CPUS},
@@ -42,7 +43,8 @@ def deployment_options(args: AppArgs) -> dict[str, Any]:
         # so the requests it ends hear why instead of losing their connection.
         graceful_shutdown_timeout_s=args.drain_timeout_s + drain.MARGIN_S,
         autoscaling_config={
-            "min_replicas": args.min_replicas, "initial_replicas": args.min_replicas,
+            "min_replicas": args.min_replicas,
+            "initial_replicas": args.min_replicas,
             "max_replicas": args.max_replicas,
             "target_ongoing_requests": args.target_ongoing_requests or max(1, cfg.max_num_seqs // 2),
         },

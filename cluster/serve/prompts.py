@@ -9,14 +9,25 @@ from cluster.serve.protocol import ChatCompletionRequest, ChatMessage, Completio
 from cluster.serve.tools import ToolCalling
 
 
-def chat_ids(tokenizer: Any, messages: list[ChatMessage], add_generation_prompt: bool,
-             tools: ToolCalling | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+def chat_ids(
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    tools: ToolCalling | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     dicts = tools.template_messages(messages) if tools else [m.template_dict() for m in messages]
     extra = {"tools": tools.template_tools()} if tools and tools.native else {}
     try:
-        return list(tokenizer.apply_chat_template(
-            dicts, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
-            **(template_kwargs or {}) | extra))
+        return list(
+            tokenizer.apply_chat_template(
+                dicts,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+                **(template_kwargs or {}) | extra,
+            )
+        )
     except Exception as e:  # templates raise on what they cannot render (roles out of order, ...)
         raise bad_request(f"messages: the chat template failed: {e}", "messages") from None
 

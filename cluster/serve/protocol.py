@@ -33,8 +33,9 @@ class ErrorResponse(BaseModel):
 class APIError(Exception):
     """An error the client gets as an OpenAI-style JSON body with this HTTP status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None, type: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or ("invalid_request_error" if status < 500 else "internal_server_error")
@@ -58,8 +59,9 @@ def parse(model: type[M], body: Any) -> M:
         err = e.errors(include_url=False)[0]
         param = _param_path(err["loc"])
         if err["type"] == "extra_forbidden":
-            raise bad_request(f"{param}: this server does not support this field; leave it out", param,
-                              "unsupported_field") from None
+            raise bad_request(
+                f"{param}: this server does not support this field; leave it out", param, "unsupported_field"
+            ) from None
         raise bad_request(f"{param or 'body'}: {err['msg']} (got {_short(err.get('input'))})", param) from None
 
 
@@ -69,8 +71,11 @@ _UNION_TAGS = {"str", "int", "float", "bool", "none"}
 def _param_path(loc: tuple[int | str, ...]) -> str | None:
     """("messages", 1, "role") -> "messages[1].role", leaving out the union-member tags pydantic puts in
     locations ("str", "list[constrained-int]"), which are no parameter names."""
-    parts = [f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc
-             if isinstance(p, int) or (p.isidentifier() and p not in _UNION_TAGS)]
+    parts = [
+        f"[{p}]" if isinstance(p, int) else f".{p}"
+        for p in loc
+        if isinstance(p, int) or (p.isidentifier() and p not in _UNION_TAGS)
+    ]
     return "".join(parts).lstrip(".") or None
 
 
@@ -164,9 +169,14 @@ class SamplingFields(BaseModel):
     allowed_token_ids: list[TokenId] | None = Field(None, min_length=1)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
-    cache_salt: str | None = Field(None, min_length=1, description=(
-        "mixed into the prefix-cache hash of the prompt's first block: only requests with the same salt "
-        "share cached blocks"))
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        description=(
+            "mixed into the prefix-cache hash of the prompt's first block: only requests with the same salt "
+            "share cached blocks"
+        ),
+    )
     best_of: int | None = Field(None, ge=1, description="accepted only when equal to n (no server-side ranking)")
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -185,20 +195,23 @@ class SamplingFields(BaseModel):
         engine's check (``param_for`` names the field it came from)."""
         rf, so = self.response_format, self.structured_outputs
         if rf is not None and rf.type != "text" and so is not None:
-            raise bad_request("response_format and structured_outputs both constrain the output; send one",
-                              "structured_outputs")
+            raise bad_request(
+                "response_format and structured_outputs both constrain the output; send one", "structured_outputs"
+            )
         if rf is not None and rf.type == "json_object":
             return StructuredOutputsParams(json_object=True)
         if rf is not None and rf.type == "json_schema":
             if rf.json_schema is None or rf.json_schema.schema_ is None:
-                raise bad_request("response_format: type json_schema needs json_schema.schema",
-                                  "response_format.json_schema")
+                raise bad_request(
+                    "response_format: type json_schema needs json_schema.schema", "response_format.json_schema"
+                )
             return StructuredOutputsParams(json=rf.json_schema.schema_)
         if so is None:
             return None
         try:
-            return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
-                                           json_object=bool(so.json_object))
+            return StructuredOutputsParams(
+                json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar, json_object=bool(so.json_object)
+            )
         except RequestError as e:
             raise bad_request(f"structured_outputs: {e}", "structured_outputs") from None
 
@@ -221,17 +234,24 @@ class SamplingFields(BaseModel):
     def check_policy(self) -> None:
         """Values the server refuses although their field exists (see the class docstring)."""
         if self.best_of is not None and self.best_of != self.n:
-            raise bad_request(f"best_of={self.best_of}: only best_of equal to n={self.n} is supported "
-                              f"(this server does not rank samples)", "best_of")
+            raise bad_request(
+                f"best_of={self.best_of}: only best_of equal to n={self.n} is supported "
+                f"(this server does not rank samples)",
+                "best_of",
+            )
 
     def num_prompt_logprobs(self) -> int | None:
         """The top-k of the prompt's logprobs the engine computes (None: none)."""
         return None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        tool_constraint: StructuredOutputsParams | None = None,
-                        bad_words_token_ids: list[list[int]] | None = None,
-                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+    def sampling_params(
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        tool_constraint: StructuredOutputsParams | None = None,
+        bad_words_token_ids: list[list[int]] | None = None,
+        defaults: dict[str, Any] | None = None,
+    ) -> SamplingParams:
         """``tool_constraint``: the grammar a forced tool_choice imposes (the server builds it from tools);
         ``bad_words_token_ids``: ``bad_words`` tokenized (by the server, which holds the tokenizer); ``defaults``:
         the model's sampling defaults (--generation-config), for the fields this request left unset."""
@@ -239,23 +259,38 @@ class SamplingFields(BaseModel):
         constraint = self.constraint()
         if tool_constraint is not None:
             if constraint is not None:
-                raise bad_request("tool_choice forces a tool call, which response_format or structured_outputs "
-                                  "would constrain as well; send one", "tool_choice")
+                raise bad_request(
+                    "tool_choice forces a tool call, which response_format or structured_outputs "
+                    "would constrain as well; send one",
+                    "tool_choice",
+                )
             constraint = tool_constraint
-        sampling = {name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p",
-                                                            "repetition_penalty")}
+        sampling = {
+            name: getattr(self, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+        }
         sampling.update({k: v for k, v in (defaults or {}).items() if k not in self.model_fields_set})
         try:
             return SamplingParams(
-                temperature=sampling["temperature"], top_p=sampling["top_p"],
-                top_k=-1 if sampling["top_k"] == 0 else sampling["top_k"], min_p=sampling["min_p"],
+                temperature=sampling["temperature"],
+                top_p=sampling["top_p"],
+                top_k=-1 if sampling["top_k"] == 0 else sampling["top_k"],
+                min_p=sampling["min_p"],
                 repetition_penalty=sampling["repetition_penalty"],
-                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
-                max_tokens=max_tokens, min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids or [],
-                ignore_eos=self.ignore_eos, n=self.n, logprobs=logprobs, logit_bias=self.logit_bias,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                seed=self.seed,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop_token_ids=self.stop_token_ids or [],
+                ignore_eos=self.ignore_eos,
+                n=self.n,
+                logprobs=logprobs,
+                logit_bias=self.logit_bias,
                 prompt_logprobs=self.num_prompt_logprobs(),
-                allowed_token_ids=self.allowed_token_ids, structured_outputs=constraint,
-                bad_words_token_ids=bad_words_token_ids)
+                allowed_token_ids=self.allowed_token_ids,
+                structured_outputs=constraint,
+                bad_words_token_ids=bad_words_token_ids,
+            )
         except RequestError as e:
             raise self.refusal(e) from None
 
@@ -266,12 +301,17 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: NumLogprobs | None = None
-    echo: bool = Field(False, description="the prompt's text in front of each choice's; with logprobs, "
-                                          "logprobs cover the prompt's tokens too (the first one's null)")
+    echo: bool = Field(
+        False,
+        description="the prompt's text in front of each choice's; with logprobs, "
+        "logprobs cover the prompt's tokens too (the first one's null)",
+    )
     suffix: None = Field(None, description="refused: this server does not do insertion (fill in the middle)")
     prompt_logprobs: NumLogprobs | None = Field(
-        None, description="vLLM's: each choice's prompt_logprobs lists, for each prompt token after the first, "
-                          "its logprob, rank and the top prompt_logprobs alternatives (the prefix cache is not used)")
+        None,
+        description="vLLM's: each choice's prompt_logprobs lists, for each prompt token after the first, "
+        "its logprob, rank and the top prompt_logprobs alternatives (the prefix cache is not used)",
+    )
 
     def num_prompt_logprobs(self) -> int | None:
         asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
@@ -339,14 +379,17 @@ class ChatMessage(BaseModel):
         ``tool_calls`` (arguments as objects) when it renders tools, else as Hermes text in the content."""
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
         out: dict[str, Any] = {"role": self.role, "content": content} | ({"name": self.name} if self.name else {})
-        calls = [{"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}
-                 for c in self.tool_calls or []]
+        calls = [
+            {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)} for c in self.tool_calls or []
+        ]
         if calls and native_tools:
-            out["tool_calls"] = [{"id": c.id, "type": "function", "function": f}
-                                 for c, f in zip(self.tool_calls, calls)]
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": f} for c, f in zip(self.tool_calls, calls)
+            ]
         elif calls:
-            out["content"] = "\n".join([content] * bool(content) + [
-                f"<tool_call>\n{json.dumps(f)}\n</tool_call>" for f in calls])
+            out["content"] = "\n".join(
+                [content] * bool(content) + [f"<tool_call>\n{json.dumps(f)}\n</tool_call>" for f in calls]
+            )
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out

@@ -50,8 +50,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from ray import serve
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 from ray.serve.handle import DeploymentHandle
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from cluster.model_files import load_tokenizer
 from cluster.serve.options import AppArgs
@@ -135,8 +135,9 @@ class PrefixCacheRouter(FIFOMixin, RequestRouter):
         super().on_replica_actor_died(replica_id)
         self.recent.pop(replica_id, None)
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
         hashes = pending_request.kwargs.get(HASHES_KWARG) or [] if pending_request is not None else []
@@ -183,8 +184,9 @@ class RouteServer:
     @route_app.post("/internal/route")
     async def route(self, request: Request) -> dict[str, Any]:
         body = await request.body()
-        hashes = [] if "x-body-truncated" in request.headers else request_block_hashes(
-            self.tokenizer, body, self.block_size)
+        hashes = (
+            [] if "x-body-truncated" in request.headers else request_block_hashes(self.tokenizer, body, self.block_size)
+        )
         kwargs: dict[str, Any] = {"_reserve": False}
         if hashes:
             kwargs[HASHES_KWARG] = hashes

@@ -36,21 +36,33 @@ from cluster.serve.metrics import CONTENT_TYPE, ServeMetrics, node_metrics_port,
 from cluster.serve.openapi import openapi_schema
 from cluster.serve.options import AppArgs
 from cluster.serve.prompts import chat_ids, chat_request_ids, prompt_ids
-from cluster.serve.router import replica_routing_stats
 from cluster.serve.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
-    ModelCard, ModelList, SamplingFields, TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse,
-    bad_request, new_id, now, parse,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    SamplingFields,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    bad_request,
+    new_id,
+    now,
+    parse,
 )
+from cluster.serve.router import replica_routing_stats
 from cluster.serve.tools import ToolCalling
 from scheduler import RequestError
-
 
 ENGINE_STATS_PERIOD_S = 1.0
 
 # FastAPI's own docs routes would answer without the API key: LLMServer serves them behind it instead.
-app = FastAPI(title="raylm", description="OpenAI-compatible LLM serving on Ray", docs_url=None, redoc_url=None,
-              openapi_url=None)
+app = FastAPI(
+    title="raylm", description="OpenAI-compatible LLM serving on Ray", docs_url=None, redoc_url=None, openapi_url=None
+)
 # A refusal that a retry may get past (a full queue, an engine being replaced) says when to try again.
 RETRY_AFTER = {429: "1", 503: "5"}
 
@@ -97,10 +109,17 @@ class LLMServer:
         self.max_body_bytes = args.max_body_bytes
         self.scheduling_policy = args.engine.scheduling_policy
         cfg = args.engine
-        self.metrics = ServeMetrics(self.model_name, serve.get_replica_context().replica_id.unique_id, {
-            "block_size": str(cfg.block_size), "num_gpu_blocks": str(self.engine.num_blocks),
-            "enable_prefix_caching": str(cfg.enable_prefix_caching), "cache_dtype": str(cfg.dtype),
-            "gpu_memory_utilization": str(cfg.gpu_memory_utilization)})
+        self.metrics = ServeMetrics(
+            self.model_name,
+            serve.get_replica_context().replica_id.unique_id,
+            {
+                "block_size": str(cfg.block_size),
+                "num_gpu_blocks": str(self.engine.num_blocks),
+                "enable_prefix_caching": str(cfg.enable_prefix_caching),
+                "cache_dtype": str(cfg.dtype),
+                "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
+            },
+        )
         self.admission = Admission(self.engine, cfg.max_num_seqs + args.queue_len, self.metrics.rejected.inc)
         self.request_timeout_s = args.request_timeout_s
         self.drain = Drain(self.admission, args.drain_timeout_s)
@@ -137,8 +156,7 @@ class LLMServer:
             return
         given = (authorization or "").encode("latin-1", "replace")
         if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
-            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+            raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
     async def _body(self, request: Request) -> Any:
         self._authorize(request.headers.get("authorization"))
@@ -146,8 +164,12 @@ class LLMServer:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           "model", "model_not_found")
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )
 
     def _bad_words(self, words: list[str] | None) -> list[list[int]] | None:
         """Each word as it would be tokenized at the start of a text and after a space (vLLM's variants)."""
@@ -162,31 +184,59 @@ class LLMServer:
     def _max_tokens(self, num_prompt: int, requested: int | None, param: str, prompt_param: str) -> int:
         """The request's max_tokens (by default all the room left), or 400 if the sequence cannot fit."""
         room = self.max_seq_len - num_prompt
-        limit = (f"this server's limit is {self.max_seq_len} tokens per sequence (prompt + output; "
-                 f"max_model_len={self.engine.max_model_len})")
+        limit = (
+            f"this server's limit is {self.max_seq_len} tokens per sequence (prompt + output; "
+            f"max_model_len={self.engine.max_model_len})"
+        )
         if room < 1:
             raise bad_request(f"the prompt has {num_prompt} tokens: {limit}", prompt_param, "context_length_exceeded")
         if requested is not None and requested > room:
-            raise bad_request(f"{param}={requested} with a {num_prompt}-token prompt is too long: {limit}", param,
-                              "context_length_exceeded")
+            raise bad_request(
+                f"{param}={requested} with a {num_prompt}-token prompt is too long: {limit}",
+                param,
+                "context_length_exceeded",
+            )
         return requested or room
 
-    async def _generation(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int,
-                          num_logprobs: int | None, tools: ToolCalling | None = None) -> Generation:
+    async def _generation(
+        self,
+        req: SamplingFields,
+        prompt_ids: list[int],
+        max_tokens: int,
+        num_logprobs: int | None,
+        tools: ToolCalling | None = None,
+    ) -> Generation:
         # Under fcfs the scheduler ignores priority: refuse it rather than silently not honour it, as vLLM does.
         if req.priority != 0 and self.scheduling_policy != "priority":
-            raise bad_request(f"priority={req.priority} needs the priority scheduling policy; this server schedules "
-                              f"{self.scheduling_policy} (serve with scheduling_policy=priority)", "priority")
-        params = req.sampling_params(max_tokens, num_logprobs, tools.constraint() if tools else None,
-                                     self._bad_words(req.bad_words), self.sampling_defaults)
+            raise bad_request(
+                f"priority={req.priority} needs the priority scheduling policy; this server schedules "
+                f"{self.scheduling_policy} (serve with scheduling_policy=priority)",
+                "priority",
+            )
+        params = req.sampling_params(
+            max_tokens,
+            num_logprobs,
+            tools.constraint() if tools else None,
+            self._bad_words(req.bad_words),
+            self.sampling_defaults,
+        )
         try:
-            return await Generation(self.admission, self.tokenizer, self.metrics, prompt_ids, params, req,
-                                    self.request_timeout_s).start()
+            return await Generation(
+                self.admission, self.tokenizer, self.metrics, prompt_ids, params, req, self.request_timeout_s
+            ).start()
         except RequestError as e:  # the engine's check
             raise req.refusal(e) from None
 
-    async def _run(self, req: SamplingFields, prompt_ids: list[int], max_tokens: int, num_logprobs: int | None,
-                   fmt_type: Callable[..., Format], prefix: str, **fmt_fields: Any) -> Response:
+    async def _run(
+        self,
+        req: SamplingFields,
+        prompt_ids: list[int],
+        max_tokens: int,
+        num_logprobs: int | None,
+        fmt_type: Callable[..., Format],
+        prefix: str,
+        **fmt_fields: Any,
+    ) -> Response:
         gen = await self._generation(req, prompt_ids, max_tokens, num_logprobs, fmt_fields.get("tools"))
         fmt = fmt_type(self.tokenizer, new_id(prefix), self.model_name, num_logprobs, **fmt_fields)
         if req.stream:
@@ -203,8 +253,17 @@ class LLMServer:
         ids = self._prompt_ids(prompt)
         max_tokens = self._max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt")
         echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)) if req.echo else ""
-        return await self._run(req, ids, max_tokens, req.logprobs, CompletionFormat, "cmpl", echo=echo,
-                               prompt_token_ids=ids, num_prompt_logprobs=req.prompt_logprobs)
+        return await self._run(
+            req,
+            ids,
+            max_tokens,
+            req.logprobs,
+            CompletionFormat,
+            "cmpl",
+            echo=echo,
+            prompt_token_ids=ids,
+            num_prompt_logprobs=req.prompt_logprobs,
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -219,9 +278,18 @@ class LLMServer:
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
         self._authorize(request.headers.get("authorization"))
-        return json_response(ModelList(data=[ModelCard(id=self.model_name, created=self.created,
-                                                       root=self.engine.model_path,
-                                                       max_model_len=self.engine.max_model_len)]))
+        return json_response(
+            ModelList(
+                data=[
+                    ModelCard(
+                        id=self.model_name,
+                        created=self.created,
+                        root=self.engine.model_path,
+                        max_model_len=self.engine.max_model_len,
+                    )
+                ]
+            )
+        )
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:
@@ -229,8 +297,11 @@ class LLMServer:
         is_chat = isinstance(body, dict) and "messages" in body
         req = parse(TokenizeChatRequest if is_chat else TokenizeCompletionRequest, body)
         self._check_model(req.model)
-        ids = (chat_ids(self.tokenizer, req.messages, req.add_generation_prompt) if is_chat
-               else self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        ids = (
+            chat_ids(self.tokenizer, req.messages, req.add_generation_prompt)
+            if is_chat
+            else self.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        )
         return json_response(TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids))
 
     @app.post("/detokenize")
@@ -302,8 +373,9 @@ class LLMServer:
         reply.num_prompt_tokens, reply.num_generated_tokens = len(gen.prompt_ids), len(reply.token_ids)
         return reply
 
-    async def GenerateStream(self, request: GenerateRequest,
-                             grpc_context: RayServegRPCContext) -> AsyncIterator[GenerateResponse]:
+    async def GenerateStream(
+        self, request: GenerateRequest, grpc_context: RayServegRPCContext
+    ) -> AsyncIterator[GenerateResponse]:
         try:
             gen = await self._grpc_generation(request, grpc_context)
             sample = gen.samples[0]
@@ -311,12 +383,13 @@ class LLMServer:
                 async for pieces in stream:
                     for p in pieces:
                         grpc_status.check(p)
-                        yield GenerateResponse(text=p.text, token_ids=p.token_ids,
-                                               finish_reason=p.finish_reason or "",
-                                               num_prompt_tokens=len(gen.prompt_ids),
-                                               num_generated_tokens=len(sample.token_ids))
+                        yield GenerateResponse(
+                            text=p.text,
+                            token_ids=p.token_ids,
+                            finish_reason=p.finish_reason or "",
+                            num_prompt_tokens=len(gen.prompt_ids),
+                            num_generated_tokens=len(sample.token_ids),
+                        )
         except APIError as e:
             grpc_status.abort(grpc_context, e)
             raise  # a streaming call ends with the status set only when it raises
-
-

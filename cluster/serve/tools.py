@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.serve.protocol import (
-    ChatMessage, FunctionCall, StreamedFunctionCall, StreamedToolCall, Tool, ToolCall, bad_request,
+    ChatMessage,
+    FunctionCall,
+    StreamedFunctionCall,
+    StreamedToolCall,
+    Tool,
+    ToolCall,
+    bad_request,
 )
 from scheduler import StructuredOutputsParams
 
@@ -25,7 +31,8 @@ HERMES_SYSTEM = (
     "You may call one or more functions to assist with the user query. The functions are described in "
     "<tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each function call, return a JSON object with "
     "the function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>')
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
 
 
 def new_call_id() -> str:
@@ -50,8 +57,9 @@ class ToolCalling:
     forced: list[Tool] = field(default_factory=list)
 
     @classmethod
-    def from_request(cls, tools: list[Tool] | None, tool_choice: Any, parallel_tool_calls: bool | None,
-                     chat_template: str | None) -> ToolCalling | None:
+    def from_request(
+        cls, tools: list[Tool] | None, tool_choice: Any, parallel_tool_calls: bool | None, chat_template: str | None
+    ) -> ToolCalling | None:
         """None when no tool may be called (no tools, or tool_choice "none"); a 400 for a choice naming no tool."""
         if not tools:
             if tool_choice not in (None, "none"):
@@ -69,8 +77,9 @@ class ToolCalling:
             name = tool_choice.function.name
             forced = [t for t in tools if t.function.name == name]
             if not forced:
-                raise bad_request(f"tool_choice names the function {name!r}, which is not in tools ({names})",
-                                  "tool_choice")
+                raise bad_request(
+                    f"tool_choice names the function {name!r}, which is not in tools ({names})", "tool_choice"
+                )
         template = chat_template or ""
         native = "tools" in template
         fmt = HERMES if START in template or not native else LLAMA3
@@ -101,10 +110,20 @@ class ToolCalling:
         if not self.forced:
             return None
         key = "arguments" if self.fmt == HERMES else "parameters"
-        schema = {"anyOf": [{"type": "object", "properties": {
-            "name": {"const": t.function.name},
-            key: t.function.parameters or {"type": "object"}}, "required": ["name", key],
-            "additionalProperties": False} for t in self.forced]}
+        schema = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": t.function.name},
+                        key: t.function.parameters or {"type": "object"},
+                    },
+                    "required": ["name", key],
+                    "additionalProperties": False,
+                }
+                for t in self.forced
+            ]
+        }
         call = f"%json {json.dumps(schema)}"
         if self.fmt == HERMES:
             call = f'"{START}\\n" {call} "\\n{END}"'
@@ -117,8 +136,10 @@ class ToolCalling:
         """A whole output: its content (text outside calls; None when there is none) and its calls."""
         stream = ToolCallStream(self)
         content = stream.feed(text) + stream.finish()
-        calls = [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
-                 for c in stream.returned_calls()]
+        calls = [
+            ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+            for c in stream.returned_calls()
+        ]
         return (content.strip() or None) if calls else content, calls
 
 
@@ -194,38 +215,38 @@ class ToolCallStream:
         if self.current is not None:
             end = held.find(END)
             if end < 0:
-                body = held[:len(held) - _partial_suffix(held, END)]
+                body = held[: len(held) - _partial_suffix(held, END)]
                 self._add_arguments(_without_close(body))
-                self.held = held[len(_without_close(body)):]
+                self.held = held[len(_without_close(body)) :]
                 return False
             self._add_arguments(_without_close(held[:end]))
-            self.current, self.held = None, held[end + len(END):]
+            self.current, self.held = None, held[end + len(END) :]
             return True
         if self.in_tag:
             head, end = _HEAD.match(held), held.find(END)
             # A head is read once the arguments' first character is there: whitespace before it is not theirs.
             if head is not None and (head.end() < end if end >= 0 else head.end() < len(held)):
                 self._open(json.loads(f'"{head.group(1)}"'), "")
-                self.in_tag, self.held = False, held[head.end():]
+                self.in_tag, self.held = False, held[head.end() :]
                 return True
             if end < 0:
                 return False
             call = _read_call(held[:end].strip(), "arguments")
             if call is None:
-                out.append(START + held[:end + len(END)])
+                out.append(START + held[: end + len(END)])
             else:
                 self._open(call.name, call.arguments)
                 self.current = None
-            self.in_tag, self.held = False, held[end + len(END):]
+            self.in_tag, self.held = False, held[end + len(END) :]
             return True
         start = held.find(START)
         if start < 0:
             keep = _partial_suffix(held, START)
-            self._content(out, held[:len(held) - keep])
-            self.held = held[len(held) - keep:]
+            self._content(out, held[: len(held) - keep])
+            self.held = held[len(held) - keep :]
             return False
         self._content(out, held[:start])
-        self.in_tag, self.held = True, held[start + len(START):]
+        self.in_tag, self.held = True, held[start + len(START) :]
         return True
 
     def _content(self, out: list[str], text: str) -> None:
@@ -233,13 +254,20 @@ class ToolCallStream:
             out.append(text)
 
     def _open(self, name: str, arguments: str) -> None:
-        call = ParsedCall(new_call_id(), name, "", skipped=self.tools.only_one and any(
-            not c.skipped for c in self.calls))
+        call = ParsedCall(
+            new_call_id(), name, "", skipped=self.tools.only_one and any(not c.skipped for c in self.calls)
+        )
         self.calls.append(call)
         self.current = call
         if not call.skipped:
-            self.deltas.append(StreamedToolCall(index=self._index(call), id=call.id, type="function",
-                                                function=StreamedFunctionCall(name=name, arguments="")))
+            self.deltas.append(
+                StreamedToolCall(
+                    index=self._index(call),
+                    id=call.id,
+                    type="function",
+                    function=StreamedFunctionCall(name=name, arguments=""),
+                )
+            )
         self._add_arguments(arguments)
 
     def _index(self, call: ParsedCall) -> int:
@@ -251,8 +279,9 @@ class ToolCallStream:
         if new:
             call.arguments += new
             if not call.skipped:
-                self.deltas.append(StreamedToolCall(index=self._index(call),
-                                                    function=StreamedFunctionCall(arguments=new)))
+                self.deltas.append(
+                    StreamedToolCall(index=self._index(call), function=StreamedFunctionCall(arguments=new))
+                )
 
     def _feed_llama3(self, text: str) -> str:
         if not self.seen_text:

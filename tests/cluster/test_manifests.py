@@ -34,7 +34,9 @@ def load(path: Path) -> dict:
 KUBERAY = [p for p in MANIFESTS if "kind" in load(p)]
 SERVE_CONFIGS = {p.name: load(p) for p in MANIFESTS if "kind" not in load(p)} | {
     f"{p.name}:serveConfigV2": yaml.safe_load(load(p)["spec"]["serveConfigV2"])
-    for p in KUBERAY if load(p)["kind"] == "RayService"}
+    for p in KUBERAY
+    if load(p)["kind"] == "RayService"
+}
 
 
 def validator(kind: str) -> jsonschema.Draft7Validator:
@@ -53,8 +55,11 @@ def groups(manifest: dict) -> list[dict]:
 
 
 def gpu_group(manifest: dict) -> dict:
-    (group,) = [g for g in cluster_spec(manifest)["workerGroupSpecs"]
-                if GPU in g["template"]["spec"]["containers"][0]["resources"]["limits"]]
+    (group,) = [
+        g
+        for g in cluster_spec(manifest)["workerGroupSpecs"]
+        if GPU in g["template"]["spec"]["containers"][0]["resources"]["limits"]
+    ]
     return group
 
 
@@ -84,15 +89,22 @@ def _rename(d: dict, old: str, new: str) -> None:
 
 
 MISTAKES = {
-    "misspelled cluster key": (lambda m: _rename(cluster_spec(m), "enableInTreeAutoscaling", "enableInTreeAutoScaling"),
-                               "'enableInTreeAutoScaling' was unexpected"),
-    "misspelled container key": (lambda m: _rename(gpu_group(m)["template"]["spec"]["containers"][0],
-                                                   "readinessProbe", "readynessProbe"),
-                                 "'readynessProbe' was unexpected"),
-    "misspelled probe key": (lambda m: _rename(groups(m)[0]["template"]["spec"]["containers"][0]["livenessProbe"],
-                                               "exec", "execute"), "'execute' was unexpected"),
-    "rayStartParams value not a string": (lambda m: groups(m)[0]["rayStartParams"].update({"num-cpus": 0}),
-                                          "0 is not of type 'string'"),
+    "misspelled cluster key": (
+        lambda m: _rename(cluster_spec(m), "enableInTreeAutoscaling", "enableInTreeAutoScaling"),
+        "'enableInTreeAutoScaling' was unexpected",
+    ),
+    "misspelled container key": (
+        lambda m: _rename(gpu_group(m)["template"]["spec"]["containers"][0], "readinessProbe", "readynessProbe"),
+        "'readynessProbe' was unexpected",
+    ),
+    "misspelled probe key": (
+        lambda m: _rename(groups(m)[0]["template"]["spec"]["containers"][0]["livenessProbe"], "exec", "execute"),
+        "'execute' was unexpected",
+    ),
+    "rayStartParams value not a string": (
+        lambda m: groups(m)[0]["rayStartParams"].update({"num-cpus": 0}),
+        "0 is not of type 'string'",
+    ),
 }
 
 

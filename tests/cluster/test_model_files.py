@@ -22,8 +22,9 @@ def with_generation_config(model_dir: str, tmp_path: Path, **fields) -> str:
 
 
 def test_generation_config_auto_reads_the_models_sampling_fields_and_vllm_none(tmp_path, tiny_model_dir):
-    model = with_generation_config(tiny_model_dir("llama"), tmp_path, temperature=0.6, top_p=0.95, top_k=20,
-                                   max_new_tokens=99, do_sample=True)
+    model = with_generation_config(
+        tiny_model_dir("llama"), tmp_path, temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=99, do_sample=True
+    )
     assert generation_defaults(EngineConfig(device="cpu"), model) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
     assert generation_defaults(EngineConfig(device="cpu", generation_config="vllm"), model) == {}
     elsewhere = with_generation_config(tiny_model_dir("llama"), tmp_path / "other", min_p=0.1)

@@ -58,8 +58,9 @@ def test_gloo_on_an_interface_the_other_hosts_cannot_reach_fails_naming_the_sett
     # `lo` is what a host name resolving to 127.0.1.1 (Debian's default) amounts to: each rank listens where
     # only its own host can connect.
     head = tp_hosts.hosts["head"]
-    report = tp_hosts.driver(head, "tp2_with_ifname", model, "lo", str(RENDEZVOUS_TIMEOUT_S),
-                             timeout_s=DRIVER_TIMEOUT_S)
+    report = tp_hosts.driver(
+        head, "tp2_with_ifname", model, "lo", str(RENDEZVOUS_TIMEOUT_S), timeout_s=DRIVER_TIMEOUT_S
+    )
     assert report["error"] is not None, "the ranks met over loopback across hosts"
     print(f"gloo on lo: failed after {report['elapsed_s']:.1f} s: {report['error']}")
     assert "GLOO_SOCKET_IFNAME=lo" in report["error"] and "Set GLOO_SOCKET_IFNAME" in report["error"]
@@ -70,8 +71,7 @@ def test_gloo_on_an_interface_the_other_hosts_cannot_reach_fails_naming_the_sett
 def test_bad_input_fails_within_placement_timeout_naming_what_is_missing(tp_hosts, tiny_model_dir, case):
     head = tp_hosts.hosts["head"]
     # tp=3 needs a model whose heads split three ways; STRICT_SPREAD then wants 4 hosts, and there are 3.
-    model = tiny_model_dir("llama", hidden_size=96, intermediate_size=192, num_attention_heads=6,
-                           num_key_value_heads=3)
+    model = tiny_model_dir("llama", hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=3)
     address, tp, expected = {
         "no host at the address": (f"{tp_hosts.subnet}.99:6379", 1, f"no Ray head answers at {tp_hosts.subnet}.99"),
         "wrong port": (f"{head.ip}:6380", 1, f"no Ray head answers at {head.ip}:6380"),
@@ -79,10 +79,28 @@ def test_bad_input_fails_within_placement_timeout_naming_what_is_missing(tp_host
     }[case]
     # Bounded: a silent wait instead of the error fails the test by TimeoutExpired (the timeout, plus starting
     # Python and torch).
-    done = subprocess.run(head.cmd(str(VENV_BIN / "raylm"), "generate", "--prompt", "hi", "--model", model,
-                                   "--address", address, "--tensor-parallel-size", str(tp), "--num-threads", "1",
-                                   "--placement-strategy", "STRICT_SPREAD",
-                                   "--placement-timeout-s", str(RENDEZVOUS_TIMEOUT_S)),
-                          capture_output=True, text=True, timeout=RENDEZVOUS_TIMEOUT_S + 30)
+    done = subprocess.run(
+        head.cmd(
+            str(VENV_BIN / "raylm"),
+            "generate",
+            "--prompt",
+            "hi",
+            "--model",
+            model,
+            "--address",
+            address,
+            "--tensor-parallel-size",
+            str(tp),
+            "--num-threads",
+            "1",
+            "--placement-strategy",
+            "STRICT_SPREAD",
+            "--placement-timeout-s",
+            str(RENDEZVOUS_TIMEOUT_S),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=RENDEZVOUS_TIMEOUT_S + 30,
+    )
     assert done.returncode != 0
     assert re.search(expected, done.stderr), done.stderr[-3000:]

@@ -32,8 +32,9 @@ PROMPTS = [torch.randint(3, 256, (n,), generator=_rng).tolist() for n in (5, 19,
 
 
 def config(model: str, **kw) -> EngineConfig:
-    return EngineConfig(model=model, block_size=8, max_model_len=256, max_num_batched_tokens=64,
-                        kv_cache_bytes=1 << 22, **kw)
+    return EngineConfig(
+        model=model, block_size=8, max_model_len=256, max_num_batched_tokens=64, kv_cache_bytes=1 << 22, **kw
+    )
 
 
 def run_to_completion(engine, prompts=PROMPTS, max_tokens=12) -> list[list[int]]:
@@ -63,7 +64,7 @@ def bounded(fn, what: str, timeout_s: float = WAIT_S):
     def target() -> None:
         try:
             result["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+        except BaseException as e:
             result["error"] = e
 
     thread = threading.Thread(target=target, daemon=True)
@@ -205,27 +206,35 @@ def test_a_new_request_joins_the_running_batch_while_others_decode(engine):
             if n == 4 and not late:
                 late.append(asyncio.create_task(consume("C", PROMPTS[0], greedy(3))))
 
-        await asyncio.gather(consume("A", PROMPTS[1], greedy(40), submit_c_after_four),
-                             consume("B", PROMPTS[2], greedy(40)))
+        await asyncio.gather(
+            consume("A", PROMPTS[1], greedy(40), submit_c_after_four), consume("B", PROMPTS[2], greedy(40))
+        )
         await late[0]
 
     asyncio.run(asyncio.wait_for(scenario(), 2 * WAIT_S))
-    after_c = {rid for rid, _ in deltas[deltas.index(("C", True)) + 1:]}
+    after_c = {rid for rid, _ in deltas[deltas.index(("C", True)) + 1 :]}
     assert after_c == {"A", "B"}  # C, arriving while they decode, ran beside them instead of after them
 
 
 def run_mixed(engine, stop: int) -> dict:
     """A mixed batch through the synchronous interface: (tokens, finish reason, logprobs) per sample."""
-    batch = [(PROMPTS[0], greedy(9)), (PROMPTS[1], SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=7)),
-             (PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop])),
-             (PROMPTS[3], greedy(3, presence_penalty=1.0, logprobs=2))]
+    batch = [
+        (PROMPTS[0], greedy(9)),
+        (PROMPTS[1], SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=7)),
+        (PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop])),
+        (PROMPTS[3], greedy(3, presence_penalty=1.0, logprobs=2)),
+    ]
     got: dict = {}
     for i, (prompt, params) in enumerate(batch):
         engine.add_request(f"m{i}", prompt, params)
     while engine.has_unfinished_requests():
         for o in engine.step():
             tokens, _, logprobs = got.get((o.request_id, o.index), ([], None, []))
-            got[(o.request_id, o.index)] = (tokens + o.new_token_ids, o.finish_reason, logprobs + (o.new_logprobs or []))
+            got[(o.request_id, o.index)] = (
+                tokens + o.new_token_ids,
+                o.finish_reason,
+                logprobs + (o.new_logprobs or []),
+            )
     return got
 
 
@@ -238,7 +247,7 @@ def test_async_scheduling_gives_the_serial_loops_outputs_token_for_token(engine,
         serial.shutdown()
     got = run_mixed(engine, stop)
     assert got == expected and len(got) == 5
-    assert got[("m2", 0)][:2] == (reference[2][:reference[2].index(stop) + 1], "stop")
+    assert got[("m2", 0)][:2] == (reference[2][: reference[2].index(stop) + 1], "stop")
     assert is_drained(engine)
 
 
@@ -306,10 +315,13 @@ def test_dead_worker_fails_in_flight_requests_and_health_then_a_new_engine_works
         fresh.shutdown()
 
 
-@pytest.mark.parametrize("overrides, missing", [
-    ({"device": "cuda"}, "GPU: 1"),  # no GPU in the cluster
-    ({"tensor_parallel_size": 2, "num_threads": 4}, "CPU: 1"),  # 1 + 2 * 4 CPUs; the session has 8
-])
+@pytest.mark.parametrize(
+    "overrides, missing",
+    [
+        ({"device": "cuda"}, "GPU: 1"),  # no GPU in the cluster
+        ({"tensor_parallel_size": 2, "num_threads": 4}, "CPU: 1"),  # 1 + 2 * 4 CPUs; the session has 8
+    ],
+)
 def test_unsatisfiable_placement_fails_within_the_timeout_and_cleans_up(llama, overrides, missing):
     before = set(ray.util.placement_group_table())
     with pytest.raises(RuntimeError, match=f"cannot place the engine.*missing: {missing}"):
@@ -320,9 +332,12 @@ def test_unsatisfiable_placement_fails_within_the_timeout_and_cleans_up(llama, o
 
 def test_merge_deltas_folds_each_sample_in_order():
     lp = [SampledLogprobs(-float(i), [i], [-float(i)]) for i in range(4)]
-    deltas = [RequestOutput("r", 0, [1], new_logprobs=[lp[0]]), RequestOutput("r", 1, [7]),
-              RequestOutput("r", 0, [2, 3], new_logprobs=lp[1:3]),
-              RequestOutput("r", 0, [4], finished=True, finish_reason="length", new_logprobs=[lp[3]])]
+    deltas = [
+        RequestOutput("r", 0, [1], new_logprobs=[lp[0]]),
+        RequestOutput("r", 1, [7]),
+        RequestOutput("r", 0, [2, 3], new_logprobs=lp[1:3]),
+        RequestOutput("r", 0, [4], finished=True, finish_reason="length", new_logprobs=[lp[3]]),
+    ]
     first, second = merge_deltas(deltas)
     assert (first.index, first.new_token_ids, first.finished, first.finish_reason) == (0, [1, 2, 3, 4], True, "length")
     assert first.new_logprobs == lp

@@ -31,8 +31,13 @@ ONPREM_YAML = ROOT / "cluster" / "ray_up" / "onprem.yaml"
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
 # The tools the test needs, as `shutil.which` finds them, and the Debian package of each.
-TOOLS = {"/usr/sbin/sshd": "openssh-server", "ssh": "openssh-client", "ssh-keygen": "openssh-client",
-         "rsync": "rsync", "nc": "netcat-openbsd"}
+TOOLS = {
+    "/usr/sbin/sshd": "openssh-server",
+    "ssh": "openssh-client",
+    "ssh-keygen": "openssh-client",
+    "rsync": "rsync",
+    "nc": "netcat-openbsd",
+}
 APT_TIMEOUT_S = 600
 RAY_CLI_TIMEOUT_S = 300  # a `ray up` / `ray exec` that takes longer has hung: fail instead of stalling CI
 
@@ -56,8 +61,11 @@ def test_the_cluster_yamls_are_the_aws_and_on_premises_ones():
     providers = {load(p)["provider"]["type"] for p in CLUSTER_YAMLS}
     assert providers == {"aws", "local"}
     # EC2's g and p families are its GPU instances; the autoscaler may grow them between their bounds.
-    gpu_types = [t for t in load(ROOT / "cluster" / "ray_up" / "aws-gpu.yaml")["available_node_types"].values()
-                 if t["node_config"]["InstanceType"].startswith(("g", "p"))]
+    gpu_types = [
+        t
+        for t in load(ROOT / "cluster" / "ray_up" / "aws-gpu.yaml")["available_node_types"].values()
+        if t["node_config"]["InstanceType"].startswith(("g", "p"))
+    ]
     assert gpu_types and all(t["max_workers"] > t["min_workers"] for t in gpu_types)
 
 
@@ -92,11 +100,14 @@ def install_ssh_tools() -> None:
 
 
 def check_pid_namespaces() -> None:
-    done = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, text=True,
-                          timeout=30)
+    done = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, text=True, timeout=30
+    )
     if done.returncode:
-        pytest.skip(f"cannot start a PID namespace ({done.stderr.strip()}), and outside one the `ray stop` that "
-                    f"`ray down` runs would stop every Ray on this machine")
+        pytest.skip(
+            f"cannot start a PID namespace ({done.stderr.strip()}), and outside one the `ray stop` that "
+            f"`ray down` runs would stop every Ray on this machine"
+        )
 
 
 @pytest.fixture
@@ -117,9 +128,17 @@ def ssh_hosts() -> Iterator[Network]:
         shutil.copy(f"{key}.pub", net.dir / "authorized_keys")
         for h in hosts[:2]:
             (net.dir / f"{h.name}-home").mkdir()
-            net.start_sshd(h, net.dir / "authorized_keys", net.dir / f"{h.name}-home", {
-                "RAY_TMPDIR": str(h.tmp), "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1",
-                "PIP_FIND_LINKS": str(wheels)})
+            net.start_sshd(
+                h,
+                net.dir / "authorized_keys",
+                net.dir / f"{h.name}-home",
+                {
+                    "RAY_TMPDIR": str(h.tmp),
+                    "PIP_CONFIG_FILE": os.devnull,
+                    "PIP_NO_INDEX": "1",
+                    "PIP_FIND_LINKS": str(wheels),
+                },
+            )
         yield net
     finally:
         net.close()
@@ -141,8 +160,13 @@ def ray_cli(net: Network, *args: str) -> str:
     home = net.dir / "client-home"
     home.mkdir(exist_ok=True)
     try:
-        done = subprocess.run(client.cmd(str(VENV_BIN / "ray"), *args, env={"HOME": str(home)}), cwd=ROOT,
-                              capture_output=True, text=True, timeout=RAY_CLI_TIMEOUT_S)
+        done = subprocess.run(
+            client.cmd(str(VENV_BIN / "ray"), *args, env={"HOME": str(home)}),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=RAY_CLI_TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"`ray {args[0]}` took over {RAY_CLI_TIMEOUT_S} s: {e.stdout!r} {e.stderr!r}") from None
     out = (done.stdout + done.stderr).replace("\r\n", "\n")
@@ -172,16 +196,23 @@ def test_ray_up_a_head_and_a_worker_then_generate_across_them_and_down(ssh_hosts
     ray_cli(net, "up", "-y", "--no-config-cache", str(config))
     took("ray up (the head's setup and start)")
     synced = net.dir / "head-home" / "raylm"
-    assert (synced / "cluster" / "serve" / "__init__.py").is_file() and not list(synced.rglob("__pycache__"))  # rsync_exclude
+    assert (synced / "cluster" / "serve" / "__init__.py").is_file() and not list(
+        synced.rglob("__pycache__")
+    )  # rsync_exclude
     # The head's autoscaler runs the worker's setup and start commands over SSH.
     wait_for(lambda: "raylet" in w1.process_names(), "Ray starts on the worker host", RAY_CLI_TIMEOUT_S, every_s=2)
     took("the worker's setup and start")
 
     # STRICT_SPREAD: the scheduler on one host, the rank on the other, so the engine needs the worker to have
     # joined (its placement waits up to placement_timeout_s for it) and spans both hosts.
-    out = ray_cli(net, "exec", str(config), f"raylm generate --address auto --model {quote(default_model_dir)} "
-                                            f"--prompt {quote(PROMPT)} --max-tokens {MAX_TOKENS} "
-                                            f"--placement-strategy STRICT_SPREAD")
+    out = ray_cli(
+        net,
+        "exec",
+        str(config),
+        f"raylm generate --address auto --model {quote(default_model_dir)} "
+        f"--prompt {quote(PROMPT)} --max-tokens {MAX_TOKENS} "
+        f"--placement-strategy STRICT_SPREAD",
+    )
     assert expected in out
     took("ray exec raylm generate")
 

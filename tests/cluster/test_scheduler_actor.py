@@ -71,8 +71,9 @@ async def started_actor(async_scheduling: bool = True, hang_at: int | None = Non
     actor = SchedulerActor([], eos_token_id=None)
     rank = FakeRank(actor, hang_at)
     actor.workers = [rank]
-    await actor.start(scheduler_config(64, block_size=4, max_num_seqs=8), step_timeout_s=0.5,
-                      async_scheduling=async_scheduling)
+    await actor.start(
+        scheduler_config(64, block_size=4, max_num_seqs=8), step_timeout_s=0.5, async_scheduling=async_scheduling
+    )
     return actor, rank
 
 

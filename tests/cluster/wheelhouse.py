@@ -44,14 +44,21 @@ def repack(dist: Distribution, dest: Path) -> Path:
     """Zip one installed distribution back into ``dest`` as a wheel."""
     site = Path(dist.locate_file(""))
     info = site / next(f for f in dist.files if f.name == "METADATA").parent
-    tags = [line.split(":", 1)[1].strip() for line in (info / "WHEEL").read_text().splitlines()
-            if line.startswith("Tag:")]
+    tags = [
+        line.split(":", 1)[1].strip() for line in (info / "WHEEL").read_text().splitlines() if line.startswith("Tag:")
+    ]
     name = re.sub(r"[-_.]+", "_", dist.metadata["Name"])
     # A wheel for several tags names each part's set, dot-joined (py2.py3-none-any).
     tag = "-".join(".".join(dict.fromkeys(t.split("-")[i] for t in tags)) for i in range(3))
     wheel = dest / f"{name}-{dist.version}-{tag}.whl"
-    files = [f for f in dist.files or [] if not str(f).startswith("..") and f.name != "__pycache__"
-             and "__pycache__" not in f.parts and not (f.parent.name == info.name and f.name in INSTALLER_FILES)]
+    files = [
+        f
+        for f in dist.files or []
+        if not str(f).startswith("..")
+        and f.name != "__pycache__"
+        and "__pycache__" not in f.parts
+        and not (f.parent.name == info.name and f.name in INSTALLER_FILES)
+    ]
     record = f"{info.name}/RECORD"
     # Stored, not deflated: this cache lives for one test, and compressing torch would take longer than the install.
     with zipfile.ZipFile(wheel, "w", zipfile.ZIP_STORED) as z:

@@ -15,7 +15,6 @@ import os
 import pytest
 import torch
 
-
 # Without CUDA the modules are not even imported: they import Triton compiled, which would stop the kernel
 # tests of the CPU suite from running it under its interpreter.
 collect_ignore_glob = [] if torch.cuda.is_available() else ["test_*.py"]

@@ -23,6 +23,7 @@ def backends():
     functions = load_flash_attn()
     if functions is not None:
         from kernels.flash_attention import FlashAttnBackend
+
         yield "flash_attn", FlashAttnBackend(*functions, fallback=TritonBackend())
 
 
@@ -40,8 +41,9 @@ def test_paged_attention_against_float64(case, group, head_dim, dtype):
     scale = head_dim**-0.5
     for name, backend in backends():
         block_size = PAGE_BLOCK_MULTIPLE if name == "flash_attn" else 16
-        batch = make_batch(q_lens, seq_lens, block_size=block_size, kv_heads=2, group=group, head_dim=head_dim,
-                           dtype=dtype).to("cuda")
+        batch = make_batch(
+            q_lens, seq_lens, block_size=block_size, kv_heads=2, group=group, head_dim=head_dim, dtype=dtype
+        ).to("cuda")
         out = backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(backend), scale)
         error = float((out.double() - float64_reference(batch, scale)).abs().max())
         assert error <= TOLERANCE[dtype], f"{name}: max error {error:.3g}"
@@ -51,8 +53,9 @@ def test_triton_compiles_once_across_table_widths():
     backend = TritonBackend()
     sizes = []
     for width in (15, 16, 17, 32):  # 16 and 32: widths divisible by 16, which Triton would specialise on
-        batch = make_batch([1, 1], [20, 33], block_size=16, kv_heads=2, group=4, head_dim=64,
-                           dtype=torch.bfloat16).to("cuda")
+        batch = make_batch([1, 1], [20, 33], block_size=16, kv_heads=2, group=4, head_dim=64, dtype=torch.bfloat16).to(
+            "cuda"
+        )
         tables = torch.zeros(2, width, dtype=torch.int32, device="cuda")
         tables[:, : batch.block_tables.shape[1]] = batch.block_tables
         batch = dataclasses.replace(batch, block_tables=tables)

@@ -21,9 +21,15 @@ def hf_greedy(path: str, ids: list[list[int]], new_tokens: int, dtype: torch.dty
     with torch.inference_mode():
         for p in ids:
             x = torch.tensor([p], device="cuda")
-            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)
-            outs.append(y[0, len(p):].tolist())
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            outs.append(y[0, len(p) :].tolist())
     return outs
 
 
@@ -71,9 +77,22 @@ def test_default_model_matches_transformers_in_fp32_and_bf16_divergence_is_repor
 def test_256_rows_of_every_sampling_feature_fit_at_utilization_0_9(default_model_dir):
     engine = cuda_engine(default_model_dir, gpu_memory_utilization=0.9, max_num_seqs=256)
     total = torch.cuda.mem_get_info()[1]
-    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.02, repetition_penalty=1.1,
-                             presence_penalty=0.3, frequency_penalty=0.3, logprobs=5, max_tokens=48, ignore_eos=True,
-                             seed=i) for i in range(256)]
+    params = [
+        SamplingParams(
+            temperature=0.8,
+            top_p=0.9,
+            top_k=40,
+            min_p=0.02,
+            repetition_penalty=1.1,
+            presence_penalty=0.3,
+            frequency_penalty=0.3,
+            logprobs=5,
+            max_tokens=48,
+            ignore_eos=True,
+            seed=i,
+        )
+        for i in range(256)
+    ]
     torch.cuda.reset_peak_memory_stats()
     outs = run(engine, prompts(256), params)
     assert all(len(o) == 48 for o in outs)
@@ -86,6 +105,7 @@ def test_256_rows_of_every_sampling_feature_fit_at_utilization_0_9(default_model
 def test_graph_decode_equals_eager_decode(default_model_dir, backend):
     if backend == "flash_attn":
         from kernels.flash_attention import load_flash_attn
+
         if load_flash_attn() is None:
             pytest.skip("flash_attn is not installed")
     ids = prompts(37)  # decode batches of 37 down to 1: padded to 40, 32, ... and run by graphs
@@ -106,8 +126,9 @@ def test_graph_decode_equals_eager_decode(default_model_dir, backend):
 
 def test_a_decode_step_makes_no_hidden_host_sync(default_model_dir):
     engine = cuda_engine(default_model_dir)
-    params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=20, repetition_penalty=1.2, max_tokens=6,
-                             ignore_eos=True)] * 4
+    params = [
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=20, repetition_penalty=1.2, max_tokens=6, ignore_eos=True)
+    ] * 4
     for i, p in enumerate(prompts(4)):
         engine.add_request(str(i), p, params[i])
     engine.step()  # prefill

@@ -9,8 +9,16 @@ from workers.cache_engine import CacheEngine
 
 
 def test_kv_bytes_identical_after_a_round_trip_through_pinned_memory():
-    cache = CacheEngine(num_layers=3, num_blocks=8, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
-                        device=torch.device("cuda"), num_host_blocks=6)
+    cache = CacheEngine(
+        num_layers=3,
+        num_blocks=8,
+        block_size=16,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        device=torch.device("cuda"),
+        num_host_blocks=6,
+    )
     assert cache.host_cache.is_pinned() and cache.host_cache.device.type == "cpu"
     cache.kv_cache.copy_(torch.randn(cache.kv_cache.shape, device="cuda").to(torch.bfloat16))
     original = cache.kv_cache.clone()

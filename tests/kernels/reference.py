@@ -30,14 +30,28 @@ class Batch:
 
     def metadata(self, backend: AttentionBackend) -> AttentionMetadata:
         q_lens = self.query_start_loc.diff()
-        return AttentionMetadata.build(query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
-                                       block_tables=self.block_tables, slot_mapping=self.slot_mapping,
-                                       max_query_len=int(q_lens.max()), max_seq_len=int(self.seq_lens.max()),
-                                       backend=backend)
+        return AttentionMetadata.build(
+            query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens,
+            block_tables=self.block_tables,
+            slot_mapping=self.slot_mapping,
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(self.seq_lens.max()),
+            backend=backend,
+        )
 
 
-def make_batch(q_lens: list[int], seq_lens: list[int], *, block_size: int, kv_heads: int, group: int,
-               head_dim: int = 32, dtype: torch.dtype = torch.float32, seed: int = 0) -> Batch:
+def make_batch(
+    q_lens: list[int],
+    seq_lens: list[int],
+    *,
+    block_size: int,
+    kv_heads: int,
+    group: int,
+    head_dim: int = 32,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Batch:
     """Blocks are shuffled over a cache with spare blocks; tables have a spare zero column."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_req = [-(-s // block_size) for s in seq_lens]
@@ -52,12 +66,17 @@ def make_batch(q_lens: list[int], seq_lens: list[int], *, block_size: int, kv_he
         ids = ids[n:]
         owned = [slot_of(tables[b], p, block_size) for p in range(seq_len)]
         flat[:, owned] = torch.randn(2, seq_len, kv_heads, head_dim, generator=gen)
-        slots += owned[seq_len - q_len:]
+        slots += owned[seq_len - q_len :]
     q = torch.randn(sum(q_lens), kv_heads * group, head_dim, generator=gen)
     query_start_loc = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    return Batch(q=q.to(dtype), kv_cache=kv_cache.to(dtype), query_start_loc=query_start_loc,
-                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
-                 slot_mapping=torch.tensor(slots, dtype=torch.int64))
+    return Batch(
+        q=q.to(dtype),
+        kv_cache=kv_cache.to(dtype),
+        query_start_loc=query_start_loc,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+    )
 
 
 def slot_of(table: torch.Tensor, position: int, block_size: int) -> int:

@@ -39,9 +39,24 @@ def _check_paged_inputs(q, k_cache, v_cache, block_table):
     assert block_table.dtype == torch.int32 and block_table.stride(-1) == 1
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                           alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
     assert block_table is not None, "this stand-in models the paged form only"
     assert (dropout_p, window_size, softcap, alibi_slopes, return_attn_probs) == (0.0, (-1, -1), 0.0, None, False)
     _check_paged_inputs(q, k, v, block_table)
@@ -52,22 +67,47 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     assert max_seqlen_q >= max(q_lens) and max_seqlen_k >= max(k_lens)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     starts = cu_seqlens_q.tolist()
-    return torch.cat([_attend_paged(q[starts[b]:starts[b + 1]], k, v, block_table[b], k_lens[b], scale, causal)
-                      for b in range(len(q_lens))])
+    return torch.cat(
+        [
+            _attend_paged(q[starts[b] : starts[b + 1]], k, v, block_table[b], k_lens[b], scale, causal)
+            for b in range(len(q_lens))
+        ]
+    )
 
 
-def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
-                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
     assert block_table is not None, "this stand-in models the paged form only"
     assert (k, v, rotary_cos, cache_batch_idx, cache_leftpad, alibi_slopes) == (None,) * 6
     assert (window_size, softcap, return_softmax_lse) == ((-1, -1), 0.0, False)
     _check_paged_inputs(q, k_cache, v_cache, block_table)
     assert q.dim() == 4 and cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (q.shape[0],)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    return torch.stack([_attend_paged(q[b], k_cache, v_cache, block_table[b], int(cache_seqlens[b]), scale, causal)
-                        for b in range(q.shape[0])])
+    return torch.stack(
+        [
+            _attend_paged(q[b], k_cache, v_cache, block_table[b], int(cache_seqlens[b]), scale, causal)
+            for b in range(q.shape[0])
+        ]
+    )
 
 
 class Calls:
@@ -80,6 +120,7 @@ class Calls:
         def recorded(*args, **kwargs):
             self.names.append(fn.__name__)
             return fn(*args, **kwargs)
+
         return recorded
 
 
@@ -105,8 +146,9 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_paged_attention_matches_reference_through_flash_attn(backend, calls, case, kv_heads, group):
     q_lens, seq_lens, expected_call = CASES[case]
-    batch = make_batch(q_lens, seq_lens, block_size=PAGE_BLOCK_MULTIPLE, kv_heads=kv_heads, group=group,
-                       dtype=torch.float16)
+    batch = make_batch(
+        q_lens, seq_lens, block_size=PAGE_BLOCK_MULTIPLE, kv_heads=kv_heads, group=group, dtype=torch.float16
+    )
     out = backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(backend), SCALE)
     assert calls.names == [expected_call] and out.dtype == torch.float16
     # fp16 inputs are exact in float64; the 2e-3 allowance is fp16 rounding of the output.
@@ -132,10 +174,19 @@ def test_store_kv_goes_to_the_fallback(backend):
     assert torch.equal(batch.kv_cache[1].view(-1, 1, 32)[batch.slot_mapping], v)
 
 
-@pytest.mark.parametrize("version,supported", [
-    ("2.8.3", True), ("2.6.0", True), ("2.7.4.post1", True), ("2.8.3.post1", True),
-    ("2.9.0", False), ("2.5.9", False), ("3.0.0b1", False), ("unknown", False),
-])
+@pytest.mark.parametrize(
+    "version,supported",
+    [
+        ("2.8.3", True),
+        ("2.6.0", True),
+        ("2.7.4.post1", True),
+        ("2.8.3.post1", True),
+        ("2.9.0", False),
+        ("2.5.9", False),
+        ("3.0.0b1", False),
+        ("unknown", False),
+    ],
+)
 def test_only_reviewed_flash_attn_versions_are_supported(version, supported):
     from kernels.flash_attention import version_supported
 

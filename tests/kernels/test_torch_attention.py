@@ -80,8 +80,9 @@ def test_store_kv_writes_exactly_the_named_slots():
     layer = engine_cache[:, 1]  # the view the model hands over: not contiguous across keys/values
     slots = torch.tensor([5, 4, 22, 9, 23, 12])
     qkv = torch.randn(len(slots), 3 * kv_heads * head_dim)  # k and v are strided views, as in the model
-    k, v = (qkv[:, i * kv_heads * head_dim:(i + 1) * kv_heads * head_dim].view(-1, kv_heads, head_dim)
-            for i in (1, 2))
+    k, v = (
+        qkv[:, i * kv_heads * head_dim : (i + 1) * kv_heads * head_dim].view(-1, kv_heads, head_dim) for i in (1, 2)
+    )
     TorchBackend().store_kv(k, v, layer, slots)
 
     expected = torch.full_like(engine_cache, POISON)

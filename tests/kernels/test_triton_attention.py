@@ -11,8 +11,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
     # @triton.jit reads this when it decorates, triton's own library included, so it must be set
     # before triton's first import; on CPU nothing else in the suite uses triton.
-    assert "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1", \
+    assert "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1", (
         "triton was imported before TRITON_INTERPRET=1 was set: run with TRITON_INTERPRET=1 in the environment"
+    )
     os.environ["TRITON_INTERPRET"] = "1"
 
 from kernels import TorchBackend, default_block_size, flash_attention, select_backend  # noqa: E402
@@ -63,8 +64,9 @@ def test_long_decodes_take_the_split_path_and_match_unsplit(monkeypatch):
     assert calls == [4] and float((out - whole).abs().max()) <= 1e-5
 
 
-@pytest.mark.parametrize("max_seq_len,splits", [(513, 2), (1024, 2), (1025, 4), (2048, 4), (2049, 8), (9000, 32),
-                                                (131072, 256)])
+@pytest.mark.parametrize(
+    "max_seq_len,splits", [(513, 2), (1024, 2), (1025, 4), (2048, 4), (2049, 8), (9000, 32), (131072, 256)]
+)
 def test_split_count_is_bucketed_to_a_power_of_two(max_seq_len, splits):
     from kernels.triton_attention import split_count
 
@@ -113,12 +115,17 @@ def test_store_kv_matches_torch_path_and_touches_nothing_else():
 FLASH_STAND_INS = (lambda *args, **kwargs: None, lambda *args, **kwargs: None)
 
 
-@pytest.mark.parametrize("flash_attn_imports,block_size,dtype,expected", [
-    (True, None, None, FlashAttnBackend), (True, 256, torch.bfloat16, FlashAttnBackend),
-    (True, 16, None, TritonBackend), (True, 256, torch.float32, TritonBackend),
-    (True, None, torch.float32, TritonBackend),
-    (False, None, None, TritonBackend),
-])
+@pytest.mark.parametrize(
+    "flash_attn_imports,block_size,dtype,expected",
+    [
+        (True, None, None, FlashAttnBackend),
+        (True, 256, torch.bfloat16, FlashAttnBackend),
+        (True, 16, None, TritonBackend),
+        (True, 256, torch.float32, TritonBackend),
+        (True, None, torch.float32, TritonBackend),
+        (False, None, None, TritonBackend),
+    ],
+)
 def test_auto_on_cuda_prefers_flash_attn_then_triton(monkeypatch, flash_attn_imports, block_size, dtype, expected):
     monkeypatch.setattr(flash_attention, "load_flash_attn", lambda: FLASH_STAND_INS if flash_attn_imports else None)
     backend = select_backend("auto", "cuda", block_size=block_size, dtype=dtype)
@@ -133,13 +140,21 @@ def test_flash_attn_on_cuda_without_the_package_is_refused(monkeypatch):
     assert isinstance(select_backend("triton", "cuda"), TritonBackend)
 
 
-@pytest.mark.parametrize("name,device,dtype,flash_attn_imports,expected", [
-    ("auto", "cuda", None, True, 256), ("auto", "cuda", torch.bfloat16, True, 256),
-    ("auto", "cuda", torch.float32, True, 16), ("auto", "cuda", None, False, 16),
-    ("flash_attn", "cuda", None, False, 256), ("triton", "cuda", None, True, 16), ("auto", "cpu", None, True, 16),
-])
-def test_default_block_size_suits_the_backend_auto_picks(monkeypatch, name, device, dtype, flash_attn_imports,
-                                                          expected):
+@pytest.mark.parametrize(
+    "name,device,dtype,flash_attn_imports,expected",
+    [
+        ("auto", "cuda", None, True, 256),
+        ("auto", "cuda", torch.bfloat16, True, 256),
+        ("auto", "cuda", torch.float32, True, 16),
+        ("auto", "cuda", None, False, 16),
+        ("flash_attn", "cuda", None, False, 256),
+        ("triton", "cuda", None, True, 16),
+        ("auto", "cpu", None, True, 16),
+    ],
+)
+def test_default_block_size_suits_the_backend_auto_picks(
+    monkeypatch, name, device, dtype, flash_attn_imports, expected
+):
     monkeypatch.setattr(flash_attention, "load_flash_attn", lambda: FLASH_STAND_INS if flash_attn_imports else None)
     assert default_block_size(name, device, dtype) == expected
     if name == "auto":

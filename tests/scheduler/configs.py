@@ -3,9 +3,19 @@ it in an engine), so these are the tests' own, with the engine's values where a 
 
 from scheduler import SchedulerConfig
 
-TEST_DEFAULTS = dict(block_size=16, max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=2048,
-                     long_prefill_token_threshold=0, enable_prefix_caching=True, enable_chunked_prefill=True,
-                     policy="fcfs", num_host_blocks=0, preemption_mode="auto", swap_cost_per_block=1.0)
+TEST_DEFAULTS = dict(
+    block_size=16,
+    max_model_len=2048,
+    max_num_seqs=256,
+    max_num_batched_tokens=2048,
+    long_prefill_token_threshold=0,
+    enable_prefix_caching=True,
+    enable_chunked_prefill=True,
+    policy="fcfs",
+    num_host_blocks=0,
+    preemption_mode="auto",
+    swap_cost_per_block=1.0,
+)
 
 
 def scheduler_config(num_blocks: int, **overrides) -> SchedulerConfig:

@@ -25,8 +25,15 @@ class FakeState:
 
 
 class FakeWorker:
-    def __init__(self, block_size: int, num_blocks: int, vocab_size: int = 1000, eos_token_id: int | None = None,
-                 eos_every: int = 0, num_host_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks: int,
+        vocab_size: int = 1000,
+        eos_token_id: int | None = None,
+        eos_every: int = 0,
+        num_host_blocks: int = 0,
+    ) -> None:
         self.block_size = block_size
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.host: list[list[int | None]] = [[None] * block_size for _ in range(num_host_blocks)]
@@ -58,8 +65,9 @@ class FakeWorker:
             self.states[rid].parked = True
         for new in so.scheduled_new_reqs:
             assert new.req_id not in self.states, f"{new.req_id} sent as new twice"
-            self.states[new.req_id] = FakeState(list(new.prompt_token_ids), list(new.block_ids),
-                                                new.num_computed_tokens)
+            self.states[new.req_id] = FakeState(
+                list(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens
+            )
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             st = self.states[rid]
@@ -97,4 +105,5 @@ class FakeWorker:
             blk, off = st.block_ids[pos // self.block_size], pos % self.block_size
             assert blk != 0, f"{rid} reads the null block"
             assert self.kv[blk][off] == st.token_ids[pos], (
-                f"{rid}: KV at position {pos} (block {blk}) holds {self.kv[blk][off]}, expected {st.token_ids[pos]}")
+                f"{rid}: KV at position {pos} (block {blk}) holds {self.kv[blk][off]}, expected {st.token_ids[pos]}"
+            )

@@ -10,8 +10,9 @@ from tests.scheduler.test_scheduler import EOS, params, run_all, step
 
 def make(num_blocks=10, block_size=4, num_host_blocks=32, **kw) -> tuple[Scheduler, FakeWorker]:
     cfg = scheduler_config(num_blocks, block_size=block_size, num_host_blocks=num_host_blocks, **kw)
-    return Scheduler(cfg, eos_token_id=EOS), FakeWorker(block_size, num_blocks, eos_token_id=EOS,
-                                                        num_host_blocks=num_host_blocks)
+    return Scheduler(cfg, eos_token_id=EOS), FakeWorker(
+        block_size, num_blocks, eos_token_id=EOS, num_host_blocks=num_host_blocks
+    )
 
 
 def collect(got: dict, outs) -> None:
@@ -121,4 +122,3 @@ def test_evicted_prefix_comes_back_from_the_host_tier():
     # the copied-back blocks are device cache entries again once the step returned
     assert all(sched.kv.block_pool.get_cached_block(h) is not None for h in again.block_hashes[:3])
     run_all(sched, worker)
-

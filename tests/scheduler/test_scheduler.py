@@ -51,27 +51,53 @@ def test_scheduler_package_never_imports_torch():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
 
 
-@pytest.mark.parametrize("kw, field", [
-    ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -2}, "top_k"), ({"top_k": 0}, "top_k"), ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n"),
-    ({"min_p": 1.5}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
-    ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"), ({"logprobs": 21}, "logprobs"),
-    ({"stop_token_ids": [-1]}, "stop_token_ids"),
-    # wrong types and non-finite values: ValueError here, not a TypeError or NaN later in the sampler
-    ({"temperature": float("inf")}, "temperature"), ({"temperature": float("nan")}, "temperature"),
-    ({"temperature": "0.5"}, "temperature"), ({"temperature": True}, "temperature"),
-    ({"temperature": 10**400}, "temperature"), ({"top_p": None}, "top_p"), ({"min_p": "0"}, "min_p"),
-    ({"repetition_penalty": float("inf")}, "repetition_penalty"), ({"presence_penalty": False}, "presence_penalty"),
-    ({"frequency_penalty": float("nan")}, "frequency_penalty"),
-    ({"max_tokens": True}, "max_tokens"), ({"max_tokens": 4.0}, "max_tokens"), ({"min_tokens": "1"}, "min_tokens"),
-    ({"n": 2.0}, "n"), ({"top_k": None}, "top_k"), ({"logprobs": True}, "logprobs"), ({"logprobs": 1.0}, "logprobs"),
-    ({"seed": "1"}, "seed"), ({"seed": 1.0}, "seed"), ({"seed": True}, "seed"),
-    ({"seed": 2**64}, "seed"), ({"seed": -2**63 - 1}, "seed"),
-    ({"stop_token_ids": 5}, "stop_token_ids"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
-    ({"stop_token_ids": [True]}, "stop_token_ids"), ({"stop_token_ids": None}, "stop_token_ids"),
-    ({"ignore_eos": "no"}, "ignore_eos"),
-])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_k": 0}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        # wrong types and non-finite values: ValueError here, not a TypeError or NaN later in the sampler
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"temperature": 10**400}, "temperature"),
+        ({"top_p": None}, "top_p"),
+        ({"min_p": "0"}, "min_p"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"presence_penalty": False}, "presence_penalty"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_tokens": 4.0}, "max_tokens"),
+        ({"min_tokens": "1"}, "min_tokens"),
+        ({"n": 2.0}, "n"),
+        ({"top_k": None}, "top_k"),
+        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": 1.0}, "logprobs"),
+        ({"seed": "1"}, "seed"),
+        ({"seed": 1.0}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+        ({"stop_token_ids": [True]}, "stop_token_ids"),
+        ({"stop_token_ids": None}, "stop_token_ids"),
+        ({"ignore_eos": "no"}, "ignore_eos"),
+    ],
+)
 def test_sampling_params_reject_bad_values_naming_the_field(kw, field):
     (value,) = [v for k, v in kw.items() if k == field]
     with pytest.raises(ValueError, match=f"^{field}=") as e:
@@ -82,7 +108,7 @@ def test_sampling_params_reject_bad_values_naming_the_field(kw, field):
 def test_sampling_params_accept_the_edges_of_their_ranges():
     p = SamplingParams(temperature=2, top_p=1, repetition_penalty=3, seed=2**64 - 1, stop_token_ids=(5,))
     assert p.temperature == 2.0 and type(p.temperature) is float and p.stop_token_ids == [5]
-    assert SamplingParams(seed=-2**63).seed == -2**63  # torch.Generator.manual_seed's range
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)  # torch.Generator.manual_seed's range
     # Below 1e-5 a temperature would overflow the logits it divides: such rows are greedy, as in vLLM.
     assert SamplingParams(temperature=1e-30).greedy and SamplingParams(temperature=9e-6).greedy
     assert not SamplingParams(temperature=1e-5).greedy
@@ -326,11 +352,14 @@ def test_infeasible_requests_finish_at_once_with_a_reason():
     assert run_all(sched, worker)[("fits", 0)][1] == "length"
 
 
-@pytest.mark.parametrize("kw, expect_len, reason", [
-    ({"ignore_eos": False}, 6, "stop"),  # the fake model emits EOS at history length 10: output 6
-    ({"ignore_eos": True}, 8, "length"),
-    ({"ignore_eos": False, "min_tokens": 7}, 8, "length"),  # EOS before min_tokens does not stop
-])
+@pytest.mark.parametrize(
+    "kw, expect_len, reason",
+    [
+        ({"ignore_eos": False}, 6, "stop"),  # the fake model emits EOS at history length 10: output 6
+        ({"ignore_eos": True}, 8, "length"),
+        ({"ignore_eos": False, "min_tokens": 7}, 8, "length"),  # EOS before min_tokens does not stop
+    ],
+)
 def test_stop_rules(kw, expect_len, reason):
     sched = Scheduler(scheduler_config(64, block_size=4), eos_token_id=EOS)
     worker = FakeWorker(4, 64, eos_token_id=EOS, eos_every=10)

@@ -31,10 +31,15 @@ EOS = 3
 
 # An id is fresh ("new"), an earlier caller's ("reuse"), or an earlier caller's first child id ("child").
 caller_ids = st.tuples(st.sampled_from(["new", "new", "reuse", "child"]), st.integers(0, 5))
-adds = st.tuples(st.just("add"), st.integers(0, 3),
-                 st.one_of(*[st.integers(1, 30)] * 5, st.just(MAX_MODEL_LEN)),  # sometimes too long for the model
-                 st.one_of(*[st.integers(1, 12)] * 5, st.just(60)),  # sometimes too many blocks for the pool
-                 st.integers(1, 3), st.integers(0, 2), caller_ids)
+adds = st.tuples(
+    st.just("add"),
+    st.integers(0, 3),
+    st.one_of(*[st.integers(1, 30)] * 5, st.just(MAX_MODEL_LEN)),  # sometimes too long for the model
+    st.one_of(*[st.integers(1, 12)] * 5, st.just(60)),  # sometimes too many blocks for the pool
+    st.integers(1, 3),
+    st.integers(0, 2),
+    caller_ids,
+)
 aborts = st.tuples(st.just("abort"), caller_ids)
 steps = st.tuples(st.just("step"), st.lists(st.one_of(adds, aborts), max_size=2))
 ops = st.one_of(adds, adds, aborts, steps, steps)
@@ -60,7 +65,9 @@ def check_invariants(sched: Scheduler) -> None:
     kv = sched.kv
     pool = kv.block_pool
     check_pool(pool)
-    assert not kv.held and not kv.blocks_to_swap_out and not kv.blocks_to_swap_in  # a step's copies all went out with it
+    assert (
+        not kv.held and not kv.blocks_to_swap_out and not kv.blocks_to_swap_in
+    )  # a step's copies all went out with it
     host_refs = Counter(b.block_id for blocks in kv.req_to_host_blocks.values() for b in blocks)
     if kv.host_pool is not None:
         check_pool(kv.host_pool)
@@ -72,7 +79,7 @@ def check_invariants(sched: Scheduler) -> None:
         assert r.status == RequestStatus.PREEMPTED and r not in sched.waiting
         assert 0 < r.num_computed_tokens <= len(kv.req_to_host_blocks[r.request_id]) * BLOCK
     refs = Counter()
-    for rid, blocks in sched.kv.req_to_blocks.items():
+    for _rid, blocks in sched.kv.req_to_blocks.items():
         for b in blocks:
             refs[b.block_id] += 1
     for r in sched.running:
@@ -93,7 +100,7 @@ def check_contents(sched: Scheduler, worker: FakeWorker, block_tokens: dict, req
     final token completed, in the same update)."""
     for r in requests:
         for i, h in enumerate(r.block_hashes):
-            block_tokens[h] = r.all_token_ids[i * BLOCK:(i + 1) * BLOCK]
+            block_tokens[h] = r.all_token_ids[i * BLOCK : (i + 1) * BLOCK]
     tiers = [(sched.kv.block_pool, worker.kv), (sched.kv.host_pool, worker.host)]
     for pool, content in tiers:
         for b in pool.blocks[1:] if pool is not None else ():
@@ -102,22 +109,47 @@ def check_contents(sched: Scheduler, worker: FakeWorker, block_tokens: dict, req
 
 
 # host tier: (host blocks, preemption mode, swap cost per block); the first is today's engine
-tiers = st.sampled_from([(0, "auto", 1.0), (0, "recompute", 1.0), (6, "swap", 1.0), (24, "swap", 1.0),
-                         (24, "auto", 0.5), (24, "auto", 3.0), (24, "recompute", 1.0)])
+tiers = st.sampled_from(
+    [
+        (0, "auto", 1.0),
+        (0, "recompute", 1.0),
+        (6, "swap", 1.0),
+        (24, "swap", 1.0),
+        (24, "auto", 0.5),
+        (24, "auto", 3.0),
+        (24, "recompute", 1.0),
+    ]
+)
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(history=st.lists(ops, min_size=15, max_size=60), policy=st.sampled_from(["fcfs", "priority"]),
-       caching=st.booleans(), threshold=st.sampled_from([0, 5]), tier=tiers, pipelined=st.booleans())
+@given(
+    history=st.lists(ops, min_size=15, max_size=60),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    caching=st.booleans(),
+    threshold=st.sampled_from([0, 5]),
+    tier=tiers,
+    pipelined=st.booleans(),
+)
 def test_random_histories_keep_the_pool_consistent(history, policy, caching, threshold, tier, pipelined):
     num_host_blocks, mode, swap_cost = tier
-    cfg = scheduler_config(NUM_BLOCKS, block_size=BLOCK, max_model_len=MAX_MODEL_LEN, max_num_seqs=6,
-                          max_num_batched_tokens=24, long_prefill_token_threshold=threshold,
-                          enable_prefix_caching=caching, policy=policy, num_host_blocks=num_host_blocks,
-                          preemption_mode=mode, swap_cost_per_block=swap_cost)
+    cfg = scheduler_config(
+        NUM_BLOCKS,
+        block_size=BLOCK,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=6,
+        max_num_batched_tokens=24,
+        long_prefill_token_threshold=threshold,
+        enable_prefix_caching=caching,
+        policy=policy,
+        num_host_blocks=num_host_blocks,
+        preemption_mode=mode,
+        swap_cost_per_block=swap_cost,
+    )
     sched = Scheduler(cfg, eos_token_id=EOS)
-    worker = FakeWorker(BLOCK, NUM_BLOCKS, vocab_size=50, eos_token_id=EOS, eos_every=11,
-                        num_host_blocks=num_host_blocks)
+    worker = FakeWorker(
+        BLOCK, NUM_BLOCKS, vocab_size=50, eos_token_id=EOS, eos_every=11, num_host_blocks=num_host_blocks
+    )
     block_tokens: dict = {}
     admitted: list = []
     prefixes = [[7] * 8, [9] * 8, [7] * 4 + [9] * 4, []]

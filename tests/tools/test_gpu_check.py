@@ -18,8 +18,19 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 # The GPU machine's packages that raylm's GPU path uses (docs/gpu.md), pinned where raylm pins them.
-GPU_MACHINE = ("torch==2.13.0", "triton==3.9.0", "transformers==5.23.0", "numpy", "xxhash==4.1.0",
-               "safetensors==0.8.0", "tokenizers", "jinja2", "tqdm", "pytest", "hypothesis")
+GPU_MACHINE = (
+    "torch==2.13.0",
+    "triton==3.9.0",
+    "transformers==5.23.0",
+    "numpy",
+    "xxhash==4.1.0",
+    "safetensors==0.8.0",
+    "tokenizers",
+    "jinja2",
+    "tqdm",
+    "pytest",
+    "hypothesis",
+)
 # What the GPU machine lacks though some package above pulls it in here (typer, for huggingface_hub's CLI,
 # needs pydantic): removed again, so that only the prepared wheels can provide them.
 ABSENT = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection")
@@ -61,19 +72,52 @@ def gpu_machine_venv() -> Path:
 def test_the_gpu_check_runs_its_cpu_phases_with_only_the_gpu_machines_packages(tmp_path):
     python = str(gpu_machine_venv() / "bin" / "python")
     probe = "import importlib.util, sys; print(' '.join(n for n in sys.argv[1:] if importlib.util.find_spec(n)))"
-    present = subprocess.run([python, "-c", probe, *NEVER_THERE], capture_output=True, text=True, check=True,
-                             env={**os.environ, "PYTHONPATH": ""}).stdout.split()
+    present = subprocess.run(
+        [python, "-c", probe, *NEVER_THERE],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": ""},
+    ).stdout.split()
     assert present == [], f"the simulated GPU machine has {present}, which the real one lacks"
 
     prepared = tmp_path / "prepared"
     # Wheels for this Python (the real run prepares cp312's for the GPU machine's 3.12).
-    subprocess.run([sys.executable, "tools/gpu_check.py", "--prepare", "--dir", str(prepared), "--python-version",
-                    f"{sys.version_info.major}.{sys.version_info.minor}"], cwd=REPO, check=True, timeout=300,
-                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    subprocess.run(
+        [
+            sys.executable,
+            "tools/gpu_check.py",
+            "--prepare",
+            "--dir",
+            str(prepared),
+            "--python-version",
+            f"{sys.version_info.major}.{sys.version_info.minor}",
+        ],
+        cwd=REPO,
+        check=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     out = tmp_path / "out"
-    run = subprocess.run([python, "tools/gpu_check.py", "--dir", str(prepared), "--out", str(out), "--device", "cpu",
-                          "--work", str(tmp_path / "work")], cwd=REPO, capture_output=True, text=True, timeout=600,
-                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    run = subprocess.run(
+        [
+            python,
+            "tools/gpu_check.py",
+            "--dir",
+            str(prepared),
+            "--out",
+            str(out),
+            "--device",
+            "cpu",
+            "--work",
+            str(tmp_path / "work"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
     summary = (out / "summary.md").read_text()
     assert run.returncode == 0, summary
     for phase in ("install", "imports", "model", "tests", "bench"):

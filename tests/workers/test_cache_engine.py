@@ -7,8 +7,16 @@ from workers.cache_engine import CacheEngine, check_swap_space, host_memory_avai
 
 
 def engine(num_host_blocks=6, dtype=torch.bfloat16) -> CacheEngine:
-    cache = CacheEngine(num_layers=3, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype,
-                        device=torch.device("cpu"), num_host_blocks=num_host_blocks)
+    cache = CacheEngine(
+        num_layers=3,
+        num_blocks=8,
+        block_size=4,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype=dtype,
+        device=torch.device("cpu"),
+        num_host_blocks=num_host_blocks,
+    )
     cache.kv_cache.copy_(torch.randn(cache.kv_cache.shape).to(dtype))
     return cache
 
@@ -38,13 +46,17 @@ def test_swap_out_reads_a_block_before_the_same_steps_swap_in_overwrites_it():
 
 def test_swap_space_larger_than_the_host_is_refused_naming_the_memory():
     check_swap_space(1 << 20)
-    with pytest.raises(ValueError, match=r"swap_space_bytes=\d+ takes \d+ bytes: more than this host can give, "
-                                         r"\d+ bytes"):
+    with pytest.raises(
+        ValueError,
+        match=r"swap_space_bytes=\d+ takes \d+ bytes: more than this host can give, "
+        r"\d+ bytes",
+    ):
         check_swap_space(host_memory_available() * 2)
 
 
-@pytest.mark.parametrize("nbytes,pinned", [(0, 0), (1, 1), (4096, 4096), (4097, 8192), (40 << 30, 64 << 30),
-                                           ((1 << 30) + 1, 2 << 30)])
+@pytest.mark.parametrize(
+    "nbytes,pinned", [(0, 0), (1, 1), (4096, 4096), (4097, 8192), (40 << 30, 64 << 30), ((1 << 30) + 1, 2 << 30)]
+)
 def test_pinned_size_is_the_next_power_of_two(nbytes, pinned):
     assert pinned_bytes(nbytes) == pinned
 

@@ -8,6 +8,7 @@ import pytest
 from tests.hub_cache import COMMIT, put_in_hub_cache
 from workers.hub import resolve_model
 
+
 @pytest.fixture
 def offline_hub(tmp_path, monkeypatch):
     """An HF_HOME of the test's own, offline; huggingface_hub reads both when it is imported, so its constants

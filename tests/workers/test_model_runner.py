@@ -6,8 +6,8 @@ from collections import deque
 import torch
 
 from cluster import EngineConfig, SamplingParams
-from scheduler import StructuredOutputsParams
 from cluster.engine.inprocess import InProcessEngine
+from scheduler import StructuredOutputsParams
 
 
 def run(engine: InProcessEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
@@ -60,9 +60,16 @@ def test_repetition_penalty_matches_transformers_across_steps_and_reused_rows(ti
     with torch.inference_mode():
         for p in ids:
             x = torch.tensor([p])
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False,
-                                 repetition_penalty=1.8, eos_token_id=None, pad_token_id=0)
-            expected.append(out[0, len(p):].tolist())
+            out = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=12,
+                do_sample=False,
+                repetition_penalty=1.8,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            expected.append(out[0, len(p) :].tolist())
     # Two rows for four requests: the last two reuse rows whose statistics must start afresh.
     eng = engine(path, max_num_seqs=2)
     params = [SamplingParams(temperature=0.0, repetition_penalty=1.8, max_tokens=12, ignore_eos=True)] * 4
@@ -100,7 +107,7 @@ def test_the_runner_appends_its_own_samples_and_feeds_its_matcher_from_them(defa
         so = sched.schedule()
         pending.append((so, eng.worker.execute_model(so)))
         state = runner.requests["0"]
-        assert runner.token_ids[state.row, len(prompt):state.num_tokens].tolist() == state.output_token_ids
+        assert runner.token_ids[state.row, len(prompt) : state.num_tokens].tolist() == state.output_token_ids
         if len(pending) == 2:
             request = sched.requests["0"]  # the runner is ahead by the samples of the steps in flight
             assert len(state.output_token_ids) == len(request.output_token_ids) + request.num_output_placeholders
@@ -130,8 +137,9 @@ class OrderCheckingEvent:
     def synchronize(self):
         self.waits += 1
         if self.uploaded is not None:
-            assert all(torch.equal(self.buffers.host[n], t) for n, t in self.uploaded.items()), \
+            assert all(torch.equal(self.buffers.host[n], t) for n, t in self.uploaded.items()), (
                 "the host side was rewritten before the last upload's copies were waited for"
+            )
 
 
 def test_input_buffers_are_rewritten_only_after_the_last_uploads_copies(tiny_model_dir):
@@ -141,8 +149,13 @@ def test_input_buffers_are_rewritten_only_after_the_last_uploads_copies(tiny_mod
     runner = eng.worker.runner
     event = OrderCheckingEvent()
     old = runner.buffers
-    runner.buffers = event.buffers = InputBuffers(old.host["input_ids"].shape[0], old.host["seq_lens"].shape[0],
-                                                  old.host["block_tables"].shape[1], torch.device("cpu"), event)
+    runner.buffers = event.buffers = InputBuffers(
+        old.host["input_ids"].shape[0],
+        old.host["seq_lens"].shape[0],
+        old.host["block_tables"].shape[1],
+        torch.device("cpu"),
+        event,
+    )
     # A 100-token prompt in 32-token chunks: three steps that sample nothing (no sync at all on CUDA), then decodes.
     params = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 2
     ids = [prompts(9)[8][:100], prompts(2)[1]]

@@ -9,9 +9,18 @@ VOCAB = 49152
 
 
 def run(num_blocks: int, prompts: dict[str, list[int]], max_tokens: int, chunk: int = 0) -> tuple[dict, int]:
-    sched = Scheduler(scheduler_config(num_blocks, block_size=4, max_model_len=256, max_num_seqs=8,
-                                      max_num_batched_tokens=64, long_prefill_token_threshold=chunk,
-                                      enable_prefix_caching=True), eos_token_id=0)
+    sched = Scheduler(
+        scheduler_config(
+            num_blocks,
+            block_size=4,
+            max_model_len=256,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            long_prefill_token_threshold=chunk,
+            enable_prefix_caching=True,
+        ),
+        eos_token_id=0,
+    )
     runner = NoWorkRunner(VOCAB)
     for rid, prompt in prompts.items():
         sched.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
@@ -45,8 +54,12 @@ def test_preemption_and_resumption_give_the_same_tokens():
 
 
 def test_only_rank_0_returns_tokens():
-    sched = Scheduler(scheduler_config(16, block_size=4, max_model_len=64, max_num_seqs=2,
-                                      max_num_batched_tokens=64, enable_prefix_caching=False), eos_token_id=0)
+    sched = Scheduler(
+        scheduler_config(
+            16, block_size=4, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64, enable_prefix_caching=False
+        ),
+        eos_token_id=0,
+    )
     sched.add_request("a", [5, 6, 7], SamplingParams(max_tokens=2))
     so = sched.schedule()
     assert NoWorkRunner(VOCAB, is_driver=False).execute_model(so) is None

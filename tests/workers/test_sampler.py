@@ -33,7 +33,8 @@ def build(params, *, prompts=None, outputs=None, generators=None, eos=None, voca
     outputs = outputs or [[]] * n
     penalties = penalty_state(prompts or [[0]] * n, outputs, vocab).penalties(params, torch.arange(n))
     return SamplingMetadata.build(
-        params, generators or [None] * n, [len(o) for o in outputs], eos, vocab, "cpu", penalties)
+        params, generators or [None] * n, [len(o) for o in outputs], eos, vocab, "cpu", penalties
+    )
 
 
 def processed_probs(logits, params, **kw):
@@ -70,8 +71,12 @@ def sample_many(row, params, n):
 def test_all_greedy_is_argmax():
     torch.manual_seed(0)
     logits = torch.randn(4, V)
-    params = [SamplingParams(temperature=0.0), SamplingParams(top_k=1, temperature=0.5),
-              SamplingParams(temperature=0.0, top_p=0.5), SamplingParams(top_k=1)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_k=1, temperature=0.5),
+        SamplingParams(temperature=0.0, top_p=0.5),
+        SamplingParams(top_k=1),
+    ]
     metadata = build(params)
     sampled, logprobs = Sampler()(logits.clone(), metadata)
     assert metadata.all_greedy and logprobs is None
@@ -94,8 +99,12 @@ def test_tiny_temperatures_take_the_greedy_path():
 def test_greedy_rows_mixed_with_random_rows():
     torch.manual_seed(0)
     logits = torch.randn(4, V) * 0.3  # flat enough that random rows rarely hit their argmax
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
-              SamplingParams(temperature=0.7, top_k=1), SamplingParams(temperature=1.5)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=1),
+        SamplingParams(temperature=1.5),
+    ]
     seen = [set() for _ in params]
     for _ in range(30):
         sampled, _ = Sampler()(logits.clone(), build(params))
@@ -192,8 +201,10 @@ def test_repetition_presence_frequency_penalties_match_reference():
     prompts = [[1, 2, 2], [0], [3, 4]]
     outputs = [[2, 5, 5, 5], [], [4, 4, 7]]
     settings = [(1.3, 0.5, 0.25, 1.0), (2.0, 1.0, 1.0, 1.0), (1.0, -0.5, 1.0, 0.5)]
-    params = [SamplingParams(repetition_penalty=r, presence_penalty=p, frequency_penalty=f, temperature=t)
-              for r, p, f, t in settings]
+    params = [
+        SamplingParams(repetition_penalty=r, presence_penalty=p, frequency_penalty=f, temperature=t)
+        for r, p, f, t in settings
+    ]
     got = Sampler().process_logits(logits.clone(), build(params, prompts=prompts, outputs=outputs))
     for i, (r, p, f, t) in enumerate(settings):
         want = ref_penalise(logits[i], prompts[i], outputs[i], r, p, f, t)
@@ -224,10 +235,12 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached():
     eos, stop = 9, 8
     logits = LOGITS.repeat(4, 1)
     logits[:, eos], logits[:, stop] = 10.0, 9.0
-    params = [SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[stop]),  # 1 output: banned
-              SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[stop]),  # 3 outputs: free
-              SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[stop], ignore_eos=True),
-              SamplingParams(temperature=0.0, min_tokens=1)]  # EOS banned, its stop id is not
+    params = [
+        SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[stop]),  # 1 output: banned
+        SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[stop]),  # 3 outputs: free
+        SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[stop], ignore_eos=True),
+        SamplingParams(temperature=0.0, min_tokens=1),
+    ]  # EOS banned, its stop id is not
     outputs = [[0], [0, 1, 2], [], []]
     metadata = build(params, outputs=outputs, eos=eos)
     processed = Sampler().process_logits(logits.clone(), metadata)
@@ -251,8 +264,10 @@ def seeded_stream(seed, *, batch, position, global_seed, steps=20):
     for _ in range(steps):
         logits = torch.randn(batch, 50)
         logits[position] = target
-        params = [SamplingParams(seed=0) if i == 0 else SamplingParams(temperature=0.0 if i == 1 else 1.3)
-                  for i in range(batch)]
+        params = [
+            SamplingParams(seed=0) if i == 0 else SamplingParams(temperature=0.0 if i == 1 else 1.3)
+            for i in range(batch)
+        ]
         generators = [other_gen if i == 0 else None for i in range(batch)]
         params[position], generators[position] = SamplingParams(seed=seed), gen
         sampled, _ = Sampler()(logits, build(params, generators=generators, vocab=50))
@@ -278,9 +293,11 @@ def test_logprobs_come_from_raw_logits():
     torch.manual_seed(0)
     logits = torch.randn(3, V)
     raw = torch.log_softmax(logits, -1)
-    params = [SamplingParams(logprobs=3, temperature=0.7, repetition_penalty=1.5),
-              SamplingParams(),
-              SamplingParams(logprobs=0, temperature=0.0)]
+    params = [
+        SamplingParams(logprobs=3, temperature=0.7, repetition_penalty=1.5),
+        SamplingParams(),
+        SamplingParams(logprobs=0, temperature=0.0),
+    ]
     sampled, out = Sampler()(logits.clone(), build(params, outputs=[[1, 2], [], []]))
     assert out[1] is None
     assert out[2] == SampledLogprobs(pytest.approx(raw[2, sampled[2]].item(), abs=1e-6), [], [])
@@ -297,8 +314,11 @@ def test_no_logprobs_requested_returns_none():
 
 
 def test_logit_bias_and_allowed_token_ids_act_per_row():
-    params = [SamplingParams(temperature=0, logit_bias={9: 100.0, 0: -100}), SamplingParams(temperature=0),
-              SamplingParams(temperature=0, allowed_token_ids=[3, 7])]
+    params = [
+        SamplingParams(temperature=0, logit_bias={9: 100.0, 0: -100}),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, allowed_token_ids=[3, 7]),
+    ]
     logits = Sampler().process_logits(LOGITS.repeat(3, 1), build(params))
     assert logits[0, 9] == LOGITS[9] + 100 and logits[0, 0] == LOGITS[0] - 100
     assert torch.equal(logits[1], LOGITS)
@@ -310,6 +330,7 @@ def test_a_grammar_bitmask_leaves_only_its_tokens():
     import numpy as np
 
     from workers.structured_output import unpack_banned
+
     # row 1: tokens 0, 5, 31 and 33 (the second 32-bit word); bit 31 makes the word negative as an int32
     bitmask = np.array([[(1 << 0) | (1 << 5) | -(1 << 31), 1 << 1]], dtype=np.int32)
     params = [SamplingParams(temperature=0)] * 3

@@ -8,21 +8,31 @@ from scheduler import StructuredOutputsParams
 from workers.structured_output import GrammarBitmasks, compile_grammar
 
 
-@pytest.mark.parametrize(("constraint", "says"), [
-    (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "strin"}}}), "json: Invalid type"),
-    (StructuredOutputsParams(json="{nope"), "json: the schema is not valid JSON"),
-    (StructuredOutputsParams(regex="a(b"), "regex:"),
-    (StructuredOutputsParams(grammar="start: missing"), "grammar:"),
-])
+@pytest.mark.parametrize(
+    ("constraint", "says"),
+    [
+        (
+            StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "strin"}}}),
+            "json: Invalid type",
+        ),
+        (StructuredOutputsParams(json="{nope"), "json: the schema is not valid JSON"),
+        (StructuredOutputsParams(regex="a(b"), "regex:"),
+        (StructuredOutputsParams(grammar="start: missing"), "grammar:"),
+    ],
+)
 def test_a_constraint_that_does_not_compile_is_a_value_error_naming_it(constraint, says):
     with pytest.raises(ValueError, match=says):
         compile_grammar(constraint)
 
 
 def test_each_kind_compiles():
-    for c in (StructuredOutputsParams(json_object=True), StructuredOutputsParams(json='{"type": "integer"}'),
-              StructuredOutputsParams(regex="[0-9]+"), StructuredOutputsParams(choice=["a", "b"]),
-              StructuredOutputsParams(grammar='root ::= "x" | "y"')):  # GBNF as well as Lark
+    for c in (
+        StructuredOutputsParams(json_object=True),
+        StructuredOutputsParams(json='{"type": "integer"}'),
+        StructuredOutputsParams(regex="[0-9]+"),
+        StructuredOutputsParams(choice=["a", "b"]),
+        StructuredOutputsParams(grammar='root ::= "x" | "y"'),
+    ):  # GBNF as well as Lark
         assert compile_grammar(c)
 
 
@@ -47,8 +57,10 @@ def test_masks_follow_the_consumed_tokens_and_end_at_eos(default_model_dir):
 
     first = allowed()
     assert ids[0] in first and eos not in first
-    assert all(tok.decode([t]) and ("yes please".startswith(tok.decode([t])) or "no".startswith(tok.decode([t])))
-               for t in first)
+    assert all(
+        tok.decode([t]) and ("yes please".startswith(tok.decode([t])) or "no".startswith(tok.decode([t])))
+        for t in first
+    )
     m.consume_tokens(ids)
     assert allowed() == [eos]  # complete: only EOS, so the scheduler stops the request
     m.consume_tokens([tok.encode("x", add_special_tokens=False)[0]])  # a token outside the grammar

@@ -6,21 +6,31 @@ import pytest
 import torch
 
 from tests.workers.configs import worker_config
-from workers.worker import (MemorySnapshot, Worker, cuda_index, graph_pool_bytes, kv_cache_budget, profile_peak,
-                            resolve_dtype)
+from workers.worker import (
+    MemorySnapshot,
+    Worker,
+    cuda_index,
+    graph_pool_bytes,
+    kv_cache_budget,
+    profile_peak,
+    resolve_dtype,
+)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 GiB = 1 << 30
 
 
-@pytest.mark.parametrize("checkpoint,bf16_supported,expected", [
-    (torch.bfloat16, True, torch.bfloat16),
-    (torch.float16, True, torch.float16),
-    (torch.float32, True, torch.bfloat16),   # an fp32 checkpoint runs in half precision on a GPU
-    (None, True, torch.bfloat16),            # config.json records no dtype
-    (torch.float32, False, torch.float16),   # pre-Ampere GPUs have no bf16
-    (torch.bfloat16, False, torch.float16),
-])
+@pytest.mark.parametrize(
+    "checkpoint,bf16_supported,expected",
+    [
+        (torch.bfloat16, True, torch.bfloat16),
+        (torch.float16, True, torch.float16),
+        (torch.float32, True, torch.bfloat16),  # an fp32 checkpoint runs in half precision on a GPU
+        (None, True, torch.bfloat16),  # config.json records no dtype
+        (torch.float32, False, torch.float16),  # pre-Ampere GPUs have no bf16
+        (torch.bfloat16, False, torch.float16),
+    ],
+)
 def test_auto_dtype_on_cuda_is_the_checkpoints_half_dtype(checkpoint, bf16_supported, expected):
     assert resolve_dtype("auto", checkpoint, CUDA, bf16_supported) == expected
 
@@ -44,18 +54,21 @@ def test_worker_runs_a_bf16_checkpoint_in_fp32_on_cpu(tiny_model_dir, tmp_path):
 
 
 # Ray's GPU ids under both settings of RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES, on a node of 4 GPUs.
-@pytest.mark.parametrize("gpu_ids,visible,expected", [
-    ([2], "2", 0),               # unset: Ray masks the actor to its GPU
-    ([3], "3", 0),
-    ([2], None, 2),              # set, and nobody masks: every GPU is visible
-    ([3], None, 3),
-    ([3], "0,1,2,3", 3),         # set, the operator's list
-    ([3], "3,2,1,0", 0),
-    ([1], "0,1", 1),             # the engine's default: every rank sees its node's GPUs (share_node_gpus)
-    ([2], "2,3", 0),
-    (["GPU-b1"], "GPU-a0,GPU-b1", 1),  # UUIDs, as some clusters list them
-    ([], None, 0),               # no Ray: the first GPU
-])
+@pytest.mark.parametrize(
+    "gpu_ids,visible,expected",
+    [
+        ([2], "2", 0),  # unset: Ray masks the actor to its GPU
+        ([3], "3", 0),
+        ([2], None, 2),  # set, and nobody masks: every GPU is visible
+        ([3], None, 3),
+        ([3], "0,1,2,3", 3),  # set, the operator's list
+        ([3], "3,2,1,0", 0),
+        ([1], "0,1", 1),  # the engine's default: every rank sees its node's GPUs (share_node_gpus)
+        ([2], "2,3", 0),
+        (["GPU-b1"], "GPU-a0,GPU-b1", 1),  # UUIDs, as some clusters list them
+        ([], None, 0),  # no Ray: the first GPU
+    ],
+)
 def test_cuda_index_follows_rays_gpu_ids(gpu_ids, visible, expected):
     assert cuda_index(gpu_ids, visible) == expected
 
@@ -89,11 +102,14 @@ def test_profile_peak_counts_what_the_allocator_reserved_beyond_the_tensors():
     assert profile_peak(10 * GiB, 16 * GiB, 14 * GiB, 17 * GiB) == 6 * GiB
 
 
-@pytest.mark.parametrize("forward_peak,tokens,max_graph,expected", [
-    (4 * GiB, 2048, 512, GiB),      # the largest graph decodes 512 tokens of the profile's 2048
-    (4 * GiB, 2048, 0, 0),          # no graphs (eager, CPU, or a backend that cannot be captured)
-    (4 * GiB, 256, 512, 4 * GiB),   # never more than the profile's own forward
-])
+@pytest.mark.parametrize(
+    "forward_peak,tokens,max_graph,expected",
+    [
+        (4 * GiB, 2048, 512, GiB),  # the largest graph decodes 512 tokens of the profile's 2048
+        (4 * GiB, 2048, 0, 0),  # no graphs (eager, CPU, or a backend that cannot be captured)
+        (4 * GiB, 256, 512, 4 * GiB),  # never more than the profile's own forward
+    ],
+)
 def test_graph_pool_is_the_largest_graphs_share_of_the_forward_peak(forward_peak, tokens, max_graph, expected):
     assert graph_pool_bytes(forward_peak, tokens, max_graph) == expected
 

@@ -60,9 +60,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         shards = even_shards(("gate_proj", "up_proj"), spec.intermediate_size, rank, tp_size)
         self.gate_up_proj = ColumnParallelLinear(spec.hidden_size, shards, spec.mlp_bias)
-        self.down_proj = RowParallelLinear(
-            spec.intermediate_size, spec.hidden_size, spec.mlp_bias, rank, tp_size
-        )
+        self.down_proj = RowParallelLinear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias, rank, tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -99,9 +97,7 @@ class LlamaModel(nn.Module):
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, rank: int, tp_size: int):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, rank, tp_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(spec, backend, rank, tp_size) for _ in range(spec.num_layers)
-        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, backend, rank, tp_size) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope)
 

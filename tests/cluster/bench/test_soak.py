@@ -5,7 +5,6 @@ within MAX_GROWTH of the start (after a warm-up at the same rate). Under the pri
 a random priority, so requests overtake and preempt each other. This catches only a gross leak; the 10-minute run
 is in README."""
 
-
 import pytest
 
 from cluster.bench.soak import KINDS, check, soak
@@ -25,17 +24,21 @@ MAX_GROWTH = 0.10  # resident memory of the replica and of the scheduler, end ov
 @pytest.fixture(scope="module", params=["fcfs", "priority"])
 def server(request, servable_tiny_model):
     path = servable_tiny_model(max_position_embeddings=512)
-    args = AppArgs(engine=EngineConfig(model=path, kv_cache_bytes=16 << 20, num_threads=1, max_num_seqs=16,
-                                       scheduling_policy=request.param),
-                   served_model_name=MODEL)
+    args = AppArgs(
+        engine=EngineConfig(
+            model=path, kv_cache_bytes=16 << 20, num_threads=1, max_num_seqs=16, scheduling_policy=request.param
+        ),
+        served_model_name=MODEL,
+    )
     with serving(args, host="127.0.0.1", port=free_port(), grpc_port=free_port()) as url:
         yield url, request.param
 
 
 def test_a_soak_leaves_no_5xx_no_leak_and_bounded_memory(server):
     url, policy = server
-    report = soak(url, MODEL, RATE, DURATION_S, max_tokens=24, warmup_s=10.0, window_s=10.0,
-                  priorities=policy == "priority")
+    report = soak(
+        url, MODEL, RATE, DURATION_S, max_tokens=24, warmup_s=10.0, window_s=10.0, priorities=policy == "priority"
+    )
     report.print()
     assert len(report.outcomes) == int(RATE * DURATION_S) and {o.kind for o in report.outcomes} == set(KINDS)
     assert check(report, MAX_GROWTH) == []

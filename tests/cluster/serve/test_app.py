@@ -32,8 +32,12 @@ def _start_until_ray_starts(monkeypatch, address, port=None, grpc_port=None) -> 
     monkeypatch.setattr(app.ray, "is_initialized", lambda: False)
     monkeypatch.setattr(app, "connect", connect)
     with pytest.raises(RayStarting):
-        app.start(AppArgs(engine=EngineConfig(model="/m")), address=address, port=port or free_port(),
-                  grpc_port=grpc_port or free_port())
+        app.start(
+            AppArgs(engine=EngineConfig(model="/m")),
+            address=address,
+            port=port or free_port(),
+            grpc_port=grpc_port or free_port(),
+        )
     return seen
 
 
@@ -64,8 +68,10 @@ def test_a_port_another_process_holds_is_refused_before_ray_starts_naming_its_fl
     # Otherwise HAProxy finds out once Ray and Serve are up, and raylm serve dies with a Ray traceback.
     with socket.create_server(("127.0.0.1", 0)) as held:
         busy = held.getsockname()[1]
-        with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} {busy}: cannot listen on "
-                                             f"127.0.0.1:{busy}: Address already in use"):
+        with pytest.raises(
+            ValueError,
+            match=f"--{flag.replace('_', '-')} {busy}: cannot listen on 127.0.0.1:{busy}: Address already in use",
+        ):
             _start_until_ray_starts(monkeypatch, None, **{flag: busy})
 
 
@@ -81,12 +87,17 @@ def test_a_start_asking_other_ports_than_a_running_serve_is_refused_at_once_nami
     http, grpc = free_port(), free_port()
     stop_serve()
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": http},
-                    grpc_options={"port": grpc, "grpc_servicer_functions": [app.GRPC_SERVICER]})
+        serve.start(
+            http_options={"host": "127.0.0.1", "port": http},
+            grpc_options={"port": grpc, "grpc_servicer_functions": [app.GRPC_SERVICER]},
+        )
         asked = free_port()
         running = f"--host 127.0.0.1 --port {http} --grpc-port {grpc}"
-        with pytest.raises(ValueError, match=f"^--host 127.0.0.1 --port {asked} --grpc-port {grpc}: Serve, started "
-                                             f"earlier in this process, already listens at {running}, "):
+        with pytest.raises(
+            ValueError,
+            match=f"^--host 127.0.0.1 --port {asked} --grpc-port {grpc}: Serve, started "
+            f"earlier in this process, already listens at {running}, ",
+        ):
             app.start(AppArgs(engine=EngineConfig(model="/m")), port=asked, grpc_port=grpc)
         with pytest.raises(ValueError, match=f"the cluster's Serve already listens at {running}, .*pass those"):
             app.check_serve_ports("127.0.0.1", http, asked, joined=True)

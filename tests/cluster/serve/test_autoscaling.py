@@ -56,9 +56,15 @@ def wait_replicas(n: int) -> None:
 
 
 def test_load_starts_a_second_replica_that_serves_and_idle_scales_back(default_model_dir):
-    args = AppArgs(engine=EngineConfig(model=default_model_dir, max_model_len=1024, max_num_seqs=MAX_NUM_SEQS,
-                                       kv_cache_bytes=96 << 20),
-                   served_model_name=MODEL, min_replicas=1, max_replicas=2, request_router="serve")
+    args = AppArgs(
+        engine=EngineConfig(
+            model=default_model_dir, max_model_len=1024, max_num_seqs=MAX_NUM_SEQS, kv_cache_bytes=96 << 20
+        ),
+        served_model_name=MODEL,
+        min_replicas=1,
+        max_replicas=2,
+        request_router="serve",
+    )
     options = deployment_options(args)
     options["autoscaling_config"] |= FAST
     port = free_port()
@@ -70,8 +76,7 @@ def test_load_starts_a_second_replica_that_serves_and_idle_scales_back(default_m
         stop = threading.Event()
 
         def stream_until_stopped() -> None:
-            body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True,
-                    "stream": True}
+            body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True, "stream": True}
             while not stop.is_set():
                 with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
                     for _ in r.iter_lines():

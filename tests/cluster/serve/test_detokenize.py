@@ -9,8 +9,7 @@ from transformers import AutoTokenizer
 
 from cluster.serve.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher, TextStream
 
-TEXTS = ["Hello 😀 world", "日本語のテキスト", "a🎉b🎉c", "naïve café — ünïcödé",
-         "plain ascii text, nothing odd."]
+TEXTS = ["Hello 😀 world", "日本語のテキスト", "a🎉b🎉c", "naïve café — ünïcödé", "plain ascii text, nothing odd."]
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +20,7 @@ def tokenizer(default_model_dir):
 def stream(detok: IncrementalDetokenizer, ids: list[int], chunks: list[int]) -> list[str]:
     deltas, start = [], 0
     for size in chunks:
-        deltas.append(detok.add(ids[start:start + size]))
+        deltas.append(detok.add(ids[start : start + size]))
         start += size
     return deltas + [detok.flush()]
 

@@ -32,8 +32,10 @@ LONG = MAX_MODEL_LEN - 8  # minutes of generation: only the drain's deadline end
 
 def app_args(servable_tiny_model) -> AppArgs:
     path = servable_tiny_model(max_position_embeddings=MAX_MODEL_LEN)
-    return AppArgs(engine=EngineConfig(model=path, max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 << 20,
-                                       num_threads=1), drain_timeout_s=DRAIN_TIMEOUT_S)
+    return AppArgs(
+        engine=EngineConfig(model=path, max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 << 20, num_threads=1),
+        drain_timeout_s=DRAIN_TIMEOUT_S,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +44,17 @@ def url(ray_session, servable_tiny_model):
         yield url
 
 
-async def stream(client: httpx.AsyncClient, url: str, max_tokens: int, events: list[tuple[float, str]],
-                 started: asyncio.Event) -> None:
+async def stream(
+    client: httpx.AsyncClient, url: str, max_tokens: int, events: list[tuple[float, str]], started: asyncio.Event
+) -> None:
     """Collects the stream's `data:` events with their arrival times; a broken connection is an event too."""
-    body = {"prompt": [1, 2, 3], "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": [1, 2, 3],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
             assert r.status_code == 200, await r.aread()
@@ -59,8 +67,9 @@ async def stream(client: httpx.AsyncClient, url: str, max_tokens: int, events: l
     started.set()
 
 
-async def started_stream(client: httpx.AsyncClient, url: str, max_tokens: int,
-                         events: list[tuple[float, str]] | None = None) -> tuple[asyncio.Task, list[tuple[float, str]]]:
+async def started_stream(
+    client: httpx.AsyncClient, url: str, max_tokens: int, events: list[tuple[float, str]] | None = None
+) -> tuple[asyncio.Task, list[tuple[float, str]]]:
     events, started = [] if events is None else events, asyncio.Event()
     task = asyncio.create_task(stream(client, url, max_tokens, events, started))
     await asyncio.wait_for(started.wait(), 60)
@@ -106,8 +115,9 @@ def test_ctrl_c_on_raylm_serve_drains_before_serve_stops(ray_session, servable_t
     thread = threading.Thread(target=client)
     thread.start()
     try:
-        serve_until_interrupted(app_args(servable_tiny_model), address=None, host="127.0.0.1", port=port,
-                                grpc_port=free_port())
+        serve_until_interrupted(
+            app_args(servable_tiny_model), address=None, host="127.0.0.1", port=port, grpc_port=free_port()
+        )
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -120,6 +130,7 @@ def test_ctrl_c_on_raylm_serve_drains_before_serve_stops(ray_session, servable_t
 def test_ctrl_c_while_raylm_serve_starts_deletes_the_app_it_deployed(ray_session, servable_tiny_model, monkeypatch):
     """On a cluster joined (an address given), an app left behind by a Ctrl-C during start-up would serve on,
     unseen, after raylm exited."""
+
     def interrupted(url: str, timeout_s: float) -> None:
         assert APP_NAME in serve.status().applications  # deployed, not yet announced
         raise KeyboardInterrupt
@@ -128,8 +139,9 @@ def test_ctrl_c_while_raylm_serve_starts_deletes_the_app_it_deployed(ray_session
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     stop_serve()
     try:
-        serve_until_interrupted(app_args(servable_tiny_model), address="auto", host="127.0.0.1", port=free_port(),
-                                grpc_port=free_port())
+        serve_until_interrupted(
+            app_args(servable_tiny_model), address="auto", host="127.0.0.1", port=free_port(), grpc_port=free_port()
+        )
         assert APP_NAME not in serve.status().applications
     finally:
         for sig, handler in handlers.items():

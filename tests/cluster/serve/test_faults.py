@@ -37,9 +37,17 @@ LONG = MAX_MODEL_LEN - 8  # output tokens: minutes of generation, so nothing in 
 @pytest.fixture(scope="module")
 def url(servable_tiny_model):
     path = servable_tiny_model(max_position_embeddings=MAX_MODEL_LEN)
-    args = AppArgs(engine=EngineConfig(model=path, max_model_len=MAX_MODEL_LEN, kv_cache_bytes=64 << 20, num_threads=1,
-                                       step_timeout_s=STEP_TIMEOUT_S),
-                   request_timeout_s=REQUEST_TIMEOUT_S, health_check_period_s=HEALTH_CHECK_PERIOD_S)
+    args = AppArgs(
+        engine=EngineConfig(
+            model=path,
+            max_model_len=MAX_MODEL_LEN,
+            kv_cache_bytes=64 << 20,
+            num_threads=1,
+            step_timeout_s=STEP_TIMEOUT_S,
+        ),
+        request_timeout_s=REQUEST_TIMEOUT_S,
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+    )
     with serving(args, host="127.0.0.1", port=free_port(), grpc_port=free_port()) as url:
         yield url
 
@@ -120,8 +128,10 @@ def recover(url: str, at: float) -> tuple[int, float]:
         health = 0
     while True:
         try:
-            if httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4},
-                          timeout=30).status_code == 200:
+            if (
+                httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4}, timeout=30).status_code
+                == 200
+            ):
                 break
         except httpx.TransportError:
             pass
@@ -174,8 +184,10 @@ def test_a_fault_mid_generation_errors_every_stream_and_serve_recovers(url, faul
                 os.kill(pid, signal.SIGCONT)  # should Ray not have killed it yet, let it go
             except ProcessLookupError:
                 pass
-    print(f"\n{fault}: streams ended {', '.join(f'{t - at:.2f}' for t, _ in ends)} s after the fault; /health "
-          f"{health}; serving again after {serving_after:.1f} s")
+    print(
+        f"\n{fault}: streams ended {', '.join(f'{t - at:.2f}' for t, _ in ends)} s after the fault; /health "
+        f"{health}; serving again after {serving_after:.1f} s"
+    )
     if fault == "replica-killed":
         # Its HTTP connections die with it. /health has no replica to answer it: HAProxy hands it to Serve's
         # fallback proxy, which holds it until the new replica answers.

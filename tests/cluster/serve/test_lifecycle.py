@@ -6,6 +6,7 @@ What a server leaves behind is read from its session: each is started as a sessi
 it starts (Ray's daemons and workers, HAProxy) inherits the session whatever its parent becomes once
 re-parented, so an orphan is found without knowing its name."""
 
+import contextlib
 import os
 import shutil
 import signal
@@ -50,10 +51,8 @@ def tree(pid: int) -> set[int]:
     """``pid`` and its descendants now."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
+        with contextlib.suppress(OSError):
             children.setdefault(int(stat.read_text().rpartition(")")[2].split()[1]), []).append(int(stat.parent.name))
-        except OSError:
-            pass
     found, todo = set(), [pid]
     while todo:
         found.add(p := todo.pop())
@@ -98,12 +97,30 @@ class RaylmServe:
         self.log = log
         # Each Ray picks its own HAProxy side ports (cluster/serve/ingress.py): not this test session's.
         env = {k: v for k, v in os.environ.items() if k not in HAPROXY_PORT_ENV}
-        cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", model, "--max-model-len", str(MAX_MODEL_LEN),
-               "--kv-cache-bytes", str(64 << 20), "--num-threads", "1", "--drain-timeout-s", f"{DRAIN_TIMEOUT_S:g}",
-               "--port", str(port), "--grpc-port", str(free_port())]
+        cmd = [
+            sys.executable,
+            "-m",
+            "cluster.cli",
+            "serve",
+            "--model",
+            model,
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--kv-cache-bytes",
+            str(64 << 20),
+            "--num-threads",
+            "1",
+            "--drain-timeout-s",
+            f"{DRAIN_TIMEOUT_S:g}",
+            "--port",
+            str(port),
+            "--grpc-port",
+            str(free_port()),
+        ]
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO,
-                                         env=env)
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO, env=env
+            )
         self.sid = self.proc.pid
 
     def output(self) -> str:
@@ -112,8 +129,9 @@ class RaylmServe:
     def wait_until(self, ready, what: str, timeout_s: float = START_BOUND_S) -> None:
         deadline = time.monotonic() + timeout_s
         while not ready():
-            assert self.proc.poll() is None, f"raylm serve exited ({self.proc.returncode}) before {what}:\n" \
-                                             f"{self.output()[-3000:]}"
+            assert self.proc.poll() is None, (
+                f"raylm serve exited ({self.proc.returncode}) before {what}:\n{self.output()[-3000:]}"
+            )
             assert time.monotonic() < deadline, f"raylm serve: not {what} after {timeout_s} s:\n{self.output()[-3000:]}"
             time.sleep(0.2)
 
@@ -139,10 +157,8 @@ class RaylmServe:
     def kill_session(self) -> None:
         """Teardown: whatever is left (only after a failure)."""
         for pid in session(self.sid):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.proc.wait()
 
 
@@ -204,8 +220,10 @@ def restarted(model, tmp_path_factory):
         servers.append(again)
         again.wait_serving()
         cold_start = time.monotonic() - t0
-        print(f"SIGKILL mid-stream, then a start on the same port: serving again {cold_start:.1f} s after the kill "
-              f"({len(started)} processes in the killed server's tree)")
+        print(
+            f"SIGKILL mid-stream, then a start on the same port: serving again {cold_start:.1f} s after the kill "
+            f"({len(started)} processes in the killed server's tree)"
+        )
         yield killed, killed.wait_gone() + cold_start, again
     finally:
         for server in servers:
@@ -226,8 +244,10 @@ def test_sigterm_mid_stream_drains_then_exits_0_leaving_nothing(restarted):
     status, stop_s = server.wait_exit(STOP_BOUND_S)
     *_, error, done = stream.end()
     gone_s = server.wait_gone()
-    print(f"SIGTERM mid-stream: raylm serve exited {status} after {stop_s:.1f} s (drain_timeout_s="
-          f"{DRAIN_TIMEOUT_S:g}), its last process {gone_s:.1f} s later")
+    print(
+        f"SIGTERM mid-stream: raylm serve exited {status} after {stop_s:.1f} s (drain_timeout_s="
+        f"{DRAIN_TIMEOUT_S:g}), its last process {gone_s:.1f} s later"
+    )
     assert done == "[DONE]" and f'"code":"{CODE}"' in error, stream.events[-2:]
     assert status == 0, server.output()[-3000:]
     assert "raylm: SIGTERM: stopping" in server.output() and "raylm: stopped" in server.output()
@@ -242,12 +262,16 @@ def _replica_loading(server: RaylmServe) -> bool:
     return any("ServeReplica" in cmdline for cmdline in session(server.sid).values())
 
 
-@pytest.mark.parametrize(("when", "signals", "status", "said"), [
-    (_has_child, [signal.SIGTERM], 0, "raylm: SIGTERM: stopping; it was still starting"),
-    # The first starts the stop (deleting an app still deploying), the second ends it at once. (A single signal
-    # while the replica loads stops as during Ray's start, with exit status 0: 12.2 s here, not worth a cold start.)
-    (_replica_loading, [signal.SIGTERM] * 2, 128 + signal.SIGTERM, "raylm: SIGTERM again: stopping at once"),
-], ids=["ray-starting", "replica-loading-twice"])
+@pytest.mark.parametrize(
+    ("when", "signals", "status", "said"),
+    [
+        (_has_child, [signal.SIGTERM], 0, "raylm: SIGTERM: stopping; it was still starting"),
+        # The first starts the stop (deleting an app still deploying), the second ends it at once. (A single signal
+        # while the replica loads stops as during Ray's start, with exit status 0: 12.2 s here, not worth a cold start.)
+        (_replica_loading, [signal.SIGTERM] * 2, 128 + signal.SIGTERM, "raylm: SIGTERM again: stopping at once"),
+    ],
+    ids=["ray-starting", "replica-loading-twice"],
+)
 def test_a_stop_signal_during_start_up_stops_it_leaving_nothing(model, tmp_path, when, signals, status, said):
     server = RaylmServe(model, free_port(), tmp_path / "serve.log")
     try:
@@ -257,8 +281,10 @@ def test_a_stop_signal_during_start_up_stops_it_leaving_nothing(model, tmp_path,
             time.sleep(0.5)
         got, stop_s = server.wait_exit(STOP_BOUND_S)
         gone_s = server.wait_gone()
-        print(f"{[signal.Signals(s).name for s in signals]} once {when.__name__}: exit {got} after {stop_s:.1f} s, "
-              f"its last process {gone_s:.1f} s later")
+        print(
+            f"{[signal.Signals(s).name for s in signals]} once {when.__name__}: exit {got} after {stop_s:.1f} s, "
+            f"its last process {gone_s:.1f} s later"
+        )
         assert got == status and said in server.output(), server.output()[-3000:]
         assert "raylm: serving" not in server.output()
         assert_clean_output(server)

@@ -14,9 +14,18 @@ WAIT_S = 30.0  # Ray exports once per report period (1 s in the test session)
 
 
 def stats(**host_tier: float) -> SchedulerStats:
-    return SchedulerStats(num_running=1, num_waiting=0, kv_cache_usage=0.5, prefix_cache_queries=100,
-                          prefix_cache_hits=64, num_preemptions=2, num_steps=9, num_scheduled_tokens=1,
-                          num_admitted=0, **host_tier)
+    return SchedulerStats(
+        num_running=1,
+        num_waiting=0,
+        kv_cache_usage=0.5,
+        prefix_cache_queries=100,
+        prefix_cache_hits=64,
+        num_preemptions=2,
+        num_steps=9,
+        num_scheduled_tokens=1,
+        num_admitted=0,
+        **host_tier,
+    )
 
 
 def exported(replica: str, done) -> dict[str, float]:
@@ -25,8 +34,12 @@ def exported(replica: str, done) -> dict[str, float]:
     deadline = time.monotonic() + WAIT_S
     while True:
         text = render_node_metrics(port)
-        got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.labels.get("replica") == replica}
+        got = {
+            s.name: s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.labels.get("replica") == replica
+        }
         if done(got):
             return got
         if time.monotonic() > deadline:
@@ -37,15 +50,29 @@ def exported(replica: str, done) -> dict[str, float]:
 def test_host_tier_series_carry_the_schedulers_stats(ray_session):
     replica = f"test-{uuid.uuid4().hex[:8]}"
     metrics = ServeMetrics("m", replica, {"block_size": "16"})
-    metrics.record_engine(stats(num_swapped=3, host_cache_usage=0.25, host_prefix_cache_hits=48,
-                                num_blocks_swapped_out=7, num_blocks_swapped_in=5))
+    metrics.record_engine(
+        stats(
+            num_swapped=3,
+            host_cache_usage=0.25,
+            host_prefix_cache_hits=48,
+            num_blocks_swapped_out=7,
+            num_blocks_swapped_in=5,
+        )
+    )
     got = exported(replica, lambda m: m.get("raylm:kv_blocks_swapped_in_total") == 5)
     assert got["vllm:num_requests_swapped"] == 3 and got["vllm:cpu_cache_usage_perc"] == 0.25
     assert got["vllm:cpu_prefix_cache_hits_total"] == 48
     assert got["raylm:kv_blocks_swapped_out_total"] == 7
     # Totals are cumulative in the scheduler: a second report adds only the growth.
-    metrics.record_engine(stats(num_swapped=0, host_cache_usage=0.0, host_prefix_cache_hits=50,
-                                num_blocks_swapped_out=7, num_blocks_swapped_in=9))
+    metrics.record_engine(
+        stats(
+            num_swapped=0,
+            host_cache_usage=0.0,
+            host_prefix_cache_hits=50,
+            num_blocks_swapped_out=7,
+            num_blocks_swapped_in=9,
+        )
+    )
     got = exported(replica, lambda m: m.get("raylm:kv_blocks_swapped_in_total") == 9)
     assert got["vllm:cpu_prefix_cache_hits_total"] == 50 and got["raylm:kv_blocks_swapped_out_total"] == 7
     assert got["vllm:num_requests_swapped"] == 0

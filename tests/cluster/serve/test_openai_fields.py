@@ -24,29 +24,62 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 MODEL = "SmolLM2-135M-Instruct"
 
 SCHEMAS = {
-    "nested": {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                     "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-                    "required": ["city", "zip"], "additionalProperties": False}},
-        "required": ["name", "address"], "additionalProperties": False},
-    "array_of_enums": {"type": "object", "properties": {
-        "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}},
-        "required": ["colors"], "additionalProperties": False},
-    "numbers": {"type": "object", "properties": {
-        "age": {"type": "integer", "minimum": 0, "maximum": 120}, "height": {"type": "number"},
-        "alive": {"type": "boolean"}}, "required": ["age", "alive"], "additionalProperties": False},
-    "array_of_objects": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
-        "type": "object", "properties": {"id": {"type": "integer"}, "tag": {"enum": ["a", "b"]}},
-        "required": ["id", "tag"], "additionalProperties": False}},
+    "nested": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "address": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 12},
+                    "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                },
+                "required": ["city", "zip"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["name", "address"],
+        "additionalProperties": False,
+    },
+    "array_of_enums": {
+        "type": "object",
+        "properties": {
+            "colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3}
+        },
+        "required": ["colors"],
+        "additionalProperties": False,
+    },
+    "numbers": {
+        "type": "object",
+        "properties": {
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "height": {"type": "number"},
+            "alive": {"type": "boolean"},
+        },
+        "required": ["age", "alive"],
+        "additionalProperties": False,
+    },
+    "array_of_objects": {
+        "type": "array",
+        "minItems": 1,
+        "maxItems": 2,
+        "items": {
+            "type": "object",
+            "properties": {"id": {"type": "integer"}, "tag": {"enum": ["a", "b"]}},
+            "required": ["id", "tag"],
+            "additionalProperties": False,
+        },
+    },
 }
 ASK = [{"role": "user", "content": "Describe a person in JSON."}]
 
 
 @pytest.fixture(scope="module")
 def server(default_model_dir):
-    args = AppArgs(engine=EngineConfig(model=default_model_dir, max_model_len=1024, max_num_seqs=8,
-                                       kv_cache_bytes=64 << 20), served_model_name=MODEL)
+    args = AppArgs(
+        engine=EngineConfig(model=default_model_dir, max_model_len=1024, max_num_seqs=8, kv_cache_bytes=64 << 20),
+        served_model_name=MODEL,
+    )
     grpc_port = free_port()
     with serving(args, host="127.0.0.1", port=free_port(), grpc_port=grpc_port) as url:
         yield url, grpc_port
@@ -77,18 +110,25 @@ def concurrently(*calls):
 
 def test_json_schema_outputs_validate_streamed_and_not(client):
     def whole(name):
-        c = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=120, temperature=0,
-                                           response_format=json_format(name)).choices[0]
+        c = client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=120, temperature=0, response_format=json_format(name)
+        ).choices[0]
         return c.message.content, c.finish_reason
 
     def streamed(name):
-        chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=120, temperature=0,
-                                                     response_format=json_format(name), stream=True))
-        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].choices[0].finish_reason
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL, messages=ASK, max_tokens=120, temperature=0, response_format=json_format(name), stream=True
+            )
+        )
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].choices[
+            0
+        ].finish_reason
 
     names = list(SCHEMAS) + ["nested", "array_of_objects"]
-    outs = concurrently(*[lambda n=n: whole(n) for n in SCHEMAS],
-                        *[lambda n=n: streamed(n) for n in ("nested", "array_of_objects")])
+    outs = concurrently(
+        *[lambda n=n: whole(n) for n in SCHEMAS], *[lambda n=n: streamed(n) for n in ("nested", "array_of_objects")]
+    )
     for name, (text, finish) in zip(names, outs):
         assert finish == "stop", (name, text)
         jsonschema.validate(json.loads(text), SCHEMAS[name])
@@ -100,17 +140,23 @@ class Person(BaseModel):
 
 
 def test_the_clients_own_parse_helper(client):
-    out = client.chat.completions.parse(model=MODEL, messages=ASK, max_tokens=60, temperature=0,
-                                        response_format=Person)
+    out = client.chat.completions.parse(model=MODEL, messages=ASK, max_tokens=60, temperature=0, response_format=Person)
     assert isinstance(out.choices[0].message.parsed, Person)
 
 
 def test_json_object_and_completions_endpoint(client):
     out, done = concurrently(
-        lambda: client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60, temperature=0,
-                                               response_format={"type": "json_object"}),
-        lambda: client.completions.create(model=MODEL, prompt="The colors:", max_tokens=60, temperature=0,
-                                          extra_body={"structured_outputs": {"json": SCHEMAS["array_of_enums"]}}))
+        lambda: client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=60, temperature=0, response_format={"type": "json_object"}
+        ),
+        lambda: client.completions.create(
+            model=MODEL,
+            prompt="The colors:",
+            max_tokens=60,
+            temperature=0,
+            extra_body={"structured_outputs": {"json": SCHEMAS["array_of_enums"]}},
+        ),
+    )
     text = out.choices[0].message.content
     if out.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
@@ -120,8 +166,9 @@ def test_json_object_and_completions_endpoint(client):
 
 
 def test_n_2_with_a_schema_gives_two_valid_samples(client):
-    out = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=120, temperature=1.0, seed=7, n=2,
-                                         response_format=json_format("numbers"))
+    out = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=120, temperature=1.0, seed=7, n=2, response_format=json_format("numbers")
+    )
     assert len(out.choices) == 2
     for c in out.choices:
         assert c.finish_reason == "stop", c.message.content
@@ -139,15 +186,17 @@ def test_regex_and_choice(client, stream):
     phone, choice, grammar = concurrently(
         lambda: text(structured_outputs={"regex": r"\(\d{3}\) \d{3}-\d{4}"}),
         lambda: text(structured_outputs={"choice": ["home", "work", "mobile"]}),
-        lambda: text(structured_outputs={"grammar": 'start: ("ab")+ "c"'}))
+        lambda: text(structured_outputs={"grammar": 'start: ("ab")+ "c"'}),
+    )
     assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", phone)
     assert choice in ("home", "work", "mobile")
     assert re.fullmatch(r"(ab)+c?", grammar)
 
 
 def test_a_constraint_that_needs_more_tokens_ends_with_length(client):
-    out = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0,
-                                         response_format=json_format("nested"))
+    out = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=4, temperature=0, response_format=json_format("nested")
+    )
     assert out.choices[0].finish_reason == "length"
     assert out.usage.completion_tokens == 4
 
@@ -156,16 +205,22 @@ def test_grpc_takes_the_same_constraints(server):
     with grpc.insecure_channel(f"127.0.0.1:{server[1]}") as channel:
         stub = raylm_pb2_grpc.RayLMStub(channel)
         regex = raylm_pb2.StructuredOutputs(regex=r"[0-9]{3}-[0-9]{4}")
-        reply = stub.Generate(raylm_pb2.GenerateRequest(prompt="Call me at", max_tokens=20, temperature=0,
-                                                        structured_outputs=regex))
+        reply = stub.Generate(
+            raylm_pb2.GenerateRequest(prompt="Call me at", max_tokens=20, temperature=0, structured_outputs=regex)
+        )
         assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", reply.text) and reply.finish_reason == "stop"
         schema = raylm_pb2.StructuredOutputs(json=json.dumps(SCHEMAS["array_of_enums"]))
-        text = "".join(r.text for r in stub.GenerateStream(raylm_pb2.GenerateRequest(
-            prompt="Colors:", max_tokens=60, temperature=0, structured_outputs=schema)))
+        text = "".join(
+            r.text
+            for r in stub.GenerateStream(
+                raylm_pb2.GenerateRequest(prompt="Colors:", max_tokens=60, temperature=0, structured_outputs=schema)
+            )
+        )
         jsonschema.validate(json.loads(text), SCHEMAS["array_of_enums"])
         with pytest.raises(grpc.RpcError) as e:
-            stub.Generate(raylm_pb2.GenerateRequest(prompt="x", structured_outputs=raylm_pb2.StructuredOutputs(
-                regex="(")))
+            stub.Generate(
+                raylm_pb2.GenerateRequest(prompt="x", structured_outputs=raylm_pb2.StructuredOutputs(regex="("))
+            )
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in e.value.details()
 
 
@@ -176,8 +231,9 @@ def test_logit_bias_and_allowed_token_ids(client, url):
     x = httpx.post(f"{url}/tokenize", json={"prompt": " x", "add_special_tokens": False}).json()["tokens"][0]
     out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0, logit_bias={str(x): 100})
     assert out.choices[0].text == " x" * 4
-    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0,
-                                    extra_body={"allowed_token_ids": [x]})
+    out = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=4, temperature=0, extra_body={"allowed_token_ids": [x]}
+    )
     assert out.choices[0].text == " x" * 4
 
 
@@ -215,7 +271,8 @@ def test_echo_with_logprobs_and_prompt_logprobs_cover_the_prompt(client):
     plain, echoed, asked = concurrently(
         lambda: client.completions.create(**kw),
         lambda: client.completions.create(**kw, echo=True),
-        lambda: client.completions.create(**kw, extra_body={"prompt_logprobs": 3}))
+        lambda: client.completions.create(**kw, extra_body={"prompt_logprobs": 3}),
+    )
     n = echoed.usage.prompt_tokens
     lp, want = echoed.choices[0].logprobs, plain.choices[0].logprobs
     assert len(lp.tokens) == n + len(want.tokens) and "".join(lp.tokens[:n]) == kw["prompt"]
@@ -245,8 +302,10 @@ REFUSED = [
     ({"prompt": "x", "logit_bias": {"1000000": 1}}, "logit_bias"),
     ({"prompt": "x", "allowed_token_ids": [1000000]}, "allowed_token_ids"),
     ({"prompt": "x", "structured_outputs": {"grammar": "start: nothing"}}, "structured_outputs.grammar"),
-    (CHAT | {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}},
-     "response_format.json_schema.schema"),
+    (
+        CHAT | {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}},
+        "response_format.json_schema.schema",
+    ),
     (CHAT | {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
 ]
 
@@ -272,14 +331,32 @@ def test_openapi_states_the_policy(url):
 
 # ---- tool calls ---------------------------------------------------------------------------
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city now.", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The time in a time zone.", "parameters": {
-        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}}, "required": ["zone"],
-        "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The time in a time zone.",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
 TOOLS = [WEATHER, TIME]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 WEATHER_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -292,11 +369,19 @@ def check_calls(calls, names=tuple(PARAMS)):
         jsonschema.validate(json.loads(c.function.arguments), PARAMS[c.function.name])
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
-                         ids=["required", "named"])
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_time"}}], ids=["required", "named"]
+)
 def test_a_forced_tool_call_parses_into_tool_calls(client, choice):
-    out = client.chat.completions.create(model=MODEL, messages=WEATHER_ASK, tools=TOOLS, tool_choice=choice,
-                                         parallel_tool_calls=False, max_tokens=80, temperature=0)
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=WEATHER_ASK,
+        tools=TOOLS,
+        tool_choice=choice,
+        parallel_tool_calls=False,
+        max_tokens=80,
+        temperature=0,
+    )
     choice_out = out.choices[0]
     assert choice_out.finish_reason == "tool_calls"
     names = ("get_time",) if isinstance(choice, dict) else tuple(PARAMS)
@@ -305,10 +390,20 @@ def test_a_forced_tool_call_parses_into_tool_calls(client, choice):
 
 
 def test_a_streamed_tool_call_sends_id_and_name_then_arguments(client):
-    kw = dict(model=MODEL, messages=WEATHER_ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-              max_tokens=80, temperature=0)
-    deltas = [(c.choices[0].delta.tool_calls, c.choices[0].finish_reason)
-              for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    kw = dict(
+        model=MODEL,
+        messages=WEATHER_ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=80,
+        temperature=0,
+    )
+    deltas = [
+        (c.choices[0].delta.tool_calls, c.choices[0].finish_reason)
+        for c in client.chat.completions.create(stream=True, **kw)
+        if c.choices
+    ]
     calls = [d for tc, _ in deltas for d in tc or []]
     assert calls[0].id and calls[0].function.name and not calls[0].function.arguments
     assert len(calls) > 2 and all(d.id is None and d.function.name is None for d in calls[1:])  # arguments, in parts
@@ -324,9 +419,19 @@ def test_a_streamed_tool_call_sends_id_and_name_then_arguments(client):
 
 def test_auto_tool_choice_and_a_history_with_calls_and_results(client):
     history = WEATHER_ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "c"})}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "c"})},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"},
+    ]
     out = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=40, temperature=0)
     c = out.choices[0]
     if c.message.tool_calls:
@@ -334,16 +439,20 @@ def test_auto_tool_choice_and_a_history_with_calls_and_results(client):
         check_calls(c.message.tool_calls)
     else:
         assert c.finish_reason in ("stop", "length") and c.message.content
-    none = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",
-                                          max_tokens=20, temperature=0).choices[0]
+    none = client.chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=20, temperature=0
+    ).choices[0]
     assert not none.message.tool_calls and none.finish_reason in ("stop", "length")
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_stock"}}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ],
+)
 def test_bad_tools_are_400_before_anything_runs(url, body, param):
     r = httpx.post(f"{url}/v1/chat/completions", json=CHAT | body, timeout=60)
     assert r.status_code == 400, r.text

@@ -29,22 +29,37 @@ from scheduler import RequestError, StructuredOutputsParams
 SERVE_CONFIG = Path(__file__).parents[3] / "manifests" / "serve_config.yaml"
 
 
-@pytest.mark.parametrize(("model", "body", "param"), [
-    (CompletionRequest, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    (CompletionRequest, {"prompt": "x", "top_p": 2}, "top_p"),
-    (CompletionRequest, {"prompt": [1, -2]}, "prompt"),
-    (CompletionRequest, {}, "prompt"),
-    (CompletionRequest, "a string", None),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]},
-     "messages[1].role"),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     "messages[0].content"),
-    (CompletionRequest, {"prompt": "x", "suffix": "y"}, "suffix"),
-    (ChatCompletionRequest, {"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "xml"}},
-     "response_format.type"),
-    (ChatCompletionRequest, {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}]},
-     "messages[0].tool_calls[0].function"),
-])
+@pytest.mark.parametrize(
+    ("model", "body", "param"),
+    [
+        (CompletionRequest, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        (CompletionRequest, {"prompt": "x", "top_p": 2}, "top_p"),
+        (CompletionRequest, {"prompt": [1, -2]}, "prompt"),
+        (CompletionRequest, {}, "prompt"),
+        (CompletionRequest, "a string", None),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]},
+            "messages[1].role",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages[0].content",
+        ),
+        (CompletionRequest, {"prompt": "x", "suffix": "y"}, "suffix"),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "xml"}},
+            "response_format.type",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "c"}]}]},
+            "messages[0].tool_calls[0].function",
+        ),
+    ],
+)
 def test_validation_errors_are_400_naming_the_parameter(model, body, param):
     with pytest.raises(APIError) as e:
         parse(model, body)
@@ -52,9 +67,20 @@ def test_validation_errors_are_400_naming_the_parameter(model, body, param):
     assert e.value.message.startswith(param or "body")
 
 
-SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 5, "min_p": 0.05, "presence_penalty": 0.3,
-            "frequency_penalty": -0.4, "repetition_penalty": 1.2, "seed": 3, "stop_token_ids": [5, 6],
-            "ignore_eos": True, "n": 2, "min_tokens": 1}  # distinct values, so that a swap of two fields fails
+SAMPLING = {
+    "temperature": 0.7,
+    "top_p": 0.9,
+    "top_k": 5,
+    "min_p": 0.05,
+    "presence_penalty": 0.3,
+    "frequency_penalty": -0.4,
+    "repetition_penalty": 1.2,
+    "seed": 3,
+    "stop_token_ids": [5, 6],
+    "ignore_eos": True,
+    "n": 2,
+    "min_tokens": 1,
+}  # distinct values, so that a swap of two fields fails
 
 
 def test_sampling_params_mapping():
@@ -67,8 +93,10 @@ def test_sampling_params_mapping():
 
 
 def test_chat_sampling_params_mapping():
-    req = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "a"}], "logprobs": True,
-                                        "top_logprobs": 3} | SAMPLING)
+    req = parse(
+        ChatCompletionRequest,
+        {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 3} | SAMPLING,
+    )
     params = req.sampling_params(max_tokens=7, logprobs=req.num_logprobs)
     assert {k: getattr(params, k) for k in SAMPLING} == SAMPLING
     assert params.logprobs == 3
@@ -87,9 +115,15 @@ def test_single_prompt_unwraps_a_one_element_batch():
 
 
 def test_chat_fields():
-    req = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                                  {"type": "text", "text": "b"}]}],
-                                        "max_tokens": 5, "max_completion_tokens": 3, "logprobs": True})
+    req = parse(
+        ChatCompletionRequest,
+        {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+            "max_tokens": 5,
+            "max_completion_tokens": 3,
+            "logprobs": True,
+        },
+    )
     assert req.requested_max_tokens == 3
     assert req.num_logprobs == 0
     assert req.messages[0].template_dict() == {"role": "user", "content": "ab"}
@@ -99,8 +133,10 @@ def test_stream_chunks_carry_usage_only_when_asked():
     assert "usage" not in CompletionChunk(id="a", created=0, model="m", choices=[]).model_dump()
     assert CompletionChunk(id="a", created=0, model="m", choices=[], usage=None).model_dump()["usage"] is None
     usage = Usage(prompt_tokens=1, completion_tokens=2, total_tokens=3)
-    assert ChatCompletionChunk(id="a", created=0, model="m", choices=[], usage=usage).model_dump()["usage"][
-        "total_tokens"] == 3
+    assert (
+        ChatCompletionChunk(id="a", created=0, model="m", choices=[], usage=usage).model_dump()["usage"]["total_tokens"]
+        == 3
+    )
 
 
 def test_chat_deltas_show_only_what_is_set():
@@ -111,8 +147,13 @@ def test_chat_deltas_show_only_what_is_set():
 
 def test_api_errors_survive_pickling():  # they cross Ray when a gRPC stream fails
     e = pickle.loads(pickle.dumps(APIError(404, "no such model", "model", "model_not_found")))
-    assert (e.status, e.message, e.param, e.code, e.type) == (404, "no such model", "model", "model_not_found",
-                                                               "invalid_request_error")
+    assert (e.status, e.message, e.param, e.code, e.type) == (
+        404,
+        "no such model",
+        "model",
+        "model_not_found",
+        "invalid_request_error",
+    )
 
 
 # ---- configuration ------------------------------------------------------------------------------
@@ -121,13 +162,24 @@ def test_api_errors_survive_pickling():  # they cross Ray when a gRPC stream fai
 def test_autoscaling_defaults_follow_the_batch_size():
     opts = deployment_options(AppArgs.from_flat({"max_num_seqs": 64, "max_replicas": 4}))
     assert opts["max_ongoing_requests"] == 3 * 64  # 64 running, 64 queued, room for what the replica refuses
-    assert opts["autoscaling_config"] == {"min_replicas": 1, "initial_replicas": 1, "max_replicas": 4,
-                                          "target_ongoing_requests": 32}
+    assert opts["autoscaling_config"] == {
+        "min_replicas": 1,
+        "initial_replicas": 1,
+        "max_replicas": 4,
+        "target_ongoing_requests": 32,
+    }
 
 
 def test_flat_args_split_between_engine_and_app():
-    args = AppArgs.from_flat({"model": "/m", "tensor_parallel_size": "2", "api_key": "k",
-                              "target_ongoing_requests": "10", "max_ongoing_requests": 20})
+    args = AppArgs.from_flat(
+        {
+            "model": "/m",
+            "tensor_parallel_size": "2",
+            "api_key": "k",
+            "target_ongoing_requests": "10",
+            "max_ongoing_requests": 20,
+        }
+    )
     assert (args.engine.model, args.engine.tensor_parallel_size, args.api_key) == ("/m", 2, "k")
     opts = deployment_options(args)
     assert (opts["autoscaling_config"]["target_ongoing_requests"], opts["max_ongoing_requests"]) == (10, 20)
@@ -151,10 +203,37 @@ def test_cli_serve_reaches_the_app_args(monkeypatch):
     seen = {}
     monkeypatch.setattr("cluster.serve.serve_until_interrupted", lambda args, **kw: seen.update(args=args, **kw))
     monkeypatch.setenv("RAYLM_API_KEY", "from-env")
-    cli.main(["serve", "--model", "/m", "--tensor-parallel-size", "2", "--max-num-seqs", "32", "--min-replicas", "2",
-              "--max-replicas", "5", "--port", "8123", "--host", "0.0.0.0", "--grpc-port", "9123",
-              "--max-queue-len", "4", "--request-timeout-s", "30", "--step-timeout-s", "60",
-              "--health-check-period-s", "2.5", "--drain-timeout-s", "12"])
+    cli.main(
+        [
+            "serve",
+            "--model",
+            "/m",
+            "--tensor-parallel-size",
+            "2",
+            "--max-num-seqs",
+            "32",
+            "--min-replicas",
+            "2",
+            "--max-replicas",
+            "5",
+            "--port",
+            "8123",
+            "--host",
+            "0.0.0.0",
+            "--grpc-port",
+            "9123",
+            "--max-queue-len",
+            "4",
+            "--request-timeout-s",
+            "30",
+            "--step-timeout-s",
+            "60",
+            "--health-check-period-s",
+            "2.5",
+            "--drain-timeout-s",
+            "12",
+        ]
+    )
     args = seen["args"]
     assert (args.engine.model, args.engine.tensor_parallel_size, args.engine.max_num_seqs) == ("/m", 2, 32)
     assert (args.max_queue_len, args.request_timeout_s, args.engine.step_timeout_s) == (4, 30, 60)
@@ -183,46 +262,91 @@ CHAT = {"messages": [{"role": "user", "content": "a"}]}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
-@pytest.mark.parametrize(("body", "expected"), [
-    ({"response_format": {"type": "text"}}, None),
-    ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA, "strict": True}}},
-     StructuredOutputsParams(json=SCHEMA)),
-    ({"structured_outputs": {"json": SCHEMA}}, StructuredOutputsParams(json=SCHEMA)),
-    ({"structured_outputs": {"regex": "[a-z]+"}}, StructuredOutputsParams(regex="[a-z]+")),
-    ({"structured_outputs": {"choice": ["yes", "no"]}}, StructuredOutputsParams(choice=["yes", "no"])),
-    ({"structured_outputs": {"grammar": 'start: "a"+'}}, StructuredOutputsParams(grammar='start: "a"+')),
-])
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, StructuredOutputsParams(json_object=True)),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": SCHEMA, "strict": True},
+                }
+            },
+            StructuredOutputsParams(json=SCHEMA),
+        ),
+        ({"structured_outputs": {"json": SCHEMA}}, StructuredOutputsParams(json=SCHEMA)),
+        ({"structured_outputs": {"regex": "[a-z]+"}}, StructuredOutputsParams(regex="[a-z]+")),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, StructuredOutputsParams(choice=["yes", "no"])),
+        ({"structured_outputs": {"grammar": 'start: "a"+'}}, StructuredOutputsParams(grammar='start: "a"+')),
+    ],
+)
 def test_constraints_reach_sampling_params(body, expected):
     assert parse(ChatCompletionRequest, CHAT | body).sampling_params(8, None).structured_outputs == expected
 
 
 def test_sampling_fields_reach_sampling_params():
-    params = parse(CompletionRequest, {"prompt": "x", "logit_bias": {"5": -100, "7": 2.5}, "allowed_token_ids": [5, 7],
-                                       "best_of": 2, "n": 2}).sampling_params(8, None)
+    params = parse(
+        CompletionRequest,
+        {"prompt": "x", "logit_bias": {"5": -100, "7": 2.5}, "allowed_token_ids": [5, 7], "best_of": 2, "n": 2},
+    ).sampling_params(8, None)
     assert (params.logit_bias, params.allowed_token_ids, params.n) == ({5: -100.0, 7: 2.5}, [5, 7], 2)
 
 
-@pytest.mark.parametrize(("model", "body", "param", "says"), [
-    (ChatCompletionRequest, CHAT | {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "n", "schema": {"type": "strin"}}}}, "response_format.json_schema.schema", "strin"),
-    (ChatCompletionRequest, CHAT | {"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}},
-     "response_format.json_schema", "schema"),
-    (ChatCompletionRequest, CHAT | {"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "unclosed"),
-    (ChatCompletionRequest, CHAT | {"structured_outputs": {"grammar": "start: x"}}, "structured_outputs.grammar",
-     "unknown name"),
-    (ChatCompletionRequest, CHAT | {"structured_outputs": {"json": "{not json"}}, "structured_outputs.json",
-     "not valid JSON"),
-    (ChatCompletionRequest, CHAT | {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
-     "exactly one"),
-    (ChatCompletionRequest, CHAT | {"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
-    (ChatCompletionRequest, CHAT | {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
-     "structured_outputs", "send one"),
-    (CompletionRequest, {"prompt": "x", "best_of": 3}, "best_of", "n=1"),
-    (CompletionRequest, {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", "20"),
-    (CompletionRequest, {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "100"),
-    (CompletionRequest, {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids", "at least 1"),
-])
+@pytest.mark.parametrize(
+    ("model", "body", "param", "says"),
+    [
+        (
+            ChatCompletionRequest,
+            CHAT
+            | {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "strin"}}}},
+            "response_format.json_schema.schema",
+            "strin",
+        ),
+        (
+            ChatCompletionRequest,
+            CHAT | {"response_format": {"type": "json_schema", "json_schema": {"name": "n"}}},
+            "response_format.json_schema",
+            "schema",
+        ),
+        (
+            ChatCompletionRequest,
+            CHAT | {"structured_outputs": {"regex": "a(b"}},
+            "structured_outputs.regex",
+            "unclosed",
+        ),
+        (
+            ChatCompletionRequest,
+            CHAT | {"structured_outputs": {"grammar": "start: x"}},
+            "structured_outputs.grammar",
+            "unknown name",
+        ),
+        (
+            ChatCompletionRequest,
+            CHAT | {"structured_outputs": {"json": "{not json"}},
+            "structured_outputs.json",
+            "not valid JSON",
+        ),
+        (
+            ChatCompletionRequest,
+            CHAT | {"structured_outputs": {"regex": "a", "choice": ["a"]}},
+            "structured_outputs",
+            "exactly one",
+        ),
+        (ChatCompletionRequest, CHAT | {"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
+        (
+            ChatCompletionRequest,
+            CHAT | {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+            "structured_outputs",
+            "send one",
+        ),
+        (CompletionRequest, {"prompt": "x", "best_of": 3}, "best_of", "n=1"),
+        (CompletionRequest, {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", "20"),
+        (CompletionRequest, {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "100"),
+        (CompletionRequest, {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids", "at least 1"),
+    ],
+)
 def test_the_field_policy_refuses_with_a_400_naming_the_field(model, body, param, says):
     """What the request itself refuses, or the engine's check of its constraint (a RequestError, which the
     replica turns into this request's 400 the same way)."""
@@ -237,18 +361,33 @@ def test_the_field_policy_refuses_with_a_400_naming_the_field(model, body, param
     assert says in e.value.message
 
 
-@pytest.mark.parametrize(("model", "body", "field", "param"), [
-    (CompletionRequest, {"prompt": [1, 2]}, "prompt[1]", "prompt"),
-    (ChatCompletionRequest, CHAT, "prompt", "messages"),
-    (ChatCompletionRequest, CHAT, "prompt_logprobs", "prompt_logprobs"),
-    (CompletionRequest, {"prompt": "x", "bad_words": ["a"]}, "bad_words_token_ids", "bad_words"),
-    (CompletionRequest, {"prompt": "x", "structured_outputs": {"regex": "("}}, "structured_outputs.regex",
-     "structured_outputs.regex"),
-    (ChatCompletionRequest, CHAT | {"response_format": {"type": "json_object"}}, "structured_outputs.json_object",
-     "response_format"),
-    (ChatCompletionRequest, CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}],
-                                    "tool_choice": "required"}, "structured_outputs.json", "tools"),
-])
+@pytest.mark.parametrize(
+    ("model", "body", "field", "param"),
+    [
+        (CompletionRequest, {"prompt": [1, 2]}, "prompt[1]", "prompt"),
+        (ChatCompletionRequest, CHAT, "prompt", "messages"),
+        (ChatCompletionRequest, CHAT, "prompt_logprobs", "prompt_logprobs"),
+        (CompletionRequest, {"prompt": "x", "bad_words": ["a"]}, "bad_words_token_ids", "bad_words"),
+        (
+            CompletionRequest,
+            {"prompt": "x", "structured_outputs": {"regex": "("}},
+            "structured_outputs.regex",
+            "structured_outputs.regex",
+        ),
+        (
+            ChatCompletionRequest,
+            CHAT | {"response_format": {"type": "json_object"}},
+            "structured_outputs.json_object",
+            "response_format",
+        ),
+        (
+            ChatCompletionRequest,
+            CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+            "structured_outputs.json",
+            "tools",
+        ),
+    ],
+)
 def test_an_engine_refusal_names_the_requests_own_parameter(model, body, field, param):
     assert parse(model, body).param_for(field) == param
 

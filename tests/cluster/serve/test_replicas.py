@@ -28,9 +28,14 @@ def running_replicas() -> int:
 
 @pytest.fixture(scope="module")
 def url(default_model_dir):
-    args = AppArgs(engine=EngineConfig(model=default_model_dir, max_model_len=1024, max_num_seqs=8,
-                                       kv_cache_bytes=96 << 20, block_size=BLOCK),
-                   served_model_name=MODEL, min_replicas=2, max_replicas=2)
+    args = AppArgs(
+        engine=EngineConfig(
+            model=default_model_dir, max_model_len=1024, max_num_seqs=8, kv_cache_bytes=96 << 20, block_size=BLOCK
+        ),
+        served_model_name=MODEL,
+        min_replicas=2,
+        max_replicas=2,
+    )
     with serving(args, port=free_port(), grpc_port=free_port()) as url:
         deadline = time.monotonic() + 300
         while running_replicas() < 2:
@@ -41,8 +46,11 @@ def url(default_model_dir):
 
 
 def chat(url: str, question: str, system: str = SYSTEM) -> httpx.Response:
-    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "system", "content": system},
-                                                          {"role": "user", "content": question}]}
+    body = {
+        "model": MODEL,
+        "max_tokens": 2,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+    }
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
 
 
@@ -51,8 +59,14 @@ def test_requests_follow_their_cached_prefix(url):
     assert first.status_code == 200, first.text
     shared_blocks = first.json()["usage"]["prompt_tokens"] // BLOCK - 2  # the system prompt's, at least
     time.sleep(STALE_S)  # the replica's digest now holds them
-    for question in ["Are you open on Sunday?", "How much is a chain?", "Can I rent a tandem?",
-                     "Do you fix flat tyres?", "Where are you?", "Do you ship abroad?"]:
+    for question in [
+        "Are you open on Sunday?",
+        "How much is a chain?",
+        "Can I rent a tandem?",
+        "Do you fix flat tyres?",
+        "Where are you?",
+        "Do you ship abroad?",
+    ]:
         usage = chat(url, question).json()["usage"]
         assert usage["prompt_tokens_details"]["cached_tokens"] >= shared_blocks * BLOCK, (question, usage)
 
@@ -60,8 +74,16 @@ def test_requests_follow_their_cached_prefix(url):
 def test_one_scrape_covers_both_replicas_and_counters_never_go_back(url):
     prompts = [f"Tenant {i} says: " + "lorem ipsum dolor sit amet " * (10 + i) for i in range(12)]
     with ThreadPoolExecutor(len(prompts)) as pool:  # at once, so load spreads them over both replicas
-        codes = list(pool.map(lambda p: httpx.post(f"{url}/v1/completions", json={
-            "model": MODEL, "prompt": p, "max_tokens": 8}, timeout=120).status_code, prompts))
+        codes = list(
+            pool.map(
+                lambda p: (
+                    httpx.post(
+                        f"{url}/v1/completions", json={"model": MODEL, "prompt": p, "max_tokens": 8}, timeout=120
+                    ).status_code
+                ),
+                prompts,
+            )
+        )
     assert codes == [200] * len(prompts)
 
     wait_metrics(url, lambda m: len(served_by_replica(url)) >= 2)
@@ -83,11 +105,15 @@ def served_by_replica(url: str) -> dict[str, float]:
     return out
 
 
-@pytest.mark.parametrize(("body", "code"), [
-    (b"{not json", "invalid_json"),
-    (b'{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "bogus": 1}', "unsupported_field"),
-    (b'{"model": "SmolLM2-135M-Instruct", "prompt": "' + b"word " * 1500 + b'"}', "context_length_exceeded"),
-], ids=["not-json", "unknown-field", "too-long"])
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        (b"{not json", "invalid_json"),
+        (b'{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "bogus": 1}', "unsupported_field"),
+        (b'{"model": "SmolLM2-135M-Instruct", "prompt": "' + b"word " * 1500 + b'"}', "context_length_exceeded"),
+    ],
+    ids=["not-json", "unknown-field", "too-long"],
+)
 def test_what_the_router_cannot_hash_gets_the_replicas_400(url, body, code):
     r = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 400, r.text
@@ -97,8 +123,11 @@ def test_what_the_router_cannot_hash_gets_the_replicas_400(url, body, code):
 def test_a_dead_replica_leaves_routing(url):
     """Kill the replica holding the shared prefix: within one health-check period requests are served by the
     other (then Serve replaces the dead one)."""
-    replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                if a["name"].startswith(f"SERVE_REPLICA::{APP_NAME}#LLMServer#")]
+    replicas = [
+        a
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(f"SERVE_REPLICA::{APP_NAME}#LLMServer#")
+    ]
     assert len(replicas) == 2
     ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
     killed = time.monotonic()

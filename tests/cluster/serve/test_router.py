@@ -65,14 +65,23 @@ def test_body_hashes_are_the_schedulers_including_the_chat_template(tokenizer):
     assert len(hashes) == len(ids) // 16 > 4
     assert hashes == Request("r", list(ids), block_size=16).block_hashes
     prompt = {"prompt": "Count: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20"}
-    assert request_block_hashes(tokenizer, json.dumps(prompt).encode(), 16) == Request(
-        "r", tokenizer.encode(prompt["prompt"]), block_size=16).block_hashes
+    assert (
+        request_block_hashes(tokenizer, json.dumps(prompt).encode(), 16)
+        == Request("r", tokenizer.encode(prompt["prompt"]), block_size=16).block_hashes
+    )
 
 
-@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", json.dumps({"prompt": "hi", "bogus": 1}).encode(),
-                                  json.dumps({"prompt": ["a", "b"]}).encode(),
-                                  json.dumps({"messages": [{"role": "nobody", "content": "x"}]}).encode(),
-                                  json.dumps({"prompt": [-1, 5]}).encode()],
-                         ids=["not-json", "not-object", "unknown-field", "two-prompts", "bad-role", "bad-ids"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        b"[1, 2]",
+        json.dumps({"prompt": "hi", "bogus": 1}).encode(),
+        json.dumps({"prompt": ["a", "b"]}).encode(),
+        json.dumps({"messages": [{"role": "nobody", "content": "x"}]}).encode(),
+        json.dumps({"prompt": [-1, 5]}).encode(),
+    ],
+    ids=["not-json", "not-object", "unknown-field", "two-prompts", "bad-role", "bad-ids"],
+)
 def test_a_body_it_cannot_hash_is_routed_by_load(tokenizer, body):
     assert request_block_hashes(tokenizer, body, 16) == []

@@ -44,8 +44,9 @@ def stop_serve(timeout_s: float = 90.0) -> None:
     which a lingering replica of this module still listens on, so some requests would reach the old app."""
     serve.shutdown()
     deadline = time.monotonic() + timeout_s
-    while left := [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                   if a["namespace"] == SERVE_NAMESPACE]:
+    while left := [
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == SERVE_NAMESPACE
+    ]:
         assert time.monotonic() < deadline, f"Serve actors still alive {timeout_s} s after serve.shutdown: {left}"
         time.sleep(0.5)
 
@@ -63,10 +64,17 @@ def serving(args: AppArgs, **kwargs) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def server(default_model_dir):
     """One server for the module: HTTP URL and gRPC port."""
-    args = AppArgs(engine=EngineConfig(model=default_model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
-                                       kv_cache_bytes=96 << 20),
-                   served_model_name=MODEL, api_key=KEY, min_replicas=1, max_replicas=2, max_body_bytes=1 << 20,
-                   max_queue_len=QUEUE_LEN)
+    args = AppArgs(
+        engine=EngineConfig(
+            model=default_model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, kv_cache_bytes=96 << 20
+        ),
+        served_model_name=MODEL,
+        api_key=KEY,
+        min_replicas=1,
+        max_replicas=2,
+        max_body_bytes=1 << 20,
+        max_queue_len=QUEUE_LEN,
+    )
     grpc_port = free_port()
     with serving(args, host="127.0.0.1", port=free_port(), grpc_port=grpc_port) as url:
         yield url, grpc_port
@@ -117,8 +125,16 @@ def wait_drained(url: str) -> None:
     /metrics within one stats period plus one Ray report period (1 s each here): only values read after that
     are the engine's state since the call."""
     time.sleep(STALE_S)
-    wait_metrics(url, lambda m: tuple(m[f"{name}{{model_name={MODEL}}}"] for name in (
-        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")) == (0, 0, 0))
+    wait_metrics(
+        url,
+        lambda m: (
+            tuple(
+                m[f"{name}{{model_name={MODEL}}}"]
+                for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+            )
+            == (0, 0, 0)
+        ),
+    )
 
 
 def sse_events(response: httpx.Response) -> list[str]:
@@ -131,7 +147,7 @@ def sse_events(response: httpx.Response) -> list[str]:
             assert line == "", f"line {i} should separate events: {line!r}"
         else:
             assert line.startswith("data: "), line
-            events.append(line[len("data: "):])
+            events.append(line[len("data: ") :])
     return events
 
 
@@ -147,22 +163,32 @@ def test_models_lists_the_served_model(client, default_model_dir):
 
 def test_the_readme_quick_start(url, client):
     """The README's three calls as written, but for the API key (and fewer tokens)."""
-    r = httpx.post(f"{url}/v1/completions", headers=AUTH | {"Content-Type": "application/json"}, timeout=120,
-                   content=b'{"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", '
-                           b'"max_tokens": 16, "temperature": 0}')
+    r = httpx.post(
+        f"{url}/v1/completions",
+        headers=AUTH | {"Content-Type": "application/json"},
+        timeout=120,
+        content=b'{"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", '
+        b'"max_tokens": 16, "temperature": 0}',
+    )
     assert r.status_code == 200, r.text
     assert r.json()["model"] == "SmolLM2-135M-Instruct" and r.json()["choices"][0]["text"]
-    out = client.completions.create(model="SmolLM2-135M-Instruct", prompt="def fibonacci(n):", max_tokens=8,
-                                    temperature=0)
+    out = client.completions.create(
+        model="SmolLM2-135M-Instruct", prompt="def fibonacci(n):", max_tokens=8, temperature=0
+    )
     assert out.choices[0].text
-    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", stream=True, max_tokens=8,
-                                            messages=[{"role": "user", "content": "Write a haiku about Ray."}])
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        stream=True,
+        max_tokens=8,
+        messages=[{"role": "user", "content": "Write a haiku about Ray."}],
+    )
     assert "".join(chunk.choices[0].delta.content or "" for chunk in stream)
 
 
 def test_completion(client, url):
-    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     (choice,) = out.choices
     assert choice.text and choice.finish_reason == "length"
     prompt_len = post(url, "/tokenize", {"prompt": "The capital of France is"}).json()["count"]
@@ -206,23 +232,38 @@ def test_chat_streaming_sends_the_role_first(client):
 
 
 def test_n_samples(client):
-    out = client.completions.create(model=MODEL, prompt="My favourite colour is", max_tokens=4, n=2, seed=7,
-                                    temperature=1.0, extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL,
+        prompt="My favourite colour is",
+        max_tokens=4,
+        n=2,
+        seed=7,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
     assert sorted(c.index for c in out.choices) == [0, 1]
     assert out.usage.completion_tokens == 8
 
 
 def test_a_seed_makes_sampling_reproducible(client):
-    kw = dict(model=MODEL, prompt="My favourite colour is", max_tokens=8, temperature=1.0,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL, prompt="My favourite colour is", max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True}
+    )
     first, again, *others = [client.completions.create(seed=s, **kw).choices[0].text for s in (11, 11, 12, 13, 14)]
     assert again == first
     assert any(t != first for t in others), "three other seeds all sampled the same 8 tokens: the seed is unused"
 
 
 def test_streaming_n_samples_gives_each_its_text(client):
-    kw = dict(model=MODEL, prompt="My favourite colour is", max_tokens=6, n=2, seed=7, temperature=1.0,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL,
+        prompt="My favourite colour is",
+        max_tokens=6,
+        n=2,
+        seed=7,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
     whole = {c.index: c.text for c in client.completions.create(**kw).choices}
     streamed, finished = {0: "", 1: ""}, {}
     for chunk in client.completions.create(stream=True, **kw):
@@ -252,19 +293,28 @@ def test_logprob_offsets_index_the_text_when_tokens_split_characters(client):
     kw = dict(model=MODEL, prompt="日本語のテキスト。日本語の", max_tokens=8, temperature=0, logprobs=0)
     out = client.completions.create(**kw).choices[0]
     chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw)]
-    streamed = ("".join(c.text for c in chunks), [t for c in chunks if c.logprobs for t in c.logprobs.tokens],
-                [o for c in chunks if c.logprobs for o in c.logprobs.text_offset])
+    streamed = (
+        "".join(c.text for c in chunks),
+        [t for c in chunks if c.logprobs for t in c.logprobs.tokens],
+        [o for c in chunks if c.logprobs for o in c.logprobs.text_offset],
+    )
     for text, tokens, offsets in ((out.text, out.logprobs.tokens, out.logprobs.text_offset), streamed):
         assert any("\ufffd" in t for t in tokens), f"no token split a character in {text!r}: nothing is exercised"
         assert offsets[0] == 0 and offsets == sorted(offsets)
         assert offsets[-1] <= len(text), (offsets, text)
         for token, offset in zip(tokens, offsets):
-            assert "\ufffd" in token or text[offset:offset + len(token)] == token
+            assert "\ufffd" in token or text[offset : offset + len(token)] == token
 
 
 def test_chat_logprobs(client):
-    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
-                                         temperature=0, logprobs=True, top_logprobs=3)
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens
     assert all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
@@ -276,20 +326,25 @@ def test_stop_string_cuts_the_text_and_frees_the_request(client, url):
     stop = free_text[3:7]  # a few characters into the text: it usually straddles tokens
     assert stop.strip(), free_text
     out = client.completions.create(max_tokens=LONG, stop=[stop], **kw)
-    assert out.choices[0].text == free_text[:free_text.index(stop)]
+    assert out.choices[0].text == free_text[: free_text.index(stop)]
     assert out.choices[0].finish_reason == "stop"
     wait_drained(url)  # aborted in the engine, not left to run LONG tokens
     streamed = client.completions.create(max_tokens=LONG, stop=[stop], stream=True, **kw)
     chunks = list(streamed)
-    assert "".join(c.choices[0].text for c in chunks) == free_text[:free_text.index(stop)]
+    assert "".join(c.choices[0].text for c in chunks) == free_text[: free_text.index(stop)]
     assert chunks[-1].choices[0].finish_reason == "stop"
     wait_drained(url)
 
 
 def test_stop_token_ids(client, url):
     comma = post(url, "/tokenize", {"prompt": ","}).json()["tokens"][0]
-    out = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", temperature=0, max_tokens=20,
-                                    extra_body={"ignore_eos": True, "stop_token_ids": [comma]})
+    out = client.completions.create(
+        model=MODEL,
+        prompt="1, 2, 3, 4,",
+        temperature=0,
+        max_tokens=20,
+        extra_body={"ignore_eos": True, "stop_token_ids": [comma]},
+    )
     assert out.choices[0].finish_reason == "stop"
     assert out.usage.completion_tokens < 20  # greedy continues " 5, 6, ...": the first comma stops it
 
@@ -298,8 +353,18 @@ def test_stop_token_ids(client, url):
 
 
 def test_sse_framing_and_usage_chunk(url):
-    r = post(url, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "stream": True,
-                                      "stream_options": {"include_usage": True}, "ignore_eos": True})
+    r = post(
+        url,
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": "Hello",
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        },
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = sse_events(r)
     assert events[-1] == "[DONE]"
@@ -322,8 +387,7 @@ def test_vllm_bench_serve_request_shape(url, default_model_dir):
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     text_chunks, last = chunks[:-1], chunks[-1]
-    assert text_chunks and all(len(c["choices"]) == 1 and isinstance(c["choices"][0]["text"], str)
-                               for c in text_chunks)
+    assert text_chunks and all(len(c["choices"]) == 1 and isinstance(c["choices"][0]["text"], str) for c in text_chunks)
     assert "".join(c["choices"][0]["text"] for c in text_chunks)
     assert text_chunks[-1]["choices"][0]["finish_reason"] == "length"  # ignore_eos: all 6 tokens
     assert last["choices"] == []
@@ -333,8 +397,11 @@ def test_vllm_bench_serve_request_shape(url, default_model_dir):
 
 
 def test_chat_sse_framing(url):
-    r = post(url, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                           "max_tokens": 3, "stream": True})
+    r = post(
+        url,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "stream": True},
+    )
     events = sse_events(r)
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
@@ -343,9 +410,18 @@ def test_chat_sse_framing(url):
 
 
 def test_chat_sse_with_usage_has_usage_on_every_chunk(url):
-    r = post(url, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
-                                           "max_tokens": 3, "ignore_eos": True, "stream": True,
-                                           "stream_options": {"include_usage": True}})
+    r = post(
+        url,
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 3,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     chunks = [json.loads(e) for e in sse_events(r)[:-1]]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all("usage" in c and c["usage"] is None for c in chunks[:-1])  # the role chunk too, as OpenAI sends
@@ -385,12 +461,19 @@ BAD_INPUT = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages[0].role"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400,
-     "max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_MODEL_LEN}, 400,
-     "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400,
-     "top_logprobs"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": MAX_MODEL_LEN},
+        400,
+        "max_tokens",
+    ),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "gpt-17"}, 404, "model"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "priority": -2}, 400, "priority"),
     ("/tokenize", {"prompt": 3}, 400, "prompt"),
@@ -431,11 +514,19 @@ def test_the_server_still_serves_after_bad_input(client):
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}],
-                         ids=["none", "wrong", "no-bearer"])
-@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/models"), ("POST", "/v1/completions"),
-                                              ("POST", "/v1/chat/completions"), ("GET", "/metrics"),
-                                              ("POST", "/tokenize")])
+@pytest.mark.parametrize(
+    "headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}], ids=["none", "wrong", "no-bearer"]
+)
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/metrics"),
+        ("POST", "/tokenize"),
+    ],
+)
 def test_a_wrong_api_key_is_401(url, headers, method, path):
     r = httpx.request(method, f"{url}{path}", headers=headers, json={"prompt": "hi"}, timeout=30)
     assert r.status_code == 401
@@ -463,12 +554,23 @@ def test_tokenize_round_trip(url):
 
 # ---- metrics and autoscaling ---------------------------------------------------------------------
 
-ENGINE_GAUGES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:num_requests_swapped", "vllm:cpu_cache_usage_perc"]
-HISTOGRAMS = ["vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds",
-              "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
-              "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
-              "vllm:request_prompt_tokens", "vllm:request_generation_tokens"]
+ENGINE_GAUGES = [
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_requests_swapped",
+    "vllm:cpu_cache_usage_perc",
+]
+HISTOGRAMS = [
+    "vllm:time_to_first_token_seconds",
+    "vllm:time_per_output_token_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_decode_time_seconds",
+    "vllm:request_prompt_tokens",
+    "vllm:request_generation_tokens",
+]
 
 
 def test_metrics_have_vllm_names_and_move_with_requests(client, url):
@@ -476,12 +578,18 @@ def test_metrics_have_vllm_names_and_move_with_requests(client, url):
     # requests reach the export within STALE_S.
     time.sleep(STALE_S)
     before = wait_metrics(url, lambda m: all(f"{name}{{model_name={MODEL}}}" in m for name in ENGINE_GAUGES))
-    client.completions.create(model=MODEL, prompt="Counting: 1, 2,", max_tokens=3, temperature=0,
-                              extra_body={"ignore_eos": True})
+    client.completions.create(
+        model=MODEL, prompt="Counting: 1, 2,", max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     key = f"vllm:request_success_total{{finished_reason=length,model_name={MODEL}}}"
-    after = wait_metrics(url, lambda m: m.get(key, 0) > before.get(key, 0) and m[
-        f"vllm:prefix_cache_queries_total{{model_name={MODEL}}}"] > before.get(
-        f"vllm:prefix_cache_queries_total{{model_name={MODEL}}}", 0))
+    after = wait_metrics(
+        url,
+        lambda m: (
+            m.get(key, 0) > before.get(key, 0)
+            and m[f"vllm:prefix_cache_queries_total{{model_name={MODEL}}}"]
+            > before.get(f"vllm:prefix_cache_queries_total{{model_name={MODEL}}}", 0)
+        ),
+    )
 
     def moved(name: str, labels: str = "") -> float:
         key = f"{name}{{{labels}model_name={MODEL}}}"
@@ -537,8 +645,7 @@ GRPC_AUTH = [("authorization", f"Bearer {KEY}")]
 
 
 def test_grpc_streaming_round_trip(stub, client):
-    request = raylm_pb2.GenerateRequest(prompt="The capital of France is", max_tokens=5, temperature=0,
-                                        ignore_eos=True)
+    request = raylm_pb2.GenerateRequest(prompt="The capital of France is", max_tokens=5, temperature=0, ignore_eos=True)
     replies = list(stub.GenerateStream(request, metadata=GRPC_AUTH))
     assert [r.finish_reason for r in replies][-1] == "length" and not any(r.finish_reason for r in replies[:-1])
     assert sum(len(r.token_ids) for r in replies) == replies[-1].num_generated_tokens == 5
@@ -549,12 +656,16 @@ def test_grpc_streaming_round_trip(stub, client):
     assert http.choices[0].text == text
 
 
-@pytest.mark.parametrize(("request_kw", "metadata", "code"), [
-    (dict(prompt="hi", max_tokens=0), GRPC_AUTH, grpc.StatusCode.INVALID_ARGUMENT),
-    (dict(prompt="hi", temperature=-1), GRPC_AUTH, grpc.StatusCode.INVALID_ARGUMENT),
-    (dict(prompt="hi", model="gpt-17"), GRPC_AUTH, grpc.StatusCode.NOT_FOUND),
-    (dict(prompt="hi"), [], grpc.StatusCode.UNAUTHENTICATED),
-], ids=["max_tokens", "temperature", "model", "no-key"])
+@pytest.mark.parametrize(
+    ("request_kw", "metadata", "code"),
+    [
+        (dict(prompt="hi", max_tokens=0), GRPC_AUTH, grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(prompt="hi", temperature=-1), GRPC_AUTH, grpc.StatusCode.INVALID_ARGUMENT),
+        (dict(prompt="hi", model="gpt-17"), GRPC_AUTH, grpc.StatusCode.NOT_FOUND),
+        (dict(prompt="hi"), [], grpc.StatusCode.UNAUTHENTICATED),
+    ],
+    ids=["max_tokens", "temperature", "model", "no-key"],
+)
 @pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
 def test_grpc_errors_have_status_codes(stub, request_kw, metadata, code, method):
     with pytest.raises(grpc.RpcError) as e:
@@ -572,8 +683,7 @@ def test_a_client_disconnect_mid_stream_frees_the_request(url):
     time.sleep(STALE_S)  # earlier tests' requests have reached the export
     before = metrics(url).get(aborted, 0)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=120) as http, http.stream("POST", f"{url}/v1/completions", json=body,
-                                                        headers=AUTH) as r:
+    with httpx.Client(timeout=120) as http, http.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
         running = f"vllm:num_requests_running{{model_name={MODEL}}}"
@@ -591,8 +701,10 @@ async def _hold_streams(url: str, count: int) -> list[asyncio.Task]:
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": LONG, "ignore_eos": True, "stream": True}
 
     async def hold() -> None:
-        async with httpx.AsyncClient(timeout=120) as client, client.stream(
-                "POST", f"{url}/v1/completions", json=body, headers=AUTH) as r:
+        async with (
+            httpx.AsyncClient(timeout=120) as client,
+            client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r,
+        ):
             async for _ in r.aiter_lines():
                 pass
 
@@ -609,13 +721,16 @@ def test_past_the_queue_a_request_is_refused_with_429_and_counted(url):
         tasks = await _hold_streams(url, MAX_NUM_SEQS + QUEUE_LEN)
         try:
             deadline = time.monotonic() + WAIT_S
-            while (metrics(url).get(f"vllm:num_requests_running{{model_name={MODEL}}}"),
-                   metrics(url).get(f"vllm:num_requests_waiting{{model_name={MODEL}}}")) != (MAX_NUM_SEQS, QUEUE_LEN):
+            while (
+                metrics(url).get(f"vllm:num_requests_running{{model_name={MODEL}}}"),
+                metrics(url).get(f"vllm:num_requests_waiting{{model_name={MODEL}}}"),
+            ) != (MAX_NUM_SEQS, QUEUE_LEN):
                 assert time.monotonic() < deadline, "the held requests did not reach the engine"
                 await asyncio.sleep(0.2)
             async with httpx.AsyncClient(timeout=WAIT_S) as client:
-                return await client.post(f"{url}/v1/completions", headers=AUTH,
-                                         json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+                return await client.post(
+                    f"{url}/v1/completions", headers=AUTH, json={"model": MODEL, "prompt": "hi", "max_tokens": 2}
+                )
         finally:
             for t in tasks:
                 t.cancel()
@@ -626,5 +741,5 @@ def test_past_the_queue_a_request_is_refused_with_429_and_counted(url):
         r = asyncio.run(round_trip())
         assert r.status_code == 429, (round_number, r.text)
         assert r.headers["Retry-After"] == "1" and r.json()["error"]["code"] == "queue_full"
-        wait_metrics(url, lambda m: m.get(rejected, 0) == before + 1)
+        wait_metrics(url, lambda m: m.get(rejected, 0) == before + 1)  # noqa: B023 (waited on here)
         wait_drained(url)

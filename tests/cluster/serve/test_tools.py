@@ -12,11 +12,24 @@ from cluster.serve.protocol import APIError, ChatCompletionRequest, NamedToolCho
 from cluster.serve.tools import HERMES, LLAMA3, ToolCalling, ToolCallStream
 from workers.structured_output import compile_grammar
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
-    "required": ["city", "unit"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]},
+    },
+}
 TOOLS = [Tool.model_validate(WEATHER), Tool.model_validate(TIME)]
 QWEN_TEMPLATE = "{% if tools %}...{% endif %}<tool_call>"  # what the formats are picked by
 LLAMA_TEMPLATE = "{% if tools %}{{ tools | tojson }}{% endif %}"
@@ -33,13 +46,16 @@ def test_formats_follow_the_chat_template():
     assert calling("none") is None and ToolCalling.from_request(None, None, None, None) is None
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0].function.name"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [WEATHER, WEATHER]}, "tools"),
-    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0].function.name"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ],
+)
 def test_bad_tools_are_400_naming_the_field(body, param):
     with pytest.raises(APIError) as e:
         req = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]} | body)
@@ -48,12 +64,16 @@ def test_bad_tools_are_400_naming_the_field(body, param):
 
 
 def test_hermes_calls_are_read_from_whole_text():
-    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
-            '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+    )
     content, calls = calling().parse(text)
     assert content == "Let me check."
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
-        ("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"zone": "CET"})]
+        ("get_weather", {"city": "Paris", "unit": "c"}),
+        ("get_time", {"zone": "CET"}),
+    ]
     assert len({c.id for c in calls}) == 2
     assert [c.function.name for c in calling(parallel=False).parse(text)[1]] == ["get_weather"]
     assert calling().parse("no calls <tool_call> {broken") == ("no calls <tool_call> {broken", [])
@@ -61,14 +81,17 @@ def test_hermes_calls_are_read_from_whole_text():
 
 def test_llama3_calls_are_read_from_whole_text():
     content, calls = calling(template=LLAMA_TEMPLATE).parse(
-        '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}')
+        '<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}'
+    )
     assert content is None and calls[0].function.name == "get_time"
     assert json.loads(calls[0].function.arguments) == {"zone": "UTC"}
     assert calling(template=LLAMA_TEMPLATE).parse("Just text.") == ("Just text.", [])
 
 
-STREAMED = ('Sure. <tool_call>\n{"name": "get_time", "arguments":  {"zone": "CET", "at": {"h": 1}}}\n</tool_call>\n'
-            '<tool_call>\n{"arguments": {"city": "Oslo"}, "name": "get_weather"}\n</tool_call>')
+STREAMED = (
+    'Sure. <tool_call>\n{"name": "get_time", "arguments":  {"zone": "CET", "at": {"h": 1}}}\n</tool_call>\n'
+    '<tool_call>\n{"arguments": {"city": "Oslo"}, "name": "get_weather"}\n</tool_call>'
+)
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, len(STREAMED)])
@@ -76,13 +99,14 @@ def test_streamed_calls_send_id_and_name_then_arguments_however_the_text_is_cut(
     stream = ToolCallStream(calling())
     content, deltas = "", []
     for i in range(0, len(STREAMED), size):
-        content += stream.feed(STREAMED[i:i + size])
+        content += stream.feed(STREAMED[i : i + size])
         deltas += stream.take_deltas()
     content += stream.finish()
     deltas += stream.take_deltas()
     assert content == "Sure. "
-    for index, (name, args) in enumerate([("get_time", {"zone": "CET", "at": {"h": 1}}),
-                                          ("get_weather", {"city": "Oslo"})]):
+    for index, (name, args) in enumerate(
+        [("get_time", {"zone": "CET", "at": {"h": 1}}), ("get_weather", {"city": "Oslo"})]
+    ):
         mine = [d for d in deltas if d.index == index]
         head, rest = mine[0], mine[1:]
         assert (head.function.name, head.function.arguments) == (name, "") and head.id.startswith("call_")
