@@ -10,6 +10,7 @@ import yaml
 from pydantic import ValidationError
 
 from cluster import cli
+from cluster.config import EngineConfig
 from cluster.engine.request_check import check_constraint
 from cluster.serve import AppArgs, build_app, deployment_options
 from cluster.serve.drain import MARGIN_S
@@ -201,6 +202,7 @@ def test_the_serve_config_is_valid_and_builds():
 
 def test_cli_serve_reaches_the_app_args(monkeypatch):
     seen = {}
+    monkeypatch.setattr(EngineConfig, "resolved_model", lambda self: "/resolved")  # /m need not exist
     monkeypatch.setattr("cluster.serve.serve_until_interrupted", lambda args, **kw: seen.update(args=args, **kw))
     monkeypatch.setenv("RAYLM_API_KEY", "from-env")
     cli.main(
