@@ -16,6 +16,11 @@ TOKENIZER_FILES = [pattern for pattern in MODEL_FILES if pattern != "*.safetenso
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+class ModelNotFoundError(FileNotFoundError, ValueError):
+    """A model that is neither a local directory nor found in (or fetchable into) the hub cache: a missing file
+    to the shell, a bad argument to the API (LLM(model=...) raises ValueError for every bad setting)."""
+
+
 def hub_cache(download_dir: str | None) -> str:
     from huggingface_hub import constants
 
@@ -24,12 +29,14 @@ def hub_cache(download_dir: str | None) -> str:
 
 def resolve_model(name: str, revision: str | None = None, download_dir: str | None = None, weights: bool = True) -> str:
     """The local directory holding model `name`: `name` itself when it is a directory, else the hub snapshot of
-    repository `name` at `revision`. FileNotFoundError names the id and the cache when neither is there."""
+    repository `name` at `revision`. ModelNotFoundError names the id and the cache when neither is there."""
     path = Path(name).expanduser()
     if path.is_dir():
         return str(path)
     if not REPO_ID.match(name) or name.startswith((".", "~")):
-        raise FileNotFoundError(f"model {name!r}: no such directory (and not a Hugging Face id, org/name)")
+        raise ModelNotFoundError(
+            f"model {name!r} does not exist: no such directory, and not a Hugging Face id (org/name)"
+        )
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
@@ -39,16 +46,16 @@ def resolve_model(name: str, revision: str | None = None, download_dir: str | No
             name, revision=revision, cache_dir=download_dir, allow_patterns=MODEL_FILES if weights else TOKENIZER_FILES
         )
     except LocalEntryNotFoundError as e:
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             f"model {where} is not in the Hugging Face cache at {hub_cache(download_dir)} and "
             f"cannot be fetched ({_first_line(e)})"
         ) from None
     except RepositoryNotFoundError:
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             f"model {where}: no such repository on the Hugging Face hub (or it is private or gated: set HF_TOKEN)"
         ) from None
     except HfHubHTTPError as e:
-        raise FileNotFoundError(f"model {where} could not be fetched: {_first_line(e)}") from None
+        raise ModelNotFoundError(f"model {where} could not be fetched: {_first_line(e)}") from None
 
 
 def _first_line(error: Exception) -> str:

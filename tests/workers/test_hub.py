@@ -46,7 +46,7 @@ def test_an_uncached_id_offline_names_the_id_and_the_cache(offline_hub):
 
 def test_a_directory_is_taken_as_it_is_and_a_missing_one_named(tiny_model_dir):
     assert resolve_model(tiny_model_dir("llama")) == tiny_model_dir("llama")
-    with pytest.raises(FileNotFoundError, match="'/no/such/model': no such directory"):
+    with pytest.raises(FileNotFoundError, match="'/no/such/model' does not exist: no such directory"):
         resolve_model("/no/such/model")
-    with pytest.raises(FileNotFoundError, match="'./models/x': no such directory"):
+    with pytest.raises(FileNotFoundError, match="'./models/x' does not exist"):
         resolve_model("./models/x")
