@@ -114,6 +114,16 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        self._check_numbers()
+        self._check_token_ids()
+        _check(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            self.structured_outputs,
+            "must be a StructuredOutputsParams",
+        )
+
+    def _check_numbers(self) -> None:
         for name in _REAL_FIELDS:
             setattr(self, name, _real(name, getattr(self, name)))
         for name in _INT_FIELDS:
@@ -151,6 +161,8 @@ class SamplingParams:
             "must be None or in [0, 20]",
         )
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "must be a bool")
+
+    def _check_token_ids(self) -> None:
         stop = self.stop_token_ids
         _check(
             isinstance(stop, (list, tuple)) and all(_is_int(t) and t >= 0 for t in stop),
@@ -189,12 +201,6 @@ class SamplingParams:
             "bad_words_token_ids",
             bad,
             "must be a list of non-empty token id lists",
-        )
-        _check(
-            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
-            "structured_outputs",
-            self.structured_outputs,
-            "must be a StructuredOutputsParams",
         )
 
     @property

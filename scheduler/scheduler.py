@@ -346,7 +346,6 @@ class Scheduler:
             cached.new_block_ids,
             cached.num_computed_tokens,
         )
-        allocate = self.kv.allocate_slots
         req_to_blocks = self.kv.req_to_blocks
         running = self.running
         i = 0
@@ -372,17 +371,11 @@ class Scheduler:
             if num_computed + num_new <= len(req_to_blocks[req_id]) * block_size:
                 new_block_ids = []  # the last block still has room
             else:
-                new_blocks = allocate(request, num_new)
-                while new_blocks is None:
-                    victim = self.waiting.pick_victim(running)
-                    if victim.request_id in num_scheduled:
-                        budget += self._unschedule(victim, num_scheduled, cached)
-                        i -= 1
-                    self._preempt(victim)
-                    preempted.append(victim)
-                    if victim is request:
-                        break
-                    new_blocks = allocate(request, num_new)
+                new_blocks, freed_budget, num_unscheduled = self._allocate_preempting(
+                    request, num_new, num_scheduled, cached, preempted
+                )
+                budget += freed_budget
+                i -= num_unscheduled  # victims scheduled earlier in this loop sat before index i
                 if new_blocks is None:
                     continue
                 new_block_ids = [b.block_id for b in new_blocks]
@@ -395,6 +388,31 @@ class Scheduler:
             request.num_computed_tokens = num_computed + num_new
             i += 1
         return budget
+
+    def _allocate_preempting(
+        self,
+        request: Request,
+        num_new: int,
+        num_scheduled: dict[str, int],
+        cached: CachedRequestData,
+        preempted: list[Request],
+    ) -> tuple[list | None, int, int]:
+        """Blocks for ``num_new`` more tokens of ``request``, preempting the policy's victims until they fit; None
+        when ``request`` itself was the victim. Also returns the budget the victims had been given this step and
+        how many of them had been scheduled already."""
+        freed_budget = num_unscheduled = 0
+        new_blocks = self.kv.allocate_slots(request, num_new)
+        while new_blocks is None:
+            victim = self.waiting.pick_victim(self.running)
+            if victim.request_id in num_scheduled:
+                freed_budget += self._unschedule(victim, num_scheduled, cached)
+                num_unscheduled += 1
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                break
+            new_blocks = self.kv.allocate_slots(request, num_new)
+        return new_blocks, freed_budget, num_unscheduled
 
     def _schedule_waiting(
         self, budget: int, num_scheduled: dict[str, int], cached: CachedRequestData, new_data: list[NewRequestData]
