@@ -17,8 +17,9 @@ from workers.cache_engine import CacheEngine, check_swap_space
 from workers.hub import resolve_model
 from workers.layers import can_pack, pack_for_cpu
 from workers.model_loader import load_model, read_model_spec
-from workers.model_runner import ModelRunner, graph_batch_sizes
+from workers.model_runner import ModelRunner
 from workers.no_work import NoWorkRunner
+from workers.runner_inputs import graph_batch_sizes
 from workers.structured_output import GrammarBitmasks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
