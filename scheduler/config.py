@@ -24,6 +24,10 @@ class SchedulerConfig:
     preemption_mode: str  # "recompute", "swap" (to the host tier) or "auto" (see Scheduler._swap_pays)
     # The time to copy one block to the host tier and back, in units of the time to compute one token.
     swap_cost_per_block: float
+    # Pipeline stages. Above 1, up to that many steps are in flight, and a request whose sampled token is still
+    # in flight is not scheduled again (Scheduler's invariants say why); the scheduler sends each request's
+    # samples to the ranks that do not sample (CachedRequestData.new_token_ids).
+    pipeline_parallel_size: int
 
 
 @dataclass(slots=True)

@@ -18,6 +18,7 @@ from workers.runner_inputs import (
     StepInputs,
     logprob_stats,
 )
+from workers.parallel import StageLink, pipeline_stage
 from workers.sampler import PenaltyState, Sampler, SamplingMetadata, has_penalties
 from workers.structured_output import GrammarBitmasks
 
@@ -61,6 +62,7 @@ class ModelRunner:
         max_num_batched_tokens: int = 2048,
         decode_sizes: list[int] | None = None,
         grammar: GrammarBitmasks | None = None,
+        link: StageLink | None = None,
     ) -> None:
         self.model = model
         self.grammar = grammar
@@ -72,8 +74,13 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         self.device = device
         self.is_driver = is_driver
-        # tp > 1: the other ranks need rank 0's samples, as the next step's inputs.
-        self.broadcast = dist.is_initialized() and dist.get_world_size() > 1
+        self.stage = pipeline_stage()
+        self.link = link
+        # One stage, tp > 1: the other ranks need rank 0's samples, as the next step's inputs. Several stages:
+        # the ranks that do not sample get the tokens from the scheduler with the request's next step (a
+        # request is then never in two steps in flight that sample it), so no rank waits for the last stage.
+        self.pipelined = self.stage.count > 1
+        self.broadcast = dist.is_initialized() and dist.get_world_size() > 1 and not self.pipelined
         self.sampler = Sampler()
         self.penalty_state = PenaltyState(vocab_size, device)
         self.requests: dict[str, CachedRequestState] = {}
@@ -139,6 +146,10 @@ class ModelRunner:
                 self.block_table[state.row, state.num_blocks : state.num_blocks + len(new_blocks)] = new_blocks
                 state.num_blocks += len(new_blocks)
             state.num_computed_tokens = cached.num_computed_tokens[i]
+            if cached.new_token_ids and not self.is_driver:  # pipelined: the samples this rank did not make
+                for token in cached.new_token_ids[i]:
+                    self.token_ids[state.row, state.num_tokens] = token
+                    state.output_token_ids.append(token)
 
     def _matcher(self, params: SamplingParams) -> Any:
         if params.structured_outputs is None or not self.is_driver:
@@ -242,14 +253,21 @@ class ModelRunner:
         )
         return md, index, rows
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states of the step's tokens (padding rows included), by graph replay when one is captured."""
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """Hidden states of the step's tokens (padding rows included), by graph replay when one is captured; None
+        on a pipeline stage before the last, which hands its output to the next stage."""
         captured = self.graphs.get(inputs.graph_size)
         if captured is not None:
             graph, hidden = captured
             graph.replay()
             return hidden
-        return self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        stage = self.stage
+        intermediate = None if stage.is_first else self.link.recv(inputs.input_ids.shape[0])
+        out = self.model(inputs.input_ids, inputs.positions, inputs.metadata, intermediate)
+        if stage.is_last:
+            return out
+        self.link.send(*out)
+        return None
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -260,6 +278,8 @@ class ModelRunner:
         states = inputs.sampling_states
         sampling = self.prepare_sampling(states) if self.is_driver and states else None
         hidden = self.forward(inputs)
+        if hidden is None:
+            return None
         logits = self.model.compute_logits(hidden[inputs.logits_indices]) if states else None
         prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_spans) if inputs.prompt_spans else None
         if not states:
@@ -273,6 +293,8 @@ class ModelRunner:
             sampled, logprobs = self.sampler(logits.float(), smd)
             if penalized is not None:
                 self.penalty_state.count(penalized_rows, sampled.index_select(0, penalized))
+        if self.pipelined and not self.is_driver:
+            return None
         token_ids = self._to_host(self._share(sampled, len(states)))
         self._append(states, token_ids)
         if not self.is_driver:
