@@ -12,13 +12,13 @@ import torch.distributed as dist
 from kernels import AttentionMetadata
 from scheduler.outputs import ModelRunnerOutput, SampledLogprobs, SchedulerOutput
 from scheduler.request import SamplingParams
+from workers.parallel import StageLink, pipeline_stage
 from workers.runner_inputs import (
     CachedRequestState,
     InputBuffers,
     StepInputs,
     logprob_stats,
 )
-from workers.parallel import StageLink, pipeline_stage
 from workers.sampler import PenaltyState, Sampler, SamplingMetadata, has_penalties
 from workers.structured_output import GrammarBitmasks
 
