@@ -73,8 +73,8 @@ def run(engine: RayEngine) -> dict[str, list[list[int]]]:
 
 @pytest.mark.parametrize(
     "tp, pp, partition, most_layers",
-    [(1, 2, "4,1", 4), (1, 3, None, 2), (2, 2, None, 3)],
-    ids=["pp2-uneven", "pp3", "tp2xpp2"],
+    [(1, 3, None, 2), (2, 2, "4,1", 4)],  # 2,2,1 layers; an explicit partition (engine start is most of the time)
+    ids=["pp3", "tp2xpp2"],
 )
 def test_pipeline_greedy_matches_transformers(model, expected, tp, pp, partition, most_layers):
     engine = pipelined(model, tp, pp, 14, most_layers, pp_layer_partition=partition)
