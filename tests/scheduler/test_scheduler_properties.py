@@ -270,6 +270,7 @@ def test_random_histories_keep_the_pool_consistent(history, policy, caching, thr
     if sched.kv.host_pool is not None:
         assert all(b.ref_cnt == 0 for b in sched.kv.host_pool.blocks)
     so = sched.schedule()
-    worker.execute(so)
+    for w in (worker, first_stage) if first_stage else (worker,):
+        w.execute(so)
     assert worker.states == {}  # every request the workers held was reported finished
     assert first_stage is None or first_stage.states == {}
