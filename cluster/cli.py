@@ -95,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--max-tokens", type=int, default=1000, help="each request's output: the steps measured")
     eng.add_argument("--rounds", type=int, default=2, help="serial and async alternate; the best round counts")
 
+    pipe = bench_sub.add_parser(
+        "pipeline", help="pp=1 vs pp=2 (1 thread per rank), 1 vs P steps in flight: tok/s, stage busy, transfers"
+    )
+    pipe.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M-Instruct)")
+    pipe.add_argument("--num-requests", type=int, default=64)
+    pipe.add_argument("--input-len", type=int, default=128)
+    pipe.add_argument("--output-len", type=int, default=256)
+
     _serve_parsers(sub, bench_sub)
     return parser
 
@@ -381,6 +389,10 @@ def _run(args: argparse.Namespace) -> None:
         from cluster.bench.ray_overhead import bench_ray_overhead
 
         bench_ray_overhead(args.model, tuple(args.tp_sizes), args.steps)
+    elif args.bench == "pipeline":
+        from cluster.bench.pipeline import bench_pipeline
+
+        bench_pipeline(args.model, args.num_requests, args.input_len, args.output_len)
     elif args.bench == "engine-steps":
         from cluster.bench.engine_steps import bench_engine_steps
 

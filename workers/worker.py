@@ -442,15 +442,5 @@ class Worker:
         self.busy_s += time.perf_counter() - start - ((self.link.wait_s - waited) if self.link is not None else 0.0)
         return out
 
-    def pipeline_stats(self) -> dict[str, float]:
-        """Since start: seconds busy in steps (not waiting on the stage link), seconds the link waited, bytes
-        this rank sent to the next stage."""
-        link = self.link
-        return {
-            "busy_s": self.busy_s,
-            "link_wait_s": link.wait_s if link else 0.0,
-            "bytes_sent": link.bytes_sent if link else 0,
-        }
-
     def check_health(self) -> bool:
         return self.runner is not None

@@ -170,7 +170,7 @@ class RayEngine:
 
     def check_health(self) -> None:
         """Raise RuntimeError saying why when the engine cannot serve, naming the ranks lost and their nodes."""
-        diagnose(self.actor, self.workers, self.rank_nodes)
+        diagnose(self.actor, self.workers, self.rank_nodes, self.config.tensor_parallel_size)
 
     def routing_digest(self, limit: int) -> tuple[list[bytes], int]:
         return ray.get(self.actor.routing_digest.remote(limit))
