@@ -3,6 +3,7 @@ next over gloo, several steps in flight. Greedy output must equal transformers' 
 caching, chunked prefill, preemption and n=2 all exercised in the same runs."""
 
 import pytest
+import ray
 import torch
 
 from cluster.config import EngineConfig
@@ -81,12 +82,32 @@ def test_pipeline_greedy_matches_transformers(model, expected, tp, pp, partition
     try:
         got = run(engine)
         stats = engine.stats()
+        if tp == 2:
+            a_stage_1_rank_killed_mid_stream_fails_the_engine(engine)
     finally:
         engine.shutdown()
     for i, want in enumerate(expected):
         assert got[str(i)] == [want, want], f"prompt {i}"
     assert stats.num_preemptions > 0
     assert stats.prefix_cache_hits > 0
+
+
+def a_stage_1_rank_killed_mid_stream_fails_the_engine(engine: RayEngine) -> None:
+    """Rank 2 (stage 1's first, the driver) dies while a request streams: the request ends with an error, and
+    the health check names the stage and the rank."""
+    finals = engine.add_request("long", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    assert not finals  # it fits the 14-block cache: not refused at once
+    first: list = []
+    while not first:
+        first = engine.step()
+    assert not first[-1].finished
+    ray.kill(engine.workers[2])
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].finished and outs[-1].finish_reason == "error", outs[-1]
+    with pytest.raises(RuntimeError, match="stage 1, rank 2 on node"):
+        engine.check_health()
 
 
 @pytest.mark.parametrize(
