@@ -69,6 +69,18 @@ class EngineConfig(BaseModel):
         "auto", description="auto: flash_attn on CUDA when installed, else triton on CUDA, torch on CPU"
     )
     tensor_parallel_size: int = Field(1, ge=1, description="ranks each layer is split over", **_flags("-tp"))
+    pipeline_parallel_size: int = Field(
+        1,
+        ge=1,
+        description="stages the model's layers are cut into, each a group of tensor_parallel_size ranks "
+        "(TP inside a node, PP across nodes); up to this many steps are in flight",
+        **_flags("-pp"),
+    )
+    pp_layer_partition: str | None = Field(
+        None,
+        description="layers per pipeline stage, first to last, comma-separated (e.g. 12,10); they must sum to the "
+        "model's layers (default: as even as the counts allow)",
+    )
     block_size: int | None = Field(
         None,
         ge=1,
@@ -157,6 +169,29 @@ class EngineConfig(BaseModel):
         "with no model or KV cache, so a benchmark measures the serving path alone",
     )
 
+    @field_validator("pp_layer_partition")
+    @classmethod
+    def _partition_of_stages(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return None
+        parts = [p.strip() for p in value.split(",")]
+        if not all(p.isdigit() and int(p) >= 1 for p in parts):
+            raise ValueError(f"pp_layer_partition={value!r} must be positive integers separated by commas")
+        pp = info.data.get("pipeline_parallel_size", 1)
+        if len(parts) != pp:
+            raise ValueError(
+                f"pp_layer_partition={value!r} has {len(parts)} entries for pipeline_parallel_size={pp} stages"
+            )
+        return ",".join(parts)
+
+    @property
+    def layer_partition(self) -> list[int] | None:
+        return None if self.pp_layer_partition is None else [int(p) for p in self.pp_layer_partition.split(",")]
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     @field_validator("swap_space")
     @classmethod
     def _swap_space_fits(cls, swap_space: float) -> float:
@@ -241,6 +276,8 @@ class EngineConfig(BaseModel):
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            pp_layer_partition=self.layer_partition,
             kv_cache_bytes=self.kv_cache_bytes,
             swap_space_bytes=self.swap_space_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
@@ -281,6 +318,7 @@ class EngineConfig(BaseModel):
             num_host_blocks=num_host_blocks,
             swap_cost_per_block=swap_cost_per_block,
             preemption_mode=self.preemption_mode,
+            pipeline_parallel_size=self.pipeline_parallel_size,
         )
 
 

@@ -73,7 +73,7 @@ class _Outbox:
 
 
 def execute_step(workers: list, scheduler_output: SchedulerOutput) -> asyncio.Future[list[ModelRunnerOutput | None]]:
-    """Send one step to every rank (the same serialized step) and gather their replies; rank 0's is the output.
+    """Send one step to every rank (the same serialized step) and gather their replies; the driver's is the output.
 
     Awaiting all ranks, not just rank 0, surfaces a dead rank at once instead of leaving rank 0 in a
     collective, and keeps every rank's queue at most two steps deep (one with async scheduling off).
@@ -107,7 +107,10 @@ class SchedulerActor:
       always have the next step queued and the scheduler's work and the Ray
       round trip leave the critical path. Steps are applied in order, step N's
       before step N+2 is scheduled (the Scheduler's placeholder invariants rest
-      on it). Without it, one step is in flight (the serial loop);
+      on it). With P pipeline stages, P steps are in flight (vLLM's batch
+      queue), one per stage, and step N's output is applied before step N+P is
+      scheduled; the Scheduler then keeps each sampling request in one of them.
+      Without it, one step is in flight (the serial loop);
     - every live caller id has exactly one ``_Stream``; each delta reaches its
       caller once, and deltas of step N are routed while the workers compute
       the steps after it (the loop's bookkeeping overlaps their compute);
@@ -133,6 +136,8 @@ class SchedulerActor:
         self.loop_task: asyncio.Task | None = None
         self.step_timeout_s: float | None = None
         self.async_scheduling = True
+        self.driver = 0  # the index of the rank whose reply carries the sampled tokens
+        self.depth = 2  # steps in flight at most
 
     async def start(
         self, config: SchedulerConfig, step_timeout_s: float | None = None, async_scheduling: bool = True
@@ -141,6 +146,9 @@ class SchedulerActor:
             self.step_timeout_s = step_timeout_s
             self.async_scheduling = async_scheduling
             self.scheduler = Scheduler(config, eos_token_id=self.eos_token_id)
+            pp = config.pipeline_parallel_size
+            self.driver = len(self.workers) - len(self.workers) // pp  # the last stage's first rank samples
+            self.depth = max(2, pp) if async_scheduling else 1
             self.loop_task = asyncio.create_task(self._run())
 
     # ---- the engine loop ----------------------------------------------------------
@@ -153,7 +161,7 @@ class SchedulerActor:
 
     async def _loop(self) -> None:
         scheduler = self.scheduler
-        depth = 2 if self.async_scheduling else 1
+        depth = self.depth
         in_flight: deque[tuple[SchedulerOutput, asyncio.Future]] = deque()
         outputs: list[RequestOutput] = []
         idle = True
@@ -174,7 +182,7 @@ class SchedulerActor:
                         continue
                 self._route(outputs)
                 done, replies = in_flight.popleft()
-                outputs = scheduler.update_from_output(done, (await self._replies(replies, done.step_id))[0])
+                outputs = scheduler.update_from_output(done, (await self._replies(replies, done.step_id))[self.driver])
                 if not done.is_empty:
                     idle = False  # its tokens, finishes and freed blocks may let the next plan run something
         finally:

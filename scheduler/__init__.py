@@ -1,5 +1,6 @@
 """The scheduler: requests, KV-cache block management and the step loop's decisions. No torch here."""
 
+from scheduler.config import SchedulerConfig, SchedulerStats
 from scheduler.outputs import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -9,7 +10,7 @@ from scheduler.outputs import (
     SchedulerOutput,
 )
 from scheduler.request import Request, RequestError, RequestStatus, SamplingParams, StructuredOutputsParams
-from scheduler.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from scheduler.scheduler import Scheduler
 
 __all__ = [
     "CachedRequestData",

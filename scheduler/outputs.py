@@ -34,12 +34,16 @@ class CachedRequestData:
     and its KV freed: ``new_block_ids[i]`` is its whole new block table, and
     ``num_computed_tokens[i]`` restarts from the prefix-cache hit. Otherwise
     ``new_block_ids[i]`` is appended to the block table the workers hold.
+    ``new_token_ids[i]`` (pipeline parallelism only; empty otherwise) are the
+    request's tokens sampled since it was last scheduled, for the ranks that do
+    not sample: without pipelining every rank appends the samples itself.
     """
 
     req_ids: list[str] = field(default_factory=list)
     resumed_from_preemption: list[bool] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

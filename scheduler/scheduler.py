@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from dataclasses import dataclass
 
 from scheduler.block_hash import BlockHash
+from scheduler.config import SchedulerConfig, SchedulerStats
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.outputs import (
     CachedRequestData,
@@ -18,45 +18,6 @@ from scheduler.outputs import (
 )
 from scheduler.request import FINISH_REASONS, Request, RequestStatus, SamplingParams
 from scheduler.waiting_queue import WAITING_QUEUES
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    """Limits of one engine's scheduler. ``num_blocks`` includes the null block 0. cluster's EngineConfig declares
-    and checks every user-facing value and fills in the rest (the pools' sizes, measured by the ranks), so nothing
-    here has a default or a check of its own."""
-
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    long_prefill_token_threshold: int  # 0: a prefill chunk is limited only by the budget
-    enable_prefix_caching: bool
-    enable_chunked_prefill: bool
-    policy: str  # "fcfs", or "priority": lower value runs first, ties by arrival
-    num_host_blocks: int  # the host tier, including its unused block 0; 0: no host tier
-    preemption_mode: str  # "recompute", "swap" (to the host tier) or "auto" (see Scheduler._swap_pays)
-    # The time to copy one block to the host tier and back, in units of the time to compute one token.
-    swap_cost_per_block: float
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_steps: int
-    num_scheduled_tokens: int  # in the last step
-    num_admitted: int  # requests that entered the running batch in the last step
-    num_swapped: int = 0  # requests preempted by swap, their KV in the host tier
-    host_cache_usage: float = 0.0
-    host_prefix_cache_hits: int = 0  # tokens, of prefix_cache_hits, that came from the host tier
-    num_blocks_swapped_out: int = 0  # device -> host copies since start (preemption and evicted hashed blocks)
-    num_blocks_swapped_in: int = 0  # host -> device copies since start
 
 
 class Scheduler:
@@ -102,6 +63,24 @@ class Scheduler:
       admitted after that, so it runs in a later step than the one writing it.
     In the serial loop placeholders are always 0 at ``schedule()``, and the
     same code serves both.
+
+    Pipeline parallelism (``pipeline_parallel_size`` P > 1; the loop keeps up to
+    P steps in flight, so that every stage has a step to run):
+    - a request with a placeholder (a step in flight samples it) is not
+      scheduled again until that step's output is applied: the first stage
+      would need the token before the last stage has sampled it. A prefill
+      chunk that samples nothing may be in several steps in flight (each stage
+      runs steps in order, so chunk k's KV is written before chunk k+1 reads
+      it); that is the one way a request is in two steps in flight;
+    - so a waiting or swapped request with a placeholder (preempted while its
+      step was in flight) is not admitted either, and the invariant that
+      admitted requests have no placeholders holds for P steps in flight;
+    - a step takes at most ceil(live requests / P) requests, so that the
+      running batch spreads over the steps in flight instead of one step
+      taking them all and the next finding none;
+    - a token applied by ``update_from_output`` is kept in ``unsent`` and sent
+      with the request's next step (``CachedRequestData.new_token_ids``) to the
+      ranks that do not sample.
     """
 
     def __init__(self, config: SchedulerConfig, eos_token_id: int | None = None) -> None:
@@ -121,6 +100,9 @@ class Scheduler:
         self.swapped: list[Request] = []
         self.finished_req_ids: set[str] = set()  # to tell the workers next step
         self.in_flight: dict[int, dict[str, Request]] = {}  # step id -> the requests it scheduled, by object
+        self.pipelined = config.pipeline_parallel_size > 1
+        self.unsent: dict[str, list[int]] = {}  # pipelined: live request id -> tokens its next step carries
+        self.step_cap = config.max_num_seqs  # requests one step may take (pipelined: see schedule)
         self.num_preemptions = 0
         self.num_steps = 0
         self.last_num_scheduled_tokens = 0
@@ -228,6 +210,7 @@ class Scheduler:
         request.error = error
         self.kv.free(request)
         self.requests.pop(req_id, None)
+        self.unsent.pop(req_id, None)
         if request.num_cached_tokens >= 0:  # it was scheduled, so the workers hold it
             self.finished_req_ids.add(req_id)
         self._release_deferred(request)
@@ -292,6 +275,9 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         cached = CachedRequestData()
         preempted: list[Request] = []
+        if self.pipelined:
+            live = len(self.running) + len(self.waiting) + len(self.swapped)
+            self.step_cap = min(config.max_num_seqs, -(-live // config.pipeline_parallel_size))
         budget = self._schedule_running(config.max_num_batched_tokens, num_scheduled, cached, preempted)
         new_data: list[NewRequestData] = []
         num_admitted = 0
@@ -300,6 +286,8 @@ class Scheduler:
         if not preempted and not self.swapped:
             budget, num_waiting_admitted = self._schedule_waiting(budget, num_scheduled, cached, new_data)
             num_admitted += num_waiting_admitted
+        if self.pipelined:
+            cached.new_token_ids = [self.unsent.pop(req_id, []) for req_id in cached.req_ids]
         swap_out, swap_in = self.kv.take_swaps()
         finished = self.finished_req_ids
         self.finished_req_ids = set()
@@ -348,19 +336,21 @@ class Scheduler:
         )
         req_to_blocks = self.kv.req_to_blocks
         running = self.running
+        step_cap, pipelined = self.step_cap, self.pipelined
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and budget > 0 and len(num_scheduled) < step_cap:
             request = running[i]
             req_id = request.request_id
             num_tokens = len(request.all_token_ids)
             placeholders = request.num_output_placeholders
             if placeholders:
                 if (
-                    len(request.output_token_ids) + placeholders >= request.sampling_params.max_tokens
+                    pipelined
+                    or len(request.output_token_ids) + placeholders >= request.sampling_params.max_tokens
                     or num_tokens + placeholders >= max_model_len
                 ):
                     i += 1
-                    continue  # a step in flight samples its last token: another would be wasted
+                    continue  # a step in flight samples its last token (pipelined: its next input): wait for it
                 num_tokens += placeholders
             num_computed = request.num_computed_tokens
             num_new = num_tokens - num_computed
@@ -425,10 +415,10 @@ class Scheduler:
         allocate, get_computed = self.kv.allocate_slots, self.kv.get_computed_blocks
         get_host_hits, host_tier = self.kv.get_host_hits, self.kv.host_pool is not None
         num_admitted = 0
-        while budget > 0 and len(running) < config.max_num_seqs:
+        while budget > 0 and len(running) < config.max_num_seqs and len(num_scheduled) < self.step_cap:
             request = waiting.peek()
-            if request is None:
-                break
+            if request is None or request.num_output_placeholders:
+                break  # (pipelined) preempted while a step in flight samples it: admitted once that returns
             if request.sampling_params.prompt_logprobs is None:
                 hits, num_hit_tokens = get_computed(request)
                 host_hits = get_host_hits(request, len(hits)) if host_tier else ()
@@ -466,6 +456,8 @@ class Scheduler:
         num_resumed = 0
         while self.swapped and budget > 0 and len(self.running) < config.max_num_seqs:
             request = min(self.swapped, key=key)
+            if len(num_scheduled) >= self.step_cap or request.num_output_placeholders:
+                break  # (pipelined) this step is full, or a step in flight samples it
             num_computed = request.num_computed_tokens
             num_new = min(request.num_tokens - num_computed, budget, threshold or budget)
             if not self.kv.swap_in(request, num_new):
@@ -576,6 +568,8 @@ class Scheduler:
             else:
                 status = _stop_status(request, token, max_model_len)
             if status is None:
+                if self.pipelined:
+                    self.unsent.setdefault(req_id, []).append(token)
                 out = RequestOutput(
                     request.parent_id or req_id, request.index, [token], False, None, None if entry is None else [entry]
                 )

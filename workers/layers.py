@@ -16,6 +16,7 @@ from torch import nn
 
 from kernels import AttentionBackend, AttentionMetadata
 from kernels.cpu_ops import add_rms_norm
+from workers.parallel import MissingLayer, tp_group
 
 
 class TensorSlice(Protocol):
@@ -69,7 +70,8 @@ def pack_for_cpu(model: nn.Module) -> None:
             module.packed = pack_weight(module.weight)
             module.weight = None
     head = model.lm_head
-    head.packed_head = pack_weight(head.weight)
+    if not isinstance(head, MissingLayer):  # a pipeline stage before the last has no LM head
+        head.packed_head = pack_weight(head.weight)
 
 
 def load_replicated(param: nn.Parameter, tensor: TensorSlice, name: str, _shard: str | None = None) -> None:
@@ -156,7 +158,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.packed)
         if self.tp_size > 1:
-            dist.all_reduce(y)
+            dist.all_reduce(y, group=tp_group())
         return y if self.bias is None else y + self.bias
 
 
@@ -189,7 +191,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.per_rank)
         # Ids owned by another rank contribute zeros here and their row there: the sum is exact.
         x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0)
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=tp_group())
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -206,7 +208,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.tp_size == 1:
             return local
         parts = [torch.empty_like(local) for _ in range(self.tp_size)] if self.rank == 0 else None
-        dist.gather(local, parts, dst=0)
+        dist.gather(local, parts, group=tp_group(), group_dst=0)
         return torch.cat(parts, dim=-1)[:, : self.vocab_size] if parts else None
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,8 +18,10 @@ from workers.cache_engine import CacheEngine, check_swap_space
 from workers.hub import resolve_model
 from workers.layers import can_pack, pack_for_cpu
 from workers.model_loader import load_model, read_model_spec
-from workers.model_runner import ModelRunner, graph_batch_sizes
+from workers.model_runner import ModelRunner
 from workers.no_work import NoWorkRunner
+from workers.parallel import PipelineStage, StageLink, partition_layers, pipeline_stage, set_parallel
+from workers.runner_inputs import graph_batch_sizes
 from workers.structured_output import GrammarBitmasks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -152,6 +155,8 @@ class WorkerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     tensor_parallel_size: int
+    pipeline_parallel_size: int
+    pp_layer_partition: list[int] | None  # layers per stage; None: balanced (workers.parallel.partition_layers)
     kv_cache_bytes: int  # CPU: the KV cache's size
     swap_space_bytes: int  # the host tier's size on this rank; 0: none
     gpu_memory_utilization: float
@@ -167,7 +172,8 @@ class Worker:
 
     The scheduler sizes the cache with the minimum of all ranks'
     ``determine_num_blocks``, so every rank's block ids mean the same slots.
-    Only rank 0 (the driver) samples and returns tokens.
+    Global rank r is tensor-parallel rank ``r % tp`` of pipeline stage ``r // tp``; only the driver (the last
+    stage's first rank; rank 0 without pipelining) samples and returns tokens.
     """
 
     def __init__(self, config: WorkerConfig, rank: int = 0, gpu_ids: Sequence[int | str] = ()) -> None:
@@ -181,6 +187,8 @@ class Worker:
         self.runner: ModelRunner | NoWorkRunner | None = None
         self.cache: CacheEngine | None = None
         self.ranks_on_host = 1  # ranks sharing this host's memory (each pins its own host tier); set by the actor
+        self.link: StageLink | None = None
+        self.busy_s = 0.0  # time in execute_model, less the time its stage link waited: the bench's busy fraction
 
     def init_device(self) -> str:
         cfg = self.config
@@ -224,6 +232,23 @@ class Worker:
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
+        tp, pp = self.config.tensor_parallel_size, self.config.pipeline_parallel_size
+        if pp == 1:
+            return
+        # Every rank creates every stage's group, in the same order (new_group is collective over the world).
+        groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)] if tp > 1 else None
+        index = rank // tp
+        spec = read_model_spec(resolve_model(self.config.model, self.config.revision, self.config.download_dir), tp)
+        start, end = partition_layers(spec.num_layers, pp, self.config.pp_layer_partition)[index]
+        set_parallel(PipelineStage(index, pp, start, end), groups[index] if groups else None)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.config.tensor_parallel_size
+
+    @property
+    def is_driver(self) -> bool:
+        return pipeline_stage().is_last and self.tp_rank == 0
 
     def load_model(self) -> None:
         cfg = self.config
@@ -231,20 +256,31 @@ class Worker:
         model_dir = resolve_model(cfg.model, cfg.revision, cfg.download_dir)
         self.spec = read_model_spec(model_dir, tp)
         if cfg.no_work:
-            self.runner = NoWorkRunner(self.spec.vocab_size, is_driver=self.rank == 0)
+            self.runner = NoWorkRunner(self.spec.vocab_size, is_driver=self.is_driver)
             return
         bf16 = self.device.type != "cuda" or torch.cuda.is_bf16_supported()
         self.dtype = resolve_dtype(cfg.dtype, self.spec.dtype, self.device, bf16)
         backend = select_backend(cfg.attention_backend, self.device, cfg.block_size, self.dtype)
         self.model = load_model(
-            model_dir, dtype=self.dtype, device=self.device, attn_backend=backend, tp_rank=self.rank, tp_size=tp
+            model_dir, dtype=self.dtype, device=self.device, attn_backend=backend, tp_rank=self.tp_rank, tp_size=tp
         )
         if can_pack(self.device, self.dtype):
             pack_for_cpu(self.model)
         # Only graph-capturable backends on CUDA pad decodes to the captured sizes; elsewhere padding is waste.
-        graphs = self.device.type == "cuda" and not cfg.enforce_eager and backend.graph_capturable
+        # A pipeline stage runs eagerly: its graphs would have to capture the stage-to-stage transfers.
+        stage = pipeline_stage()
+        graphs = self.device.type == "cuda" and not cfg.enforce_eager and backend.graph_capturable and stage.count == 1
+        if stage.count > 1:
+            tp = cfg.tensor_parallel_size
+            self.link = StageLink(
+                None if stage.is_first else self.rank - tp,
+                None if stage.is_last else self.rank + tp,
+                self.spec.hidden_size,
+                self.dtype,
+                self.device,
+            )
         grammar = None
-        if self.rank == 0:
+        if self.is_driver:
             tokenizer_dir = (
                 resolve_model(cfg.tokenizer, cfg.tokenizer_revision, cfg.download_dir, weights=False)
                 if cfg.tokenizer
@@ -259,8 +295,9 @@ class Worker:
             self.spec.vocab_size,
             self.spec.eos_token_id,
             self.device,
-            is_driver=self.rank == 0,
+            is_driver=self.is_driver,
             grammar=grammar,
+            link=self.link,
             max_rows=min(cfg.max_num_seqs, 256),
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -270,7 +307,7 @@ class Worker:
     def _new_cache(self, num_blocks: int, num_host_blocks: int = 0) -> CacheEngine:
         cfg, spec = self.config, self.spec
         return CacheEngine(
-            spec.num_layers,
+            pipeline_stage().num_layers(spec.num_layers),
             num_blocks,
             cfg.block_size,
             spec.kv_heads_per_rank(cfg.tensor_parallel_size),
@@ -283,7 +320,7 @@ class Worker:
     def block_bytes(self) -> int:
         spec = self.spec
         return CacheEngine.block_bytes(
-            spec.num_layers,
+            pipeline_stage().num_layers(spec.num_layers),
             self.config.block_size,
             spec.kv_heads_per_rank(self.config.tensor_parallel_size),
             spec.head_dim,
@@ -377,9 +414,13 @@ class Worker:
         )
         cuda = dev.type == "cuda"
         start = torch.cuda.memory_allocated() if cuda else 0
-        hidden = self.model(torch.zeros(sum(lens), dtype=torch.long, device=dev), positions, md)
+        stage = pipeline_stage()
+        shape = (sum(lens), self.spec.hidden_size)
+        intermediate = None if stage.is_first else (torch.zeros(shape, dtype=self.dtype, device=dev),) * 2
+        hidden = self.model(torch.zeros(sum(lens), dtype=torch.long, device=dev), positions, md, intermediate)
         forward_peak = torch.cuda.max_memory_allocated() - start if cuda else 0
-        self.runner.profile_sampling(hidden, cfg.max_num_seqs)
+        if stage.is_last:
+            self.runner.profile_sampling(hidden, cfg.max_num_seqs)
         return forward_peak
 
     def init_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
@@ -392,10 +433,14 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         so = scheduler_output
+        start = time.perf_counter()
+        waited = self.link.wait_s if self.link is not None else 0.0
         if (so.blocks_to_swap_out or so.blocks_to_swap_in) and self.cache is not None:
             with torch.inference_mode():
                 self.cache.swap(so.blocks_to_swap_out, so.blocks_to_swap_in)  # before the forward: its contract
-        return self.runner.execute_model(so)
+        out = self.runner.execute_model(so)
+        self.busy_s += time.perf_counter() - start - ((self.link.wait_s - waited) if self.link is not None else 0.0)
+        return out
 
     def check_health(self) -> bool:
         return self.runner is not None

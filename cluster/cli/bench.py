@@ -15,7 +15,17 @@ def add_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks that print figures")
     # type(bench): the top parser's class, which takes no flag for a prefix of another.
     bench_sub = bench.add_subparsers(dest="bench", required=True, parser_class=type(bench))
-    for add in (_scheduler, _throughput, _prefix_reuse, _structured, _ray_overhead, _engine_steps, _soak, _serve):
+    for add in (
+        _scheduler,
+        _throughput,
+        _prefix_reuse,
+        _structured,
+        _ray_overhead,
+        _engine_steps,
+        _pipeline,
+        _soak,
+        _serve,
+    ):
         add(bench_sub)
 
 
@@ -152,6 +162,23 @@ def _engine_steps(sub) -> None:
         from cluster.bench.engine_steps import bench_engine_steps
 
         bench_engine_steps(tuple(args.tp_sizes), args.num_requests, args.max_tokens, args.rounds)
+
+    p.set_defaults(run=run)
+
+
+def _pipeline(sub) -> None:
+    p = sub.add_parser(
+        "pipeline", help="pp=1 vs pp=2 (1 thread per rank), 1 vs P steps in flight: tok/s, stage busy, transfers"
+    )
+    p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+
+    def run(args: argparse.Namespace) -> None:
+        from cluster.bench.pipeline import bench_pipeline
+
+        bench_pipeline(args.model, args.num_requests, args.input_len, args.output_len)
 
     p.set_defaults(run=run)
 

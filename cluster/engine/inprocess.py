@@ -22,10 +22,11 @@ class InProcessEngine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        if config.tensor_parallel_size != 1:
+        if config.world_size != 1:
             raise ValueError(
-                f"tensor_parallel_size={config.tensor_parallel_size}: the in-process engine "
-                f"runs one rank; use the Ray engine for tensor parallelism"
+                f"tensor_parallel_size={config.tensor_parallel_size}, pipeline_parallel_size="
+                f"{config.pipeline_parallel_size}: the in-process engine runs one rank; use the Ray engine for "
+                f"tensor and pipeline parallelism"
             )
         self.config = config
         self.model_path = config.resolved_model()

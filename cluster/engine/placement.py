@@ -13,9 +13,10 @@ SCHEDULER_CPUS = 1.0  # the scheduler's bundle; the actor mostly awaits, but Ray
 
 
 def engine_bundles(config: EngineConfig, use_gpu: bool) -> list[dict[str, float]]:
-    """Bundle 0 for the scheduler actor, bundle 1 + r for rank r."""
+    """Bundle 0 for the scheduler actor, bundle 1 + r for rank r, stage by stage (rank r is in stage r // tp), so
+    that PACK fills a node with one stage's ranks before it starts the next stage's."""
     rank = {"CPU": float(config.num_threads or 1)} | ({"GPU": 1.0} if use_gpu else {})
-    return [{"CPU": SCHEDULER_CPUS}] + [dict(rank) for _ in range(config.tensor_parallel_size)]
+    return [{"CPU": SCHEDULER_CPUS}] + [dict(rank) for _ in range(config.world_size)]
 
 
 def place(bundles: list[dict[str, float]], strategy: str, timeout_s: float) -> PlacementGroup:

@@ -23,6 +23,7 @@ from cluster.engine.streams import DeltaStreams
 from cluster.scheduler_actor import SchedulerActor
 from scheduler import RequestOutput, SamplingParams, SchedulerStats
 from workers.model_loader import read_model_spec
+from workers.parallel import partition_layers
 
 RaySchedulerActor = ray.remote(SchedulerActor)
 
@@ -61,11 +62,12 @@ class RayEngine:
         first_bundle: int = 0,
     ) -> None:
         self.config = config
-        tp = config.tensor_parallel_size
         self.model_path = config.resolved_model()
-        self.spec = read_model_spec(self.model_path, tp)
+        self.spec = read_model_spec(self.model_path, config.tensor_parallel_size)
+        # Refused here, before Ray is joined or any weight loads.
+        partition_layers(self.spec.num_layers, config.pipeline_parallel_size, config.layer_partition)
         self.max_model_len = resolve_max_model_len(config, self.spec)
-        connect(address, SCHEDULER_CPUS + tp * (config.num_threads or 1), config.placement_timeout_s)
+        connect(address, SCHEDULER_CPUS + config.world_size * (config.num_threads or 1), config.placement_timeout_s)
         self.device = (
             bundle_device(placement_group, first_bundle + 1)
             if placement_group is not None and config.device == "auto"
@@ -168,7 +170,7 @@ class RayEngine:
 
     def check_health(self) -> None:
         """Raise RuntimeError saying why when the engine cannot serve, naming the ranks lost and their nodes."""
-        diagnose(self.actor, self.workers, self.rank_nodes)
+        diagnose(self.actor, self.workers, self.rank_nodes, self.config.tensor_parallel_size)
 
     def routing_digest(self, limit: int) -> tuple[list[bytes], int]:
         return ray.get(self.actor.routing_digest.remote(limit))

@@ -57,7 +57,8 @@ def _init_device(actor: WorkerActor, num_threads: int) -> str:
 def start_workers(
     config: EngineConfig, model_path: str, max_model_len: int, pg: PlacementGroup, first_bundle: int, device: str
 ) -> list:
-    """Rank r goes to bundle ``first_bundle + 1 + r`` (``first_bundle`` is the scheduler's)."""
+    """Rank r (tensor-parallel rank r % tp of stage r // tp) goes to bundle ``first_bundle + 1 + r``
+    (``first_bundle`` is the scheduler's)."""
     wcfg = dataclasses.replace(config.worker_config(model_path, max_model_len), device=device)
     return [
         RayWorker.options(
@@ -65,7 +66,7 @@ def start_workers(
             num_gpus=1 if device == "cuda" else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + 1 + r),
         ).remote(wcfg, r)
-        for r in range(config.tensor_parallel_size)
+        for r in range(config.world_size)
     ]
 
 

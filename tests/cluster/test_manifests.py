@@ -74,8 +74,12 @@ def limits(group: dict) -> dict[str, float]:
 
 def test_the_manifests_are_a_rayservice_a_raycluster_and_a_serve_config():
     # The checks below are parametrized over what these globs find: make sure they find it.
-    assert sorted(load(p)["kind"] for p in KUBERAY) == ["RayCluster", "RayService"]
-    assert list(SERVE_CONFIGS) == ["serve_config.yaml", "rayservice.yaml:serveConfigV2"]
+    assert sorted(load(p)["kind"] for p in KUBERAY) == ["RayCluster", "RayService", "RayService"]
+    assert sorted(SERVE_CONFIGS) == [
+        "rayservice-pipeline.yaml:serveConfigV2",
+        "rayservice.yaml:serveConfigV2",
+        "serve_config.yaml",
+    ]
 
 
 @pytest.mark.parametrize("path", KUBERAY, ids=lambda p: p.name)
@@ -150,20 +154,21 @@ def serve_args(manifest: dict) -> dict[str, Any]:
     return app["args"]
 
 
-def test_rayservice_gpu_pods_hold_serves_min_and_max_replicas():
-    manifest = load(ROOT / "manifests" / "rayservice.yaml")
+@pytest.mark.parametrize("name", ["rayservice.yaml", "rayservice-pipeline.yaml"])
+def test_rayservice_gpu_pods_hold_serves_min_and_max_replicas(name):
+    manifest = load(ROOT / "manifests" / name)
     args = AppArgs.from_flat(serve_args(manifest))
     # cuda, not auto: auto would follow the GPUs present when the app is built, before any GPU pod may be up.
     assert args.engine.device == "cuda"
     bundles = deployment_options(args)["placement_group_bundles"]  # one replica: its own, the engine's
-    assert sum(b.get("GPU", 0) for b in bundles) == args.engine.tensor_parallel_size
+    assert sum(b.get("GPU", 0) for b in bundles) == args.engine.world_size
     spec = cluster_spec(manifest)
     assert spec["enableInTreeAutoscaling"] is True
     head, workers = limits(spec["headGroupSpec"]), gpu_group(manifest)
     pod = limits(workers)
     for replicas, pods in ((args.min_replicas, workers["minReplicas"]), (args.max_replicas, workers["maxReplicas"])):
         # Exactly the GPUs that many replicas use: fewer and the last replica never starts, more and they idle.
-        assert pods * pod["GPU"] == replicas * args.engine.tensor_parallel_size
+        assert pods * pod["GPU"] == replicas * args.engine.world_size
         need = replicas * sum(b["CPU"] for b in bundles)
         assert need <= head["CPU"] + pods * pod["CPU"], f"{replicas} replica(s) need {need} CPUs"
 

@@ -15,6 +15,7 @@ TEST_DEFAULTS = dict(
     num_host_blocks=0,
     preemption_mode="auto",
     swap_cost_per_block=1.0,
+    pipeline_parallel_size=1,
 )
 
 

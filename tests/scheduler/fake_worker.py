@@ -33,7 +33,11 @@ class FakeWorker:
         eos_token_id: int | None = None,
         eos_every: int = 0,
         num_host_blocks: int = 0,
+        samples: bool = True,
     ) -> None:
+        # samples=False: a pipeline stage before the last, which gets each request's tokens from the scheduler
+        # (CachedRequestData.new_token_ids) and never samples.
+        self.samples = samples
         self.block_size = block_size
         self.kv: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.host: list[list[int | None]] = [[None] * block_size for _ in range(num_host_blocks)]
@@ -80,6 +84,8 @@ class FakeWorker:
                 assert not st.parked, f"{rid} scheduled while parked"
                 assert st.num_computed_tokens == cached.num_computed_tokens[i], rid
                 st.block_ids.extend(cached.new_block_ids[i])
+            if not self.samples:
+                st.token_ids.extend(cached.new_token_ids[i])
         req_ids, sampled = [], []
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
         for rid, n in so.num_scheduled_tokens.items():
@@ -93,7 +99,7 @@ class FakeWorker:
                 blk, off = st.block_ids[pos // self.block_size], pos % self.block_size
                 self.kv[blk][off] = st.token_ids[pos]
             st.num_computed_tokens = start + n
-            if st.num_computed_tokens == len(st.token_ids):
+            if st.num_computed_tokens == len(st.token_ids) and self.samples:
                 token = self.next_token(rid, st)
                 st.token_ids.append(token)  # a worker appends its own sample, as the real ranks do
                 req_ids.append(rid)

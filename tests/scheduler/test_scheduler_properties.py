@@ -7,10 +7,14 @@ preemption swaps (mode swap or auto), evicted hashed blocks move to the host,
 and prefix hits come back from it: both pools keep their invariants, and the
 fake worker's copies show every hashed block holds exactly its tokens.
 
-Pipelined (async scheduling, as the Ray engine loop runs it): a step is
-applied only after the next one was scheduled and run, so two steps are in
-flight; the same invariants hold, and every request that ends by its stop
-rules got exactly the fake's deterministic tokens, as a serial run gives.
+Steps in flight (as the Ray engine loop runs them): with async scheduling a
+step is applied only after the next one was scheduled and run, so two steps
+are in flight; with P pipeline stages, P steps. The same invariants hold,
+and every request that ends by its stop rules got exactly the fake's
+deterministic tokens, as a serial run gives. With P > 1 a second fake plays
+a stage before the last: it never samples and takes each request's tokens
+from the steps, so it fails if a token reaches it later than a step needs
+it; no request is in two steps in flight that sample it.
 """
 
 from collections import Counter, deque
@@ -129,9 +133,10 @@ tiers = st.sampled_from(
     caching=st.booleans(),
     threshold=st.sampled_from([0, 5]),
     tier=tiers,
-    pipelined=st.booleans(),
+    flight=st.sampled_from([(1, 1), (2, 1), (2, 2), (3, 3)]),  # (steps in flight, pipeline stages)
 )
-def test_random_histories_keep_the_pool_consistent(history, policy, caching, threshold, tier, pipelined):
+def test_random_histories_keep_the_pool_consistent(history, policy, caching, threshold, tier, flight):
+    depth, pp = flight
     num_host_blocks, mode, swap_cost = tier
     cfg = scheduler_config(
         NUM_BLOCKS,
@@ -145,11 +150,13 @@ def test_random_histories_keep_the_pool_consistent(history, policy, caching, thr
         num_host_blocks=num_host_blocks,
         preemption_mode=mode,
         swap_cost_per_block=swap_cost,
+        pipeline_parallel_size=pp,
     )
     sched = Scheduler(cfg, eos_token_id=EOS)
     worker = FakeWorker(
         BLOCK, NUM_BLOCKS, vocab_size=50, eos_token_id=EOS, eos_every=11, num_host_blocks=num_host_blocks
     )
+    first_stage = FakeWorker(BLOCK, NUM_BLOCKS, num_host_blocks=num_host_blocks, samples=False) if pp > 1 else None
     block_tokens: dict = {}
     admitted: list = []
     prefixes = [[7] * 8, [9] * 8, [7] * 4 + [9] * 4, []]
@@ -185,6 +192,19 @@ def test_random_histories_keep_the_pool_consistent(history, policy, caching, thr
                 live[o.request_id].remove(o.index)
                 if not live[o.request_id]:
                     del live[o.request_id]
+
+    def run(so):
+        """Execute a step on the fakes (the last stage's output) and check what holds for steps in flight."""
+        if first_stage is not None:
+            for _, earlier in in_flight:
+                assert not set(so.num_scheduled_tokens) & set(earlier.req_ids), "two steps in flight sample it"
+            first_stage.execute(so)
+        out = worker.execute(so)
+        if first_stage is not None:
+            for rid in so.num_scheduled_tokens:
+                n = worker.states[rid].num_computed_tokens
+                assert first_stage.states[rid].token_ids[:n] == worker.states[rid].token_ids[:n], rid
+        in_flight.append((so, out))
 
     def caller_id(kind: str, k: int) -> str:
         return {"new": f"r{n_added}", "reuse": f"r{k}", "child": f"r{k}#0"}[kind]
@@ -222,11 +242,11 @@ def test_random_histories_keep_the_pool_consistent(history, policy, caching, thr
         if op[0] == "step":
             so = sched.schedule()
             check_invariants(sched)
-            in_flight.append((so, worker.execute(so)))
+            run(so)
             for inner in op[1]:  # while the workers run the step
                 apply(inner)
                 check_invariants(sched)
-            if len(in_flight) == 1 + pipelined:
+            if len(in_flight) == depth:
                 note(sched.update_from_output(*in_flight.popleft()))
         else:
             apply(op)
@@ -237,8 +257,8 @@ def test_random_histories_keep_the_pool_consistent(history, policy, caching, thr
         if not sched.has_unfinished_requests():
             break
         so = sched.schedule()
-        in_flight.append((so, worker.execute(so)))
-        if len(in_flight) == 1 + pipelined:
+        run(so)
+        if len(in_flight) == depth:
             note(sched.update_from_output(*in_flight.popleft()))
         check_invariants(sched)
         check_contents(sched, worker, block_tokens, admitted)
@@ -250,5 +270,7 @@ def test_random_histories_keep_the_pool_consistent(history, policy, caching, thr
     if sched.kv.host_pool is not None:
         assert all(b.ref_cnt == 0 for b in sched.kv.host_pool.blocks)
     so = sched.schedule()
-    worker.execute(so)
+    for w in (worker, first_stage) if first_stage else (worker,):
+        w.execute(so)
     assert worker.states == {}  # every request the workers held was reported finished
+    assert first_stage is None or first_stage.states == {}

@@ -143,7 +143,7 @@ class OrderCheckingEvent:
 
 
 def test_input_buffers_are_rewritten_only_after_the_last_uploads_copies(tiny_model_dir):
-    from workers.model_runner import InputBuffers
+    from workers.runner_inputs import InputBuffers
 
     eng = engine(tiny_model_dir("llama"), max_num_batched_tokens=32)
     runner = eng.worker.runner
@@ -165,7 +165,7 @@ def test_input_buffers_are_rewritten_only_after_the_last_uploads_copies(tiny_mod
 
 
 def test_graph_sizes_stop_at_512_and_larger_decode_batches_run_eagerly(tiny_model_dir):
-    from workers.model_runner import MAX_GRAPH_SIZE, graph_batch_sizes
+    from workers.runner_inputs import MAX_GRAPH_SIZE, graph_batch_sizes
 
     assert graph_batch_sizes(1) == [1]
     assert graph_batch_sizes(37) == [1, 2, 4, 8, 16, 24, 32, 40]

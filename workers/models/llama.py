@@ -21,6 +21,7 @@ from workers.layers import (
     qkv_shards,
 )
 from workers.model_spec import ModelSpec
+from workers.parallel import MissingLayer, pipeline_stage, stage_modules
 
 
 class LlamaAttention(nn.Module):
@@ -92,22 +93,34 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm; one rotary table shared by every layer."""
+    """Embedding, decoder layers and final norm; one rotary table shared by every layer. A pipeline stage
+    (workers/parallel.py) holds its own layers, the first the embedding (the last too when the LM head is
+    tied to it), and returns (hidden, residual) to the next stage unless it is the last."""
 
     def __init__(self, spec: ModelSpec, backend: AttentionBackend, rank: int, tp_size: int):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, rank, tp_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(spec, backend, rank, tp_size) for _ in range(spec.num_layers))
+        self.stage = stage = pipeline_stage()
+        embeds = stage.is_first or (stage.is_last and spec.tie_word_embeddings)
+        self.embed_tokens = (
+            VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, rank, tp_size) if embeds else MissingLayer()
+        )
+        self.layers = stage_modules(spec.num_layers, lambda _: LlamaDecoderLayer(spec, backend, rank, tp_size))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        x, residual = (self.embed_tokens(input_ids), None) if intermediate is None else intermediate
         cos, sin = self.rotary_emb(positions)
-        for layer in self.layers:
+        for layer in self.layers[self.stage.start : self.stage.end]:
             x, residual = layer(x, residual, cos, sin, attn_metadata)
+        if not self.stage.is_last:
+            return x, residual
         return self.norm.add_and_norm(x, residual)[0]
 
 
@@ -124,17 +137,26 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(spec, backend, rank, tp_size)
         if spec.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
-        else:
+        elif self.model.stage.is_last:
             self.lm_head = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, rank, tp_size)
+        else:
+            self.lm_head = MissingLayer()
 
     @property
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        stage = self.model.stage
+        return [layer.self_attn.attn for layer in self.model.layers[stage.start : stage.end]]
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_metadata)
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The last stage's hidden states, or (hidden, residual) for the next stage; ``intermediate`` is the
+        previous stage's, None on the first."""
+        return self.model(input_ids, positions, attn_metadata, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return self.lm_head.logits(hidden)

@@ -1,0 +1,150 @@
+"""What the model runner keeps between steps and builds for each: a request's cached state, the persistent input
+buffers, one step's inputs, and the decode sizes captured as CUDA graphs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kernels import AttentionMetadata
+from scheduler.request import SamplingParams
+
+# Decode batch sizes captured as CUDA graphs (vLLM's and nano-vllm's choice): every size up to 4, then
+# every multiple of 8 up to 512. A step of n decodes runs the smallest captured size >= n, padded; a larger
+# decode batch runs eagerly, where a step's launch overhead is small against its work anyway.
+MAX_GRAPH_SIZE = 512
+_GRAPH_SIZES = (1, 2, 4, *range(8, MAX_GRAPH_SIZE + 1, 8))
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The captured sizes for an engine of `max_num_seqs`: up to the first size that holds them all, at most
+    MAX_GRAPH_SIZE (batches beyond it run eagerly)."""
+    sizes = [s for s in _GRAPH_SIZES if s < max_num_seqs]
+    cover = next((s for s in _GRAPH_SIZES if s >= max_num_seqs), None)
+    return sizes + [cover] if cover else sizes
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """What a worker remembers of one request between steps (the scheduler sends only diffs).
+
+    ``row`` indexes the runner's persistent token and block tables, which hold
+    this request's tokens and block ids; ``output_token_ids`` are its outputs in
+    Python form (for their count; penalties read the runner's PenaltyState),
+    appended by the runner itself as it samples them. A preempted request keeps
+    its state (``parked``) until it resumes with a new block table. ``matcher`` (sampling rank, constrained requests only) has
+    consumed exactly ``output_token_ids``.
+    """
+
+    req_id: str
+    row: int
+    num_prompt_tokens: int
+    output_token_ids: list[int]
+    num_blocks: int
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    penalized: bool
+    parked: bool = False
+    matcher: Any = None  # llguidance.LLMatcher
+    num_prompt_logprobs: int = 0  # prompt positions whose logprobs were returned; kept across preemption
+
+    def prompt_logprob_span(self, start: int, num_new: int) -> tuple[int, int]:
+        """The positions of a chunk [start, start + num_new) whose logits give a prompt token's logprob not yet
+        returned: position q predicts prompt token q + 1. A recompute after preemption yields none twice."""
+        if self.sampling_params.prompt_logprobs is None:
+            return 0, 0
+        first = max(start, self.num_prompt_logprobs)
+        return first, max(0, min(start + num_new, self.num_prompt_tokens - 1) - first)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + len(self.output_token_ids)
+
+
+_BUFFERS = {  # name: (dtype, sized by tokens (T), requests (R), R + 1, or R x blocks per request)
+    "input_ids": (torch.int64, "T"),
+    "positions": (torch.int64, "T"),
+    "slot_mapping": (torch.int64, "T"),
+    "query_start_loc": (torch.int32, "R+1"),
+    "seq_lens": (torch.int32, "R"),
+    "block_tables": (torch.int32, "RxB"),
+    "logits_indices": (torch.int64, "R"),
+}
+
+
+class InputBuffers:
+    """A step's input tensors, allocated once for the largest step (`max_tokens` tokens, `max_reqs`
+    requests of up to `max_blocks` blocks) and rewritten in place every step.
+
+    Invariants: a step writes the host side through the numpy views ``writable()`` returns and
+    ``upload`` copies each used prefix once to the device side (``dev``) without blocking; on CPU
+    the two sides are one tensor and nothing is copied. The device tensors keep their addresses for
+    the runner's life, so a captured CUDA graph reads each step's inputs in place. With copies, the
+    host side is pinned, so a copy is truly asynchronous and may still be reading it long after
+    ``upload`` returned (a step with no sampled token never syncs, and the GPU can run a step or more
+    behind the host): ``upload`` records ``uploaded`` after its copies, and ``writable`` waits for it,
+    so the host side is never rewritten under a pending copy.
+    """
+
+    def __init__(
+        self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device, uploaded: Any = None
+    ) -> None:
+        shapes = {"T": (max_tokens,), "R": (max_reqs,), "R+1": (max_reqs + 1,), "RxB": (max_reqs, max_blocks)}
+        # `uploaded` (an event: record, query, synchronize) is given only by tests, to copy between CPU tensors.
+        self.copies = device.type == "cuda" or uploaded is not None
+        host = {
+            name: torch.zeros(shapes[size], dtype=dtype, pin_memory=device.type == "cuda")
+            for name, (dtype, size) in _BUFFERS.items()
+        }
+        self.np = {name: t.numpy() for name, t in host.items()}
+        self.host = host
+        self.dev = {name: t.to(device, copy=True) for name, t in host.items()} if self.copies else host
+        self.uploaded = uploaded if uploaded is not None else (torch.cuda.Event() if self.copies else None)
+
+    def writable(self) -> dict[str, np.ndarray]:
+        """The host side's numpy views, once the last upload's copies have read them."""
+        # query() first: after a step's read-back the copies are long done, and a needless wait is a host sync.
+        if self.uploaded is not None and not self.uploaded.query():
+            self.uploaded.synchronize()
+        return self.np
+
+    def upload(self, num_tokens: int, num_reqs: int, num_logits: int) -> dict[str, torch.Tensor]:
+        """The device tensors' used prefixes, after queueing their copies."""
+        counts = {"T": num_tokens, "R": num_reqs, "R+1": num_reqs + 1, "RxB": num_reqs}
+        out = {}
+        for name, (_, size) in _BUFFERS.items():
+            n = num_logits if name == "logits_indices" else counts[size]
+            out[name] = self.dev[name][:n]
+            if self.copies:
+                out[name].copy_(self.host[name][:n], non_blocking=True)
+        if self.uploaded is not None:
+            self.uploaded.record()
+        return out
+
+
+def logprob_stats(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
+    """Each row's logprob of its target, the target's rank (1 = the likeliest), and the row's top k: what
+    prompt_logprobs returns. Holds [rows, vocab] in fp32 twice, beside the logits (the profile counts it)."""
+    raw = logits.float().log_softmax(-1)
+    chosen = raw.gather(1, targets.unsqueeze(1))
+    ranks = (raw > chosen).sum(-1) + 1
+    top_values, top_ids = raw.topk(k, dim=-1)
+    return chosen.squeeze(1), ranks, top_values, top_ids
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's model inputs (device tensors, views of InputBuffers) and what sampling needs.
+    ``graph_size`` is the padded decode batch a captured graph can run, or 0 for an eager step."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor
+    sampling_states: list[CachedRequestState]
+    graph_size: int
+    prompt_spans: list[tuple[CachedRequestState, int, int, int]]  # (state, first position, count, batch index)
