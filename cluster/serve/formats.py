@@ -10,24 +10,25 @@ from typing import Any
 from pydantic import BaseModel
 
 from cluster.serve.generation import Generation, Piece
-from cluster.serve.protocol import (
+from cluster.serve.protocol.chat import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatLogprobs,
     ChatStreamChoice,
+    Delta,
+    TokenLogprob,
+    TopLogprob,
+)
+from cluster.serve.protocol.completions import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
-    Delta,
     PromptLogprob,
-    TokenLogprob,
-    TopLogprob,
-    Usage,
-    now,
 )
+from cluster.serve.protocol.output import Usage, now
 from cluster.serve.tools import ToolCalling, ToolCallStream
 from scheduler import SampledLogprobs
 

@@ -13,14 +13,10 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from cluster.serve.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    ErrorResponse,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-)
+from cluster.serve.protocol.chat import ChatCompletionRequest
+from cluster.serve.protocol.completions import CompletionRequest
+from cluster.serve.protocol.parsing import ErrorResponse
+from cluster.serve.protocol.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 REF = "#/components/schemas/{model}"
 BODIES: dict[str, list[type[BaseModel]]] = {

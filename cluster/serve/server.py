@@ -36,22 +36,18 @@ from cluster.serve.metrics import CONTENT_TYPE, ServeMetrics, node_metrics_port,
 from cluster.serve.openapi import openapi_schema
 from cluster.serve.options import AppArgs
 from cluster.serve.prompts import chat_ids, chat_request_ids, prompt_ids
-from cluster.serve.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
+from cluster.serve.protocol.chat import ChatCompletionRequest
+from cluster.serve.protocol.completions import CompletionRequest
+from cluster.serve.protocol.models import ModelCard, ModelList
+from cluster.serve.protocol.output import new_id, now
+from cluster.serve.protocol.parsing import APIError, bad_request, parse
+from cluster.serve.protocol.sampling import SamplingFields
+from cluster.serve.protocol.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    SamplingFields,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
-    bad_request,
-    new_id,
-    now,
-    parse,
 )
 from cluster.serve.router import replica_routing_stats
 from cluster.serve.tools import ToolCalling

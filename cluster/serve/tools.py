@@ -13,15 +13,15 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.serve.protocol import (
+from cluster.serve.protocol.chat import (
     ChatMessage,
     FunctionCall,
     StreamedFunctionCall,
     StreamedToolCall,
     Tool,
     ToolCall,
-    bad_request,
 )
+from cluster.serve.protocol.parsing import bad_request
 from scheduler import StructuredOutputsParams
 
 START, END = "<tool_call>", "</tool_call>"

@@ -14,17 +14,10 @@ from cluster.config import EngineConfig
 from cluster.engine.request_check import check_constraint
 from cluster.serve import AppArgs, build_app, deployment_options
 from cluster.serve.drain import MARGIN_S
-from cluster.serve.protocol import (
-    APIError,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatStreamChoice,
-    CompletionChunk,
-    CompletionRequest,
-    Delta,
-    Usage,
-    parse,
-)
+from cluster.serve.protocol.chat import ChatCompletionChunk, ChatCompletionRequest, ChatStreamChoice, Delta
+from cluster.serve.protocol.completions import CompletionChunk, CompletionRequest
+from cluster.serve.protocol.output import Usage
+from cluster.serve.protocol.parsing import APIError, parse
 from scheduler import RequestError, StructuredOutputsParams
 
 SERVE_CONFIG = Path(__file__).parents[3] / "manifests" / "serve_config.yaml"

@@ -8,7 +8,8 @@ import llguidance.hf
 import pytest
 from transformers import AutoTokenizer
 
-from cluster.serve.protocol import APIError, ChatCompletionRequest, NamedToolChoice, Tool, parse
+from cluster.serve.protocol.chat import ChatCompletionRequest, NamedToolChoice, Tool
+from cluster.serve.protocol.parsing import APIError, parse
 from cluster.serve.tools import HERMES, LLAMA3, ToolCalling, ToolCallStream
 from workers.structured_output import compile_grammar
 
