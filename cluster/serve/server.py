@@ -104,6 +104,7 @@ class LLMServer:
         self.api_key = args.api_key
         self.max_body_bytes = args.max_body_bytes
         self.scheduling_policy = args.engine.scheduling_policy
+        self.close_objects = args.structured_outputs_disable_additional_properties
         cfg = args.engine
         self.metrics = ServeMetrics(
             self.model_name,
@@ -212,9 +213,10 @@ class LLMServer:
         params = req.sampling_params(
             max_tokens,
             num_logprobs,
-            tools.constraint() if tools else None,
+            tools.constraint(self.close_objects) if tools else None,
             self._bad_words(req.bad_words),
             self.sampling_defaults,
+            self.close_objects,
         )
         try:
             return await Generation(

@@ -22,6 +22,7 @@ from cluster.serve.protocol.chat import (
     ToolCall,
 )
 from cluster.serve.protocol.parsing import bad_request
+from cluster.serve.protocol.sampling import closed_schema
 from scheduler import StructuredOutputsParams
 
 START, END = "<tool_call>", "</tool_call>"
@@ -105,8 +106,9 @@ class ToolCalling:
 
     # ---- the constraint ----
 
-    def constraint(self) -> StructuredOutputsParams | None:
-        """A grammar that admits only calls of the forced tools, their arguments held to their parameters."""
+    def constraint(self, close_objects: bool = True) -> StructuredOutputsParams | None:
+        """A grammar that admits only calls of the forced tools, their arguments held to their parameters (their
+        objects closed as response_format's are, unless ``close_objects`` is off)."""
         if not self.forced:
             return None
         key = "arguments" if self.fmt == HERMES else "parameters"
@@ -116,7 +118,7 @@ class ToolCalling:
                     "type": "object",
                     "properties": {
                         "name": {"const": t.function.name},
-                        key: t.function.parameters or {"type": "object"},
+                        key: closed_schema(t.function.parameters, close_objects) or {"type": "object"},
                     },
                     "required": ["name", key],
                     "additionalProperties": False,

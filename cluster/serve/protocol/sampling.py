@@ -4,12 +4,14 @@ vLLM's names and shapes."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.serve.protocol.parsing import APIError, Seed, Strict, TokenId, bad_request
 from scheduler import RequestError, SamplingParams, StructuredOutputsParams
+from workers.structured_output import close_objects
 
 
 class StreamOptions(BaseModel):
@@ -114,9 +116,10 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def constraint(self) -> StructuredOutputsParams | None:
+    def constraint(self, close_objects: bool = True) -> StructuredOutputsParams | None:
         """The output constraint of ``response_format`` or ``structured_outputs``; whether it compiles is the
-        engine's check (``param_for`` names the field it came from)."""
+        engine's check (``param_for`` names the field it came from). ``close_objects``: a JSON schema's objects
+        that list properties admit no others unless they say so (``closed_schema``)."""
         rf, so = self.response_format, self.structured_outputs
         if rf is not None and rf.type != "text" and so is not None:
             raise bad_request(
@@ -129,12 +132,16 @@ class SamplingFields(BaseModel):
                 raise bad_request(
                     "response_format: type json_schema needs json_schema.schema", "response_format.json_schema"
                 )
-            return StructuredOutputsParams(json=rf.json_schema.schema_)
+            return StructuredOutputsParams(json=closed_schema(rf.json_schema.schema_, close_objects))
         if so is None:
             return None
         try:
             return StructuredOutputsParams(
-                json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar, json_object=bool(so.json_object)
+                json=closed_schema(so.json_, close_objects),
+                regex=so.regex,
+                choice=so.choice,
+                grammar=so.grammar,
+                json_object=bool(so.json_object),
             )
         except RequestError as e:
             raise bad_request(f"structured_outputs: {e}", "structured_outputs") from None
@@ -175,12 +182,14 @@ class SamplingFields(BaseModel):
         tool_constraint: StructuredOutputsParams | None = None,
         bad_words_token_ids: list[list[int]] | None = None,
         defaults: dict[str, Any] | None = None,
+        close_objects: bool = True,
     ) -> SamplingParams:
         """``tool_constraint``: the grammar a forced tool_choice imposes (the server builds it from tools);
         ``bad_words_token_ids``: ``bad_words`` tokenized (by the server, which holds the tokenizer); ``defaults``:
-        the model's sampling defaults (--generation-config), for the fields this request left unset."""
+        the model's sampling defaults (--generation-config), for the fields this request left unset;
+        ``close_objects``: the server's structured_outputs_disable_additional_properties."""
         self.check_policy()
-        constraint = self.constraint()
+        constraint = self.constraint(close_objects)
         if tool_constraint is not None:
             if constraint is not None:
                 raise bad_request(
@@ -217,3 +226,16 @@ class SamplingFields(BaseModel):
             )
         except RequestError as e:
             raise self.refusal(e) from None
+
+
+def closed_schema(schema: dict | str | None, close: bool) -> dict | str | None:
+    """``schema`` (a JSON schema, or its text) with its objects closed (``close_objects``) when ``close``; text that
+    is not JSON is left for the engine's check to name."""
+    if not close or schema is None:
+        return schema
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError:
+            return schema
+    return close_objects(schema)

@@ -125,8 +125,8 @@ def test_a_forced_choice_admits_exactly_calls_of_its_tools(default_model_dir, te
     named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "get_time"}})
     key = "parameters" if template else "arguments"
 
-    def accepts(choice, text: str, parallel=None) -> bool:
-        grammar = compile_grammar(calling(choice, template, parallel).constraint())
+    def accepts(choice, text: str, parallel=None, close_objects=True) -> bool:
+        grammar = compile_grammar(calling(choice, template, parallel).constraint(close_objects))
         m = llguidance.LLMatcher(lltok, grammar, log_level=0)
         return m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()
 
@@ -141,4 +141,6 @@ def test_a_forced_choice_admits_exactly_calls_of_its_tools(default_model_dir, te
     assert accepts(named, zone) and not accepts(named, weather)
     assert not accepts("required", call("get_weather", {"city": "Oslo"}))  # a required argument missing
     assert not accepts("required", "I would rather chat.")
+    extra = call("get_time", {"zone": "CET", "dst": True})  # the parameters list no "dst" nor additionalProperties
+    assert not accepts(named, extra) and accepts(named, extra, close_objects=False)
     assert calling("auto").constraint() is None
