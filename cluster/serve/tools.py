@@ -108,25 +108,25 @@ class ToolCalling:
 
     def constraint(self, close_objects: bool = True) -> StructuredOutputsParams | None:
         """A grammar that admits only calls of the forced tools, their arguments held to their parameters (their
-        objects closed as response_format's are, unless ``close_objects`` is off)."""
+        objects closed as response_format's are, unless ``close_objects`` is off). Each tool's call is its own JSON
+        document, its parameters' ``$defs`` at that document's root, where their ``#/$defs/...`` refs point."""
         if not self.forced:
             return None
         key = "arguments" if self.fmt == HERMES else "parameters"
-        schema = {
-            "anyOf": [
-                {
+        docs = []
+        for t in self.forced:
+            params = dict(closed_schema(t.function.parameters, close_objects) or {"type": "object"})
+            defs = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
+            docs.append(
+                defs
+                | {
                     "type": "object",
-                    "properties": {
-                        "name": {"const": t.function.name},
-                        key: closed_schema(t.function.parameters, close_objects) or {"type": "object"},
-                    },
+                    "properties": {"name": {"const": t.function.name}, key: params},
                     "required": ["name", key],
                     "additionalProperties": False,
                 }
-                for t in self.forced
-            ]
-        }
-        call = f"%json {json.dumps(schema)}"
+            )
+        call = "(" + " | ".join(f"%json {json.dumps(d)}" for d in docs) + ")"
         if self.fmt == HERMES:
             call = f'"{START}\\n" {call} "\\n{END}"'
         repeat = "" if self.only_one else f'("\\n" {call})*'
