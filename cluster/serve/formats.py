@@ -257,7 +257,7 @@ class ChatFormat:
             choices.append(
                 ChatChoice(
                     index=i,
-                    message=AssistantMessage(content=content, tool_calls=calls),
+                    message=AssistantMessage(content=content, tool_calls=calls or None),
                     finish_reason=_finish_reason(s.finish_reason, bool(calls)),
                     logprobs=ChatLogprobs(content=[c for lp in lps for c in lp.content])
                     if self.num_logprobs is not None

@@ -130,9 +130,18 @@ class ChatLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
+    """A whole reply's message: ``tool_calls`` appears only when the model called (OpenAI leaves it out)."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _calls_if_any(self, handler) -> dict[str, Any]:
+        data = handler(self)
+        if not self.tool_calls:
+            data.pop("tool_calls", None)
+        return data
 
 
 class StreamedFunctionCall(BaseModel):
