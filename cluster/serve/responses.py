@@ -147,7 +147,7 @@ class ResponsesRun:
             )
         return events
 
-    def _close(self) -> list[str]:
+    def _close(self, status: str = "completed") -> list[str]:
         item, events = self.open, []
         if item is None:
             return events
@@ -161,7 +161,7 @@ class ResponsesRun:
             events.append(
                 self._event("response.function_call_arguments.done", arguments=item.arguments, **self._where())
             )
-        item.status = "completed"
+        item.status = status
         events.append(self._event("response.output_item.done", output_index=len(self.items) - 1, item=_dump(item)))
         self.open = None
         return events
@@ -215,7 +215,7 @@ class ResponsesRun:
                     for d in calls.take_deltas() if calls is not None else []:
                         for event in self._call(d):
                             yield event
-        for event in self._close():
+        for event in self._close("incomplete" if gen.samples[0].finish_reason == "length" else "completed"):
             yield event
         final = self.finish(gen)
         kind = "response.incomplete" if final.status == "incomplete" else "response.completed"
