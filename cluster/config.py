@@ -369,6 +369,12 @@ class AppArgs(BaseModel):
         description="a replica Serve stops (scale-down, redeploy) lets its "
         "requests finish this long, then ends the rest with a 503",
     )
+    structured_outputs_disable_additional_properties: bool = Field(
+        True,
+        description="JSON schemas (response_format, structured_outputs, forced tool calls): an object that lists "
+        "properties and says nothing of additionalProperties admits no others, as vLLM's default backend compiles "
+        "schemas and as client libraries sending pydantic's schemas expect (off: JSON Schema's literal reading)",
+    )
 
     @field_validator("min_replicas")
     @classmethod

@@ -10,6 +10,7 @@ GBNF, so vLLM's ``structured_outputs`` fields all map onto it.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import llguidance
 import llguidance.hf
@@ -17,6 +18,37 @@ import numpy as np
 import torch
 
 from scheduler.request import StructuredOutputsParams
+
+# JSON Schema keywords (draft 7 and 2020-12) whose value is a schema or a list of schemas, and those whose value maps
+# names to schemas: the only places a schema nests, so a property *named* "properties" is never taken for one.
+SUBSCHEMAS = frozenset(
+    ("additionalProperties", "items", "additionalItems", "prefixItems", "contains", "not", "if", "then", "else")
+    + ("propertyNames", "unevaluatedItems", "unevaluatedProperties", "allOf", "anyOf", "oneOf")
+)
+SUBSCHEMA_MAPS = frozenset(
+    ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+)
+
+
+def close_objects(schema: Any) -> Any:
+    """A copy of ``schema`` in which every object schema that lists ``properties`` and says nothing of
+    ``additionalProperties`` (or ``unevaluatedProperties``) admits no other property, as vLLM's default backend
+    compiles schemas. Libraries send pydantic's schemas as they are, without ``additionalProperties``; read
+    literally, those let a model add properties until ``max_tokens``. Anything else is returned unchanged."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in SUBSCHEMA_MAPS and isinstance(value, dict):
+            value = {name: close_objects(s) for name, s in value.items()}
+        elif key in SUBSCHEMAS:
+            value = close_objects(value)
+        out[key] = value
+    if "properties" in schema and not {"additionalProperties", "unevaluatedProperties"} & schema.keys():
+        out["additionalProperties"] = False
+    return out
 
 
 def compile_grammar(c: StructuredOutputsParams) -> str:

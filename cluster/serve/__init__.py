@@ -2,13 +2,15 @@
 RayEngine. ``build_app`` is importable by path (``cluster.serve:build_app``) for ``serve run`` /
 ``serve deploy``; ``raylm serve`` calls ``serve_until_interrupted``.
 
-Where things are: ``app.py`` the application's options, assembly and start; ``server.py`` the replica
-(routes, validation); ``generation.py`` one request's engine deltas turned into text; ``formats.py`` the
-SSE chunks and responses; ``http_io.py`` body reading and JSON responses; ``grpc_status.py`` the gRPC status
-mapping; ``protocol.py`` the request and response models; ``detokenize.py`` incremental text and stop
-strings; ``metrics.py`` Prometheus; ``ingress.py`` the Ray Serve settings of the streaming path, which
-the process starting Serve sets before it imports this package (``use_fast_ingress``); ``lifecycle.py`` stop
-signals and HAProxy's lifetime; ``drain.py`` a stopping replica's drain.
+Where things are: ``app.py`` the application's options, assembly and start; ``server.py`` the replica (routes,
+validation); ``generation.py`` one request's engine deltas turned into text; ``formats.py`` the SSE chunks and
+responses; ``responses.py`` a /v1/responses request's output items and events, and ``response_store.py`` the
+responses a replica keeps for ``previous_response_id``; ``http_io.py`` body reading and JSON responses;
+``grpc_status.py`` the gRPC status mapping; ``protocol/`` the request and response models (a module per job);
+``detokenize.py`` incremental text and stop strings; ``metrics.py`` Prometheus; ``ingress.py`` the Ray Serve
+settings of the streaming path, which the process starting Serve sets before it imports this package
+(``use_fast_ingress``); ``lifecycle.py`` stop signals and HAProxy's lifetime; ``drain.py`` a stopping replica's
+drain.
 """
 
 import importlib

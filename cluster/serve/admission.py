@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from cluster.serve.protocol import APIError
+from cluster.serve.protocol.parsing import APIError
 from scheduler import RequestOutput, SamplingParams
 
 

@@ -12,7 +12,7 @@ import ray
 
 from cluster.engine.streams import EngineStopping
 from cluster.serve.admission import Admission
-from cluster.serve.protocol import APIError
+from cluster.serve.protocol.parsing import APIError
 
 logger = logging.getLogger("ray.serve")
 POLL_S = 0.25  # how often the replica looks whether Serve is stopping it, and whether its requests are done

@@ -10,24 +10,25 @@ from typing import Any
 from pydantic import BaseModel
 
 from cluster.serve.generation import Generation, Piece
-from cluster.serve.protocol import (
+from cluster.serve.protocol.chat import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatLogprobs,
     ChatStreamChoice,
+    Delta,
+    TokenLogprob,
+    TopLogprob,
+)
+from cluster.serve.protocol.completions import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
-    Delta,
     PromptLogprob,
-    TokenLogprob,
-    TopLogprob,
-    Usage,
-    now,
 )
+from cluster.serve.protocol.output import Usage, now
 from cluster.serve.tools import ToolCalling, ToolCallStream
 from scheduler import SampledLogprobs
 
@@ -256,7 +257,7 @@ class ChatFormat:
             choices.append(
                 ChatChoice(
                     index=i,
-                    message=AssistantMessage(content=content, tool_calls=calls),
+                    message=AssistantMessage(content=content, tool_calls=calls or None),
                     finish_reason=_finish_reason(s.finish_reason, bool(calls)),
                     logprobs=ChatLogprobs(content=[c for lp in lps for c in lp.content])
                     if self.num_logprobs is not None

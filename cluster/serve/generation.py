@@ -11,7 +11,9 @@ from typing import Any
 from cluster.engine.streams import EngineStopping
 from cluster.serve.detokenize import TextStream
 from cluster.serve.metrics import ServeMetrics
-from cluster.serve.protocol import APIError, PromptTokensDetails, SamplingFields, Usage, new_id
+from cluster.serve.protocol.output import PromptTokensDetails, Usage, new_id
+from cluster.serve.protocol.parsing import APIError
+from cluster.serve.protocol.sampling import SamplingFields
 from scheduler import RequestError, RequestOutput, SampledLogprobs, SamplingParams
 
 

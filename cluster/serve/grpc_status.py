@@ -6,7 +6,7 @@ import grpc
 from ray.serve.grpc_util import RayServegRPCContext
 
 from cluster.serve.generation import Piece
-from cluster.serve.protocol import APIError
+from cluster.serve.protocol.parsing import APIError
 
 GRPC_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,

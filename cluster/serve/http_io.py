@@ -10,7 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from cluster.serve.protocol import APIError, bad_request
+from cluster.serve.protocol.parsing import APIError, bad_request
 
 # JSON can only carry a surrogate as a \uD800-\uDFFF escape (UTF-8 bytes of one do not decode): a body
 # without one needs no walk.

@@ -13,19 +13,17 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from cluster.serve.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    ErrorResponse,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-)
+from cluster.serve.protocol.chat import ChatCompletionRequest
+from cluster.serve.protocol.completions import CompletionRequest
+from cluster.serve.protocol.parsing import ErrorResponse
+from cluster.serve.protocol.responses import ResponsesRequest
+from cluster.serve.protocol.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 REF = "#/components/schemas/{model}"
 BODIES: dict[str, list[type[BaseModel]]] = {
     "/v1/completions": [CompletionRequest],
     "/v1/chat/completions": [ChatCompletionRequest],
+    "/v1/responses": [ResponsesRequest],
     "/tokenize": [TokenizeCompletionRequest, TokenizeChatRequest],
     "/detokenize": [DetokenizeRequest],
 }

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from cluster.serve.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, bad_request, parse
+from cluster.serve.protocol.chat import ChatCompletionRequest, ChatMessage
+from cluster.serve.protocol.completions import CompletionRequest
+from cluster.serve.protocol.parsing import bad_request, parse
 from cluster.serve.tools import ToolCalling
 
 

@@ -36,23 +36,22 @@ from cluster.serve.metrics import CONTENT_TYPE, ServeMetrics, node_metrics_port,
 from cluster.serve.openapi import openapi_schema
 from cluster.serve.options import AppArgs
 from cluster.serve.prompts import chat_ids, chat_request_ids, prompt_ids
-from cluster.serve.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
+from cluster.serve.protocol.chat import ChatCompletionRequest
+from cluster.serve.protocol.completions import CompletionRequest
+from cluster.serve.protocol.models import ModelCard, ModelList
+from cluster.serve.protocol.output import new_id, now
+from cluster.serve.protocol.parsing import APIError, bad_request, parse
+from cluster.serve.protocol.responses import ResponsesRequest, responses_error
+from cluster.serve.protocol.sampling import SamplingFields
+from cluster.serve.protocol.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    SamplingFields,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
-    bad_request,
-    new_id,
-    now,
-    parse,
 )
+from cluster.serve.response_store import ResponseStore
+from cluster.serve.responses import ResponsesRun
 from cluster.serve.router import replica_routing_stats
 from cluster.serve.tools import ToolCalling
 from scheduler import RequestError
@@ -108,6 +107,8 @@ class LLMServer:
         self.api_key = args.api_key
         self.max_body_bytes = args.max_body_bytes
         self.scheduling_policy = args.engine.scheduling_policy
+        self.close_objects = args.structured_outputs_disable_additional_properties
+        self.response_store = ResponseStore()
         cfg = args.engine
         self.metrics = ServeMetrics(
             self.model_name,
@@ -216,9 +217,10 @@ class LLMServer:
         params = req.sampling_params(
             max_tokens,
             num_logprobs,
-            tools.constraint() if tools else None,
+            tools.constraint(self.close_objects) if tools else None,
             self._bad_words(req.bad_words),
             self.sampling_defaults,
+            self.close_objects,
         )
         try:
             return await Generation(
@@ -275,21 +277,44 @@ class LLMServer:
         max_tokens = self._max_tokens(len(ids), req.requested_max_tokens, param, "messages")
         return await self._run(req, ids, max_tokens, num_logprobs, ChatFormat, "chatcmpl", tools=tools)
 
+    def _model_card(self) -> ModelCard:
+        return ModelCard(
+            id=self.model_name,
+            created=self.created,
+            root=self.engine.model_path,
+            max_model_len=self.engine.max_model_len,
+        )
+
+    @app.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        req = parse(ResponsesRequest, await self._body(request))
+        self._check_model(req.model)
+        history = self.response_store.get(req.previous_response_id) if req.previous_response_id else []
+        try:
+            chat = req.chat_request(history)
+            ids, tools = chat_request_ids(self.tokenizer, chat)
+            max_tokens = self._max_tokens(len(ids), chat.requested_max_tokens, "max_output_tokens", "input")
+            gen = await self._generation(chat, ids, max_tokens, None, tools)
+        except APIError as e:
+            raise responses_error(e) from None
+        run = ResponsesRun(
+            req, self.model_name, tools, chat.messages[bool(req.instructions is not None) :], self.response_store.put
+        )
+        if req.stream:
+            return StreamingResponse(run.events(gen), media_type="text/event-stream")
+        return json_response(await run.collect(gen))
+
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
         self._authorize(request.headers.get("authorization"))
-        return json_response(
-            ModelList(
-                data=[
-                    ModelCard(
-                        id=self.model_name,
-                        created=self.created,
-                        root=self.engine.model_path,
-                        max_model_len=self.engine.max_model_len,
-                    )
-                ]
-            )
-        )
+        return json_response(ModelList(data=[self._model_card()]))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, request: Request) -> Response:
+        """One model's card (the SDK's models.retrieve); a model id may hold slashes (org/name)."""
+        self._authorize(request.headers.get("authorization"))
+        self._check_model(request.path_params["model_id"])
+        return json_response(self._model_card())
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:

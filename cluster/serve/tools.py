@@ -13,15 +13,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.serve.protocol import (
+from cluster.serve.protocol.chat import (
     ChatMessage,
     FunctionCall,
     StreamedFunctionCall,
     StreamedToolCall,
     Tool,
     ToolCall,
-    bad_request,
 )
+from cluster.serve.protocol.parsing import bad_request
+from cluster.serve.protocol.sampling import closed_schema
 from scheduler import StructuredOutputsParams
 
 START, END = "<tool_call>", "</tool_call>"
@@ -105,26 +106,27 @@ class ToolCalling:
 
     # ---- the constraint ----
 
-    def constraint(self) -> StructuredOutputsParams | None:
-        """A grammar that admits only calls of the forced tools, their arguments held to their parameters."""
+    def constraint(self, close_objects: bool = True) -> StructuredOutputsParams | None:
+        """A grammar that admits only calls of the forced tools, their arguments held to their parameters (their
+        objects closed as response_format's are, unless ``close_objects`` is off). Each tool's call is its own JSON
+        document, its parameters' ``$defs`` at that document's root, where their ``#/$defs/...`` refs point."""
         if not self.forced:
             return None
         key = "arguments" if self.fmt == HERMES else "parameters"
-        schema = {
-            "anyOf": [
-                {
+        docs = []
+        for t in self.forced:
+            params = dict(closed_schema(t.function.parameters, close_objects) or {"type": "object"})
+            defs = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
+            docs.append(
+                defs
+                | {
                     "type": "object",
-                    "properties": {
-                        "name": {"const": t.function.name},
-                        key: t.function.parameters or {"type": "object"},
-                    },
+                    "properties": {"name": {"const": t.function.name}, key: params},
                     "required": ["name", key],
                     "additionalProperties": False,
                 }
-                for t in self.forced
-            ]
-        }
-        call = f"%json {json.dumps(schema)}"
+            )
+        call = "(" + " | ".join(f"%json {json.dumps(d)}" for d in docs) + ")"
         if self.fmt == HERMES:
             call = f'"{START}\\n" {call} "\\n{END}"'
         repeat = "" if self.only_one else f'("\\n" {call})*'

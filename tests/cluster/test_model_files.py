@@ -10,7 +10,7 @@ import pytest
 from cluster.config import EngineConfig
 from cluster.llm import LLM
 from cluster.model_files import chat_template_text, generation_defaults, load_tokenizer
-from cluster.serve.protocol import CompletionRequest
+from cluster.serve.protocol.completions import CompletionRequest
 from scheduler import SamplingParams
 
 

@@ -22,7 +22,7 @@ from cluster.serve import AppArgs, serve_until_interrupted
 from cluster.serve.admission import Admission
 from cluster.serve.app import APP_NAME
 from cluster.serve.drain import CODE, MARGIN_S, Drain
-from cluster.serve.protocol import APIError
+from cluster.serve.protocol.parsing import APIError
 from tests.cluster.serve.test_server import serving, stop_serve
 
 DRAIN_TIMEOUT_S = 4.0

@@ -5,6 +5,7 @@ prompt_logprobs, include_stop_str_in_output, cache_salt, tool calls, and the ref
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
+from enum import Enum
 
 import grpc
 import httpx2 as httpx
@@ -92,7 +93,8 @@ def url(server) -> str:
 
 @pytest.fixture(scope="module")
 def client(url) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    # A loaded 2-core machine runs the default model at about a token a second.
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def json_format(name: str) -> dict:
@@ -132,6 +134,50 @@ def test_json_schema_outputs_validate_streamed_and_not(client):
     for name, (text, finish) in zip(names, outs):
         assert finish == "stop", (name, text)
         jsonschema.validate(json.loads(text), SCHEMAS[name])
+
+
+class Role(str, Enum):
+    admin = "admin"
+    user = "user"
+
+
+class Address(BaseModel):
+    city: str
+
+
+class User(BaseModel):
+    name: str
+    age: int
+    role: Role
+    address: Address
+    nickname: str | None = None
+    tags: list[str]
+
+
+USER_ASK = [{"role": "user", "content": "Extract the user: Alice is a 30-year-old admin living in Paris. Tags: vip."}]
+
+
+def test_pydantic_schemas_as_libraries_send_them_end_with_stop_and_validate(client):
+    """instructor (JSON_SCHEMA mode) and LangChain (bind_tools, with_structured_output) send pydantic's schema as it
+    is: nested models under $defs, an enum, an Optional, a list, and no additionalProperties anywhere."""
+    schema = User.model_json_schema()
+    assert "additionalProperties" not in json.dumps(schema)
+    fmt = {"type": "json_schema", "json_schema": {"name": "User", "schema": schema}}
+    tool = {"type": "function", "function": {"name": "User", "description": "Record a user.", "parameters": schema}}
+    kw = dict(model=MODEL, messages=USER_ASK, max_tokens=100, temperature=0)
+    as_format, as_tool = concurrently(
+        lambda: client.chat.completions.create(response_format=fmt, **kw).choices[0],
+        lambda: client.chat.completions.create(
+            tools=[tool],
+            tool_choice={"type": "function", "function": {"name": "User"}},
+            parallel_tool_calls=False,
+            **kw,
+        ).choices[0],
+    )
+    assert as_format.finish_reason == "stop", as_format.message.content
+    User.model_validate_json(as_format.message.content)
+    assert as_tool.finish_reason == "tool_calls", as_tool.message
+    User.model_validate_json(as_tool.message.tool_calls[0].function.arguments)
 
 
 class Person(BaseModel):
@@ -318,6 +364,19 @@ def test_refused_fields_are_400_naming_them(url, body, param):
     assert r.json()["error"]["param"] == param
 
 
+def test_models_retrieve_and_an_unknown_id(client, url):
+    card = client.models.retrieve(MODEL)
+    assert (card.id, card.object) == (MODEL, "model")
+    r = httpx.get(f"{url}/v1/models/org/unknown", timeout=60)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert "'org/unknown'" in r.json()["error"]["message"] and repr(MODEL) in r.json()["error"]["message"]
+
+
+def test_a_reply_without_tool_calls_leaves_the_field_out(url):
+    r = httpx.post(f"{url}/v1/chat/completions", json=CHAT | {"max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and "tool_calls" not in r.json()["choices"][0]["message"]
+
+
 def test_openapi_states_the_policy(url):
     spec = httpx.get(f"{url}/openapi.json", timeout=30).json()
     for path in ("/v1/completions", "/v1/chat/completions"):
@@ -457,3 +516,116 @@ def test_bad_tools_are_400_before_anything_runs(url, body, param):
     r = httpx.post(f"{url}/v1/chat/completions", json=CHAT | body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+# ---- the Responses API --------------------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", **{k: WEATHER["function"][k] for k in ("name", "description", "parameters")}}
+
+
+def test_responses_a_function_tool_then_its_output_through_previous_response_id(client):
+    first = client.responses.create(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        instructions="Answer with a tool call.",
+        tools=[WEATHER_TOOL],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=60,
+        temperature=0,
+        reasoning={"effort": "low"},  # ignored, as vLLM does for a model that does not reason
+    )
+    assert first.status == "completed" and first.output[-1].type == "function_call"
+    call = first.output[-1]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), PARAMS["get_weather"])
+    assert first.usage.input_tokens > 0 and first.usage.output_tokens > 0
+    second = client.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}],
+        max_output_tokens=20,
+        temperature=0,
+    )
+    assert second.previous_response_id == first.id and second.output_text
+    assert second.status in ("completed", "incomplete")
+
+
+def test_responses_a_two_turn_conversation_carries_the_first_turn(client):
+    first = client.responses.create(model=MODEL, input="My name is Zed.", max_output_tokens=10, temperature=0)
+    second = client.responses.create(
+        model=MODEL, input="What is my name?", previous_response_id=first.id, max_output_tokens=10, temperature=0
+    )
+    # The second prompt holds the first's and its output (the template's system prompt once), then the question.
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert first.status == "incomplete" and first.incomplete_details.reason == "max_output_tokens"
+
+
+def test_responses_stream_in_openais_order_with_a_json_schema_and_a_tool(client):
+    def streamed(**kw):
+        with client.responses.stream(model=MODEL, max_output_tokens=60, temperature=0, **kw) as stream:
+            return list(stream), stream.get_final_response()
+
+    (events, final), (call_events, call_final), whole = concurrently(
+        lambda: streamed(input="Describe a person.", text_format=Person),
+        lambda: streamed(
+            input="What is the weather in Paris?",
+            tools=[WEATHER_TOOL],
+            tool_choice="required",
+            parallel_tool_calls=False,
+        ),
+        lambda: client.responses.parse(
+            model=MODEL, input="Describe a person.", text_format=Person, max_output_tokens=60, temperature=0
+        ),
+    )
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert kinds[:5] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == final.output_text
+    assert isinstance(final.output_parsed, Person) and final.output_text == whole.output_text
+    call_kinds = [e.type for e in call_events]
+    assert call_kinds[-4:] == [
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    call = call_final.output[-1]
+    deltas = "".join(e.delta for e in call_events if e.type == "response.function_call_arguments.delta")
+    assert call.type == "function_call" and deltas == call.arguments
+    jsonschema.validate(json.loads(call.arguments), PARAMS["get_weather"])
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"input": "hi", "previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, 400, "input[0]"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
+        ({"input": "hi", "include": ["message.output_text.logprobs"]}, 400, "include"),
+        ({"input": "hi", "max_output_tokens": 5000}, 400, "max_output_tokens"),
+        (
+            {"input": "hi", "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "strin"}}}},
+            400,
+            "text.format.schema",
+        ),
+    ],
+)
+def test_responses_bad_input_names_the_field(url, body, status, param):
+    r = httpx.post(f"{url}/v1/responses", json={"model": MODEL} | body, timeout=60)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+    if status == 404:
+        assert "resp_unknown" in r.json()["error"]["message"]

@@ -2,6 +2,7 @@
 parameter, requests map onto SamplingParams, chunks serialize as OpenAI's do, and the CLI and the
 Serve config reach the deployment options."""
 
+import json
 import pickle
 from pathlib import Path
 
@@ -14,17 +15,10 @@ from cluster.config import EngineConfig
 from cluster.engine.request_check import check_constraint
 from cluster.serve import AppArgs, build_app, deployment_options
 from cluster.serve.drain import MARGIN_S
-from cluster.serve.protocol import (
-    APIError,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatStreamChoice,
-    CompletionChunk,
-    CompletionRequest,
-    Delta,
-    Usage,
-    parse,
-)
+from cluster.serve.protocol.chat import ChatCompletionChunk, ChatCompletionRequest, ChatStreamChoice, Delta
+from cluster.serve.protocol.completions import CompletionChunk, CompletionRequest
+from cluster.serve.protocol.output import Usage
+from cluster.serve.protocol.parsing import APIError, parse
 from scheduler import RequestError, StructuredOutputsParams
 
 SERVE_CONFIG = Path(__file__).parents[3] / "manifests" / "serve_config.yaml"
@@ -262,6 +256,7 @@ def test_unknown_fields_are_refused_and_harmless_ones_accepted():
 
 CHAT = {"messages": [{"role": "user", "content": "a"}]}
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+CLOSED = SCHEMA | {"additionalProperties": False}  # as vLLM's default backend reads SCHEMA
 
 
 @pytest.mark.parametrize(
@@ -276,9 +271,10 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
                     "json_schema": {"name": "n", "schema": SCHEMA, "strict": True},
                 }
             },
-            StructuredOutputsParams(json=SCHEMA),
+            StructuredOutputsParams(json=CLOSED),
         ),
-        ({"structured_outputs": {"json": SCHEMA}}, StructuredOutputsParams(json=SCHEMA)),
+        ({"structured_outputs": {"json": SCHEMA}}, StructuredOutputsParams(json=CLOSED)),
+        ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, StructuredOutputsParams(json=CLOSED)),
         ({"structured_outputs": {"regex": "[a-z]+"}}, StructuredOutputsParams(regex="[a-z]+")),
         ({"structured_outputs": {"choice": ["yes", "no"]}}, StructuredOutputsParams(choice=["yes", "no"])),
         ({"structured_outputs": {"grammar": 'start: "a"+'}}, StructuredOutputsParams(grammar='start: "a"+')),
@@ -286,6 +282,14 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 )
 def test_constraints_reach_sampling_params(body, expected):
     assert parse(ChatCompletionRequest, CHAT | body).sampling_params(8, None).structured_outputs == expected
+
+
+def test_literal_schemas_are_kept_when_the_server_says_so():
+    body = CHAT | {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}}
+    params = parse(ChatCompletionRequest, body).sampling_params(8, None, close_objects=False)
+    assert params.structured_outputs == StructuredOutputsParams(json=SCHEMA)
+    text = parse(ChatCompletionRequest, CHAT | {"structured_outputs": {"json": "{not json"}}).sampling_params(8, None)
+    assert text.structured_outputs == StructuredOutputsParams(json="{not json")  # left for the engine's check
 
 
 def test_sampling_fields_reach_sampling_params():

@@ -2,13 +2,16 @@
 from text whole and streamed (Hermes/Qwen and Llama 3 formats)."""
 
 import json
+from enum import Enum
 
 import llguidance
 import llguidance.hf
 import pytest
+from pydantic import BaseModel
 from transformers import AutoTokenizer
 
-from cluster.serve.protocol import APIError, ChatCompletionRequest, NamedToolChoice, Tool, parse
+from cluster.serve.protocol.chat import ChatCompletionRequest, NamedToolChoice, Tool
+from cluster.serve.protocol.parsing import APIError, parse
 from cluster.serve.tools import HERMES, LLAMA3, ToolCalling, ToolCallStream
 from workers.structured_output import compile_grammar
 
@@ -124,8 +127,8 @@ def test_a_forced_choice_admits_exactly_calls_of_its_tools(default_model_dir, te
     named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "get_time"}})
     key = "parameters" if template else "arguments"
 
-    def accepts(choice, text: str, parallel=None) -> bool:
-        grammar = compile_grammar(calling(choice, template, parallel).constraint())
+    def accepts(choice, text: str, parallel=None, close_objects=True) -> bool:
+        grammar = compile_grammar(calling(choice, template, parallel).constraint(close_objects))
         m = llguidance.LLMatcher(lltok, grammar, log_level=0)
         return m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()
 
@@ -140,4 +143,29 @@ def test_a_forced_choice_admits_exactly_calls_of_its_tools(default_model_dir, te
     assert accepts(named, zone) and not accepts(named, weather)
     assert not accepts("required", call("get_weather", {"city": "Oslo"}))  # a required argument missing
     assert not accepts("required", "I would rather chat.")
+    extra = call("get_time", {"zone": "CET", "dst": True})  # the parameters list no "dst" nor additionalProperties
+    assert not accepts(named, extra) and accepts(named, extra, close_objects=False)
     assert calling("auto").constraint() is None
+
+
+class Role(str, Enum):
+    admin = "admin"
+    user = "user"
+
+
+class Member(BaseModel):
+    name: str
+    role: Role  # pydantic puts Role under $defs and points at it with "#/$defs/Role"
+
+
+@pytest.mark.parametrize("template", [None, LLAMA_TEMPLATE])
+def test_pydantic_parameters_with_defs_compile_and_admit_their_calls(default_model_dir, template):
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    member = Tool.model_validate(
+        {"type": "function", "function": {"name": "add_member", "parameters": Member.model_json_schema()}}
+    )
+    forced = ToolCalling.from_request([member, TOOLS[1]], "required", False, template)
+    m = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tok), compile_grammar(forced.constraint()), log_level=0)
+    body = json.dumps({"name": "add_member", "parameters" if template else "arguments": {"name": "Al", "role": "user"}})
+    text = body if template else f"<tool_call>\n{body}\n</tool_call>"
+    assert m.consume_tokens(tok.encode(text, add_special_tokens=False)) and m.is_accepting()
