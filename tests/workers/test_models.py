@@ -38,10 +38,24 @@ LLAMA = dict(
         "original_max_position_embeddings": 64,
     },
 )
+# Mixture of experts: top-2 of 8 (top-3 of 6 for Qwen3-MoE without norm_topk_prob, whose layer 0 is dense).
+QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+QWEN3_MOE_DENSE_FIRST = dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32, mlp_only_layers=[0])
+MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2)
 TINY_MODELS = {
     "llama (biases, llama3 rope, sharded)": ("llama", "100KB", LLAMA),
     "qwen2 (qkv bias, tied)": ("qwen2", None, dict(tie_word_embeddings=True)),
     "qwen3 (q/k norm)": ("qwen3", None, dict(head_dim=32)),
+    # Windows shorter than the sequences (11 and 9 tokens): every position past the window tells.
+    "mistral (sliding window 4)": ("mistral", None, dict(sliding_window=4)),
+    "qwen3 (sliding window 3 on layer 1)": (
+        "qwen3",
+        None,
+        dict(use_sliding_window=True, sliding_window=3, max_window_layers=1),
+    ),
+    "qwen3_moe (norm_topk_prob)": ("qwen3_moe", None, QWEN3_MOE),
+    "qwen3_moe (dense layer 0, top-3 unnormalised)": ("qwen3_moe", None, QWEN3_MOE_DENSE_FIRST),
+    "mixtral": ("mixtral", None, MIXTRAL),
 }
 
 
