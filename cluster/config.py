@@ -69,6 +69,11 @@ class EngineConfig(BaseModel):
         "auto", description="auto: flash_attn on CUDA when installed, else triton on CUDA, torch on CPU"
     )
     tensor_parallel_size: int = Field(1, ge=1, description="ranks each layer is split over", **_flags("-tp"))
+    enable_expert_parallel: bool = Field(
+        False,
+        description="mixture-of-experts models: each rank holds num_experts / tensor_parallel_size whole experts "
+        "(off: every rank holds a slice of every expert)",
+    )
     block_size: int | None = Field(
         None,
         ge=1,
@@ -241,6 +246,7 @@ class EngineConfig(BaseModel):
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             tensor_parallel_size=self.tensor_parallel_size,
+            enable_expert_parallel=self.enable_expert_parallel,
             kv_cache_bytes=self.kv_cache_bytes,
             swap_space_bytes=self.swap_space_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,

@@ -152,6 +152,7 @@ class WorkerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     tensor_parallel_size: int
+    enable_expert_parallel: bool  # MoE: whole experts per rank rather than a slice of each
     kv_cache_bytes: int  # CPU: the KV cache's size
     swap_space_bytes: int  # the host tier's size on this rank; 0: none
     gpu_memory_utilization: float
@@ -229,7 +230,7 @@ class Worker:
         cfg = self.config
         tp = cfg.tensor_parallel_size
         model_dir = resolve_model(cfg.model, cfg.revision, cfg.download_dir)
-        self.spec = read_model_spec(model_dir, tp)
+        self.spec = read_model_spec(model_dir, tp, cfg.enable_expert_parallel)
         if cfg.no_work:
             self.runner = NoWorkRunner(self.spec.vocab_size, is_driver=self.rank == 0)
             return
@@ -237,7 +238,13 @@ class Worker:
         self.dtype = resolve_dtype(cfg.dtype, self.spec.dtype, self.device, bf16)
         backend = select_backend(cfg.attention_backend, self.device, cfg.block_size, self.dtype)
         self.model = load_model(
-            model_dir, dtype=self.dtype, device=self.device, attn_backend=backend, tp_rank=self.rank, tp_size=tp
+            model_dir,
+            dtype=self.dtype,
+            device=self.device,
+            attn_backend=backend,
+            tp_rank=self.rank,
+            tp_size=tp,
+            expert_parallel=cfg.enable_expert_parallel,
         )
         if can_pack(self.device, self.dtype):
             pack_for_cpu(self.model)

@@ -63,7 +63,7 @@ class RayEngine:
         self.config = config
         tp = config.tensor_parallel_size
         self.model_path = config.resolved_model()
-        self.spec = read_model_spec(self.model_path, tp)
+        self.spec = read_model_spec(self.model_path, tp, config.enable_expert_parallel)
         self.max_model_len = resolve_max_model_len(config, self.spec)
         connect(address, SCHEDULER_CPUS + tp * (config.num_threads or 1), config.placement_timeout_s)
         self.device = (
