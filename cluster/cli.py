@@ -89,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     ovh.add_argument("--model", default=None, help="HF model directory (default: a tiny random Llama)")
     ovh.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
     ovh.add_argument("--steps", type=int, default=300)
+    moe = bench_sub.add_parser("moe", help="one MoE layer per token: the fused expert op against a per-expert loop")
+    moe.add_argument("--num-experts", type=int, default=32, help="Qwen3-30B-A3B has 128")
+    moe.add_argument("--top-k", type=int, default=8)
+    moe.add_argument("--hidden-size", type=int, default=2048)
+    moe.add_argument("--moe-intermediate-size", type=int, default=768)
+    moe.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 64, 2048], help="tokens per step")
+    moe.add_argument("--repeats", type=int, default=5)
     eng = bench_sub.add_parser("engine-steps", help="engine steps/s with the no-work model: serial vs async scheduling")
     eng.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
     eng.add_argument("--num-requests", type=int, default=64, help="decoding at once")
@@ -381,6 +388,12 @@ def _run(args: argparse.Namespace) -> None:
         from cluster.bench.ray_overhead import bench_ray_overhead
 
         bench_ray_overhead(args.model, tuple(args.tp_sizes), args.steps)
+    elif args.bench == "moe":
+        from cluster.bench.moe import bench_moe
+
+        bench_moe(
+            args.num_experts, args.top_k, args.hidden_size, args.moe_intermediate_size, tuple(args.sizes), args.repeats
+        )
     elif args.bench == "engine-steps":
         from cluster.bench.engine_steps import bench_engine_steps
 
