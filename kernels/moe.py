@@ -11,6 +11,9 @@ holds; the caller sums over ranks.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
@@ -45,6 +48,21 @@ def _grouped(
     return pair_rows // top_k, topk_weights.flatten()[pair_rows], counts
 
 
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [M, K] grouped by rows times w [G, N, K] per group: raylm's Triton kernel on CUDA (where it is
+    installed), torch's grouped_mm elsewhere."""
+    if x.is_cuda and _has_triton():
+        from kernels.triton_moe import grouped_mm
+
+        return grouped_mm(x, w, offs)
+    return F.grouped_mm(x, w.transpose(1, 2), offs=offs)
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -56,15 +74,16 @@ def fused_moe(
     """sum over each token's chosen experts held here of weight * down(silu(gate(x)) * up(x)), [T, H].
 
     Tokens are gathered into one buffer grouped by expert, and each projection is one grouped matmul over the
-    groups (torch's `grouped_mm`, CPU and CUDA): no loop over experts, and an expert without tokens costs
-    nothing. Buffers are sized by this step's T * top_k pairs, so a decode step allocates a decode's worth."""
+    groups (`_grouped_mm`): no loop over experts, and an expert without tokens costs nothing. Buffers are sized
+    by this step's T * top_k pairs, so a decode step allocates a decode's worth. Group sizes are read on the
+    host, so a CUDA graph cannot capture it."""
     out = torch.zeros_like(x)
     tokens, weights, counts = _grouped(topk_ids, topk_weights, w13.shape[0], first_expert)
     if tokens.numel() == 0:
         return out
     offs = counts.cumsum(0, dtype=torch.int32)
-    h = F.grouped_mm(x.index_select(0, tokens), w13.transpose(1, 2), offs=offs)
-    y = F.grouped_mm(silu_and_mul(h), w2.transpose(1, 2), offs=offs)
+    h = _grouped_mm(x.index_select(0, tokens), w13, offs)
+    y = _grouped_mm(silu_and_mul(h), w2, offs)
     y *= weights.to(y.dtype).unsqueeze(1)
     return out.index_add_(0, tokens, y)
 

@@ -248,8 +248,11 @@ class Worker:
         )
         if can_pack(self.device, self.dtype):
             pack_for_cpu(self.model)
-        # Only graph-capturable backends on CUDA pad decodes to the captured sizes; elsewhere padding is waste.
-        graphs = self.device.type == "cuda" and not cfg.enforce_eager and backend.graph_capturable
+        # Only graph-capturable backends on CUDA pad decodes to the captured sizes; elsewhere padding is waste. The
+        # expert op sizes its groups on the host (a sync no graph can capture): MoE models run eagerly.
+        graphs = (
+            self.device.type == "cuda" and not cfg.enforce_eager and backend.graph_capturable and self.spec.moe is None
+        )
         grammar = None
         if self.rank == 0:
             tokenizer_dir = (
