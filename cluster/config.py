@@ -81,6 +81,11 @@ class EngineConfig(BaseModel):
         description="layers per pipeline stage, first to last, comma-separated (e.g. 12,10); they must sum to the "
         "model's layers (default: as even as the counts allow)",
     )
+    enable_expert_parallel: bool = Field(
+        False,
+        description="mixture-of-experts models: each rank holds num_experts / tensor_parallel_size whole experts "
+        "(off: every rank holds a slice of every expert)",
+    )
     block_size: int | None = Field(
         None,
         ge=1,
@@ -278,6 +283,7 @@ class EngineConfig(BaseModel):
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
             pp_layer_partition=self.layer_partition,
+            enable_expert_parallel=self.enable_expert_parallel,
             kv_cache_bytes=self.kv_cache_bytes,
             swap_space_bytes=self.swap_space_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,

@@ -107,13 +107,17 @@ class FlashAttnBackend:
         self.fallback.store_kv(k, v, kv_cache, slot_mapping)
 
     def paged_attention(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float, window: int | None = None
     ) -> torch.Tensor:
+        # flash-attn's window counts keys left of the query, the query itself not included: (-1, -1) is none.
+        window_size = (-1, -1) if window is None else (window - 1, 0)
         reason = unusable_reason(kv_cache.shape[2], kv_cache.dtype, kv_cache.shape[-1])
         if reason is not None:
             # The default warnings filter shows this once per process, not once per layer.
             warnings.warn(f"flash_attn cannot serve this KV cache ({reason}); using {self.fallback.name}", stacklevel=2)
-            return self.fallback.paged_attention(q, kv_cache, dataclasses.replace(md, plan=md.plan.fallback), scale)
+            return self.fallback.paged_attention(
+                q, kv_cache, dataclasses.replace(md, plan=md.plan.fallback), scale, window
+            )
         if md.max_query_len == 1:
             out = self.kvcache_func(
                 q.unsqueeze(1),
@@ -123,6 +127,7 @@ class FlashAttnBackend:
                 block_table=md.block_tables,
                 softmax_scale=scale,
                 causal=True,
+                window_size=window_size,
             )
             return out.squeeze(1)
         return self.varlen_func(
@@ -135,5 +140,6 @@ class FlashAttnBackend:
             md.max_seq_len,
             softmax_scale=scale,
             causal=True,
+            window_size=window_size,
             block_table=md.block_tables,
         )

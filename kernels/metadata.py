@@ -15,6 +15,8 @@ class AttentionBackend(Protocol):
     layer needs; `store_kv` and `paged_attention` run once per layer and only read that plan.
     `kv_cache` is `[2, num_blocks, block_size, num_kv_heads, head_dim]` (0 = keys, 1 = values),
     each half contiguous; the block size is read from it, never configured separately.
+    `window` (sliding-window attention, per layer): a query sees only its last `window` positions,
+    itself included, as Hugging Face's sliding-window mask does; None: its whole context.
     `graph_capturable`: a decode step's `plan`, `store_kv` and `paged_attention` read only device
     tensors and make no host sync, so a CUDA graph captured once replays them on new inputs.
     """
@@ -29,7 +31,7 @@ class AttentionBackend(Protocol):
     ) -> None: ...
 
     def paged_attention(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float, window: int | None = None
     ) -> torch.Tensor: ...
 
 

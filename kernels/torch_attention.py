@@ -33,8 +33,9 @@ class _Group:
     Invariants, for n requests: `tokens` [n * q_len] names the step's token row of each padded
     query; a padding row repeats its request's last token, so every mask row keeps a key.
     `real` [m] picks the rows that are real tokens (None when there is no padding row) and
-    `out_tokens` [m] names where they go. `block_tables` is [n, max_blocks]. `mask` is
-    [n, 1, q_len, kv_len] bool (True = attend), or None when `causal` is set: one request with no
+    `out_tokens` [m] names where they go. `block_tables` is [n, max_blocks]. `mask(window)` is
+    [n, 1, q_len, kv_len] bool (True = attend: the query's own and earlier keys, only the last `window`
+    of them when given), made once per window and step; None without a window for one request with no
     cached context, for which SDPA's top-left causal mask is exact.
     """
 
@@ -42,10 +43,9 @@ class _Group:
     real: torch.Tensor | None
     out_tokens: torch.Tensor
     block_tables: torch.Tensor
-    mask: torch.Tensor | None
+    mask: Callable[[int | None], torch.Tensor | None]
     q_len: int
     kv_len: int
-    causal: bool
 
 
 @dataclass(slots=True)
@@ -103,8 +103,9 @@ class TorchBackend:
         kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
     def paged_attention(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float, window: int | None = None
     ) -> torch.Tensor:
+        """`window`: each query attends to its last `window` positions only (itself included), or all when None."""
         out = q.new_empty(q.shape)
         for group in md.plan:
             if isinstance(group, _DecodeGroup):
@@ -116,12 +117,13 @@ class TorchBackend:
                         group.block_tables,
                         group.seq_lens,
                         scale,
+                        window or 0,
                     )
                     out.index_copy_(0, group.tokens, rows)
                     continue
                 group = group.fallback()
             k, v = self._gather_kv(kv_cache, group)
-            out.index_copy_(0, group.out_tokens, _attend(q, k, v, group, scale))
+            out.index_copy_(0, group.out_tokens, _attend(q, k, v, group, scale, window))
         return out
 
     def _gather_kv(self, kv_cache: torch.Tensor, g: _Group) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,10 +179,18 @@ def _make_group(
     tokens = (first[:, None] + clamped).flatten()
     real = None if bool(is_real.all()) else is_real.flatten().nonzero().squeeze(1)
     causal = len(members) == 1 and q_len == kv_len
-    mask = None
-    if not causal:
-        positions = seq_len_b[:, None] - q_len_b[:, None] + clamped
-        mask = (torch.arange(kv_len) <= positions[..., None]).unsqueeze(1).to(device)
+    positions = seq_len_b[:, None] - q_len_b[:, None] + clamped
+
+    @functools.cache
+    def mask(window: int | None) -> torch.Tensor | None:
+        if causal and window is None:
+            return None
+        keys = torch.arange(kv_len)
+        visible = keys <= positions[..., None]
+        if window is not None:
+            visible &= keys > positions[..., None] - window
+        return visible.unsqueeze(1).to(device)
+
     return _Group(
         tokens=tokens.to(device),
         real=None if real is None else real.to(device),
@@ -189,7 +199,6 @@ def _make_group(
         mask=mask,
         q_len=q_len,
         kv_len=kv_len,
-        causal=causal,
     )
 
 
@@ -206,22 +215,25 @@ def _make_decode_group(
     )
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: _Group, scale: float) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: _Group, scale: float, window: int | None
+) -> torch.Tensor:
     """Attention output of the group's real query rows, [m, num_heads, head_dim]."""
     n, kv_heads, _, head_dim = k.shape
+    mask = g.mask(window)
     num_heads = q.shape[1]
     qg = q.index_select(0, g.tokens)
     if g.q_len == 1:
         # Query heads sharing a KV head become that head's rows, so each KV page is read once.
-        out = F.scaled_dot_product_attention(qg.view(n, kv_heads, -1, head_dim), k, v, attn_mask=g.mask, scale=scale)
+        out = F.scaled_dot_product_attention(qg.view(n, kv_heads, -1, head_dim), k, v, attn_mask=mask, scale=scale)
         rows = out.reshape(n, num_heads, head_dim)
     else:
         out = F.scaled_dot_product_attention(
             qg.view(n, g.q_len, num_heads, head_dim).transpose(1, 2),
             k,
             v,
-            attn_mask=g.mask,
-            is_causal=g.causal,
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
         )

@@ -110,6 +110,7 @@ def _paged_attention_kernel(
     stride_slot,
     stride_head,
     stride_table,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -120,7 +121,9 @@ def _paged_attention_kernel(
     PRECISION: tl.constexpr,
 ):
     """One program: up to TOKENS_PER_TILE query tokens of one request times the GROUP query heads
-    that share one KV head (row r = token r // GROUP, head r % GROUP), against that KV head."""
+    that share one KV head (row r = token r // GROUP, head r % GROUP), against that KV head. With
+    `window` > 0 a query sees only its last `window` positions; keys before the tile's first query's
+    window are never loaded."""
     req = tl.program_id(0)
     tile_start = tl.program_id(1) * TOKENS_PER_TILE
     kv_head = tl.program_id(2)
@@ -142,15 +145,17 @@ def _paged_attention_kernel(
         q_pos = seq_len - q_len + token
         # Keys past the tile's last query position are masked for every row, so never loaded.
         kv_end = tl.minimum(seq_len, seq_len - q_len + tile_start + TOKENS_PER_TILE)
+        kv_start = tl.where(window > 0, tl.maximum(seq_len - q_len + tile_start - window + 1, 0), 0)
         qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp2 is cheaper than exp
-        m = tl.full([ROWS], float("-inf"), tl.float32)
+        # A finite start: with a window, a row may see no key in the first steps (exp2(-inf - -inf) is NaN).
+        m = tl.full([ROWS], -1.0e30, tl.float32)
         denom = tl.zeros([ROWS], tl.float32)
         acc = tl.zeros([ROWS, HEAD_DIM_PAD], tl.float32)
-        for start in range(0, kv_end, KEYS):
+        for start in range(kv_start, kv_end, KEYS):
             pos = start + tl.arange(0, KEYS)
             pos_ok = pos < kv_end
-            # Key 0 is visible to every row, so each row's running max is finite after the first step.
-            visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+            in_window = (window <= 0) | (pos[None, :] > q_pos[:, None] - window)
+            visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :] & in_window
             m, denom, acc = _fold_keys(
                 q,
                 m,
@@ -200,6 +205,7 @@ def _paged_decode_split_kernel(
     stride_head,
     stride_table,
     num_splits,
+    window,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -211,8 +217,9 @@ def _paged_decode_split_kernel(
     PRECISION: tl.constexpr,
 ):
     """One program: the single query of one request, its GROUP heads on one KV head, against the keys of one
-    partition of its context. Writes the partition's normalised output and log-sum-exp (base 2); a partition
-    past the context writes 0 and -inf, so the merge needs no length."""
+    partition of its context (of its last `window` keys when `window` > 0). Writes the partition's normalised
+    output and log-sum-exp (base 2); a partition with no key to read writes 0 and -inf, so the merge needs no
+    length."""
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -223,15 +230,15 @@ def _paged_decode_split_kernel(
     d_ok = d < HEAD_DIM
     part = (req * NUM_HEADS + head).to(tl.int64) * num_splits + split
     seq_len = tl.load(seq_lens_ptr + req)
-    start = split * PARTITION
-    if start < seq_len:
+    start = tl.where(window > 0, tl.maximum(split * PARTITION, seq_len - window), split * PARTITION)
+    if start < tl.minimum(seq_len, split * PARTITION + PARTITION):
         token = tl.load(query_start_loc_ptr + req)
         q = tl.load(
             q_ptr + token * stride_qt + head[:, None] * stride_qh + d[None, :],
             mask=row_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
-        end = tl.minimum(seq_len, start + PARTITION)
+        end = tl.minimum(seq_len, split * PARTITION + PARTITION)
         qk_scale = scale * 1.4426950408889634
         m = tl.full([ROWS], float("-inf"), tl.float32)
         denom = tl.zeros([ROWS], tl.float32)
@@ -239,7 +246,7 @@ def _paged_decode_split_kernel(
         for key in range(start, end, KEYS):
             pos = key + tl.arange(0, KEYS)
             pos_ok = pos < end
-            # The query is its context's last token: every key before `end` is visible, no causal cut.
+            # The query is its context's last token: every key in [start, end) is visible, no causal cut.
             m, denom, acc = _fold_keys(
                 q,
                 m,
@@ -293,10 +300,10 @@ def _merge_splits_kernel(
     head = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM_PAD)
     base = (req * NUM_HEADS + head).to(tl.int64) * num_splits
-    m = tl.full([1], float("-inf"), tl.float32)
+    # A finite start: the first partitions are empty (lse -inf) when a window cut them off.
+    m = tl.full([1], -1.0e30, tl.float32)
     denom = tl.zeros([1], tl.float32)
     acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
-    # Partition 0 is never empty, so the running max is finite after the first step.
     for first in range(0, num_splits, SPLITS_PER_STEP):
         splits = first + tl.arange(0, SPLITS_PER_STEP)
         ok = splits < num_splits
@@ -360,13 +367,14 @@ class TritonBackend:
         )
 
     def paged_attention(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float
+        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float, window: int | None = None
     ) -> torch.Tensor:
+        """`window`: each query attends to its last `window` positions only (itself included), or all when None."""
         _, _, block_size, kv_heads, head_dim = kv_cache.shape
         group = q.shape[1] // kv_heads
         few_programs = md.seq_lens.shape[0] * kv_heads < _SPLIT_BELOW_PROGRAMS
         if md.max_query_len == 1 and md.max_seq_len > _PARTITION and few_programs:
-            return self._split_decode(q, kv_cache, md, scale, split_count(md.max_seq_len))
+            return self._split_decode(q, kv_cache, md, scale, split_count(md.max_seq_len), window or 0)
         # A decode-only step needs one token per tile; bigger tiles would only hold masked rows.
         rows = (
             max(_MIN_ROWS, triton.next_power_of_2(group))
@@ -394,6 +402,7 @@ class TritonBackend:
             k_cache.stride(1),
             k_cache.stride(2),
             md.block_tables.stride(0),
+            window or 0,
             GROUP=group,
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
@@ -406,7 +415,13 @@ class TritonBackend:
         return out
 
     def _split_decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float, num_splits: int
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        num_splits: int,
+        window: int,
     ) -> torch.Tensor:
         _, _, block_size, kv_heads, head_dim = kv_cache.shape
         num_reqs, num_heads = md.seq_lens.shape[0], q.shape[1]
@@ -432,6 +447,7 @@ class TritonBackend:
             k_cache.stride(2),
             md.block_tables.stride(0),
             num_splits,
+            window,
             NUM_HEADS=num_heads,
             GROUP=group,
             HEAD_DIM=head_dim,

@@ -27,7 +27,7 @@ class TensorSlice(Protocol):
     def __getitem__(self, index: Any) -> torch.Tensor: ...
 
 
-def _check_shape(name: str, tensor: TensorSlice, expected: tuple[int, ...]) -> None:
+def check_shape(name: str, tensor: TensorSlice, expected: tuple[int, ...]) -> None:
     shape = tuple(tensor.get_shape())
     if shape != expected:
         raise ValueError(f"weight {name} has shape {list(shape)} in the checkpoint, expected {list(expected)}")
@@ -76,7 +76,7 @@ def pack_for_cpu(model: nn.Module) -> None:
 
 def load_replicated(param: nn.Parameter, tensor: TensorSlice, name: str, _shard: str | None = None) -> None:
     """The loader of parameters that carry no `weight_loader`: weights every rank holds whole."""
-    _check_shape(name, tensor, tuple(param.shape))
+    check_shape(name, tensor, tuple(param.shape))
     param.data.copy_(tensor[:])
 
 
@@ -129,7 +129,7 @@ class ColumnParallelLinear(nn.Module):
 
     def _load(self, param: nn.Parameter, tensor: TensorSlice, name: str, shard: str) -> None:
         s = self.shards[shard]
-        _check_shape(name, tensor, (s.rows, *param.shape[1:]))
+        check_shape(name, tensor, (s.rows, *param.shape[1:]))
         param.data[s.offset : s.offset + s.size].copy_(tensor[s.start : s.start + s.size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,7 +151,7 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
 
     def _load_weight(self, param: nn.Parameter, tensor: TensorSlice, name: str, _shard: None) -> None:
-        _check_shape(name, tensor, (param.shape[0], self.input_size))
+        check_shape(name, tensor, (param.shape[0], self.input_size))
         cols = param.shape[1]
         param.data.copy_(tensor[:, self.rank * cols : (self.rank + 1) * cols])
 
@@ -180,7 +180,7 @@ class VocabParallelEmbedding(nn.Module):
         self.packed_head: torch.Tensor | None = None  # the LM head's copy, set by pack_for_cpu
 
     def _load(self, param: nn.Parameter, tensor: TensorSlice, name: str, _shard: None) -> None:
-        _check_shape(name, tensor, (self.vocab_size, param.shape[1]))
+        check_shape(name, tensor, (self.vocab_size, param.shape[1]))
         end = min(self.start + self.per_rank, self.vocab_size)
         param.data[: end - self.start].copy_(tensor[self.start : end])
 
@@ -288,17 +288,21 @@ class Attention(nn.Module):
     """Paged causal attention over this rank's heads. `kv_cache` is
     [2, num_blocks, block_size, num_kv_heads, head_dim] (a view of the worker's one KV tensor,
     set by the CacheEngine; empty until then). Keys and values of this step are stored first, so
-    the kernel sees every token of the context, this step's included, through the block table."""
+    the kernel sees every token of the context, this step's included, through the block table.
+    With a sliding `window`, a query sees only its last `window` positions (itself included)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend, window: int | None = None
+    ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
         self.backend = backend
+        self.window = window
         self.kv_cache = torch.empty(0)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
         self.backend.store_kv(k, v, self.kv_cache, attn_metadata.slot_mapping)
-        return self.backend.paged_attention(q, self.kv_cache, attn_metadata, self.scale)
+        return self.backend.paged_attention(q, self.kv_cache, attn_metadata, self.scale, self.window)

@@ -5,6 +5,7 @@ import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -13,8 +14,15 @@ from transformers import AutoConfig, PretrainedConfig
 
 from kernels import AttentionBackend, select_backend
 from workers.layers import ROPE_TYPES, RopeConfig, load_replicated
-from workers.model_spec import ModelSpec
+from workers.model_spec import ModelSpec, MoeSpec
 from workers.models import MODEL_REGISTRY
+
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+# Keys of real MoE checkpoints' config.json that their transformers config class does not list as its own
+# (older spellings, and fields this loader reads itself); any other unlisted key is refused by name.
+KNOWN_MOE_CONFIG_KEYS = frozenset(
+    {"num_experts", "torch_dtype", "rope_theta", "rope_scaling", "head_dim", "max_window_layers", "layer_types"}
+)
 
 
 def _config_dir(path: str | Path) -> Path:
@@ -57,6 +65,50 @@ def _eos_ids(root: Path, cfg: PretrainedConfig) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _layer_windows(cfg: PretrainedConfig) -> tuple[int | None, ...]:
+    """Each layer's sliding window: `sliding_window` on the layers `layer_types` marks sliding_attention (all
+    layers when the config has no layer_types); () when there is none."""
+    window = getattr(cfg, "sliding_window", None)
+    if window is None:
+        return ()
+    types = getattr(cfg, "layer_types", None) or ["sliding_attention"] * cfg.num_hidden_layers
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"unsupported layer_types {unknown}; supported: ['full_attention', 'sliding_attention']")
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+def _moe_spec(root: Path, architecture: str, cfg: PretrainedConfig) -> MoeSpec | None:
+    """The experts of a MoE family, after refusing any config.json key the family's config class does not
+    know: a new routing mode or a quantization this loader would ignore is never served approximately."""
+    if architecture not in MOE_ARCHITECTURES:
+        return None
+    known = set(type(cfg)().to_dict()) | KNOWN_MOE_CONFIG_KEYS
+    unknown = sorted(set(json.loads((root / "config.json").read_text())) - known)
+    if unknown:
+        raise ValueError(f"{architecture}: config.json field {unknown[0]!r} is not supported by raylm's loader")
+    layers = range(cfg.num_hidden_layers)
+    if architecture == "MixtralForCausalLM":
+        return MoeSpec(
+            num_experts=cfg.num_local_experts,
+            top_k=cfg.num_experts_per_tok,
+            intermediate_size=cfg.intermediate_size,
+            renormalize=True,
+            sparse_layers=tuple(layers),
+            block_name="block_sparse_moe",
+            expert_names=("w1", "w3", "w2"),
+        )
+    step = cfg.decoder_sparse_step
+    sparse = tuple(i for i in layers if i not in cfg.mlp_only_layers and step > 0 and (i + 1) % step == 0)
+    return MoeSpec(
+        num_experts=cfg.num_experts,
+        top_k=cfg.num_experts_per_tok,
+        intermediate_size=cfg.moe_intermediate_size,
+        renormalize=bool(cfg.norm_topk_prob),
+        sparse_layers=sparse,
+    )
+
+
 def _bias_flags(architecture: str, cfg: PretrainedConfig) -> dict[str, bool]:
     if architecture == "Qwen2ForCausalLM":
         return {"qkv_bias": True, "o_bias": False, "mlp_bias": False, "qk_norm": False}
@@ -65,13 +117,14 @@ def _bias_flags(architecture: str, cfg: PretrainedConfig) -> dict[str, bool]:
         "qkv_bias": attention_bias,
         "o_bias": attention_bias,
         "mlp_bias": bool(getattr(cfg, "mlp_bias", False)),
-        "qk_norm": architecture == "Qwen3ForCausalLM",
+        "qk_norm": architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
     }
 
 
-def read_model_spec(path: str | Path, tp_size: int = 1) -> ModelSpec:
+def read_model_spec(path: str | Path, tp_size: int = 1, expert_parallel: bool = False) -> ModelSpec:
     """The spec of the model at `path`; ValueError naming the problem when the directory,
-    its config, its architecture or its split over `tp_size` ranks is not usable."""
+    its config, its architecture or its split over `tp_size` ranks (whole experts per rank
+    with `expert_parallel`) is not usable."""
     root = _config_dir(path)
     architecture = _architecture(root)
     cfg = AutoConfig.from_pretrained(root)
@@ -95,10 +148,11 @@ def read_model_spec(path: str | Path, tp_size: int = 1) -> ModelSpec:
         eos_token_id=eos_ids[0] if eos_ids else None,
         eos_token_ids=eos_ids,
         dtype=getattr(torch, cfg.dtype) if isinstance(cfg.dtype, str) else cfg.dtype,
-        sliding_window=getattr(cfg, "sliding_window", None),
+        layer_windows=_layer_windows(cfg),
+        moe=_moe_spec(root, architecture, cfg),
         **_bias_flags(architecture, cfg),
     )
-    spec.check_tp(tp_size)
+    spec.check_tp(tp_size, expert_parallel)
     return spec
 
 
@@ -112,11 +166,18 @@ def _checkpoint_files(root: Path) -> list[Path]:
     return files
 
 
-def _checkpoint_names(model: nn.Module) -> dict[str, tuple[str, str | None]]:
+def _checkpoint_names(model: nn.Module) -> dict[str, tuple[str, Any]]:
     """checkpoint tensor name -> (parameter name, shard): fused parameters (qkv_proj) are fed
-    by several checkpoint tensors (q_proj, k_proj, v_proj), each named as its shard."""
-    names: dict[str, tuple[str, str | None]] = {}
+    by several checkpoint tensors (q_proj, k_proj, v_proj), each named as its shard. A module
+    with a `checkpoint_names(prefix)` method (the experts) names its own parameters' tensors."""
+    names: dict[str, tuple[str, Any]] = {}
+    for prefix, module in model.named_modules():
+        if hasattr(module, "checkpoint_names"):
+            names.update(module.checkpoint_names(prefix))
+    claimed = {name for name, _ in names.values()}
     for name, _ in model.named_parameters():
+        if name in claimed:
+            continue
         module, _, leaf = name.rpartition(".")
         parent, _, last = module.rpartition(".")
         for shard in model.packed_modules.get(last, (None,)):
@@ -163,13 +224,15 @@ def load_model(
     attn_backend: AttentionBackend | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
+    expert_parallel: bool = False,
 ) -> nn.Module:
-    """Build the model class config.json names and load rank `tp_rank`'s shard of its weights.
+    """Build the model class config.json names and load rank `tp_rank`'s shard of its weights
+    (its whole experts with `expert_parallel`, else its slice of every expert).
     `attn_backend` defaults to `select_backend("auto", device, dtype=dtype)`."""
-    spec = read_model_spec(path, tp_size)
+    spec = read_model_spec(path, tp_size, expert_parallel)
     device = torch.device(device)
     backend = attn_backend if attn_backend is not None else select_backend("auto", device, dtype=dtype)
     with _default_dtype(dtype), device:
-        model = MODEL_REGISTRY[spec.architecture](spec, backend, tp_rank, tp_size)
+        model = MODEL_REGISTRY[spec.architecture](spec, backend, tp_rank, tp_size, expert_parallel)
     load_weights(model, path)
     return model.eval()

@@ -157,6 +157,7 @@ class WorkerConfig:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     pp_layer_partition: list[int] | None  # layers per stage; None: balanced (workers.parallel.partition_layers)
+    enable_expert_parallel: bool  # MoE: whole experts per rank rather than a slice of each
     kv_cache_bytes: int  # CPU: the KV cache's size
     swap_space_bytes: int  # the host tier's size on this rank; 0: none
     gpu_memory_utilization: float
@@ -254,7 +255,7 @@ class Worker:
         cfg = self.config
         tp = cfg.tensor_parallel_size
         model_dir = resolve_model(cfg.model, cfg.revision, cfg.download_dir)
-        self.spec = read_model_spec(model_dir, tp)
+        self.spec = read_model_spec(model_dir, tp, cfg.enable_expert_parallel)
         if cfg.no_work:
             self.runner = NoWorkRunner(self.spec.vocab_size, is_driver=self.is_driver)
             return
@@ -262,14 +263,27 @@ class Worker:
         self.dtype = resolve_dtype(cfg.dtype, self.spec.dtype, self.device, bf16)
         backend = select_backend(cfg.attention_backend, self.device, cfg.block_size, self.dtype)
         self.model = load_model(
-            model_dir, dtype=self.dtype, device=self.device, attn_backend=backend, tp_rank=self.tp_rank, tp_size=tp
+            model_dir,
+            dtype=self.dtype,
+            device=self.device,
+            attn_backend=backend,
+            tp_rank=self.tp_rank,
+            tp_size=tp,
+            expert_parallel=cfg.enable_expert_parallel,
         )
         if can_pack(self.device, self.dtype):
             pack_for_cpu(self.model)
         # Only graph-capturable backends on CUDA pad decodes to the captured sizes; elsewhere padding is waste.
-        # A pipeline stage runs eagerly: its graphs would have to capture the stage-to-stage transfers.
+        # A pipeline stage runs eagerly: its graphs would have to capture the stage-to-stage transfers. The expert
+        # op sizes its groups on the host (a sync no graph can capture): MoE models run eagerly too.
         stage = pipeline_stage()
-        graphs = self.device.type == "cuda" and not cfg.enforce_eager and backend.graph_capturable and stage.count == 1
+        graphs = (
+            self.device.type == "cuda"
+            and not cfg.enforce_eager
+            and backend.graph_capturable
+            and stage.count == 1
+            and self.spec.moe is None
+        )
         if stage.count > 1:
             tp = cfg.tensor_parallel_size
             self.link = StageLink(

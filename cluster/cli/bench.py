@@ -166,6 +166,25 @@ def _engine_steps(sub) -> None:
     p.set_defaults(run=run)
 
 
+def _moe(sub) -> None:
+    p = sub.add_parser("moe", help="one MoE layer per token: the fused expert op against a per-expert loop")
+    p.add_argument("--num-experts", type=int, default=32, help="Qwen3-30B-A3B has 128")
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden-size", type=int, default=2048)
+    p.add_argument("--moe-intermediate-size", type=int, default=768)
+    p.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 64, 2048], help="tokens per step")
+    p.add_argument("--repeats", type=int, default=5)
+
+    def run(args: argparse.Namespace) -> None:
+        from cluster.bench.moe import bench_moe
+
+        bench_moe(
+            args.num_experts, args.top_k, args.hidden_size, args.moe_intermediate_size, tuple(args.sizes), args.repeats
+        )
+
+    p.set_defaults(run=run)
+
+
 def _pipeline(sub) -> None:
     p = sub.add_parser(
         "pipeline", help="pp=1 vs pp=2 (1 thread per rank), 1 vs P steps in flight: tok/s, stage busy, transfers"

@@ -52,8 +52,9 @@ inline void axpy(float p, const float* __restrict x, float* __restrict y, int64_
 // q [n, heads, D], caches [num_blocks, block_size, kv_heads, D] (each contiguous), block_tables
 // [n, max_blocks] int32, seq_lens [n] int32 -> [n, heads, D]. Query heads h*G .. h*G+G-1 share KV
 // head h, so each (request, KV head) is one task that reads its keys and values once for G heads.
+// window > 0: the query (its context's last token) sees only the last `window` keys, itself included.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                        const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat, "paged_decode: float32 only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -77,14 +78,17 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, acc(G * D);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads, L = lens[b];
+      const int64_t b = task / kv_heads, h = task % kv_heads;
+      // Keys before t0 fell out of the window: never read. L counts the keys read, t0 + t their positions.
+      const int64_t t0 = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0, L = lens[b] - t0;
       const float* qb = qp + (b * heads + h * G) * D;
       const int32_t* table = tables + b * max_blocks;
       scores.assign(G * L, 0.f);
       for (int64_t t = 0; t < L; ++t) {
-        const float* k = kp + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * D;
+        const int64_t p = t0 + t, ahead = p + kAhead;
+        const float* k = kp + table[p / block_size] * block_stride + (p % block_size) * token_stride + h * D;
         if (t + kAhead < L)
-          prefetch_row(kp + table[(t + kAhead) / block_size] * block_stride + ((t + kAhead) % block_size) * token_stride + h * D, D);
+          prefetch_row(kp + table[ahead / block_size] * block_stride + (ahead % block_size) * token_stride + h * D, D);
         for (int64_t g = 0; g < G; ++g) scores[g * L + t] = dot(qb + g * D, k, D) * s;
       }
       for (int64_t g = 0; g < G; ++g) {
@@ -99,9 +103,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < L; ++t) {
-        const float* v = vp + table[t / block_size] * block_stride + (t % block_size) * token_stride + h * D;
+        const int64_t p = t0 + t, ahead = p + kAhead;
+        const float* v = vp + table[p / block_size] * block_stride + (p % block_size) * token_stride + h * D;
         if (t + kAhead < L)
-          prefetch_row(vp + table[(t + kAhead) / block_size] * block_stride + ((t + kAhead) % block_size) * token_stride + h * D, D);
+          prefetch_row(vp + table[ahead / block_size] * block_stride + (ahead % block_size) * token_stride + h * D, D);
         for (int64_t g = 0; g < G; ++g) axpy(scores[g * L + t], v, acc.data() + g * D, D);
       }
       std::copy(acc.begin(), acc.end(), op + (b * heads + h * G) * D);
@@ -207,7 +212,7 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 
 TORCH_LIBRARY(raylm, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-        "float scale) -> Tensor");
+        "float scale, int window) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");

@@ -83,8 +83,9 @@ def slot_of(table: torch.Tensor, position: int, block_size: int) -> int:
     return int(table[position // block_size]) * block_size + position % block_size
 
 
-def naive_attention(batch: Batch, scale: float) -> torch.Tensor:
-    """Token by token in float64: query i of request b sees its positions 0..seq_len - q_len + i."""
+def naive_attention(batch: Batch, scale: float, window: int | None = None) -> torch.Tensor:
+    """Token by token in float64: query i of request b sees its positions 0..seq_len - q_len + i (only the last
+    `window` of them when given)."""
     q, kv = batch.q.double(), batch.kv_cache.double()
     _, _, block_size, kv_heads, head_dim = kv.shape
     flat = kv.view(2, -1, kv_heads, head_dim)
@@ -96,7 +97,8 @@ def naive_attention(batch: Batch, scale: float) -> torch.Tensor:
         slots = [slot_of(batch.block_tables[b], p, block_size) for p in range(seq_len)]
         keys, values = (flat[i, slots].repeat_interleave(group, dim=1) for i in (0, 1))
         for i in range(q_len):
-            visible = seq_len - q_len + i + 1
-            scores = torch.einsum("hd,shd->hs", q[starts[b] + i], keys[:visible]) * scale
-            out[starts[b] + i] = torch.einsum("hs,shd->hd", scores.softmax(-1), values[:visible])
+            end = seq_len - q_len + i + 1
+            first = 0 if window is None else max(0, end - window)
+            scores = torch.einsum("hd,shd->hs", q[starts[b] + i], keys[first:end]) * scale
+            out[starts[b] + i] = torch.einsum("hs,shd->hd", scores.softmax(-1), values[first:end])
     return out.to(batch.q.dtype)

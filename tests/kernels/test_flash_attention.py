@@ -14,8 +14,9 @@ from tests.kernels.reference import make_batch, naive_attention
 SCALE = 0.2
 
 
-def _attend_paged(q, k_cache, v_cache, table, seqlen_k, softmax_scale, causal):
-    """q [seqlen_q, heads, d] of one sequence against its first seqlen_k paged keys."""
+def _attend_paged(q, k_cache, v_cache, table, seqlen_k, softmax_scale, causal, window_size):
+    """q [seqlen_q, heads, d] of one sequence against its first seqlen_k paged keys; `window_size` (left, right)
+    as flash-attn reads it: query i (aligned bottom-right) sees keys i + seqlen_k - seqlen_q - left .. + right."""
     page = k_cache.shape[1]
     positions = torch.arange(seqlen_k)
     blocks = table.long()[positions // page]
@@ -23,10 +24,13 @@ def _attend_paged(q, k_cache, v_cache, table, seqlen_k, softmax_scale, causal):
     group = q.shape[1] // k_cache.shape[2]
     keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * softmax_scale
+    diagonal = torch.arange(q.shape[0])[:, None] + seqlen_k - q.shape[0]
+    visible = torch.ones(q.shape[0], seqlen_k, dtype=torch.bool)
     if causal:
-        seqlen_q = q.shape[0]
-        visible = positions[None, :] <= torch.arange(seqlen_q)[:, None] + seqlen_k - seqlen_q
-        scores = scores.masked_fill(~visible, float("-inf"))
+        visible &= positions[None, :] <= diagonal
+    if window_size[0] >= 0:
+        visible &= positions[None, :] >= diagonal - window_size[0]
+    scores = scores.masked_fill(~visible, float("-inf"))
     weights = torch.nan_to_num(scores.softmax(-1))  # flash-attn outputs zeros for fully masked rows
     return torch.einsum("hqk,khd->qhd", weights, values).to(q.dtype)
 
@@ -58,7 +62,13 @@ def flash_attn_varlen_func(
     block_table=None,
 ):
     assert block_table is not None, "this stand-in models the paged form only"
-    assert (dropout_p, window_size, softcap, alibi_slopes, return_attn_probs) == (0.0, (-1, -1), 0.0, None, False)
+    assert (dropout_p, window_size[1], softcap, alibi_slopes, return_attn_probs) == (
+        0.0,
+        -1 if window_size[0] < 0 else 0,
+        0.0,
+        None,
+        False,
+    )
     _check_paged_inputs(q, k, v, block_table)
     assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
     q_lens, k_lens = cu_seqlens_q.diff().tolist(), cu_seqlens_k.diff().tolist()
@@ -69,7 +79,7 @@ def flash_attn_varlen_func(
     starts = cu_seqlens_q.tolist()
     return torch.cat(
         [
-            _attend_paged(q[starts[b] : starts[b + 1]], k, v, block_table[b], k_lens[b], scale, causal)
+            _attend_paged(q[starts[b] : starts[b + 1]], k, v, block_table[b], k_lens[b], scale, causal, window_size)
             for b in range(len(q_lens))
         ]
     )
@@ -98,13 +108,13 @@ def flash_attn_with_kvcache(
 ):
     assert block_table is not None, "this stand-in models the paged form only"
     assert (k, v, rotary_cos, cache_batch_idx, cache_leftpad, alibi_slopes) == (None,) * 6
-    assert (window_size, softcap, return_softmax_lse) == ((-1, -1), 0.0, False)
+    assert (window_size[1], softcap, return_softmax_lse) == (-1 if window_size[0] < 0 else 0, 0.0, False)
     _check_paged_inputs(q, k_cache, v_cache, block_table)
     assert q.dim() == 4 and cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (q.shape[0],)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     return torch.stack(
         [
-            _attend_paged(q[b], k_cache, v_cache, block_table[b], int(cache_seqlens[b]), scale, causal)
+            _attend_paged(q[b], k_cache, v_cache, block_table[b], int(cache_seqlens[b]), scale, causal, window_size)
             for b in range(q.shape[0])
         ]
     )
@@ -153,6 +163,15 @@ def test_paged_attention_matches_reference_through_flash_attn(backend, calls, ca
     assert calls.names == [expected_call] and out.dtype == torch.float16
     # fp16 inputs are exact in float64; the 2e-3 allowance is fp16 rounding of the output.
     torch.testing.assert_close(out.double(), naive_attention(batch, SCALE).double(), rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("case", ["decode_only", "chunk_after_context"])
+def test_sliding_window_reaches_flash_attn(backend, calls, case):
+    q_lens, seq_lens, expected_call = CASES[case]
+    batch = make_batch(q_lens, seq_lens, block_size=PAGE_BLOCK_MULTIPLE, kv_heads=2, group=2, dtype=torch.float16)
+    out = backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(backend), SCALE, window=37)
+    assert calls.names == [expected_call]
+    torch.testing.assert_close(out.double(), naive_attention(batch, SCALE, 37).double(), rtol=0, atol=2e-3)
 
 
 @pytest.mark.parametrize("block_size,dtype", [(16, torch.float16), (PAGE_BLOCK_MULTIPLE, torch.float32)])

@@ -30,6 +30,17 @@ def test_paged_attention_matches_naive_reference(case, kv_heads, group, block_si
     torch.testing.assert_close(out, naive_attention(batch, SCALE), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("native_decode", [True, False], ids=["native-decode", "sdpa-only"])
+@pytest.mark.parametrize("window", [1, 5, 16])
+def test_sliding_window_matches_naive_reference(window, native_decode):
+    # Contexts shorter and longer than the window; decodes, a whole prompt and chunks after context.
+    q_lens, seq_lens = [1, 1, 1, 20, 6, 37], [3, 16, 40, 61, 21, 37]
+    batch = make_batch(q_lens, seq_lens, block_size=8, kv_heads=2, group=2)
+    backend = TorchBackend(native_decode)
+    out = backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(backend), SCALE, window)
+    torch.testing.assert_close(out, naive_attention(batch, SCALE, window), rtol=0, atol=1e-5)
+
+
 def test_requests_of_very_different_shapes_split_into_padded_groups():
     # Decodes spread over a wide range of contexts, and prefill chunks of different lengths, so
     # that the plan holds several groups and some padded query rows.

@@ -49,6 +49,18 @@ def test_paged_attention_matches_torch_path(case, kv_heads, group, block_size):
     assert max_error_against_torch_path(batch) <= 1e-4
 
 
+@pytest.mark.parametrize("case", ["mixed", "long_chunk_after_context", "split_decode"])
+def test_sliding_window_matches_torch_path(case):
+    q_lens, seq_lens = CASES[case]
+    batch = make_batch(q_lens, seq_lens, block_size=16, kv_heads=2, group=2).to(DEVICE)
+    triton_backend, torch_backend = TritonBackend(), TorchBackend()
+    # 600 keys: the split decode's first partition is cut, and a 1100-key context's first one is past the window.
+    for window in (5, 40, 600):
+        out = triton_backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(triton_backend), SCALE, window)
+        expected = torch_backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(torch_backend), SCALE, window)
+        assert float((out - expected).abs().max()) <= 1e-4
+
+
 def test_long_decodes_take_the_split_path_and_match_unsplit(monkeypatch):
     from kernels import triton_attention
 
@@ -56,7 +68,7 @@ def test_long_decodes_take_the_split_path_and_match_unsplit(monkeypatch):
     backend = TritonBackend()
     calls = []
     split = backend._split_decode
-    monkeypatch.setattr(backend, "_split_decode", lambda *a: calls.append(a[-1]) or split(*a))
+    monkeypatch.setattr(backend, "_split_decode", lambda *a: calls.append(a[4]) or split(*a))
     out = backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(backend), SCALE)
     assert calls == [4]  # cdiv(1100, 512) = 3 partitions, bucketed to 4 (the fourth is past every context)
     monkeypatch.setattr(triton_attention, "_SPLIT_BELOW_PROGRAMS", 0)

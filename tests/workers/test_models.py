@@ -38,10 +38,24 @@ LLAMA = dict(
         "original_max_position_embeddings": 64,
     },
 )
+# Mixture of experts: top-2 of 8 (top-3 of 6 for Qwen3-MoE without norm_topk_prob, whose layer 0 is dense).
+QWEN3_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+QWEN3_MOE_DENSE_FIRST = dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=32, mlp_only_layers=[0])
+MIXTRAL = dict(num_local_experts=8, num_experts_per_tok=2)
 TINY_MODELS = {
     "llama (biases, llama3 rope, sharded)": ("llama", "100KB", LLAMA),
     "qwen2 (qkv bias, tied)": ("qwen2", None, dict(tie_word_embeddings=True)),
     "qwen3 (q/k norm)": ("qwen3", None, dict(head_dim=32)),
+    # Windows shorter than the sequences (11 and 9 tokens): every position past the window tells.
+    "mistral (sliding window 4)": ("mistral", None, dict(sliding_window=4)),
+    "qwen3 (sliding window 3 on layer 1)": (
+        "qwen3",
+        None,
+        dict(use_sliding_window=True, sliding_window=3, max_window_layers=1),
+    ),
+    "qwen3_moe (norm_topk_prob)": ("qwen3_moe", None, QWEN3_MOE),
+    "qwen3_moe (dense layer 0, top-3 unnormalised)": ("qwen3_moe", None, QWEN3_MOE_DENSE_FIRST),
+    "mixtral": ("mixtral", None, MIXTRAL),
 }
 
 
@@ -173,13 +187,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _tp_worker(rank: int, port: int, paths: list[str], seqs: list[list[int]], out_dir: str) -> None:
+def _tp_worker(rank: int, port: int, paths: list[tuple[str, bool]], seqs: list[list[int]], out_dir: str) -> None:
     torch.set_num_threads(1)  # two ranks share the machine's cores; spinning OpenMP threads would fight
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         backend = select_backend("torch", torch.device("cpu"))
-        for n, path in enumerate(paths):
-            model = load_model(path, attn_backend=backend, tp_rank=rank, tp_size=2)
+        for n, (path, expert_parallel) in enumerate(paths):
+            model = load_model(path, attn_backend=backend, tp_rank=rank, tp_size=2, expert_parallel=expert_parallel)
             logits = run_paged(model, seqs)
             if rank == 0:
                 torch.save(logits, Path(out_dir) / f"{n}.pt")
@@ -195,15 +209,20 @@ def _tp_worker(rank: int, port: int, paths: list[str], seqs: list[list[int]], ou
 
 def test_tensor_parallel_matches_single_rank(tiny_model_dir, tmp_path):
     # 2 KV heads split one per rank; 1 KV head replicated on both. An odd vocabulary pads the
-    # last vocab shard. Biases check that row-parallel layers add theirs once.
+    # last vocab shard. Biases check that row-parallel layers add theirs once. The MoE models split
+    # every expert's units over the ranks, or (expert parallel, True) give each rank half the experts.
     paths = [
-        tiny_model_dir("llama", None, vocab_size=251, **LLAMA),
-        tiny_model_dir("llama", None, vocab_size=251, num_key_value_heads=1, tie_word_embeddings=True),
+        (tiny_model_dir("llama", None, vocab_size=251, **LLAMA), False),
+        (tiny_model_dir("llama", None, vocab_size=251, num_key_value_heads=1, tie_word_embeddings=True), False),
+        (tiny_model_dir("qwen3_moe", None, vocab_size=251, **QWEN3_MOE), False),
+        (tiny_model_dir("qwen3_moe", None, vocab_size=251, **QWEN3_MOE_DENSE_FIRST), True),
+        (tiny_model_dir("mixtral", None, vocab_size=251, **MIXTRAL), False),
+        (tiny_model_dir("mixtral", None, vocab_size=251, **MIXTRAL), True),
     ]
     seqs = random_seqs(251)
     mp.spawn(_tp_worker, args=(_free_port(), paths, seqs, str(tmp_path)), nprocs=2, join=True)
     backend = select_backend("torch", torch.device("cpu"))
-    for n, path in enumerate(paths):
+    for n, (path, _) in enumerate(paths):
         single = run_paged(load_model(path, attn_backend=backend), seqs)
         for tp, one in zip(torch.load(tmp_path / f"{n}.pt"), single):
             assert tp.shape == one.shape
@@ -224,6 +243,22 @@ def test_shards_hold_only_their_slice(tiny_model_dir):
     emb = "model.embed_tokens.weight"
     assert ranks[1][emb].shape == (126, 64) and not ranks[1][emb][-1].any()
     assert torch.equal(torch.cat([ranks[0][emb], ranks[1][emb][:-1]]), full[emb])
+
+
+def test_expert_shards_hold_only_their_experts_or_units(tiny_model_dir):
+    path = tiny_model_dir("mixtral", None, vocab_size=251, **MIXTRAL)
+    full = load_model(path).state_dict()
+    w13, w2 = "model.layers.1.mlp.w13", "model.layers.1.mlp.w2"
+    assert full[w13].shape == (8, 256, 64) and full[w2].shape == (8, 64, 128)
+    for r in (0, 1):
+        ep = load_model(path, tp_rank=r, tp_size=2, expert_parallel=True).state_dict()
+        assert torch.equal(ep[w13], full[w13][4 * r : 4 * r + 4]) and torch.equal(ep[w2], full[w2][4 * r : 4 * r + 4])
+        tp = load_model(path, tp_rank=r, tp_size=2).state_dict()
+        units = slice(64 * r, 64 * r + 64)
+        gate, up = full[w13].chunk(2, dim=1)
+        assert torch.equal(tp[w13], torch.cat([gate[:, units], up[:, units]], dim=1))
+        assert torch.equal(tp[w2], full[w2][:, :, units])
+        assert torch.equal(tp["model.layers.1.mlp.gate.weight"], full["model.layers.1.mlp.gate.weight"])
 
 
 def _copy_with_tensors(src: str, dst: Path, edit) -> Path:
@@ -275,3 +310,21 @@ def test_bad_paths_and_configs_are_named(tiny_model_dir, tmp_path):
         read_model_spec(tmp_path, tp_size=3)
     with pytest.raises(ValueError, match="no \\*.safetensors"):
         load_model(tmp_path)
+
+
+def test_moe_configs_are_refused_by_name(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="enable_expert_parallel: Qwen3ForCausalLM is a dense model"):
+        read_model_spec(tiny_model_dir("qwen3", None, head_dim=32), expert_parallel=True)
+    moe = tiny_model_dir("qwen3_moe", None, **QWEN3_MOE_DENSE_FIRST)
+    with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by tp_size=4 \(expert parallel\)"):
+        read_model_spec(moe, tp_size=4, expert_parallel=True)
+    with pytest.raises(ValueError, match="moe_intermediate_size=32 is not divisible by tp_size=3"):
+        read_model_spec(tiny_model_dir("qwen3_moe", None, num_attention_heads=6, **QWEN3_MOE), tp_size=3)
+    config = json.loads((Path(moe) / "config.json").read_text())
+    for field, value in (("quantization_config", {"quant_method": "fp8"}), ("scoring_func", "sigmoid")):
+        (tmp_path / "config.json").write_text(json.dumps({**config, field: value}))
+        with pytest.raises(ValueError, match=f"Qwen3MoeForCausalLM: config.json field '{field}' is not supported"):
+            read_model_spec(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["DeepseekV3ForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM.*supported:.*MixtralForCausalLM.*Qwen3MoeForCausalLM"):
+        read_model_spec(tmp_path)

@@ -1,5 +1,6 @@
-"""The Llama family: Llama 2/3, SmolLM2, Mistral-style, Qwen2 (q/k/v bias) and Qwen3 (per-head
-q/k RMSNorm), one definition whose variants are flags of `ModelSpec`.
+"""The Llama family: Llama 2/3, SmolLM2, Mistral (sliding window), Qwen2 (q/k/v bias), Qwen3 (per-head
+q/k RMSNorm), and the mixture-of-experts Qwen3-MoE and Mixtral (`models/moe.py` in place of the MLP),
+one definition whose variants are fields of `ModelSpec`.
 
 Module and parameter names follow Hugging Face's, except that q/k/v and gate/up are fused per
 rank (`packed_modules` tells the loader which checkpoint tensors feed which fused weight).
@@ -21,13 +22,14 @@ from workers.layers import (
     qkv_shards,
 )
 from workers.model_spec import ModelSpec
+from workers.models.moe import SparseMoeBlock
 from workers.parallel import MissingLayer, pipeline_stage, stage_modules
 
 
 class LlamaAttention(nn.Module):
     """Self-attention over this rank's `num_heads / tp` query heads and the KV heads they need."""
 
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, rank: int, tp_size: int):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, rank: int, tp_size: int, window: int | None):
         super().__init__()
         d = spec.head_dim
         self.num_heads = spec.num_heads // tp_size
@@ -37,7 +39,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(spec.num_heads * d, spec.hidden_size, spec.o_bias, rank, tp_size)
         self.q_norm = RMSNorm(d, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, spec.rms_norm_eps) if spec.qk_norm else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, d, backend)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, d, backend, window)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_metadata: AttentionMetadata
@@ -69,14 +71,20 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block. The residual stream is carried separately and added inside the next norm,
-    so a layer returns (output, residual) rather than their sum."""
+    so a layer returns (output, residual) rather than their sum. Layer `index` reads its own sliding
+    window and whether it has experts from the spec."""
 
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, rank: int, tp_size: int):
+    def __init__(
+        self, spec: ModelSpec, backend: AttentionBackend, rank: int, tp_size: int, index: int, expert_parallel: bool
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = LlamaAttention(spec, backend, rank, tp_size)
+        self.self_attn = LlamaAttention(spec, backend, rank, tp_size, spec.window(index))
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = LlamaMLP(spec, rank, tp_size)
+        if spec.moe is not None and index in spec.moe.sparse_layers:
+            self.mlp = SparseMoeBlock(spec, rank, tp_size, expert_parallel)
+        else:
+            self.mlp = LlamaMLP(spec, rank, tp_size)
 
     def forward(
         self,
@@ -97,14 +105,16 @@ class LlamaModel(nn.Module):
     (workers/parallel.py) holds its own layers, the first the embedding (the last too when the LM head is
     tied to it), and returns (hidden, residual) to the next stage unless it is the last."""
 
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, rank: int, tp_size: int):
+    def __init__(self, spec: ModelSpec, backend: AttentionBackend, rank: int, tp_size: int, expert_parallel: bool):
         super().__init__()
         self.stage = stage = pipeline_stage()
         embeds = stage.is_first or (stage.is_last and spec.tie_word_embeddings)
         self.embed_tokens = (
             VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, rank, tp_size) if embeds else MissingLayer()
         )
-        self.layers = stage_modules(spec.num_layers, lambda _: LlamaDecoderLayer(spec, backend, rank, tp_size))
+        self.layers = stage_modules(
+            spec.num_layers, lambda i: LlamaDecoderLayer(spec, backend, rank, tp_size, i, expert_parallel)
+        )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.max_position_embeddings, spec.rope)
 
@@ -127,14 +137,22 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The model a worker runs: `forward` maps the flattened tokens of every request in a step to
     hidden states; `compute_logits` turns the rows worth sampling into full-vocabulary logits on
-    rank 0. With tied embeddings the LM head is the embedding module itself (one weight)."""
+    rank 0. With tied embeddings the LM head is the embedding module itself (one weight). With
+    `expert_parallel` each rank holds whole experts rather than a slice of every one."""
 
     packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
-    def __init__(self, spec: ModelSpec, backend: AttentionBackend, rank: int = 0, tp_size: int = 1):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        backend: AttentionBackend,
+        rank: int = 0,
+        tp_size: int = 1,
+        expert_parallel: bool = False,
+    ):
         super().__init__()
         self.spec = spec
-        self.model = LlamaModel(spec, backend, rank, tp_size)
+        self.model = LlamaModel(spec, backend, rank, tp_size, expert_parallel)
         if spec.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         elif self.model.stage.is_last:

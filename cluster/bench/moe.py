@@ -1,0 +1,62 @@
+"""`raylm bench moe`: one mixture-of-experts layer's time per token, the fused expert op (kernels/moe.py)
+against the per-expert loop, at decode and prefill sizes, on random weights of a real model's expert shapes.
+
+The default is Qwen3-30B-A3B's experts (hidden 2048, 768 units each, top-8 of 128, norm_topk_prob) with fewer
+experts, so that one layer's weights fit beside everything else on a small machine (32 experts: 0.6 GB in
+fp32). Fewer experts means more tokens per expert at a given batch; --num-experts 128 gives the real density.
+Both variants route the same tokens (router product and top-k included in each time) and their outputs are
+compared; the figures are medians over --repeats runs, the two variants alternating.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels.moe import fused_moe, looped_moe, route
+
+
+def _layer(experts: Callable[..., torch.Tensor], x, router, w13, w2, top_k: int) -> torch.Tensor:
+    weights, ids = route(F.linear(x, router), top_k, renormalize=True)
+    return experts(x, w13, w2, weights, ids)
+
+
+def bench_moe(
+    num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, sizes: tuple[int, ...], repeats: int
+) -> None:
+    gen = torch.Generator().manual_seed(0)
+    w13 = torch.randn(num_experts, 2 * intermediate_size, hidden_size, generator=gen) * 0.02
+    w2 = torch.randn(num_experts, hidden_size, intermediate_size, generator=gen) * 0.02
+    router = torch.randn(num_experts, hidden_size, generator=gen) * 0.02
+    gb = (w13.numel() + w2.numel()) * 4 / 1e9
+    print(
+        f"raylm bench moe: top-{top_k} of {num_experts} experts, hidden {hidden_size}, {intermediate_size} units "
+        f"each, fp32 ({gb:.2f} GB of experts), {torch.get_num_threads()} threads"
+    )
+    print(
+        f"{'tokens':>7} {'experts hit':>11} {'fused ms':>9} {'loop ms':>9} {'fused us/tok':>12} "
+        f"{'loop us/tok':>11} {'speedup':>7} {'max |diff|':>10} {'all-reduce/step':>15}"
+    )
+    for tokens in sizes:
+        x = torch.randn(tokens, hidden_size, generator=gen)
+        variants = {"fused": fused_moe, "loop": looped_moe}
+        outs = {name: _layer(fn, x, router, w13, w2, top_k) for name, fn in variants.items()}  # and warm-up
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(repeats):
+            for name, fn in variants.items():
+                start = time.perf_counter()
+                _layer(fn, x, router, w13, w2, top_k)
+                times[name].append(time.perf_counter() - start)
+        fused, loop = (statistics.median(times[name]) for name in variants)
+        hit = route(F.linear(x, router), top_k, True)[1].unique().numel()
+        diff = float((outs["fused"] - outs["loop"]).abs().max())
+        # Both ways of splitting experts over a TP group end the layer with one all-reduce of [tokens, hidden].
+        reduce_kib = tokens * hidden_size * 4 / 1024
+        print(
+            f"{tokens:>7} {hit:>11} {fused * 1e3:>9.2f} {loop * 1e3:>9.2f} {fused / tokens * 1e6:>12.1f} "
+            f"{loop / tokens * 1e6:>11.1f} {loop / fused:>6.2f}x {diff:>10.1e} {reduce_kib:>11.0f} KiB"
+        )

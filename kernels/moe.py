@@ -1,0 +1,109 @@
+"""Mixture-of-experts ops: top-k routing and the experts' SwiGLU products, on tensors only.
+
+weights, ids = route(router_logits, top_k, renormalize)             # [T, k] fp32, [T, k] int64
+out = fused_moe(x, w13, w2, weights, ids, first_expert)              # [T, H]: this rank's experts' share
+
+`w13` [E_local, 2 * I, H] stacks each expert's gate and up projections, `w2` [E_local, H, I] its down
+projection; E_local and I are whatever this rank holds: every expert's slice of units (`first_expert` None),
+or whole experts `first_expert` .. `first_expert + E_local - 1` (expert parallel). The op sums what it
+holds; the caller sums over ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_ops import silu_and_mul
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top_k experts of each token and their weights: the softmax over all experts (in fp32) of the chosen
+    ones, divided by their sum when `renormalize` (which equals a softmax over the top-k logits)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = probs.topk(top_k, dim=-1)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _grouped(
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_local: int, first_expert: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, choice) pairs this rank computes, sorted by expert: their token rows, weights and the
+    number of pairs per local expert [num_local]. Pairs routed to another rank's experts are left out."""
+    top_k = topk_ids.shape[1]
+    local = topk_ids.flatten()
+    pairs = None
+    if first_expert is not None:
+        local = local - first_expert
+        pairs = ((local >= 0) & (local < num_local)).nonzero().squeeze(1)
+        local = local[pairs]
+    order = local.argsort(stable=True)
+    pair_rows = order if pairs is None else pairs[order]
+    counts = torch.bincount(local, minlength=num_local)
+    return pair_rows // top_k, topk_weights.flatten()[pair_rows], counts
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [M, K] grouped by rows times w [G, N, K] per group: raylm's Triton kernel on CUDA (where it is
+    installed), torch's grouped_mm elsewhere."""
+    if x.is_cuda and _has_triton():
+        from kernels.triton_moe import grouped_mm
+
+        return grouped_mm(x, w, offs)
+    return F.grouped_mm(x, w.transpose(1, 2), offs=offs)
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int | None = None,
+) -> torch.Tensor:
+    """sum over each token's chosen experts held here of weight * down(silu(gate(x)) * up(x)), [T, H].
+
+    Tokens are gathered into one buffer grouped by expert, and each projection is one grouped matmul over the
+    groups (`_grouped_mm`): no loop over experts, and an expert without tokens costs nothing. Buffers are sized
+    by this step's T * top_k pairs, so a decode step allocates a decode's worth. Group sizes are read on the
+    host, so a CUDA graph cannot capture it."""
+    out = torch.zeros_like(x)
+    tokens, weights, counts = _grouped(topk_ids, topk_weights, w13.shape[0], first_expert)
+    if tokens.numel() == 0:
+        return out
+    offs = counts.cumsum(0, dtype=torch.int32)
+    h = _grouped_mm(x.index_select(0, tokens), w13, offs)
+    y = _grouped_mm(silu_and_mul(h), w2, offs)
+    y *= weights.to(y.dtype).unsqueeze(1)
+    return out.index_add_(0, tokens, y)
+
+
+def looped_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int | None = None,
+) -> torch.Tensor:
+    """The per-expert loop, as Hugging Face's modeling code runs it: for every expert, find its tokens, run
+    it, add. The naive baseline `fused_moe` is tested and benchmarked against."""
+    out = torch.zeros_like(x)
+    for e in range(w13.shape[0]):
+        token, choice = (topk_ids == (first_expert or 0) + e).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e]) * topk_weights[token, choice, None].to(x.dtype)
+        out.index_add_(0, token, y)
+    return out

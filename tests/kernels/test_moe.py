@@ -1,0 +1,85 @@
+"""The MoE ops against a token-by-token float64 reference: routing edge cases, and the shares ranks hold
+(units of every expert, or whole experts) summing to the whole."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.moe import fused_moe, looped_moe, route
+
+E, H, UNITS = 8, 32, 24  # experts, hidden size, units per expert
+
+
+def weights(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(E, 2 * UNITS, H, generator=g) * 0.3, torch.randn(E, H, UNITS, generator=g) * 0.3
+
+
+def reference(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    x, w13, w2 = x.double(), w13.double(), w2.double()
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(topk_weights[t].tolist(), topk_ids[t].tolist()):
+            gate, up = (w13[e] @ x[t]).chunk(2)
+            out[t] += w * (w2[e] @ (F.silu(gate) * up))
+    return out.float()
+
+
+def routing(case: str, tokens: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    if case == "all tokens to one expert":
+        ids = torch.full((tokens, top_k), 5)
+        ids[:, 1:] = torch.arange(1, top_k)  # expert 5 chosen by every token, the other choices fixed too
+    elif case == "experts 2, 6 get no token":
+        ids = torch.stack(
+            [torch.tensor([0, 1, 3, 4, 5, 7])[torch.randperm(6, generator=g)[:top_k]] for _ in range(tokens)]
+        )
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(tokens)])
+    return torch.rand(tokens, top_k, generator=g), ids
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+@pytest.mark.parametrize("case", ["random", "all tokens to one expert", "experts 2, 6 get no token"])
+def test_fused_and_looped_match_the_reference(case, tokens):
+    w13, w2 = weights()
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(2))
+    topk_weights, topk_ids = routing(case, tokens, top_k=2)
+    expected = reference(x, w13, w2, topk_weights, topk_ids)
+    torch.testing.assert_close(fused_moe(x, w13, w2, topk_weights, topk_ids), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(looped_moe(x, w13, w2, topk_weights, topk_ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_shares_of_ranks_sum_to_the_whole():
+    w13, w2 = weights()
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(3))
+    topk_weights, topk_ids = routing("random", 9, top_k=3)
+    whole = fused_moe(x, w13, w2, topk_weights, topk_ids)
+    # Expert parallel over two ranks: experts 0-3 and 4-7, whole; pairs routed elsewhere are skipped.
+    halves = [
+        fused_moe(x, w13[r * 4 : r * 4 + 4], w2[r * 4 : r * 4 + 4], topk_weights, topk_ids, r * 4) for r in (0, 1)
+    ]
+    torch.testing.assert_close(halves[0] + halves[1], whole, rtol=1e-5, atol=1e-5)
+    # A rank whose experts got no token contributes zeros.
+    ids_low = topk_ids % 4
+    torch.testing.assert_close(
+        fused_moe(x, w13[4:], w2[4:], topk_weights, ids_low, 4), torch.zeros_like(x), rtol=0, atol=0
+    )
+    # Tensor parallel inside every expert: units 0-11 and 12-23 of each, gate and up rows sliced alike.
+    gate, up = w13.chunk(2, dim=1)
+    slices = [
+        fused_moe(x, torch.cat([gate[:, s], up[:, s]], dim=1), w2[:, :, s], topk_weights, topk_ids)
+        for s in (slice(0, 12), slice(12, 24))
+    ]
+    torch.testing.assert_close(slices[0] + slices[1], whole, rtol=1e-5, atol=1e-5)
+
+
+def test_routing_normalisations():
+    logits = torch.randn(6, E, generator=torch.Generator().manual_seed(4))
+    probs = logits.softmax(-1)
+    w, ids = route(logits, 3, renormalize=False)  # Qwen3-MoE without norm_topk_prob
+    assert torch.equal(ids, probs.topk(3).indices)
+    torch.testing.assert_close(w, probs.gather(1, ids))
+    w, ids = route(logits, 3, renormalize=True)  # Mixtral: a softmax over the top-k logits
+    torch.testing.assert_close(w, logits.gather(1, ids).softmax(-1))
+    assert w.dtype == torch.float32 and route(logits.half(), 3, True)[0].dtype == torch.float32
