@@ -12,7 +12,7 @@ import httpx2 as httpx
 import jsonschema
 import openai
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from cluster import raylm_pb2, raylm_pb2_grpc
 from cluster.config import EngineConfig
@@ -151,10 +151,12 @@ class User(BaseModel):
     role: Role
     address: Address
     nickname: str | None = None
-    tags: list[str]
+    tags: list[str] = Field(max_length=2)  # maxItems: a 135M model repeats an unbounded list's items
 
 
-USER_ASK = [{"role": "user", "content": "Extract the user: Alice is a 30-year-old admin living in Paris. Tags: vip."}]
+USER_ASK = [
+    {"role": "user", "content": "Extract the user: Alice is a 30-year-old admin living in Paris. Tags: vip, early."}
+]
 
 
 def test_pydantic_schemas_as_libraries_send_them_end_with_stop_and_validate(client):
