@@ -136,3 +136,23 @@ def test_bad_pipeline_settings_are_refused_by_the_config(kw, words):
     with pytest.raises(ValueError) as e:
         EngineConfig(**kw)
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_a_mixture_of_experts_model_splits_into_stages(tiny_model_dir):
+    """Qwen3-MoE (its first layer dense, the second with experts) cut into two stages: greedy equal to transformers."""
+    from tests.workers.test_families import transformers_greedy
+    from tests.workers.test_models import QWEN3_MOE_DENSE_FIRST
+
+    path = tiny_model_dir("qwen3_moe", None, **QWEN3_MOE_DENSE_FIRST)
+    engine = RayEngine(EngineConfig(model=path, pipeline_parallel_size=2, block_size=BLOCK_SIZE, max_model_len=128))
+    try:
+        for i, p in enumerate(PROMPTS[:3]):
+            engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        got = {str(i): [] for i in range(3)}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                assert o.error is None, o.error
+                got[o.request_id].extend(o.new_token_ids)
+    finally:
+        engine.shutdown()
+    assert list(got.values()) == transformers_greedy(path, PROMPTS[:3], MAX_TOKENS)
