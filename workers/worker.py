@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import os
 import time
 from collections.abc import Sequence
@@ -17,6 +16,7 @@ from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.cache_engine import CacheEngine, check_swap_space
 from workers.hub import resolve_model
 from workers.layers import can_pack, pack_for_cpu
+from workers.memory import MemorySnapshot, graph_pool_bytes, keep_freed_memory, kv_cache_budget, profile_peak
 from workers.model_loader import load_model, read_model_spec
 from workers.model_runner import ModelRunner
 from workers.no_work import NoWorkRunner
@@ -25,25 +25,10 @@ from workers.runner_inputs import graph_batch_sizes
 from workers.structured_output import GrammarBitmasks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# glibc's mallopt parameters. A step's activations (megabytes each) are above glibc's default mmap
-# threshold, so every one came from fresh pages and its page faults cost as much as the elementwise
-# op that filled it (16% of a 2048-token prefill step). Raising the threshold to its 32 MiB maximum
-# and keeping freed memory keeps those buffers in the heap, reused step after step.
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 # Round figures for the preemption cost model (swap_cost_per_block): dense matmul rate a forward reaches, and
 # host <-> KV-cache copy bandwidth (a memcpy on CPU, pinned PCIe on CUDA).
 FLOPS_PER_S = {"cpu": 1e11, "cuda": 1e14}
 HOST_LINK_BYTES_PER_S = {"cpu": 1e10, "cuda": 2e10}
-
-
-def keep_freed_memory() -> None:
-    """Make glibc reuse freed activation buffers instead of returning them to the OS (no-op off glibc)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
-    libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
 def wants_cuda(device: str) -> bool:
@@ -88,54 +73,6 @@ def cuda_index(gpu_ids: Sequence[int | str], visible_devices: str | None) -> int
     if gpu not in listed:
         raise ValueError(f"Ray assigned GPU {gpu}, but CUDA_VISIBLE_DEVICES={visible_devices!r} does not list it")
     return listed.index(gpu)
-
-
-@dataclass(slots=True)
-class MemorySnapshot:
-    """Device memory at one moment: `used` by anyone (total - free, what the driver reports) and
-    `torch_reserved` by this process's caching allocator; the difference is memory outside torch
-    (CUDA context, NCCL buffers, other processes)."""
-
-    used: int
-    torch_reserved: int
-
-    @classmethod
-    def take(cls) -> MemorySnapshot:
-        free, total = torch.cuda.mem_get_info()
-        return cls(total - free, torch.cuda.memory_reserved())
-
-
-def kv_cache_budget(
-    total: int,
-    utilization: float,
-    before: MemorySnapshot,
-    after: MemorySnapshot,
-    profile_peak: int,
-    graph_pool: int = 0,
-) -> int:
-    """Bytes left for the KV cache: the share of the device we may use, less what was in use before
-    the profile (weights, context, others), the profile's peak (activations, logits and sampler at
-    full width), memory outside torch that appeared during the profile (NCCL allocates its buffers at
-    the first collective, which the profile makes, and torch's allocator never sees them), and the
-    CUDA graphs' private pool, captured only after the cache exists (`graph_pool`, an estimate).
-    `after` is taken once the profile's blocks went back to the driver (empty_cache)."""
-    non_torch_growth = max((after.used - after.torch_reserved) - (before.used - before.torch_reserved), 0)
-    return int(total * utilization) - before.used - profile_peak - non_torch_growth - graph_pool
-
-
-def profile_peak(allocated_start: int, allocated_peak: int, reserved_start: int, reserved_peak: int) -> int:
-    """The profile's peak as the device sees it: what torch's caching allocator reserved for it, which is
-    the tensors' peak plus the fragmentation between them (never less than the tensors' peak)."""
-    return max(allocated_peak - allocated_start, reserved_peak - reserved_start)
-
-
-def graph_pool_bytes(forward_peak: int, forward_tokens: int, max_graph_size: int) -> int:
-    """An estimate of the CUDA graphs' private pool: the activations of the largest captured decode (one token
-    per request), scaled from the profile forward's peak over `forward_tokens` tokens (activations grow with
-    tokens; the smaller graphs share the largest one's pool). 0 without graphs."""
-    if not max_graph_size or forward_tokens <= 0:
-        return 0
-    return forward_peak * min(max_graph_size, forward_tokens) // forward_tokens
 
 
 @dataclass(slots=True)

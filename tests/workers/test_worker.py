@@ -6,15 +6,8 @@ import pytest
 import torch
 
 from tests.workers.configs import worker_config
-from workers.worker import (
-    MemorySnapshot,
-    Worker,
-    cuda_index,
-    graph_pool_bytes,
-    kv_cache_budget,
-    profile_peak,
-    resolve_dtype,
-)
+from workers.memory import MemorySnapshot, graph_pool_bytes, kv_cache_budget, profile_peak
+from workers.worker import Worker, cuda_index, resolve_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 GiB = 1 << 30
