@@ -33,7 +33,9 @@ class StructuredOutputsParams:
     Only the shape is checked here (the scheduler knows no constraint library);
     whether the schema, regex or grammar compiles is checked with the library by
     the engines' entry points (``workers.structured_output.compile_grammar``)
-    before anything is scheduled.
+    before anything is scheduled. ``compiled`` is what that check compiled, the
+    library's grammar: the sampling rank builds its matcher from it, so a
+    grammar is compiled once per request, not again on the rank.
     """
 
     json: str | dict | None = None
@@ -41,6 +43,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    compiled: str | None = None
 
     def __post_init__(self) -> None:
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]

@@ -118,7 +118,9 @@ class GrammarBitmasks:
 
             hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
             self.tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
-        return llguidance.LLMatcher(self.tokenizer, compile_grammar(c), log_level=0)
+        if c.compiled is None:  # every engine's request check compiles it; a rank never does
+            raise ValueError("structured_outputs reached the sampling rank uncompiled (not through check_request)")
+        return llguidance.LLMatcher(self.tokenizer, c.compiled, log_level=0)
 
     def fill(self, matchers: list[llguidance.LLMatcher], rows: list[int], num_rows: int) -> torch.Tensor:
         """[num_rows, V] bool on the device, True where a token is banned: row ``rows[i]`` by ``matchers[i]``,

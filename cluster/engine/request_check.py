@@ -26,7 +26,10 @@ def check_request(
         if (bad := next((t for t in ids if t >= spec.vocab_size), None)) is not None:
             raise RequestError(name, bad, f"token id outside the vocabulary [0, {spec.vocab_size})")
     if params.structured_outputs is not None:
-        check_constraint(params.structured_outputs)
+        compiled = check_constraint(params.structured_outputs)
+        params = dataclasses.replace(
+            params, structured_outputs=dataclasses.replace(params.structured_outputs, compiled=compiled)
+        )
     return with_eos_stop_token_ids(params, spec)
 
 
@@ -45,12 +48,12 @@ def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: in
         )
 
 
-def check_constraint(c: StructuredOutputsParams) -> None:
-    """Compile the constraint's grammar, the only time before the sampling rank builds its matcher: one that
-    fails there would fail the whole step."""
+def check_constraint(c: StructuredOutputsParams) -> str:
+    """The constraint's grammar, compiled here and only here: the sampling rank builds its matcher from it, and
+    one that failed there would fail the whole step."""
     kind = next(k for k in CONSTRAINT_KINDS if getattr(c, k) not in (None, False))
     try:
-        compile_grammar(c)
+        return compile_grammar(c)
     except ValueError as e:
         field, rule = f"structured_outputs.{kind}", f"it does not compile: {str(e).removeprefix(kind + ': ')}"
         raise RequestError(field, getattr(c, kind), rule, f"{field}: {rule}") from None  # a schema may be long

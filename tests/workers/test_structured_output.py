@@ -1,6 +1,7 @@
 """Constraints compiled with llguidance and the bitmasks the sampling rank fills from them."""
 
 import copy
+import dataclasses
 from enum import Enum
 
 import pytest
@@ -40,6 +41,11 @@ def test_each_kind_compiles():
         assert compile_grammar(c)
 
 
+def compiled(c: StructuredOutputsParams) -> StructuredOutputsParams:
+    """``c`` as the engine's request check hands it on: with its grammar compiled."""
+    return dataclasses.replace(c, compiled=compile_grammar(c))
+
+
 def test_shape_errors_name_the_field():
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["a"])
@@ -51,7 +57,10 @@ def test_masks_follow_the_consumed_tokens_and_end_at_eos(default_model_dir):
     tok = AutoTokenizer.from_pretrained(default_model_dir)
     eos = tok.eos_token_id
     masks = GrammarBitmasks(default_model_dir, len(tok), [eos], torch.device("cpu"))
-    m = masks.matcher(StructuredOutputsParams(choice=["yes please", "no"]))
+    c = StructuredOutputsParams(choice=["yes please", "no"])
+    with pytest.raises(ValueError, match="uncompiled"):  # the engine's request check compiles it, once
+        masks.matcher(c)
+    m = masks.matcher(compiled(c))
     ids = tok.encode("yes please", add_special_tokens=False)
 
     def allowed() -> list[int]:
@@ -99,7 +108,7 @@ def test_closed_objects_refuse_unlisted_properties_as_vllm_compiles_pydantic_sch
 
     def accepted(s: dict, text: str) -> bool:
         ids = tok.encode(text, add_special_tokens=False)
-        return masks.matcher(StructuredOutputsParams(json=s)).validate_tokens(ids) == len(ids)
+        return masks.matcher(compiled(StructuredOutputsParams(json=s))).validate_tokens(ids) == len(ids)
 
     good, extra = '{"cities": [{"name": "Oslo"}], "unit": "c"}', '{"cities": [{"name": "Oslo", "x": 1}], "unit": "c"}'
     assert accepted(closed, good) and accepted(schema, good)
