@@ -22,6 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.bench.cpu_meter import CpuMeter, cpu_report, print_cpu_report
 from cluster.bench.servers import raylm_server, vllm_server
 from cluster.bench.throughput import throughput_workload
 from cluster.engine.network import free_port
@@ -128,8 +129,8 @@ async def _stream_completion(session, url: str, payload: dict, headers: dict) ->
 
 
 async def _send_all(
-    url: str, model: str, work: Workload, api_key: str | None, seed: int
-) -> tuple[list[StreamTimes], float]:
+    url: str, model: str, work: Workload, api_key: str | None, seed: int, meter: CpuMeter | None
+) -> tuple[list[StreamTimes], float, dict[str, float]]:
     import aiohttp
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -140,6 +141,8 @@ async def _send_all(
         warm = await _stream_completion(session, url, completion_payload(model, work.requests[0][0], 4), headers)
         if warm.error:
             raise RuntimeError(f"the warm-up request failed: {warm.error}")
+        if meter:
+            meter.start()
         t0 = time.perf_counter()
         tasks = []
         for prompt, out_len in work.requests:
@@ -151,7 +154,8 @@ async def _send_all(
             if work.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(work.request_rate))
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        return results, seconds, meter.stop() if meter else {}
 
 
 def _ms_stats(values: list[float]) -> dict:
@@ -179,11 +183,14 @@ def engine_steps(url: str, api_key: str | None) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def run_workload(name: str, url: str, work: Workload, api_key: str | None = None, seed: int = 0) -> dict:
-    """Drive ``work`` against the server at ``url``; print and return its row."""
+def run_workload(
+    name: str, url: str, work: Workload, api_key: str | None = None, seed: int = 0, meter: CpuMeter | None = None
+) -> dict:
+    """Drive ``work`` against the server at ``url``; print and return its row (with ``meter``, the CPU its
+    processes spent per 1,000 output tokens)."""
     model = served_model(url, api_key)
     steps0 = engine_steps(url, api_key)
-    results, seconds = asyncio.run(_send_all(url, model, work, api_key, seed))
+    results, seconds, cpu = asyncio.run(_send_all(url, model, work, api_key, seed, meter))
     steps1 = engine_steps(url, api_key)
     for r in results:
         if r.error is not None:
@@ -206,6 +213,7 @@ def run_workload(name: str, url: str, work: Workload, api_key: str | None = None
         "tpot": _ms_stats([(r.end - r.chunks[0]) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
         "itl": _ms_stats([b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:])]),
         "e2el": _ms_stats([r.end - r.sent for r in ok]),
+        "cpu": cpu_report(cpu, output_tokens) if meter else None,
     }
     print_row(row)
     return row
@@ -221,6 +229,8 @@ def print_row(row: dict) -> None:
     for key in ("ttft", "tpot", "itl", "e2el"):
         s = row[key]
         print(f"    {key.upper():5s} ms   mean {s['mean']:9.1f}   median {s['median']:9.1f}   p99 {s['p99']:9.1f}")
+    if row.get("cpu"):
+        print_cpu_report(row["cpu"])
 
 
 def _ratios(ours: dict, theirs: dict) -> None:
@@ -292,11 +302,11 @@ def bench_serve(
     max_seqs = str(max(len(work.requests), 256))
     port = free_port()
     with raylm_server(port, [*model_args, *threads, "--max-num-seqs", max_seqs]) as server:
-        rows["raylm"] = run_workload("raylm serve", server.url, work, seed=seed)
+        rows["raylm"] = run_workload("raylm serve", server.url, work, seed=seed, meter=server.meter())
         name = served_model(server.url, None)
     if "vllm" in compare:
         with vllm_server(port, model_path, name, int(max_seqs), num_threads) as server:
-            rows["vllm"] = run_workload("vllm serve", server.url, work, seed=seed)
+            rows["vllm"] = run_workload("vllm serve", server.url, work, seed=seed, meter=server.meter())
         _ratios(rows["raylm"], rows["vllm"])
     if "offline" in compare:
         rows["offline"], rows["one_step_s"] = offline_reference(model, work)
@@ -340,5 +350,5 @@ def bench_serve_ceiling(
     with raylm_server(free_port(), [*(["--model", model] if model else []), *args]) as server:
         for c in concurrency:
             work = make_workload("random", c, vocab_size, input_len=input_len, output_len=output_len, seed=seed)
-            rows[c] = run_workload(f"{c:5d} streams", server.url, work, seed=seed)
+            rows[c] = run_workload(f"{c:5d} streams", server.url, work, seed=seed, meter=server.meter())
     return rows

@@ -14,6 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from cluster.bench.cpu_meter import CpuMeter
 from cluster.engine.network import free_port
 
 START_TIMEOUT_S = 600  # a first start builds the native CPU ops and converts the default model
@@ -59,6 +60,10 @@ class ServerProcess:
             f"{self.name} did not answer {self.url}/health within {START_TIMEOUT_S} s; its log ended "
             f"with:\n{self.tail()}"
         )
+
+    def meter(self) -> CpuMeter:
+        """A meter of every process the server runs: all of them are in the session it was started in."""
+        return CpuMeter(self.proc.pid)
 
     def tail(self, lines: int = 30) -> str:
         return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-lines:])
