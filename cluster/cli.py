@@ -214,6 +214,15 @@ def _serve_parsers(sub, bench_sub) -> None:
     bs.add_argument("--min-len", type=int, default=32)
     bs.add_argument("--max-len", type=int, default=256)
     bs.add_argument("--num-threads", type=int, default=None, help="torch threads of the servers it starts")
+    bs.add_argument(
+        "--client",
+        default="raylm",
+        choices=["raylm", "vllm"],
+        help="the load generator: ours, or vllm bench serve unmodified, from the vllm venv (--dataset random)",
+    )
+    bs.add_argument(
+        "--token-id-prompts", action="store_true", help="our client sends prompts as token ids (default: text)"
+    )
     bs.add_argument("--api-key", default=None, help="default: $RAYLM_API_KEY")
     bs.add_argument(
         "--seed",
@@ -314,9 +323,11 @@ def _run(args: argparse.Namespace) -> None:
 
         bench_scheduler(tuple(args.sizes), args.prompt_len, args.block_size, args.steps)
     elif args.bench == "serve" and args.no_work_model:
-        from cluster.bench.serve import bench_serve_ceiling
+        from cluster.bench.serve_ceiling import bench_serve_ceiling
 
-        bench_serve_ceiling(args.model, tuple(args.concurrency), args.output_len, args.input_len, args.seed)
+        bench_serve_ceiling(
+            args.model, tuple(args.concurrency), args.output_len, args.input_len, args.seed, args.token_id_prompts
+        )
     elif args.bench == "serve" and args.dataset == "multi-tenant":
         _bench_tenants(args)
     elif args.bench == "serve":
@@ -339,6 +350,8 @@ def _run(args: argparse.Namespace) -> None:
             args.api_key or os.environ.get("RAYLM_API_KEY"),
             args.seed,
             args.num_threads,
+            args.client,
+            args.token_id_prompts,
         )
     elif args.bench == "prefix-reuse":
         from cluster.bench.prefix_reuse import bench_prefix_reuse
