@@ -223,6 +223,14 @@ def _serve_parsers(sub, bench_sub) -> None:
     bs.add_argument(
         "--token-id-prompts", action="store_true", help="our client sends prompts as token ids (default: text)"
     )
+    bs.add_argument(
+        "--raylm-variants",
+        nargs="+",
+        default=[""],
+        metavar="VARIANT",
+        help="with --compare: start raylm serve once per variant, each 'ENV=VALUE ... --flag value ...' "
+        "(quoted; '' is the defaults), e.g. '' '--cpu-omp-threads-bind nobind'",
+    )
     bs.add_argument("--api-key", default=None, help="default: $RAYLM_API_KEY")
     bs.add_argument(
         "--seed",
@@ -352,6 +360,7 @@ def _run(args: argparse.Namespace) -> None:
             args.num_threads,
             args.client,
             args.token_id_prompts,
+            args.raylm_variants,
         )
     elif args.bench == "prefix-reuse":
         from cluster.bench.prefix_reuse import bench_prefix_reuse

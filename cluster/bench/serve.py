@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
+import shlex
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -243,7 +245,8 @@ def print_row(row: dict) -> None:
     print(
         f"  {row['name']}: {row['completed']}/{row['num_requests']} ok in {row['duration_s']:.1f} s, "
         f"{row['output_throughput']:.1f} output tok/s, {row['total_throughput']:.1f} total tok/s, "
-        f"{row['chunks_per_s']:.0f} SSE chunks/s ({row['tokens_per_chunk']:.2f} tokens per chunk){steps}"
+        f"{row['chunks_per_s']:.0f} SSE chunks/s ({row['tokens_per_chunk']:.2f} tokens per chunk){steps}; "
+        f"load average {'/'.join(f'{x:.1f}' for x in os.getloadavg())} at the end"
     )
     for key in ("ttft", "tpot", "itl", "e2el"):
         s = row[key]
@@ -253,14 +256,30 @@ def print_row(row: dict) -> None:
 
 
 def _ratios(ours: dict, theirs: dict) -> None:
+    cpu = ""
+    if ours.get("cpu") and theirs.get("cpu"):
+        cpu = f", CPU s per 1k tokens outside the model {ours['cpu']['outside_model'] / theirs['cpu']['outside_model']:.2f}x"
     print(
-        f"  raylm / {theirs['name']}: output tok/s {ours['output_throughput'] / theirs['output_throughput']:.2f}x, "
+        f"  {ours['name']} / {theirs['name']}: output tok/s "
+        f"{ours['output_throughput'] / theirs['output_throughput']:.2f}x, "
         + ", ".join(
             f"{k.upper()} {stat} {ours[k][stat] / theirs[k][stat]:.2f}x"
             for k in ("ttft", "tpot")
             for stat in ("mean", "median", "p99")
         )
+        + cpu
     )
+
+
+def split_variant(variant: str) -> tuple[dict[str, str], list[str]]:
+    """``"RAY_X=1 --cpu-omp-threads-bind nobind"`` -> ({"RAY_X": "1"}, ["--cpu-omp-threads-bind", "nobind"]): the
+    environment assignments that lead a variant, as in a shell, then its `raylm serve` flags."""
+    words = shlex.split(variant)
+    env = {}
+    while words and "=" in words[0] and not words[0].startswith("-"):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    return env, words
 
 
 def bench_serve(
@@ -273,9 +292,11 @@ def bench_serve(
     num_threads: int | None = None,
     client: str = "raylm",
     token_ids: bool = False,
+    variants: list[str] = ("",),
 ) -> dict:
     """Against ``url``, or (with ``compare``) against servers it starts: raylm, then each peer. ``client``: ours
-    (raylm) or `vllm bench serve` (vllm_client.py); ``token_ids``: our client sends token ids, not text."""
+    (raylm) or `vllm bench serve` (vllm_client.py); ``token_ids``: our client sends token ids, not text;
+    ``variants``: `raylm serve` is started once per variant (split_variant), one after the other."""
     model_path = model
     if model_path is None:
         from workers.default_model import default_model_path
@@ -307,13 +328,18 @@ def bench_serve(
     model_args = ["--model", model] if model else []
     max_seqs = str(max(len(work.requests), 256))
     port = free_port()
-    with raylm_server(port, [*model_args, *threads, "--max-num-seqs", max_seqs]) as server:
-        rows["raylm"] = drive("raylm serve", server.url, server.meter())
-        name = served_model(server.url, None)
+    for i, variant in enumerate(variants):
+        env, flags = split_variant(variant)
+        with raylm_server(port, [*model_args, *threads, "--max-num-seqs", max_seqs, *flags], env) as server:
+            rows["raylm" if i == 0 else f"raylm {variant}"] = drive(
+                f"raylm serve {variant}".strip(), server.url, server.meter()
+            )
+            name = served_model(server.url, None)
     if "vllm" in compare:
         with vllm_server(port, model_path, name, int(max_seqs), num_threads) as server:
             rows["vllm"] = drive("vllm serve", server.url, server.meter())
-        _ratios(rows["raylm"], rows["vllm"])
+        for key in [k for k in rows if k.startswith("raylm")]:
+            _ratios(rows[key], rows["vllm"])
     if "offline" in compare:
         rows["offline"], rows["one_step_s"] = offline_reference(model, work.requests)
         print(
