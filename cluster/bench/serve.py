@@ -2,10 +2,9 @@
 
 Three ways to run it:
 - against a running server (``--url``);
-- ``--compare vllm [offline]``: it starts `raylm serve`, then `vllm serve`, one at a time, drives both with the
-  same client and requests, and prints both rows and their ratios; ``offline`` adds raylm's offline Ray engine
-  on the same requests, and the latency of one prefill plus one decode step (what TTFT at a low rate should
-  approach);
+- ``--compare vllm [offline]``: it starts `raylm serve` (once per ``--raylm-variants``), then `vllm serve`, one
+  at a time, drives each with the same client and requests, and prints the rows and their ratios; ``offline`` adds
+  raylm's offline Ray engine on the same requests, and one prefill plus one decode step (TTFT's floor);
 - ``--no-work-model``: the serving path's ceiling (serve_ceiling.py).
 
 Either client drives the servers: ours (below), or ``--client vllm``, `vllm bench serve` itself (vllm_client.py).
