@@ -18,14 +18,13 @@ import json
 import os
 import random
 import re
-import shlex
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.bench.cpu_meter import CpuMeter, cpu_report, print_cpu_report
-from cluster.bench.servers import raylm_server, vllm_server
+from cluster.bench.servers import raylm_server, split_variant, vllm_server
 from cluster.bench.throughput import offline_reference, throughput_workload
 from cluster.bench.vllm_client import run_vllm_client
 from cluster.engine.network import free_port
@@ -270,17 +269,6 @@ def _ratios(ours: dict, theirs: dict) -> None:
     )
 
 
-def split_variant(variant: str) -> tuple[dict[str, str], list[str]]:
-    """``"RAY_X=1 --cpu-omp-threads-bind nobind"`` -> ({"RAY_X": "1"}, ["--cpu-omp-threads-bind", "nobind"]): the
-    environment assignments that lead a variant, as in a shell, then its `raylm serve` flags."""
-    words = shlex.split(variant)
-    env = {}
-    while words and "=" in words[0] and not words[0].startswith("-"):
-        name, _, value = words.pop(0).partition("=")
-        env[name] = value
-    return env, words
-
-
 def bench_serve(
     url: str | None = None,
     model: str | None = None,
@@ -309,10 +297,12 @@ def bench_serve(
         )
     vocab_size = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
     work = make_workload(vocab_size=vocab_size, seed=seed, tokenizer=None if token_ids else model_path, **work_args)
-    who = "vllm bench serve (unmodified) on" if client == "vllm" else "our client on"
-    print(
-        f"raylm bench serve: {who} {work.description}, {work.prompt_tokens} prompt + {work.output_tokens} output tokens"
-    )
+    if client == "vllm":  # its own random dataset, of the same shape: the prompt lengths are its own
+        print(f"raylm bench serve: vllm bench serve (unmodified), {work.description.split(' (seed')[0]}, text prompts")
+    else:
+        print(
+            f"raylm bench serve: {work.description}, {work.prompt_tokens} prompt + {work.output_tokens} output tokens"
+        )
 
     def drive(name: str, server_url: str, meter: CpuMeter | None = None) -> dict:
         if client == "vllm":

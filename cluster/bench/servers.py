@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -85,6 +86,17 @@ class ServerProcess:
 
     def __exit__(self, *_exc) -> None:
         self.stop()
+
+
+def split_variant(variant: str) -> tuple[dict[str, str], list[str]]:
+    """``"RAY_X=1 --cpu-omp-threads-bind nobind"`` -> ({"RAY_X": "1"}, ["--cpu-omp-threads-bind", "nobind"]): the
+    environment assignments that lead a variant, as in a shell, then its `raylm serve` flags."""
+    words = shlex.split(variant)
+    env = {}
+    while words and "=" in words[0] and not words[0].startswith("-"):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    return env, words
 
 
 def raylm_server(port: int, args: list[str], env: dict[str, str] | None = None) -> ServerProcess:
