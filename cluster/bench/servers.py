@@ -18,7 +18,7 @@ from pathlib import Path
 from cluster.bench.cpu_meter import CpuMeter
 from cluster.engine.network import free_port
 
-START_TIMEOUT_S = 600  # a first start builds the native CPU ops and converts the default model
+START_TIMEOUT_S = 1800  # a first start builds the native CPU ops and converts the default model (vllm: compiles)
 STOP_TIMEOUT_S = 60
 
 
