@@ -1,5 +1,6 @@
-"""Starting an engine's ranks: one worker actor per rank in its bundle, then on every rank its device, the
-process group, its model shard and a KV cache of the same size."""
+"""Starting an engine's ranks: one worker actor per rank in its bundle, then on every rank its threads (bound to
+cores as cpu_omp_threads_bind plans), its device, the process group, its model shard and a KV cache of the same
+size."""
 
 from __future__ import annotations
 
