@@ -83,7 +83,8 @@ from workers.cpu_binding import bind_threads
 cores = json.loads(sys.argv[1])
 bind_threads(cores)
 torch.ones(256, 256) @ torch.ones(256, 256)
-single = sorted(next(iter(a)) for a in (os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")) if len(a) == 1)
+masks = [os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task")]
+single = sorted(next(iter(a)) for a in masks if len(a) == 1)
 print(json.dumps({"main": sorted(os.sched_getaffinity(0)), "bound": single, "threads": torch.get_num_threads()}))
 """
 
