@@ -168,6 +168,13 @@ class EngineConfig(BaseModel):
     num_threads: int | None = Field(
         None, ge=1, description="torch threads per rank (default: every core the rank may use)"
     )
+    cpu_omp_threads_bind: str = Field(
+        "auto",
+        description="the cores each rank's torch threads run on: auto (on CPU, each rank its own physical cores, "
+        "the rest left to the serving processes; on GPU, or where a deployment may run several replicas, which "
+        "would bind to the same cores, threads left alone), nobind, or one core list per rank "
+        "of a node, '|'-separated, like 0-3|4-7 (vLLM's VLLM_CPU_OMP_THREADS_BIND)",
+    )
     no_work_model: bool = Field(
         False,
         description="benchmarking only: ranks return a token per request at once, "
@@ -207,6 +214,14 @@ class EngineConfig(BaseModel):
         except ValueError as e:
             raise ValueError(f"swap_space={swap_space:g} GiB per rank: {e}") from None
         return swap_space
+
+    @field_validator("cpu_omp_threads_bind")
+    @classmethod
+    def _binding_parses(cls, value: str) -> str:
+        from workers.cpu_binding import parse_binding
+
+        parse_binding(value)
+        return value
 
     @field_validator("preemption_mode")
     @classmethod
@@ -401,6 +416,9 @@ class AppArgs(BaseModel):
                 f"min_replicas={self.min_replicas} is greater than max_replicas={self.max_replicas}: "
                 f"the deployment cannot keep more replicas than it may have"
             )
+        if self.max_replicas > 1 and self.engine.cpu_omp_threads_bind == "auto":
+            # auto plans one engine per node: replicas sharing a node would all bind to the same cores.
+            self.engine = self.engine.model_copy(update={"cpu_omp_threads_bind": "nobind"})
         return self
 
     @classmethod

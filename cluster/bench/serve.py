@@ -2,19 +2,20 @@
 
 Three ways to run it:
 - against a running server (``--url``);
-- ``--compare vllm [offline]``: it starts `raylm serve`, then `vllm serve`, one at a time, drives both with the
-  same client and requests, and prints both rows and their ratios; ``offline`` adds raylm's offline Ray engine
-  on the same requests, and the latency of one prefill plus one decode step (what TTFT at a low rate should
-  approach);
-- ``--no-work-model``: the serving path's ceiling. `raylm serve --no-work-model` returns a token per request
-  per step with no tensor work, so streamed tokens/s, SSE chunks/s and engine steps/s at 64, 256 and 1,024
-  concurrent streams are what the scheduler, Ray and the HTTP path alone can carry.
+- ``--compare vllm [offline]``: it starts `raylm serve` (once per ``--raylm-variants``), then `vllm serve`, one
+  at a time, drives each with the same client and requests, and prints the rows and their ratios; ``offline`` adds
+  raylm's offline Ray engine on the same requests, and one prefill plus one decode step (TTFT's floor);
+- ``--no-work-model``: the serving path's ceiling (serve_ceiling.py).
+
+Either client drives the servers: ours (below), or ``--client vllm``, `vllm bench serve` itself (vllm_client.py).
+For each server it starts, the row adds the CPU seconds its processes spent per 1,000 output tokens (cpu_meter.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
 import time
@@ -22,20 +23,25 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster.bench.servers import raylm_server, vllm_server
-from cluster.bench.throughput import throughput_workload
+from cluster.bench.cpu_meter import CpuMeter, cpu_report, print_cpu_report
+from cluster.bench.servers import raylm_server, split_variant, vllm_server
+from cluster.bench.throughput import offline_reference, throughput_workload
+from cluster.bench.vllm_client import run_vllm_client
 from cluster.engine.network import free_port
-
-NO_WORK_KV_BYTES = 1 << 40  # the no-work model allocates no KV cache: only the scheduler's block count
 
 
 @dataclass(slots=True)
 class Workload:
-    """The requests of one run: (prompt token ids, output length) pairs, and how they arrive."""
+    """The requests of one run: (prompt token ids, output length) pairs, and how they arrive. With ``texts``, each
+    prompt is sent as its text, whose tokens are those ids (what a client sends, and the replica tokenizes)."""
 
     requests: list[tuple[list[int], int]]
     request_rate: float
     description: str
+    texts: list[str] | None = None
+
+    def prompt(self, i: int) -> list[int] | str:
+        return self.texts[i] if self.texts else self.requests[i][0]
 
     @property
     def prompt_tokens(self) -> int:
@@ -57,9 +63,12 @@ def make_workload(
     max_len: int = 256,
     request_rate: float = float("inf"),
     seed: int = 0,
+    tokenizer: str | None = None,
 ) -> Workload:
     """``random``: fixed input and output lengths, random token ids (vllm bench serve's random dataset with a
-    range ratio of 0); ``uniform``: both lengths uniform in [min_len, max_len] (the throughput benchmark's)."""
+    range ratio of 0); ``uniform``: both lengths uniform in [min_len, max_len] (the throughput benchmark's).
+    With ``tokenizer`` (a directory), prompts are text: the random ids decoded, then encoded again (so a prompt's
+    length may differ from the one asked by a token or two)."""
     if dataset == "random":
         rng = random.Random(seed)
         requests = [
@@ -71,9 +80,20 @@ def make_workload(
         shape = f"lengths uniform in [{min_len}, {max_len}]"
     else:
         raise ValueError(f"dataset={dataset!r}: expected 'random' or 'uniform'")
+    texts = None
+    if tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+        texts = [tok.decode(p) for p, _ in requests]
+        requests = [(tok.encode(t, add_special_tokens=False), n) for t, (_, n) in zip(texts, requests)]
     rate = "all at once" if request_rate == float("inf") else f"Poisson {request_rate:g} req/s"
+    form = "text" if texts else "token-id"
     return Workload(
-        requests, request_rate, f"{num_requests} requests, {shape} (seed {seed}, token-id prompts, ignore_eos), {rate}"
+        requests,
+        request_rate,
+        f"{num_requests} requests, {shape} (seed {seed}, {form} prompts, ignore_eos), {rate}",
+        texts,
     )
 
 
@@ -89,7 +109,7 @@ class StreamTimes:
     error: str | None = None
 
 
-def completion_payload(model: str, prompt: list[int], max_tokens: int) -> dict:
+def completion_payload(model: str, prompt: list[int] | str, max_tokens: int) -> dict:
     """The body `vllm bench serve` (openai-completions backend) sends, field for field."""
     return {
         "model": model,
@@ -128,8 +148,8 @@ async def _stream_completion(session, url: str, payload: dict, headers: dict) ->
 
 
 async def _send_all(
-    url: str, model: str, work: Workload, api_key: str | None, seed: int
-) -> tuple[list[StreamTimes], float]:
+    url: str, model: str, work: Workload, api_key: str | None, seed: int, meter: CpuMeter | None
+) -> tuple[list[StreamTimes], float, dict[str, float]]:
     import aiohttp
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -137,21 +157,24 @@ async def _send_all(
     async with aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
     ) as session:
-        warm = await _stream_completion(session, url, completion_payload(model, work.requests[0][0], 4), headers)
+        warm = await _stream_completion(session, url, completion_payload(model, work.prompt(0), 4), headers)
         if warm.error:
             raise RuntimeError(f"the warm-up request failed: {warm.error}")
+        if meter:
+            meter.start()
         t0 = time.perf_counter()
         tasks = []
-        for prompt, out_len in work.requests:
+        for i, (_, out_len) in enumerate(work.requests):
             tasks.append(
                 asyncio.create_task(
-                    _stream_completion(session, url, completion_payload(model, prompt, out_len), headers)
+                    _stream_completion(session, url, completion_payload(model, work.prompt(i), out_len), headers)
                 )
             )
             if work.request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(work.request_rate))
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        return results, seconds, meter.stop() if meter else {}
 
 
 def _ms_stats(values: list[float]) -> dict:
@@ -179,11 +202,14 @@ def engine_steps(url: str, api_key: str | None) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def run_workload(name: str, url: str, work: Workload, api_key: str | None = None, seed: int = 0) -> dict:
-    """Drive ``work`` against the server at ``url``; print and return its row."""
+def run_workload(
+    name: str, url: str, work: Workload, api_key: str | None = None, seed: int = 0, meter: CpuMeter | None = None
+) -> dict:
+    """Drive ``work`` against the server at ``url``; print and return its row (with ``meter``, the CPU its
+    processes spent per 1,000 output tokens)."""
     model = served_model(url, api_key)
     steps0 = engine_steps(url, api_key)
-    results, seconds = asyncio.run(_send_all(url, model, work, api_key, seed))
+    results, seconds, cpu = asyncio.run(_send_all(url, model, work, api_key, seed, meter))
     steps1 = engine_steps(url, api_key)
     for r in results:
         if r.error is not None:
@@ -206,6 +232,7 @@ def run_workload(name: str, url: str, work: Workload, api_key: str | None = None
         "tpot": _ms_stats([(r.end - r.chunks[0]) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
         "itl": _ms_stats([b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:])]),
         "e2el": _ms_stats([r.end - r.sent for r in ok]),
+        "cpu": cpu_report(cpu, output_tokens) if meter else None,
     }
     print_row(row)
     return row
@@ -216,54 +243,31 @@ def print_row(row: dict) -> None:
     print(
         f"  {row['name']}: {row['completed']}/{row['num_requests']} ok in {row['duration_s']:.1f} s, "
         f"{row['output_throughput']:.1f} output tok/s, {row['total_throughput']:.1f} total tok/s, "
-        f"{row['chunks_per_s']:.0f} SSE chunks/s ({row['tokens_per_chunk']:.2f} tokens per chunk){steps}"
+        f"{row['chunks_per_s']:.0f} SSE chunks/s ({row['tokens_per_chunk']:.2f} tokens per chunk){steps}; "
+        f"load average {'/'.join(f'{x:.1f}' for x in os.getloadavg())} at the end"
     )
     for key in ("ttft", "tpot", "itl", "e2el"):
         s = row[key]
         print(f"    {key.upper():5s} ms   mean {s['mean']:9.1f}   median {s['median']:9.1f}   p99 {s['p99']:9.1f}")
+    if row.get("cpu"):
+        print_cpu_report(row["cpu"])
 
 
 def _ratios(ours: dict, theirs: dict) -> None:
+    cpu = ""
+    if ours.get("cpu") and theirs.get("cpu"):
+        outside = ours["cpu"]["outside_model"] / theirs["cpu"]["outside_model"]
+        cpu = f", CPU s per 1k tokens outside the model {outside:.2f}x"
     print(
-        f"  raylm / {theirs['name']}: output tok/s {ours['output_throughput'] / theirs['output_throughput']:.2f}x, "
+        f"  {ours['name']} / {theirs['name']}: output tok/s "
+        f"{ours['output_throughput'] / theirs['output_throughput']:.2f}x, "
         + ", ".join(
             f"{k.upper()} {stat} {ours[k][stat] / theirs[k][stat]:.2f}x"
             for k in ("ttft", "tpot")
             for stat in ("mean", "median", "p99")
         )
+        + cpu
     )
-
-
-def offline_reference(model: str | None, work: Workload) -> tuple[dict, float]:
-    """The same requests through the offline Ray engine (output tok/s), and the median latency of one prefill
-    plus one decode step of the workload's first prompt, alone."""
-    from cluster.bench.throughput import run_raylm
-    from cluster.llm import LLM
-    from scheduler import SamplingParams
-
-    llm = LLM(model=model, max_num_seqs=max(len(work.requests), 256))
-    try:
-        seconds = run_raylm(llm, work.requests)
-        prompt = work.requests[0][0]
-        lat = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
-            lat.append(time.perf_counter() - t0)
-    finally:
-        llm.shutdown()
-        import ray
-
-        ray.shutdown()
-    row = {
-        "name": "raylm offline (Ray engine)",
-        "output_throughput": work.output_tokens / seconds,
-        "duration_s": seconds,
-    }
-    print(f"  {row['name']}: {seconds:.1f} s, {row['output_throughput']:.1f} output tok/s")
-    one_step = sorted(lat)[len(lat) // 2]
-    print(f"  offline, one {len(prompt)}-token prefill plus one decode step: {one_step * 1e3:.1f} ms (median of 5)")
-    return row, one_step
 
 
 def bench_serve(
@@ -274,71 +278,64 @@ def bench_serve(
     api_key: str | None = None,
     seed: int = 0,
     num_threads: int | None = None,
+    client: str = "raylm",
+    token_ids: bool = False,
+    variants: list[str] = ("",),
 ) -> dict:
-    """Against ``url``, or (with ``compare``) against servers it starts: raylm, then each peer."""
+    """Against ``url``, or (with ``compare``) against servers it starts: raylm, then each peer. ``client``: ours
+    (raylm) or `vllm bench serve` (vllm_client.py); ``token_ids``: our client sends token ids, not text;
+    ``variants``: `raylm serve` is started once per variant (split_variant), one after the other."""
     model_path = model
     if model_path is None:
         from workers.default_model import default_model_path
 
         model_path = default_model_path()
+    work_args = work_args or {}
+    if client == "vllm" and work_args.get("dataset") != "random":
+        raise ValueError(
+            f"--client vllm runs vllm bench serve's random dataset: pass --dataset random "
+            f"(not {work_args.get('dataset')!r})"
+        )
     vocab_size = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
-    work = make_workload(vocab_size=vocab_size, seed=seed, **(work_args or {}))
-    print(f"raylm bench serve: {work.description}, {work.prompt_tokens} prompt + {work.output_tokens} output tokens")
+    work = make_workload(vocab_size=vocab_size, seed=seed, tokenizer=None if token_ids else model_path, **work_args)
+    if client == "vllm":  # its own random dataset, of the same shape: the prompt lengths are its own
+        print(f"raylm bench serve: vllm bench serve (unmodified), {work.description.split(' (seed')[0]}, text prompts")
+    else:
+        print(
+            f"raylm bench serve: {work.description}, {work.prompt_tokens} prompt + {work.output_tokens} output tokens"
+        )
+
+    def drive(name: str, server_url: str, meter: CpuMeter | None = None) -> dict:
+        if client == "vllm":
+            model_name = served_model(server_url, api_key)
+            return run_vllm_client(name, server_url, model_name, model_path, work_args, seed, meter, api_key)
+        return run_workload(name, server_url, work, api_key, seed, meter)
+
     if not compare:
-        return {"raylm": run_workload(f"server at {url}", url, work, api_key, seed)}
+        return {"raylm": drive(f"server at {url}", url)}
     rows: dict[str, dict] = {}
     threads = ["--num-threads", str(num_threads)] if num_threads else []
     model_args = ["--model", model] if model else []
     max_seqs = str(max(len(work.requests), 256))
     port = free_port()
-    with raylm_server(port, [*model_args, *threads, "--max-num-seqs", max_seqs]) as server:
-        rows["raylm"] = run_workload("raylm serve", server.url, work, seed=seed)
-        name = served_model(server.url, None)
+    for i, variant in enumerate(variants):
+        env, flags = split_variant(variant)
+        with raylm_server(port, [*model_args, *threads, "--max-num-seqs", max_seqs, *flags], env) as server:
+            rows["raylm" if i == 0 else f"raylm {variant}"] = drive(
+                f"raylm serve {variant}".strip(), server.url, server.meter()
+            )
+            name = served_model(server.url, None)
     if "vllm" in compare:
         with vllm_server(port, model_path, name, int(max_seqs), num_threads) as server:
-            rows["vllm"] = run_workload("vllm serve", server.url, work, seed=seed)
-        _ratios(rows["raylm"], rows["vllm"])
+            rows["vllm"] = drive("vllm serve", server.url, server.meter())
+        for key in [k for k in rows if k.startswith("raylm")]:
+            _ratios(rows[key], rows["vllm"])
     if "offline" in compare:
-        rows["offline"], rows["one_step_s"] = offline_reference(model, work)
+        rows["offline"], rows["one_step_s"] = offline_reference(model, work.requests)
         print(
             f"  raylm serve / offline, output tok/s: "
             f"{rows['raylm']['output_throughput'] / rows['offline']['output_throughput']:.2f}x; "
             f"TTFT median / one prefill + decode step: "
             f"{rows['raylm']['ttft']['median'] / 1e3 / rows['one_step_s']:.2f}x"
         )
-    return rows
-
-
-def bench_serve_ceiling(
-    model: str | None = None,
-    concurrency: tuple[int, ...] = (64, 256, 1024),
-    output_len: int = 256,
-    input_len: int = 32,
-    seed: int = 0,
-) -> dict:
-    """One `raylm serve --no-work-model` replica; each level sends that many streams at once."""
-    model_path = model
-    if model_path is None:
-        from workers.default_model import default_model_path
-
-        model_path = default_model_path()
-    vocab_size = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
-    print(
-        f"raylm bench serve --no-work-model: one replica whose ranks do no tensor work; {input_len}-token prompts, "
-        f"{output_len} output tokens per stream, all streams at once"
-    )
-    rows = {}
-    args = [
-        "--no-work-model",
-        "--kv-cache-bytes",
-        str(NO_WORK_KV_BYTES),
-        "--max-num-seqs",
-        str(max(concurrency)),
-        "--max-num-batched-tokens",
-        str(max(2048, max(concurrency) * input_len)),
-    ]
-    with raylm_server(free_port(), [*(["--model", model] if model else []), *args]) as server:
-        for c in concurrency:
-            work = make_workload("random", c, vocab_size, input_len=input_len, output_len=output_len, seed=seed)
-            rows[c] = run_workload(f"{c:5d} streams", server.url, work, seed=seed)
     return rows

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -14,9 +15,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from cluster.bench.cpu_meter import CpuMeter
 from cluster.engine.network import free_port
 
-START_TIMEOUT_S = 600  # a first start builds the native CPU ops and converts the default model
+START_TIMEOUT_S = 1800  # a first start builds the native CPU ops and converts the default model (vllm: compiles)
 STOP_TIMEOUT_S = 60
 
 
@@ -60,6 +62,10 @@ class ServerProcess:
             f"with:\n{self.tail()}"
         )
 
+    def meter(self) -> CpuMeter:
+        """A meter of every process the server runs: all of them are in the session it was started in."""
+        return CpuMeter(self.proc.pid)
+
     def tail(self, lines: int = 30) -> str:
         return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-lines:])
 
@@ -80,6 +86,17 @@ class ServerProcess:
 
     def __exit__(self, *_exc) -> None:
         self.stop()
+
+
+def split_variant(variant: str) -> tuple[dict[str, str], list[str]]:
+    """``"RAY_X=1 --cpu-omp-threads-bind nobind"`` -> ({"RAY_X": "1"}, ["--cpu-omp-threads-bind", "nobind"]): the
+    environment assignments that lead a variant, as in a shell, then its `raylm serve` flags."""
+    words = shlex.split(variant)
+    env = {}
+    while words and "=" in words[0] and not words[0].startswith("-"):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    return env, words
 
 
 def raylm_server(port: int, args: list[str], env: dict[str, str] | None = None) -> ServerProcess:

@@ -227,3 +227,33 @@ def bench_throughput(
         f"GFLOP of matmuls: " + ", ".join(f"{name} {gflop / secs / peak:.0%}" for name, secs in seconds.items())
     )
     return results
+
+
+def offline_reference(model: str | None, requests: list[tuple[list[int], int]]) -> tuple[dict, float]:
+    """The same requests through the offline Ray engine (output tok/s), and the median latency of one prefill
+    plus one decode step of the workload's first prompt, alone."""
+    from cluster.llm import LLM
+
+    llm = LLM(model=model, max_num_seqs=max(len(requests), 256))
+    try:
+        seconds = run_raylm(llm, requests)
+        prompt = requests[0][0]
+        lat = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+            lat.append(time.perf_counter() - t0)
+    finally:
+        llm.shutdown()
+        import ray
+
+        ray.shutdown()
+    row = {
+        "name": "raylm offline (Ray engine)",
+        "output_throughput": sum(n for _, n in requests) / seconds,
+        "duration_s": seconds,
+    }
+    print(f"  {row['name']}: {seconds:.1f} s, {row['output_throughput']:.1f} output tok/s")
+    one_step = sorted(lat)[len(lat) // 2]
+    print(f"  offline, one {len(prompt)}-token prefill plus one decode step: {one_step * 1e3:.1f} ms (median of 5)")
+    return row, one_step

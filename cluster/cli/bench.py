@@ -291,6 +291,23 @@ def _serve(sub) -> None:
     p.add_argument("--min-len", type=int, default=32)
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads of the servers it starts")
+    p.add_argument(
+        "--client",
+        default="raylm",
+        choices=["raylm", "vllm"],
+        help="the load generator: ours, or vllm bench serve unmodified, from the vllm venv (--dataset random)",
+    )
+    p.add_argument(
+        "--token-id-prompts", action="store_true", help="our client sends prompts as token ids (default: text)"
+    )
+    p.add_argument(
+        "--raylm-variants",
+        nargs="+",
+        default=[""],
+        metavar="VARIANT",
+        help="with --compare: start raylm serve once per variant, each 'ENV=VALUE ... --flag value ...' "
+        "(quoted; '' is the defaults), e.g. '' '--cpu-omp-threads-bind nobind'",
+    )
     p.add_argument("--api-key", default=None, help="default: $RAYLM_API_KEY")
     p.add_argument(
         "--seed",
@@ -303,9 +320,11 @@ def _serve(sub) -> None:
 
 def _run_serve(args: argparse.Namespace) -> None:
     if args.no_work_model:
-        from cluster.bench.serve import bench_serve_ceiling
+        from cluster.bench.serve_ceiling import bench_serve_ceiling
 
-        bench_serve_ceiling(args.model, tuple(args.concurrency), args.output_len, args.input_len, args.seed)
+        bench_serve_ceiling(
+            args.model, tuple(args.concurrency), args.output_len, args.input_len, args.seed, args.token_id_prompts
+        )
     elif args.dataset == "multi-tenant":
         _run_tenants(args)
     else:
@@ -320,7 +339,18 @@ def _run_serve(args: argparse.Namespace) -> None:
             max_len=args.max_len,
             request_rate=args.request_rate,
         )
-        bench_serve(args.url, args.model, work, args.compare, _api_key(args), args.seed, args.num_threads)
+        bench_serve(
+            args.url,
+            args.model,
+            work,
+            args.compare,
+            _api_key(args),
+            args.seed,
+            args.num_threads,
+            args.client,
+            args.token_id_prompts,
+            args.raylm_variants,
+        )
 
 
 def _run_tenants(args: argparse.Namespace) -> None:

@@ -8,6 +8,18 @@ import time
 
 import ray
 
+# What a local Ray's daemons poll at rates a single-machine `raylm serve` does not need; every Ray process reads
+# these from the environment it starts with. Idle, they took a tenth of a 2-core machine (docs/serving.md).
+LOCAL_RAY_ENV = {
+    # Serve's controller runs its loop every 0.1 s by default, at ~5 ms of CPU each: the most expensive idle
+    # process. Health checks come every health_check_period_s (10 s) and autoscaling waits upscale_delay_s (30 s),
+    # so half a second changes nothing a user sees but a deployment's start by a few loops.
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    # The dashboard agent's reporter lists every process's CPU and memory (psutil) each 5 s for the dashboard,
+    # which a local Ray here does not start. raylm's /metrics come from the metrics export, which this leaves be.
+    "REPORTER_UPDATE_INTERVAL_MS": "60000",
+}
+
 
 def connect(address: str | None, min_cpus: float, timeout_s: float = 60.0) -> None:
     """Join the cluster at ``address`` (or $RAY_ADDRESS), else start a local Ray that can hold the engine. A head
@@ -22,6 +34,8 @@ def connect(address: str | None, min_cpus: float, timeout_s: float = 60.0) -> No
     # torch threads are the engine's critical path: at nice 15 any nice-0 process (a load generator, a build)
     # takes their cores at once, and the other threads wait for the preempted one at the next barrier.
     os.environ.setdefault("RAY_worker_niceness", "0")
+    for name, value in LOCAL_RAY_ENV.items():
+        os.environ.setdefault(name, value)
     # Logical CPUs only count reservations; the engine sets thread counts from the real cores.
     ray.init(num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)), include_dashboard=False)
 

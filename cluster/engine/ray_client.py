@@ -91,7 +91,7 @@ class RayEngine:
             owned.append(self.actor)
             self.streams = DeltaStreams(self.actor, f"async-{os.getpid()}-{id(self)}")
             self.num_blocks, num_host_blocks, self.rank_nodes = init_workers(
-                self.workers, config.num_threads, self.device, config.placement_timeout_s
+                self.workers, config.num_threads, self.device, config.placement_timeout_s, config.cpu_omp_threads_bind
             )
             swap_cost = ray.get(self.workers[0].call.remote("swap_cost_per_block"))
             ray.get(

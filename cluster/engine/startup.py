@@ -1,5 +1,6 @@
-"""Starting an engine's ranks: one worker actor per rank in its bundle, then on every rank its device, the
-process group, its model shard and a KV cache of the same size."""
+"""Starting an engine's ranks: one worker actor per rank in its bundle, then on every rank its threads (bound to
+cores as cpu_omp_threads_bind plans), its device, the process group, its model shard and a KV cache of the same
+size."""
 
 from __future__ import annotations
 
@@ -29,13 +30,24 @@ class NodeInfo:
     num_cores: int  # cores this process may run on (not Ray's logical CPUs, which only count reservations)
     free_port: int
     ifname: str | None  # the interface holding ``ip``, when one does
+    cores: list[int]  # those cores' ids
+    primary_cores: list[int]  # one of them per physical core (workers.cpu_binding.primary_cores)
 
 
 def _node_info(_actor: WorkerActor) -> NodeInfo:
     """Runs inside a rank's actor (through ``__ray_call__``)."""
+    from workers.cpu_binding import primary_cores
+
     ip = ray.util.get_node_ip_address()
+    cores = sorted(os.sched_getaffinity(0))
     return NodeInfo(
-        ray.get_runtime_context().get_node_id(), ip, len(os.sched_getaffinity(0)), free_port(), interface_of(ip)
+        ray.get_runtime_context().get_node_id(),
+        ip,
+        len(cores),
+        free_port(),
+        interface_of(ip),
+        cores,
+        primary_cores(cores),
     )
 
 
@@ -47,11 +59,31 @@ def _socket_ifname(_actor: WorkerActor, var: str, default: str | None) -> str | 
     return os.environ.get(var)
 
 
-def _init_device(actor: WorkerActor, num_threads: int) -> str:
-    """Runs inside a rank's actor: fix its torch thread count (Ray's OMP_NUM_THREADS follows num_cpus), then
-    take its device."""
+def _init_device(actor: WorkerActor, num_threads: int, cores: list[int] | None) -> str:
+    """Runs inside a rank's actor: fix its torch thread count (Ray's OMP_NUM_THREADS follows num_cpus), take its
+    device, then bind its threads to ``cores`` (one each) if given."""
     actor.worker.config.num_threads = num_threads
-    return actor.worker.init_device()
+    device = actor.worker.init_device()
+    if cores:
+        from workers.cpu_binding import bind_threads
+
+        bind_threads(cores)
+    return device
+
+
+def thread_binding(infos: list[NodeInfo], spec: str, num_threads: int | None, on_gpu: bool) -> list[list[int] | None]:
+    """Per rank, the cores its threads bind to (None: left alone), planned per node for the ranks there in rank
+    order (workers/cpu_binding.py); ValueError for a binding a node cannot honour."""
+    from workers.cpu_binding import plan_binding
+
+    per_rank: list[list[int] | None] = [None] * len(infos)
+    for node in dict.fromkeys(i.node_id for i in infos):
+        ranks = [r for r, i in enumerate(infos) if i.node_id == node]
+        first = infos[ranks[0]]
+        plan = plan_binding(spec, first.cores, first.primary_cores, len(ranks), num_threads, on_gpu, f"node {first.ip}")
+        for r, cores in zip(ranks, plan or [None] * len(ranks)):
+            per_rank[r] = cores
+    return per_rank
 
 
 def start_workers(
@@ -71,16 +103,20 @@ def start_workers(
 
 
 def init_workers(
-    workers: list, num_threads: int | None, device: str, timeout_s: float
+    workers: list, num_threads: int | None, device: str, timeout_s: float, cpu_binding: str = "auto"
 ) -> tuple[int, int, list[NodeInfo]]:
     """Device, process group, model shard and KV cache on every rank; returns the blocks each rank holds (device,
     host tier) and where each rank runs. The ranks must form their process group within ``timeout_s``."""
     infos: list[NodeInfo] = ray.get([w.__ray_call__.remote(_node_info) for w in workers])
     ranks_per_node = Counter(i.node_id for i in infos)
+    binding = thread_binding(infos, cpu_binding, num_threads, device == "cuda")
     # Co-located ranks share their node's cores: oversubscribed torch threads stall at every barrier.
-    threads = [num_threads or max(1, i.num_cores // ranks_per_node[i.node_id]) for i in infos]
+    threads = [
+        len(cores) if cores else num_threads or max(1, i.num_cores // ranks_per_node[i.node_id])
+        for i, cores in zip(infos, binding)
+    ]
     share_node_gpus(workers, [i.node_id for i in infos])
-    ray.get([w.__ray_call__.remote(_init_device, n) for w, n in zip(workers, threads)])
+    ray.get([w.__ray_call__.remote(_init_device, n, c) for w, n, c in zip(workers, threads, binding)])
     form_process_group(workers, infos, "nccl" if device == "cuda" else "gloo", timeout_s)
     ray.get([w.call.remote("load_model") for w in workers])
     num_blocks = min(ray.get([w.call.remote("determine_num_blocks") for w in workers]))

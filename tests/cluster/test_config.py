@@ -90,3 +90,13 @@ def test_checks_that_need_the_ranks_numbers_are_made_when_the_scheduler_is_confi
     ):
         EngineConfig(device="cpu", enable_chunked_prefill=False, max_num_batched_tokens=64).scheduler_config(9, 128)
     assert not EngineConfig(device="cpu", enable_chunked_prefill=False).scheduler_config(9, 64).enable_chunked_prefill
+
+
+def test_auto_binding_leaves_threads_alone_where_replicas_may_share_a_node():
+    """auto binds one engine's ranks per node; several replicas there would all bind to the same cores."""
+    from cluster.config import AppArgs
+
+    assert AppArgs(engine=EngineConfig(model="/m")).engine.cpu_omp_threads_bind == "auto"
+    assert AppArgs(engine=EngineConfig(model="/m"), max_replicas=2).engine.cpu_omp_threads_bind == "nobind"
+    pinned = EngineConfig(model="/m", cpu_omp_threads_bind="0|1")
+    assert AppArgs(engine=pinned, max_replicas=2).engine.cpu_omp_threads_bind == "0|1"  # the user's own lists stay

@@ -330,6 +330,33 @@ def test_unsatisfiable_placement_fails_within_the_timeout_and_cleans_up(llama, o
     assert {table[pg]["state"] for pg in set(table) - before} == {"REMOVED"}
 
 
+def _bound_cores(_actor) -> list[int]:
+    """Runs in a rank: the cores of the thread running its tasks, the one that ran init_device (torch's thread 0)."""
+    import os
+
+    return sorted(os.sched_getaffinity(0))
+
+
+def test_on_cpu_each_ranks_threads_are_bound_to_its_own_cores_by_default(engine):
+    import os
+
+    from workers.cpu_binding import plan_binding, primary_cores
+
+    cores = sorted(os.sched_getaffinity(0))
+    plan = plan_binding("auto", cores, primary_cores(cores), 2, None, on_gpu=False)
+    if plan is None:
+        pytest.skip("one core: two ranks' threads cannot each have their own")
+    assert ray.get([w.__ray_call__.remote(_bound_cores) for w in engine.workers]) == [[p[0]] for p in plan]
+
+
+def test_a_binding_naming_cores_the_node_lacks_is_refused_at_start_and_cleans_up(llama):
+    before = set(ray.util.placement_group_table())
+    with pytest.raises(ValueError, match=r"cpu_omp_threads_bind='0-4095' names cores .* that node .* has cores"):
+        bounded(lambda: RayEngine(config(llama, cpu_omp_threads_bind="0-4095")), "the refusal", 60)
+    table = ray.util.placement_group_table()
+    assert {table[pg]["state"] for pg in set(table) - before} == {"REMOVED"}
+
+
 def test_merge_deltas_folds_each_sample_in_order():
     lp = [SampledLogprobs(-float(i), [i], [-float(i)]) for i in range(4)]
     deltas = [
