@@ -22,6 +22,7 @@ def add_parser(sub) -> None:
         _structured,
         _ray_overhead,
         _engine_steps,
+        _moe,
         _pipeline,
         _soak,
         _serve,
