@@ -47,6 +47,11 @@ def exported(replica: str, done) -> dict[str, float]:
         time.sleep(0.2)
 
 
+def assert_exported(replica: str, want: dict[str, float]) -> None:
+    """Every series of ``want`` exported with its value (the wait fails naming what was there instead)."""
+    exported(replica, lambda m: all(m.get(name) == value for name, value in want.items()))
+
+
 def test_host_tier_series_carry_the_schedulers_stats(ray_session):
     replica = f"test-{uuid.uuid4().hex[:8]}"
     metrics = ServeMetrics("m", replica, {"block_size": "16"})
@@ -59,10 +64,17 @@ def test_host_tier_series_carry_the_schedulers_stats(ray_session):
             num_blocks_swapped_in=5,
         )
     )
-    got = exported(replica, lambda m: m.get("raylm:kv_blocks_swapped_in_total") == 5)
-    assert got["vllm:num_requests_swapped"] == 3 and got["vllm:cpu_cache_usage_perc"] == 0.25
-    assert got["vllm:cpu_prefix_cache_hits_total"] == 48
-    assert got["raylm:kv_blocks_swapped_out_total"] == 7
+    # Each series reaches the export on its own flush: wait for all of them, so a late one is not a failure.
+    assert_exported(
+        replica,
+        {
+            "vllm:num_requests_swapped": 3,
+            "vllm:cpu_cache_usage_perc": 0.25,
+            "vllm:cpu_prefix_cache_hits_total": 48,
+            "raylm:kv_blocks_swapped_out_total": 7,
+            "raylm:kv_blocks_swapped_in_total": 5,
+        },
+    )
     # Totals are cumulative in the scheduler: a second report adds only the growth.
     metrics.record_engine(
         stats(
@@ -73,6 +85,12 @@ def test_host_tier_series_carry_the_schedulers_stats(ray_session):
             num_blocks_swapped_in=9,
         )
     )
-    got = exported(replica, lambda m: m.get("raylm:kv_blocks_swapped_in_total") == 9)
-    assert got["vllm:cpu_prefix_cache_hits_total"] == 50 and got["raylm:kv_blocks_swapped_out_total"] == 7
-    assert got["vllm:num_requests_swapped"] == 0
+    assert_exported(
+        replica,
+        {
+            "vllm:cpu_prefix_cache_hits_total": 50,
+            "raylm:kv_blocks_swapped_out_total": 7,
+            "raylm:kv_blocks_swapped_in_total": 9,
+            "vllm:num_requests_swapped": 0,
+        },
+    )
