@@ -19,13 +19,37 @@ def engine_bundles(config: EngineConfig, use_gpu: bool) -> list[dict[str, float]
     return [{"CPU": SCHEDULER_CPUS}] + [dict(rank) for _ in range(config.world_size)]
 
 
-def place(bundles: list[dict[str, float]], strategy: str, timeout_s: float) -> PlacementGroup:
-    """Reserve the bundles, or remove the request and raise RuntimeError naming what is missing."""
+def place(bundles: list[dict[str, float]], strategy: str, timeout_s: float, stage_size: int) -> PlacementGroup:
+    """Reserve the bundles, or remove the request and raise RuntimeError naming what is missing; ranks come in
+    stages of ``stage_size`` (engine_bundles' order)."""
     pg = placement_group(bundles, strategy=strategy)
     if pg.wait(timeout_s):
         return pg
     remove_placement_group(pg)
-    raise RuntimeError(placement_error(bundles, strategy, timeout_s))
+    raise RuntimeError(placement_error(bundles, strategy, timeout_s) + stages_error(bundles[1:], stage_size))
+
+
+def stages_error(rank_bundles: list[dict[str, float]], stage_size: int) -> str:
+    """With pipeline stages, what each stage needs on one node and whether any node is that large: a stage split
+    over nodes sends its every tensor-parallel all-reduce between them."""
+    if len(rank_bundles) <= stage_size:
+        return ""
+    largest: Counter[str] = Counter()
+    for n in ray.nodes():
+        if n["Alive"]:
+            for k, v in n["Resources"].items():
+                largest[k] = max(largest[k], v)
+    parts = []
+    for s in range(0, len(rank_bundles), stage_size):
+        need: Counter[str] = Counter()
+        for b in rank_bundles[s : s + stage_size]:
+            need.update(b)
+        fits = all(largest[k] >= v for k, v in need.items())
+        parts.append(
+            f"stage {s // stage_size} (ranks {s}-{s + stage_size - 1}) needs {_show(need, need)} on one node"
+            + ("" if fits else f": no node is that large (the largest has {_show(largest, need)})")
+        )
+    return "; per stage: " + "; ".join(parts)
 
 
 def placement_error(bundles: list[dict[str, float]], strategy: str, timeout_s: float) -> str:

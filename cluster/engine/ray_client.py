@@ -74,7 +74,10 @@ class RayEngine:
             else resolve_device(config.device)
         )
         pg = placement_group or place(
-            engine_bundles(config, self.device == "cuda"), config.placement_strategy, config.placement_timeout_s
+            engine_bundles(config, self.device == "cuda"),
+            config.placement_strategy,
+            config.placement_timeout_s,
+            config.tensor_parallel_size,
         )
         self.placement_group = pg
         owned: list = []

@@ -320,7 +320,19 @@ def test_dead_worker_fails_in_flight_requests_and_health_then_a_new_engine_works
     [
         ({"device": "cuda"}, "GPU: 1"),  # no GPU in the cluster
         ({"tensor_parallel_size": 2, "num_threads": 4}, "CPU: 1"),  # 1 + 2 * 4 CPUs; the session has 8
+        # 1 + 2 stages * 2 ranks * 3 CPUs; each stage fits on the one node, the whole does not
+        (
+            {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "num_threads": 3},
+            r"CPU: 5; per stage: stage 0 \(ranks 0-1\) needs CPU: 6 on one node; stage 1 \(ranks 2-3\) needs CPU: 6",
+        ),
+        # a stage larger than any node: named as such
+        (
+            {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "num_threads": 5},
+            r"CPU: 13; .*stage 1 \(ranks 2-3\) needs CPU: 10 on one node: no node is that large "
+            r"\(the largest has CPU: 8\)",
+        ),
     ],
+    ids=["no GPU", "tp2 over the CPUs", "pp2 over the CPUs", "a stage larger than any node"],
 )
 def test_unsatisfiable_placement_fails_within_the_timeout_and_cleans_up(llama, overrides, missing):
     before = set(ray.util.placement_group_table())
