@@ -137,6 +137,11 @@ def ssh_hosts() -> Iterator[Network]:
                     "PIP_CONFIG_FILE": os.devnull,
                     "PIP_NO_INDEX": "1",
                     "PIP_FIND_LINKS": str(wheels),
+                    # Python compiles what it imports; compiling every file of torch and Ray at install time
+                    # only costs the setup commands CPU time.
+                    "PIP_NO_COMPILE": "1",
+                    # A worker's raylet exits this long after the head's GCS is gone (Ray's default: 60 s).
+                    "RAY_gcs_rpc_server_reconnect_timeout_s": "10",
                 },
             )
         yield net
@@ -220,8 +225,8 @@ def test_ray_up_a_head_and_a_worker_then_generate_across_them_and_down(ssh_hosts
     wait_for(lambda: not net.reaches(client, head.ip, 6379), "the head's GCS stops after `ray down`", 30)
     took("ray down")
     # `ray down` runs `ray stop` on the head only (the local provider just forgets its workers); a worker's
-    # raylet exits once the head's GCS has been gone for Ray's reconnect timeout (60 s).
-    wait_for(lambda: "raylet" not in w1.process_names(), "the worker's Ray exits after the head's", 120, every_s=2)
+    # raylet exits once the head's GCS has been gone for Ray's reconnect timeout (10 s on these hosts).
+    wait_for(lambda: "raylet" not in w1.process_names(), "the worker's Ray exits after the head's", 60, every_s=2)
     took("the worker's Ray exits")
     print(took)
 
