@@ -48,6 +48,28 @@ def tp2(head_ip: str, model: str) -> dict:
         engine.shutdown()
 
 
+def ep2(head_ip: str, model: str) -> dict:
+    """Greedy outputs of a tp=2 expert-parallel STRICT_SPREAD engine (each rank holds half the experts, and
+    every MoE layer's tokens cross hosts), and where its actors ran."""
+    engine = RayEngine(
+        config(
+            model,
+            tensor_parallel_size=2,
+            enable_expert_parallel=True,
+            num_threads=2,
+            placement_strategy="STRICT_SPREAD",
+        ),
+        address=f"{head_ip}:6379",
+    )
+    try:
+        return {
+            "ips": ray.get([a.__ray_call__.remote(_where) for a in [engine.actor, *engine.workers]]),
+            "outputs": run_to_completion(engine),
+        }
+    finally:
+        engine.shutdown()
+
+
 def tp2_with_ifname(head_ip: str, model: str, ifname: str, timeout_s: str) -> dict:
     """A tp=2 engine whose job sets GLOO_SOCKET_IFNAME=``ifname`` for every actor: its error and how long it took,
     and the states of the placement groups left."""

@@ -12,12 +12,15 @@ from collections.abc import Iterator
 
 import pytest
 
+from cluster import LLM, SamplingParams
 from cluster.engine.inprocess import InProcessEngine
 from tests.cluster.hosts import VENV_BIN, Network, why_hosts_cannot_be_made
 from tests.cluster.test_ray_engine import config, run_to_completion
+from tests.workers.test_models import QWEN3_MOE
 
 DRIVER_TIMEOUT_S = 180
 RENDEZVOUS_TIMEOUT_S = 10
+PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +55,53 @@ def test_tp2_across_hosts_matches_tp1_with_the_scheduler_on_the_head(tp_hosts, m
     assert report["master"] == ranks[0]
     assert report["ifnames"] == ["eth0", "eth0"]
     assert report["outputs"] == run_to_completion(InProcessEngine(config(model)))
+
+
+def test_expert_parallel_across_hosts_matches_tp1(tp_hosts, tiny_model_dir):
+    head, w1, w2 = tp_hosts.hosts.values()
+    model = tiny_model_dir("qwen3_moe", None, **QWEN3_MOE)
+    report = tp_hosts.driver(head, "ep2", model, timeout_s=DRIVER_TIMEOUT_S)
+    assert sorted(report["ips"][1:]) == sorted([w1.ip, w2.ip])
+    assert report["outputs"] == run_to_completion(InProcessEngine(config(model)))
+
+
+def test_pp2_across_hosts_through_raylm_generate_matches_one_rank(tp_hosts, servable_tiny_model):
+    """One stage on each worker host (STRICT_SPREAD), the scheduler on the head: the hidden states of every step
+    cross from w1 to w2, the sampled ids come back, and the text is the single-rank engine's."""
+    head = tp_hosts.hosts["head"]
+    model = servable_tiny_model()
+    llm = LLM(model=model, executor="inprocess")
+    try:
+        (out,) = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    expected = out.outputs[0].text
+    assert expected.strip()
+    done = subprocess.run(
+        head.cmd(
+            str(VENV_BIN / "raylm"),
+            "generate",
+            "--prompt",
+            PROMPT,
+            "--max-tokens",
+            "12",
+            "--model",
+            model,
+            "--address",
+            f"{head.ip}:6379",
+            "--pipeline-parallel-size",
+            "2",
+            "--num-threads",
+            "2",
+            "--placement-strategy",
+            "STRICT_SPREAD",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=DRIVER_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert expected in done.stdout, (expected, done.stdout[-2000:])
 
 
 def test_gloo_on_an_interface_the_other_hosts_cannot_reach_fails_naming_the_setting(tp_hosts, model):
