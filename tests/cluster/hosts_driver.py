@@ -19,6 +19,7 @@ import ray
 from cluster.config import EngineConfig
 from cluster.engine.ray_client import RayEngine
 from cluster.serve import AppArgs, start
+from tests.cluster.serve.test_server import stop_serve
 from tests.cluster.test_ray_engine import config, run_to_completion
 
 
@@ -121,12 +122,12 @@ async def _stream(session: aiohttp.ClientSession, url: str, started: asyncio.Eve
     return time.monotonic(), last
 
 
-def _get(url: str, data: dict | None = None) -> tuple[int, str]:
+def _get(url: str, data: dict | None = None, timeout_s: float = 30) -> tuple[int, str]:
     req = urllib.request.Request(
         url, data=json.dumps(data).encode() if data else None, headers={"Content-Type": "application/json"}
     )
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
@@ -143,6 +144,22 @@ async def _kill_mid_generation(url: str, victim: str) -> tuple[float, list[tuple
         subprocess.run(["kill", "-9", *pids])
         killed = time.monotonic()
         return killed, await asyncio.wait_for(asyncio.gather(*tasks), ERROR_BOUND_S + 30)
+
+
+def serve_pp2(head_ip: str, model: str, hosts_json: str, prompt_json: str) -> dict:
+    """Serve pp=2 across hosts: one greedy completion of the token ids ``prompt_json``, and the hosts of the
+    replica's bundles; Serve is stopped after, so the module's next driver can start its own."""
+    hosts = json.loads(hosts_json)
+    args = AppArgs(
+        engine=EngineConfig(model=model, pipeline_parallel_size=2, num_threads=2, block_size=8, kv_cache_bytes=1 << 22)
+    )
+    url = start(args, address=f"{head_ip}:6379", host="0.0.0.0", port=8000, timeout_s=180)
+    try:
+        body = {"prompt": json.loads(prompt_json), "max_tokens": 12, "temperature": 0.0}
+        # the first step of a fresh engine on a loaded machine may take longer than a health poll's 30 s
+        return {"completion": _get(f"{url}/v1/completions", body, timeout_s=150), "hosts": _group_hosts(hosts)}
+    finally:
+        stop_serve()
 
 
 def lost_host(head_ip: str, model: str, hosts_json: str) -> dict:

@@ -13,9 +13,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
+from cluster.engine.inprocess import InProcessEngine
 from tests.cluster.hosts import Network, why_hosts_cannot_be_made
 from tests.cluster.hosts_driver import ERROR_BOUND_S, SERVING_BOUND_S
+from tests.cluster.test_ray_engine import config, run_to_completion
 
 DRIVER_TIMEOUT_S = 420
 
@@ -43,6 +46,22 @@ def served_model(tiny_model_dir, default_model_dir) -> str:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(default_model_dir) / name, Path(path) / name)
     return path
+
+
+def test_pp2_served_across_hosts_answers_as_one_rank_does(serve_hosts, served_model):
+    """One stage on each of two worker hosts under Serve: the completion is the single-rank engine's."""
+    hosts = {h.ip: h.ns for h in serve_hosts.hosts.values()}
+    prompt = [1, 2, 3, 4, 5]
+    (expected,) = run_to_completion(InProcessEngine(config(served_model)), prompts=[prompt])
+    report = serve_hosts.driver(
+        serve_hosts.hosts["head"], "serve_pp2", served_model, json.dumps(hosts), json.dumps(prompt), timeout_s=300
+    )
+    status, body = report["completion"]
+    assert status == 200, report
+    tokenizer = AutoTokenizer.from_pretrained(served_model)
+    assert json.loads(body)["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+    stage_hosts = report["hosts"][2:]
+    assert len(set(stage_hosts)) == 2 and serve_hosts.hosts["head"].ns not in stage_hosts, report
 
 
 def test_a_host_lost_mid_generation_fails_its_streams_and_serve_rebuilds_on_the_rest(serve_hosts, served_model):
