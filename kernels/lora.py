@@ -17,14 +17,18 @@ import torch
 
 @dataclass(slots=True)
 class LoraBatch:
-    """Which tokens of a step use which adapter slot: ``groups`` holds (slot, token indices) for each slot the
-    step uses, the indices None when every token of the step uses that one slot (no gather needed). Built once
-    per step on the host (``set``); every LoRA layer holds this one object and reads it during the step."""
+    """Which tokens of a step use which adapter slot. ``groups`` (the torch path's view) holds (slot, token
+    indices) for each slot the step uses, the indices None when every token of the step uses that one slot (no
+    gather needed); ``token_slots`` (CUDA, the Triton op's view) is each token's slot. Built once per step on the
+    host (``set``); every LoRA layer holds this one object and reads it during the step."""
 
     groups: list[tuple[int, torch.Tensor | None]]
+    token_slots: torch.Tensor | None = None  # CUDA: each token's slot on the device, for the Triton op
 
     def set(self, token_slots: np.ndarray, device: torch.device) -> None:
         """The step whose token t uses slot ``token_slots[t]`` (-1: none)."""
+        if device.type == "cuda":
+            self.token_slots = torch.from_numpy(token_slots).to(device, non_blocking=True)
         slots = np.unique(token_slots)
         if len(slots) == 1:
             self.groups = [] if slots[0] < 0 else [(int(slots[0]), None)]

@@ -103,7 +103,7 @@ def _module_of(name: str, key: str, tensor: torch.Tensor, spec: ModelSpec) -> tu
     return layer, module, which
 
 
-def _shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
+def target_shapes(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     """Each target module's (out, in) in the unsharded model."""
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     h, i = spec.hidden_size, spec.intermediate_size
@@ -129,7 +129,7 @@ def read_adapter(name: str, path: str, spec: ModelSpec, max_rank: int) -> LoraAd
     for key, tensor in tensors.items():
         layer, module, which = _module_of(name, key, tensor, spec)
         parts.setdefault((layer, module), {})[which] = tensor
-    shapes = _shapes(spec)
+    shapes = target_shapes(spec)
     alpha, rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False))
     weights, top_rank = {}, 0
     for (layer, module), ab in sorted(parts.items()):
@@ -200,7 +200,13 @@ class LinearLora:
 
     def apply(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """y += the step's adapter products (a step of the base model alone adds nothing)."""
-        if self.batch.groups:
+        if not self.batch.groups:
+            return
+        if y.is_cuda:
+            from kernels.triton_lora import triton_add_lora  # triton only where it runs
+
+            triton_add_lora(y, x, self.lora_a, self.lora_bs, self.offsets, self.batch.token_slots)
+        else:
             add_lora(y, x, self.lora_a, self.lora_bs, self.offsets, self.batch)
 
 
