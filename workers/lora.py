@@ -30,7 +30,9 @@ LORA_TARGETS = {
     "down_proj": ("mlp", "down_proj"),
 }
 _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])\.weight$")
-_VOCAB_MODULES = ("embed_tokens", "lm_head")
+# The tensors of an adapter of the vocabulary modules (which raylm does not adapt), and their vocabulary's dim: a
+# different vocabulary says a different base model, a more useful refusal than "not supported".
+_VOCAB_DIMS = {"lm_head.lora_B": 0, "embed_tokens.lora_embedding_A": 1}
 
 
 @dataclass(slots=True)
@@ -84,10 +86,12 @@ def _read_config(name: str, root: Path) -> dict:
 def _module_of(name: str, key: str, tensor: torch.Tensor, spec: ModelSpec) -> tuple[int, str, str]:
     match = _KEY.match(key)
     if match is None:
-        module = next((m for m in _VOCAB_MODULES if m in key), None)
-        if module is not None and spec.vocab_size not in tensor.shape:
+        vocab_dim = next((dim for part, dim in _VOCAB_DIMS.items() if part in key), None)
+        if vocab_dim is not None and tensor.shape[vocab_dim] != spec.vocab_size:
             raise _refuse(
-                name, f"{key} has shape {list(tensor.shape)}: its vocabulary is not the model's {spec.vocab_size}"
+                name,
+                f"{key} has shape {list(tensor.shape)}: a vocabulary of {tensor.shape[vocab_dim]}, the model's is "
+                f"{spec.vocab_size}",
             )
         raise _refuse(name, f"tensor {key} adapts a module raylm's LoRA does not: only {sorted(LORA_TARGETS)}")
     layer, block, module, which = int(match[1]), match[2], match[3], match[4]

@@ -12,64 +12,7 @@ import torch
 from cluster.config import EngineConfig
 from cluster.engine.inprocess import InProcessEngine
 from scheduler import SamplingParams
-
-NEW_TOKENS = 12
-# Two adapters of different ranks and targets; the second scales by alpha / sqrt(r) (rsLoRA).
-ADAPTERS = {
-    "attn8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
-    "all4": dict(
-        r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]
-    ),
-}
-
-
-def make_adapter(base_dir: str, out: Path, seed: int, **lora) -> str:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", **lora))
-    with torch.no_grad():  # peft starts B at zero (no effect): random A and B make each adapter's tokens its own
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(out)
-    return str(out)
-
-
-def peft_greedy(base_dir: str, adapter: str | None, prompts: list[list[int]]) -> list[list[int]]:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter)
-    model.eval()
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = model.generate(
-                input_ids=x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            outs.append(y[0, len(ids) :].tolist())
-    return outs
-
-
-@pytest.fixture(scope="module")
-def lora_setup(tiny_model_dir, tmp_path_factory):
-    base = tiny_model_dir("llama")
-    root = tmp_path_factory.mktemp("lora")
-    paths = {name: make_adapter(base, root / name, seed, **cfg) for seed, (name, cfg) in enumerate(ADAPTERS.items())}
-    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(5 + 9 * i)] for i in range(3)]
-    expected = {name: peft_greedy(base, paths.get(name), prompts) for name in (None, *paths)}
-    return base, paths, prompts, expected
+from tests.workers.adapters import NEW_TOKENS
 
 
 def lora_engine(base: str, paths: dict[str, str], max_loras: int) -> InProcessEngine:
@@ -104,13 +47,13 @@ COUNTER = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def two_slots(lora_setup):
-    base, paths, _, _ = lora_setup
+def two_slots(lora_adapters):
+    base, paths, _, _ = lora_adapters
     return lora_engine(base, paths, max_loras=2)
 
 
-def test_adapters_alone_and_mixed_with_the_base_match_peft(lora_setup, two_slots):
-    _, _, prompts, expected = lora_setup
+def test_adapters_alone_and_mixed_with_the_base_match_peft(lora_adapters, two_slots):
+    _, _, prompts, expected = lora_adapters
     assert expected["attn8"] != expected[None] != expected["all4"]  # each adapter changes the tokens
     assert run(two_slots, [("attn8", p) for p in prompts]) == expected["attn8"]
     # Every prompt under every adapter and the base, all in one batch.
@@ -118,8 +61,8 @@ def test_adapters_alone_and_mixed_with_the_base_match_peft(lora_setup, two_slots
     assert run(two_slots, mixed) == [expected[name][prompts.index(p)] for name, p in mixed]
 
 
-def test_prefix_cache_is_not_shared_across_adapters(lora_setup, two_slots):
-    _, _, prompts, expected = lora_setup
+def test_prefix_cache_is_not_shared_across_adapters(lora_adapters, two_slots):
+    _, _, prompts, expected = lora_adapters
     long_prompt = [t + 1 for t in prompts[2]]  # two full blocks of 16, a prompt no other test sent
     run(two_slots, [("attn8", long_prompt)])
     before = two_slots.stats().prefix_cache_hits
@@ -129,10 +72,10 @@ def test_prefix_cache_is_not_shared_across_adapters(lora_setup, two_slots):
     assert two_slots.stats().prefix_cache_hits > before  # the same adapter: a hit
 
 
-def test_more_adapters_than_slots_all_finish_and_load_at_run_time(lora_setup):
+def test_more_adapters_than_slots_all_finish_and_load_at_run_time(lora_adapters):
     """One slot, two adapters in flight: a request of the adapter not resident waits for the slot. An adapter
     loaded at run time serves at once; unloading refuses an absent name."""
-    base, paths, prompts, expected = lora_setup
+    base, paths, prompts, expected = lora_adapters
     engine = lora_engine(base, {"all4": paths["all4"]}, max_loras=1)
     with pytest.raises(ValueError, match="'attn8'"):
         run(engine, [("attn8", prompts[0])])
@@ -163,11 +106,11 @@ def _edited(src: str, dst: Path, config=None, tensors=None) -> str:
     return str(dst)
 
 
-def test_bad_adapters_are_refused_by_name(lora_setup, tiny_model_dir, tmp_path):
+def test_bad_adapters_are_refused_by_name(lora_adapters, tiny_model_dir, tmp_path):
     from workers.lora import read_adapter
     from workers.model_loader import read_model_spec
 
-    base, paths, _, _ = lora_setup
+    base, paths, _, _ = lora_adapters
     spec = read_model_spec(base)
     src = paths["attn8"]
 
@@ -181,6 +124,11 @@ def test_bad_adapters_are_refused_by_name(lora_setup, tiny_model_dir, tmp_path):
     refused(_edited(src, tmp_path / "arch", config=lambda c: {**c, "base_model_name_or_path": other}), "hidden_size")
     wide = tiny_model_dir("llama", vocab_size=300)
     refused(_edited(src, tmp_path / "vocab", config=lambda c: {**c, "base_model_name_or_path": wide}), "vocab_size")
+
+    def with_head(t):  # an adapter of the LM head, trained on a vocabulary of 300
+        return {**t, "base_model.model.lm_head.lora_B.weight": torch.zeros(300, 8)}
+
+    refused(_edited(src, tmp_path / "head", tensors=with_head), "'bad'.*vocabulary of 300, the model's is 256")
 
     def renamed(t):
         return {k.replace("q_proj", "qq_proj"): v for k, v in t.items()}
