@@ -137,8 +137,9 @@ def read_adapter(name: str, path: str, spec: ModelSpec, max_rank: int) -> LoraAd
     alpha, rslora = float(config.get("lora_alpha", 8)), bool(config.get("use_rslora", False))
     weights, top_rank = {}, 0
     for (layer, module), ab in sorted(parts.items()):
-        if set(ab) != {"A", "B"}:
-            raise _refuse(name, f"layers.{layer}.{module} has lora_{'AB'.replace(''.join(ab), '')} missing")
+        missing = sorted({"A", "B"} - set(ab))
+        if missing:
+            raise _refuse(name, f"layers.{layer}.{module} has no lora_{missing[0]}")
         a, b = ab["A"], ab["B"]
         out, inp = shapes[module]
         r = a.shape[0]
