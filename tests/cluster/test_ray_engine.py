@@ -111,18 +111,22 @@ def test_tp2_greedy_matches_tp1_with_kv_heads_split(engine, reference):
 
 
 def test_tp2_lora_adapters_match_peft_mixed_with_the_base(engine, lora_adapters):
-    """Adapters sliced like their layers over 2 ranks: one loaded at start, one at run time; with one slot, the
-    requests of the adapter not resident wait for it."""
+    """Adapters sliced like their layers over 2 ranks: one loaded at start, one at run time while the others'
+    requests run; with one slot, the requests of the adapter not resident wait for it."""
     _, paths, prompts, expected = lora_adapters
     with pytest.raises(RequestError, match="'all4'"):
         engine.add_request("nope", prompts[0], greedy(4), lora_name="all4")
+    mixed = [(name, p) for p in prompts for name in (None, "attn8", "all4")]
+    for i, (name, prompt) in enumerate(mixed):  # the base's and attn8's requests run while all4 loads
+        if name != "all4":
+            engine.add_request(f"lora{i}", prompt, greedy(12), lora_name=name)
     engine.add_lora("all4", paths["all4"])
     try:
         with pytest.raises(ValueError, match="'all4'.*already loaded"):
             engine.add_lora("all4", paths["all4"])
-        mixed = [(name, p) for p in prompts for name in (None, "attn8", "all4")]
         for i, (name, prompt) in enumerate(mixed):
-            engine.add_request(f"lora{i}", prompt, greedy(12), lora_name=name)
+            if name == "all4":
+                engine.add_request(f"lora{i}", prompt, greedy(12), lora_name=name)
         got = {f"lora{i}": [] for i in range(len(mixed))}
         while engine.has_unfinished_requests():
             for o in bounded(engine.step, "a LoRA step"):
