@@ -175,6 +175,14 @@ class EngineConfig(BaseModel):
         "would bind to the same cores, threads left alone), nobind, or one core list per rank "
         "of a node, '|'-separated, like 0-3|4-7 (vLLM's VLLM_CPU_OMP_THREADS_BIND)",
     )
+    enable_lora: bool = Field(
+        False, description="serve LoRA adapters beside the base model (a request's model names one)"
+    )
+    max_loras: int = Field(1, ge=1, description="LoRA adapters resident per rank at once, hence in one step")
+    max_lora_rank: int = Field(16, ge=1, description="the largest LoRA rank an adapter may have")
+    lora_modules: list[str] = Field(
+        [], description="LoRA adapters loaded at start, each name=path (a PEFT directory); needs enable_lora"
+    )
     no_work_model: bool = Field(
         False,
         description="benchmarking only: ranks return a token per request at once, "
@@ -195,6 +203,24 @@ class EngineConfig(BaseModel):
                 f"pp_layer_partition={value!r} has {len(parts)} entries for pipeline_parallel_size={pp} stages"
             )
         return ",".join(parts)
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _lora_modules_named(cls, modules: list[str], info: ValidationInfo) -> list[str]:
+        names = [m.partition("=")[0].strip() for m in modules]
+        for module, name in zip(modules, names):
+            if "=" not in module or not name or not module.partition("=")[2].strip():
+                raise ValueError(f"lora_modules entry {module!r} is not name=path")
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names {names} repeat a name")
+        if modules and not info.data.get("enable_lora"):
+            raise ValueError("lora_modules needs enable_lora")
+        return modules
+
+    @property
+    def lora_paths(self) -> dict[str, str]:
+        """The adapters loaded at start: name -> path."""
+        return {name.strip(): path.strip() for name, _, path in (m.partition("=") for m in self.lora_modules)}
 
     @property
     def layer_partition(self) -> list[int] | None:
@@ -309,6 +335,9 @@ class EngineConfig(BaseModel):
             tokenizer=self.tokenizer,
             tokenizer_revision=self.tokenizer_revision,
             seed=self.seed,
+            max_loras=self.max_loras if self.enable_lora else 0,
+            max_lora_rank=self.max_lora_rank,
+            lora_modules=self.lora_paths,
         )
 
     def scheduler_config(
@@ -340,6 +369,7 @@ class EngineConfig(BaseModel):
             swap_cost_per_block=swap_cost_per_block,
             preemption_mode=self.preemption_mode,
             pipeline_parallel_size=self.pipeline_parallel_size,
+            max_loras=self.max_loras if self.enable_lora else 0,
         )
 
 

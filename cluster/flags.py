@@ -47,10 +47,12 @@ def add_flags(
                 *names, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text
             )
         else:
+            many = typing.get_origin(kind) is list  # a list setting: the flag takes one or more values
             group.add_argument(
                 *names,
                 dest=name,
-                type=kind,
+                type=typing.get_args(kind)[0] if many else kind,
+                nargs="+" if many else None,
                 choices=choices,
                 default=argparse.SUPPRESS,
                 metavar=None if choices else name.split("_")[-1].upper(),

@@ -94,7 +94,10 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_name: str | list[str | None] | None = None,
     ) -> list[GenerateOutput]:
+        """Generate for every prompt; ``lora_name`` names the LoRA adapter of all prompts, or of each (None: the
+        base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or self.default_sampling_params()] * len(prompts)
@@ -102,6 +105,9 @@ class LLM:
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        loras = lora_name if isinstance(lora_name, list) else [lora_name] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_name entries for {len(prompts)} prompts")
         for i, p in enumerate(priority or ()):
             if not isinstance(p, int) or isinstance(p, bool):
                 raise ValueError(f"priority[{i}]={p!r} is not an int")
@@ -142,7 +148,9 @@ class LLM:
             for i, (r, p) in enumerate(zip(results, params_list)):
                 submitted += 1  # before the call: aborting a request the engine never took is a no-op
                 try:
-                    finals = engine.add_request(r.request_id, r.prompt_token_ids, p, priority[i] if priority else 0)
+                    finals = engine.add_request(
+                        r.request_id, r.prompt_token_ids, p, priority[i] if priority else 0, lora_name=loras[i]
+                    )
                 except RequestError as e:
                     where = f"request {i} (prompts[{i}], params[{i}])"
                     raise RequestError(e.field, e.value, e.rule, f"{where}: {e}") from None

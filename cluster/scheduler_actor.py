@@ -15,6 +15,7 @@ import ray
 
 from scheduler import (
     ModelRunnerOutput,
+    RequestError,
     RequestOutput,
     SamplingParams,
     Scheduler,
@@ -138,11 +139,17 @@ class SchedulerActor:
         self.async_scheduling = True
         self.driver = 0  # the index of the rank whose reply carries the sampled tokens
         self.depth = 2  # steps in flight at most
+        self.lora_names: set[str] = set()  # the LoRA adapters every rank holds
 
     async def start(
-        self, config: SchedulerConfig, step_timeout_s: float | None = None, async_scheduling: bool = True
+        self,
+        config: SchedulerConfig,
+        step_timeout_s: float | None = None,
+        async_scheduling: bool = True,
+        lora_names: tuple[str, ...] = (),
     ) -> None:
         if self.loop_task is None:
+            self.lora_names = set(lora_names)
             self.step_timeout_s = step_timeout_s
             self.async_scheduling = async_scheduling
             self.scheduler = Scheduler(config, eos_token_id=self.eos_token_id)
@@ -231,9 +238,14 @@ class SchedulerActor:
         priority: int,
         channel: str,
         cache_salt: str | None,
+        lora_name: str | None = None,
     ) -> list[RequestOutput]:
         if self.error is not None:
             raise RuntimeError(f"the engine is unhealthy and takes no new requests: {self.error}")
+        if lora_name is not None and lora_name not in self.lora_names:
+            raise RequestError(
+                "model", lora_name, f"no LoRA adapter of this name is loaded (loaded: {sorted(self.lora_names)})"
+            )
         finals = self.scheduler.add_request(
             request_id,
             prompt_token_ids,
@@ -241,6 +253,7 @@ class SchedulerActor:
             priority=priority,
             arrival_time=time.monotonic(),
             cache_salt=cache_salt,
+            lora_name=lora_name,
         )
         if len(finals) < params.n:
             self.streams[request_id] = _Stream(channel, params.n - len(finals))
@@ -255,10 +268,42 @@ class SchedulerActor:
         priority: int = 0,
         channel: str = "sync",
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> list[RequestOutput]:
         """Queue a request whose deltas go to ``channel``'s outbox (``get_outputs``); returns any immediate finals.
-        ``cache_salt`` keeps its prompt's cached blocks apart from those of other salts (tenants)."""
-        return self._admit(request_id, prompt_token_ids, params, priority, channel, cache_salt)
+        ``cache_salt`` keeps its prompt's cached blocks apart from those of other salts (tenants); ``lora_name``
+        names a loaded LoRA adapter (None: the base model)."""
+        return self._admit(request_id, prompt_token_ids, params, priority, channel, cache_salt, lora_name)
+
+    # ---- LoRA adapters at run time ---------------------------------------------------
+
+    async def add_lora(self, name: str, path: str) -> None:
+        """Every rank reads adapter `name` into host memory, or none keeps it: a ValueError naming the adapter and
+        the mismatch. The ranks take the call after the steps already sent them, so no step sees half of it."""
+        if name in self.lora_names:
+            raise ValueError(f"LoRA adapter {name!r}: an adapter of this name is already loaded")
+        results = await asyncio.gather(
+            *[w.call.remote("add_lora", name, path) for w in self.workers], return_exceptions=True
+        )
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            await asyncio.gather(*[w.call.remote("remove_lora", name) for w in self.workers], return_exceptions=True)
+            cause = getattr(failed[0], "cause", None) or failed[0]  # a rank's ValueError inside Ray's error
+            raise ValueError(str(cause).strip().splitlines()[-1].removeprefix("ValueError: ")) from None
+        self.lora_names.add(name)
+
+    async def remove_lora(self, name: str) -> None:
+        """Unload adapter `name`: a ValueError naming it when it is absent or a live request still runs with it.
+        A step already sent that used it runs before the ranks take the call."""
+        if name not in self.lora_names:
+            raise ValueError(f"LoRA adapter {name!r}: no adapter of this name is loaded")
+        if self.scheduler.lora_in_use(name):
+            raise ValueError(f"LoRA adapter {name!r}: requests running with it have not finished")
+        self.lora_names.discard(name)
+        await asyncio.gather(*[w.call.remote("remove_lora", name) for w in self.workers])
+
+    async def list_loras(self) -> list[str]:
+        return sorted(self.lora_names)
 
     async def get_outputs(self, channel: str = "sync", received: int = 0) -> tuple[int, list[RequestOutput]]:
         """The channel's next batch of deltas and its number, waiting until there is one. ``received`` is the

@@ -28,6 +28,7 @@ class SchedulerConfig:
     # in flight is not scheduled again (Scheduler's invariants say why); the scheduler sends each request's
     # samples to the ranks that do not sample (CachedRequestData.new_token_ids).
     pipeline_parallel_size: int
+    max_loras: int  # LoRA adapters one step may use (the ranks' resident slots); 0: LoRA off
 
 
 @dataclass(slots=True)

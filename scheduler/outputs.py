@@ -24,6 +24,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit: tokens whose KV is already in block_ids
+    lora_name: str | None = None  # the LoRA adapter it runs with; None: the base model
 
 
 @dataclass(slots=True)

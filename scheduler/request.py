@@ -292,6 +292,7 @@ class Request:
         "block_hashes",
         "block_size",
         "cache_salt",
+        "lora_name",
         "parent_id",
         "index",
         "error",
@@ -313,6 +314,7 @@ class Request:
         arrival_time: float | None = None,
         block_size: int = 16,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
         parent_id: str | None = None,
         index: int = 0,
     ) -> None:
@@ -344,6 +346,7 @@ class Request:
         self.queued_s: float | None = None  # arrival to first scheduling (vllm:request_queue_time_seconds)
         self.block_size = block_size
         self.cache_salt = cache_salt
+        self.lora_name = lora_name
         self.block_hashes: list[BlockHash] = []
         self.parent_id = parent_id
         self.index = index
@@ -380,11 +383,18 @@ class Request:
         block_size = self.block_size
         tokens = self.all_token_ids
         parent = self.block_hashes[-1] if self.block_hashes else None
-        extra = self.cache_salt if not self.block_hashes else None
+        extra = self.first_block_key() if not self.block_hashes else None
         for start in range(len(self.block_hashes) * block_size, len(tokens) - block_size + 1, block_size):
             parent = hash_block_tokens(parent, tokens[start : start + block_size], extra)
             extra = None
             self.block_hashes.append(parent)
+
+    def first_block_key(self) -> str | None:
+        """The extra key hashed into block 0 (the chain carries it on): the cache salt, and the LoRA adapter, whose
+        KV differs from the base model's for equal text. Without an adapter it is the salt alone, as before."""
+        if self.lora_name is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\0lora:{self.lora_name}"
 
     def __repr__(self) -> str:
         return (

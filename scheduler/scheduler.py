@@ -119,8 +119,10 @@ class Scheduler:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> list[RequestOutput]:
-        """Queue a request; returns the final outputs of any child that can never run.
+        """Queue a request (``lora_name``: the LoRA adapter it runs with; None: the base model); returns the final
+        outputs of any child that can never run.
 
         ``n > 1`` fans out into n children; children 1..n-1 are deferred until
         child 0 has computed the prompt, so that they reuse its blocks through the
@@ -146,6 +148,7 @@ class Scheduler:
                     arrival_time=arrival_time,
                     block_size=self.block_size,
                     cache_salt=cache_salt,
+                    lora_name=lora_name,
                     parent_id=request_id if n > 1 else None,
                     index=i,
                 )
@@ -239,6 +242,10 @@ class Scheduler:
         for sibling in reversed(deferred):
             if sibling.request_id in self.requests:
                 self.waiting.requeue(sibling)
+
+    def lora_in_use(self, name: str) -> bool:
+        """Whether a live request runs with adapter `name` (unloading it would fail that request)."""
+        return any(r.lora_name == name for r in self.requests.values())
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -419,6 +426,8 @@ class Scheduler:
             request = waiting.peek()
             if request is None or request.num_output_placeholders:
                 break  # (pipelined) preempted while a step in flight samples it: admitted once that returns
+            if not self._lora_fits(request):
+                break  # its adapter waits for a slot: a running adapter's requests must finish first
             if request.sampling_params.prompt_logprobs is None:
                 hits, num_hit_tokens = get_computed(request)
                 host_hits = get_host_hits(request, len(hits)) if host_tier else ()
@@ -458,6 +467,8 @@ class Scheduler:
             request = min(self.swapped, key=key)
             if len(num_scheduled) >= self.step_cap or request.num_output_placeholders:
                 break  # (pipelined) this step is full, or a step in flight samples it
+            if not self._lora_fits(request):
+                break
             num_computed = request.num_computed_tokens
             num_new = min(request.num_tokens - num_computed, budget, threshold or budget)
             if not self.kv.swap_in(request, num_new):
@@ -469,6 +480,15 @@ class Scheduler:
             budget -= num_new
             num_resumed += 1
         return budget, num_resumed
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether the running batch may take `request` and still use at most ``max_loras`` adapters (the ranks'
+        resident slots): every step then fits the slots, and a request of another adapter waits, never refused."""
+        name = request.lora_name
+        if name is None:
+            return True
+        running = {r.lora_name for r in self.running if r.lora_name is not None}
+        return name in running or len(running) < self.config.max_loras
 
     def _admit(
         self, request: Request, num_hit_tokens: int, cached: CachedRequestData, new_data: list[NewRequestData]
@@ -487,7 +507,14 @@ class Scheduler:
             cached.num_computed_tokens.append(num_hit_tokens)
         else:
             new_data.append(
-                NewRequestData(req_id, request.all_token_ids.copy(), request.sampling_params, block_ids, num_hit_tokens)
+                NewRequestData(
+                    req_id,
+                    request.all_token_ids.copy(),
+                    request.sampling_params,
+                    block_ids,
+                    num_hit_tokens,
+                    request.lora_name,
+                )
             )
         request.status = RequestStatus.RUNNING
         self.running.append(request)

@@ -71,3 +71,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., st
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_model_dir, tmp_path_factory):
+    """(base model dir, adapter name -> path, prompts, {adapter or None: peft's greedy tokens per prompt}) for two
+    random adapters of different ranks (tests/workers/adapters.py), made once per session."""
+    from tests.workers.adapters import adapters_with_references
+
+    base = tiny_model_dir("llama", num_attention_heads=4, num_key_value_heads=2)
+    return base, *adapters_with_references(base, tmp_path_factory.mktemp("lora"))

@@ -7,7 +7,7 @@ safetensors slice (`safe_open(...).get_slice`): no rank materialises a weight it
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,9 @@ from torch import nn
 from kernels import AttentionBackend, AttentionMetadata
 from kernels.cpu_ops import add_rms_norm
 from workers.parallel import MissingLayer, tp_group
+
+if TYPE_CHECKING:
+    from workers.lora import LinearLora
 
 
 class TensorSlice(Protocol):
@@ -126,6 +129,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
         if bias:
             self.bias.weight_loader = self._load
+        self.lora: LinearLora | None = None  # set by workers.lora.LoraManager when LoRA is enabled
 
     def _load(self, param: nn.Parameter, tensor: TensorSlice, name: str, shard: str) -> None:
         s = self.shards[shard]
@@ -133,7 +137,10 @@ class ColumnParallelLinear(nn.Module):
         param.data[s.offset : s.offset + s.size].copy_(tensor[s.start : s.start + s.size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.packed, self.bias)
+        y = linear(x, self.weight, self.packed, self.bias)
+        if self.lora is not None:
+            self.lora.apply(y, x)
+        return y
 
 
 class RowParallelLinear(nn.Module):
@@ -149,6 +156,8 @@ class RowParallelLinear(nn.Module):
         self.weight.weight_loader = self._load_weight
         self.packed: torch.Tensor | None = None  # set by pack_for_cpu, which drops self.weight
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+        self.output_size = output_size
+        self.lora: LinearLora | None = None  # set by workers.lora.LoraManager when LoRA is enabled
 
     def _load_weight(self, param: nn.Parameter, tensor: TensorSlice, name: str, _shard: None) -> None:
         check_shape(name, tensor, (param.shape[0], self.input_size))
@@ -157,6 +166,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.packed)
+        if self.lora is not None:  # this rank's partial adapter product: the all-reduce sums it with the rest
+            self.lora.apply(y, x)
         if self.tp_size > 1:
             dist.all_reduce(y, group=tp_group())
         return y if self.bias is None else y + self.bias

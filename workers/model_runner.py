@@ -12,6 +12,7 @@ import torch.distributed as dist
 from kernels import AttentionMetadata
 from scheduler.outputs import ModelRunnerOutput, SampledLogprobs, SchedulerOutput
 from scheduler.request import SamplingParams
+from workers.lora import LoraManager
 from workers.parallel import StageLink, pipeline_stage
 from workers.runner_inputs import (
     CachedRequestState,
@@ -63,8 +64,10 @@ class ModelRunner:
         decode_sizes: list[int] | None = None,
         grammar: GrammarBitmasks | None = None,
         link: StageLink | None = None,
+        lora: LoraManager | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
         self.grammar = grammar
         self.attn_backend = attn_backend
         self.block_size = block_size
@@ -134,6 +137,7 @@ class ModelRunner:
                 gen,
                 penalized,
                 matcher=self._matcher(params),
+                lora_name=new.lora_name,
             )
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -191,6 +195,8 @@ class ModelRunner:
             first, count = s.prompt_logprob_span(int(starts[i]), int(num_new[i]))
             if count:
                 prompt_spans.append((s, first, count, int(cu[i]) + first - int(starts[i])))
+        if self.lora is not None:
+            self.lora.set_step([s.lora_name for s in states], num_new, self.device)
         graph_size = self._decode_size(num_reqs, total)
         if graph_size:
             self._pad_decode(num_reqs, graph_size)

@@ -51,6 +51,7 @@ class CachedRequestState:
     parked: bool = False
     matcher: Any = None  # llguidance.LLMatcher
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs were returned; kept across preemption
+    lora_name: str | None = None  # its LoRA adapter; None: the base model
 
     def prompt_logprob_span(self, start: int, num_new: int) -> tuple[int, int]:
         """The positions of a chunk [start, start + num_new) whose logits give a prompt token's logprob not yet

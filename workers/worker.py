@@ -16,6 +16,7 @@ from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.cache_engine import CacheEngine, check_swap_space
 from workers.hub import resolve_model
 from workers.layers import can_pack, pack_for_cpu
+from workers.lora import LoraManager
 from workers.memory import MemorySnapshot, graph_pool_bytes, keep_freed_memory, kv_cache_budget, profile_peak
 from workers.model_loader import load_model, read_model_spec
 from workers.model_runner import ModelRunner
@@ -103,6 +104,9 @@ class WorkerConfig:
     no_work: bool  # benchmarking only: NoWorkRunner in place of the model (workers/no_work.py)
     enforce_eager: bool  # CUDA: no decode graphs (debugging, or a backend that cannot be captured)
     seed: int | None  # the global generator's, which samples rows without a seed of their own
+    max_loras: int  # LoRA adapter slots per rank; 0: LoRA off
+    max_lora_rank: int
+    lora_modules: dict[str, str]  # adapters loaded at start: name -> PEFT directory
 
 
 class Worker:
@@ -208,11 +212,17 @@ class Worker:
             tp_size=tp,
             expert_parallel=cfg.enable_expert_parallel,
         )
+        lora = None
+        if cfg.max_loras:  # before packing: the slots take their sizes from the plain weights
+            lora = LoraManager(self.model, self.spec, cfg.max_loras, cfg.max_lora_rank)
+            for name, path in cfg.lora_modules.items():
+                lora.add(name, path)
         if can_pack(self.device, self.dtype):
             pack_for_cpu(self.model)
         # Only graph-capturable backends on CUDA pad decodes to the captured sizes; elsewhere padding is waste.
         # A pipeline stage runs eagerly: its graphs would have to capture the stage-to-stage transfers. The expert
-        # op sizes its groups on the host (a sync no graph can capture): MoE models run eagerly too.
+        # op sizes its groups on the host (a sync no graph can capture): MoE models run eagerly too, and so does
+        # LoRA (its op groups a step's tokens by adapter on the host).
         stage = pipeline_stage()
         graphs = (
             self.device.type == "cuda"
@@ -220,6 +230,7 @@ class Worker:
             and backend.graph_capturable
             and stage.count == 1
             and self.spec.moe is None
+            and lora is None
         )
         if stage.count > 1:
             tp = cfg.tensor_parallel_size
@@ -249,6 +260,7 @@ class Worker:
             is_driver=self.is_driver,
             grammar=grammar,
             link=self.link,
+            lora=lora,
             max_rows=min(cfg.max_num_seqs, 256),
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -392,6 +404,19 @@ class Worker:
         out = self.runner.execute_model(so)
         self.busy_s += time.perf_counter() - start - ((self.link.wait_s - waited) if self.link is not None else 0.0)
         return out
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Read adapter `name` into host memory (a ValueError naming it and the mismatch if it does not fit)."""
+        self._lora().add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self._lora().remove(name)
+
+    def _lora(self) -> LoraManager:
+        lora = getattr(self.runner, "lora", None)
+        if lora is None:
+            raise ValueError("LoRA is not enabled on this engine: start it with enable_lora")
+        return lora
 
     def check_health(self) -> bool:
         return self.runner is not None

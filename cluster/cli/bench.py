@@ -23,6 +23,7 @@ def add_parser(sub) -> None:
         _ray_overhead,
         _engine_steps,
         _moe,
+        _lora,
         _pipeline,
         _soak,
         _serve,
@@ -181,6 +182,37 @@ def _moe(sub) -> None:
 
         bench_moe(
             args.num_experts, args.top_k, args.hidden_size, args.moe_intermediate_size, tuple(args.sizes), args.repeats
+        )
+
+    p.set_defaults(run=run)
+
+
+def _lora(sub) -> None:
+    p = sub.add_parser(
+        "lora", help="output tok/s of batches mixing LoRA adapters, against the base model and a per-adapter loop"
+    )
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--mixes", type=int, nargs="+", default=[1, 4, 16], help="adapters one batch mixes")
+    p.add_argument("--rank", type=int, default=16)
+    add_engine_flags(p, exclude=("enable_lora", "max_loras", "max_lora_rank", "lora_modules"))
+
+    def run(args: argparse.Namespace) -> None:
+        from cluster.bench.lora import bench_lora
+
+        kwargs = engine_kwargs(args)
+        model = kwargs.pop("model", None)
+        bench_lora(
+            model,
+            args.num_requests,
+            args.prompt_len,
+            args.max_tokens,
+            tuple(args.mixes),
+            args.rank,
+            args.executor,
+            getattr(args, "address", None),
+            **kwargs,
         )
 
     p.set_defaults(run=run)

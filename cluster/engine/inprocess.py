@@ -7,7 +7,7 @@ import time
 
 from cluster.config import EngineConfig
 from cluster.engine.interface import resolve_max_model_len
-from cluster.engine.request_check import check_request
+from cluster.engine.request_check import check_lora, check_request
 from scheduler import RequestOutput, SamplingParams, Scheduler, SchedulerStats
 from workers.model_loader import read_model_spec
 from workers.worker import Worker
@@ -56,8 +56,10 @@ class InProcessEngine:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> list[RequestOutput]:
         params = check_request(prompt_token_ids, params, self.spec, self.max_model_len)
+        check_lora(lora_name, self.lora_names())
         return self.scheduler.add_request(
             request_id,
             prompt_token_ids,
@@ -65,7 +67,22 @@ class InProcessEngine:
             priority=priority,
             arrival_time=time.monotonic(),
             cache_salt=cache_salt,
+            lora_name=lora_name,
         )
+
+    def lora_names(self) -> set[str]:
+        lora = getattr(self.worker.runner, "lora", None)
+        return set(lora.adapters) if lora is not None else set()
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load adapter `name` from `path` (ValueError naming it: already loaded, LoRA off, or a mismatch)."""
+        self.worker.add_lora(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter `name` (ValueError naming it: absent, or a live request still runs with it)."""
+        if self.scheduler.lora_in_use(name):
+            raise ValueError(f"LoRA adapter {name!r}: requests running with it have not finished")
+        self.worker.remove_lora(name)
 
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()

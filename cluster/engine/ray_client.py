@@ -102,6 +102,7 @@ class RayEngine:
                     config.scheduler_config(self.num_blocks, self.max_model_len, num_host_blocks, swap_cost),
                     config.step_timeout_s,
                     config.async_scheduling,
+                    tuple(config.lora_paths),
                 )
             )
         except BaseException:
@@ -121,10 +122,13 @@ class RayEngine:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> list[RequestOutput]:
         params = check_request(prompt_token_ids, params, self.spec, self.max_model_len)
         finals = ray.get(
-            self.actor.add_request.remote(request_id, list(prompt_token_ids), params, priority, "sync", cache_salt)
+            self.actor.add_request.remote(
+                request_id, list(prompt_token_ids), params, priority, "sync", cache_salt, lora_name
+            )
         )
         if len(finals) < params.n:
             self._unfinished[request_id] = params.n - len(finals)
@@ -152,6 +156,15 @@ class RayEngine:
     def stats(self) -> SchedulerStats:
         return ray.get(self.actor.stats.remote())
 
+    def lora_names(self) -> set[str]:
+        return set(ray.get(self.actor.list_loras.remote()))
+
+    def add_lora(self, name: str, path: str) -> None:
+        ray.get(self.actor.add_lora.remote(name, path))
+
+    def remove_lora(self, name: str) -> None:
+        ray.get(self.actor.remove_lora.remote(name))
+
     # ---- the Serve app's: async streams, health, routing ------------------------------------
 
     def generate(
@@ -161,11 +174,12 @@ class RayEngine:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's deltas as they come; leaving the loop early (or being cancelled) aborts it. The request
         is checked here, before the stream exists: a RequestError is raised by this call."""
         params = check_request(prompt_token_ids, params, self.spec, self.max_model_len)
-        return self.streams.stream(request_id, prompt_token_ids, params, priority, cache_salt)
+        return self.streams.stream(request_id, prompt_token_ids, params, priority, cache_salt, lora_name)
 
     def end_callers(self, error: BaseException) -> int:
         """End every ``generate`` still running by raising ``error`` in it (DeltaStreams.end_callers)."""

@@ -33,6 +33,12 @@ def check_request(
     return with_eos_stop_token_ids(params, spec)
 
 
+def check_lora(lora_name: str | None, loaded: set[str]) -> None:
+    """A request's adapter must be loaded (it waits for a slot, never for a load)."""
+    if lora_name is not None and lora_name not in loaded:
+        raise RequestError("model", lora_name, f"no LoRA adapter of this name is loaded (loaded: {sorted(loaded)})")
+
+
 def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
     if not prompt_token_ids:
         raise RequestError("prompt", prompt_token_ids, "it must have at least one token")

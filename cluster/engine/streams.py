@@ -65,6 +65,7 @@ class DeltaStreams:
         params: SamplingParams,
         priority: int,
         cache_salt: str | None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's deltas as they come (``params`` checked); leaving early or being cancelled aborts it."""
         if request_id in self.queues:  # checked here: its queue would take the running caller's deltas
@@ -75,7 +76,7 @@ class DeltaStreams:
         try:
             self._ensure_pump()
             finals = await self.actor.add_request.remote(
-                request_id, list(prompt_token_ids), params, priority, self.channel, cache_salt
+                request_id, list(prompt_token_ids), params, priority, self.channel, cache_salt, lora_name
             )
             for out in finals:
                 remaining -= 1

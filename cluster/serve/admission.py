@@ -41,6 +41,7 @@ class Admission:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The engine's stream, or a 429 raised before any stream exists (not an async generator on purpose:
         the refusal must come from the call, not from the first delta)."""
@@ -54,7 +55,7 @@ class Admission:
                 f"max_queue_len waiting): retry later",
                 code="queue_full",
             )
-        stream = self.engine.generate(request_id, prompt_token_ids, params, priority, cache_salt)  # checks it
+        stream = self.engine.generate(request_id, prompt_token_ids, params, priority, cache_salt, lora_name)  # checks
         self.held += 1
         return self._held(stream)
 

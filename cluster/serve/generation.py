@@ -77,6 +77,7 @@ class Generation:
         params: SamplingParams,
         req: SamplingFields,
         timeout_s: float | None = None,
+        lora_name: str | None = None,
     ) -> None:
         self.metrics = metrics
         self.prompt_ids = prompt_ids
@@ -93,7 +94,7 @@ class Generation:
         self.deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
         self.num_cached_tokens = 0
         self.queued_s: float | None = None  # the scheduler's, from the first sample that finishes
-        self.stream = engine.generate(new_id("req"), prompt_ids, params, req.priority, req.cache_salt)
+        self.stream = engine.generate(new_id("req"), prompt_ids, params, req.priority, req.cache_salt, lora_name)
         self.first: RequestOutput | None = None
 
     async def start(self) -> Generation:

@@ -20,10 +20,11 @@ What replicas publish. Each replica's ``record_routing_stats`` (polled by Serve'
 ``options.ROUTING_STATS_PERIOD_S`` and pushed to every handle) returns a digest: the hashes of up to
 ``DIGEST_BLOCKS`` blocks its scheduler's prefix cache holds (most recently cached first; the same chained
 xxh3 hashes the scheduler computes, a body's ``cache_salt`` hashed into its first block as the scheduler
-does, so salted requests meet only their own salt's blocks), and the number of requests its scheduler holds.
-So the digest is exact but up to one period plus the controller's push old. To cover that gap the router also
-remembers, per replica, the block hashes of the requests it routed there in the last ``RECENT_S`` seconds
-of the digest's time, and counts the requests it routed after the digest as load.
+does, so salted requests meet only their own salt's blocks, and a LoRA adapter's requests only its own), and
+the number of requests its scheduler holds. So the digest is exact but up to one period plus the controller's
+push old. To cover that gap the router also remembers, per replica, the block hashes of the requests it routed
+there in the last ``RECENT_S`` seconds of the digest's time, and counts the requests it routed after the digest
+as load.
 
 The choice, per request. Its hit on a replica is the number of its leading block hashes the replica's digest
 or recent routes hold. Among the replicas with the longest hit, the least loaded (load: the digest's requests
@@ -72,13 +73,21 @@ def replica_routing_stats(engine: Any) -> dict[str, Any]:
     return {"block_hashes": frozenset(hashes), "num_requests": num_requests, "time": time.time()}
 
 
-def request_block_hashes(tokenizer: Any, body: bytes, block_size: int) -> list[BlockHash]:
-    """The chained hashes of the prompt's full blocks, as the scheduler computes them; [] for a body that
-    the replica would refuse (it answers that with a 400, not the router)."""
+def request_block_hashes(
+    tokenizer: Any, body: bytes, block_size: int, base_model: str | None = None
+) -> list[BlockHash]:
+    """The chained hashes of the prompt's full blocks, as the scheduler computes them (a ``model`` other than
+    `base_model` names a LoRA adapter, hashed in as the scheduler does); [] for a body that the replica would
+    refuse (it answers that with a 400, not the router)."""
     try:
         data = json.loads(body)
         ids = body_prompt_ids(tokenizer, data)
-        return EngineRequest("route", ids, block_size=block_size, cache_salt=data.get("cache_salt")).block_hashes
+        model = data.get("model")
+        lora_name = model if base_model is not None and model not in (None, base_model) else None
+        request = EngineRequest(
+            "route", ids, block_size=block_size, cache_salt=data.get("cache_salt"), lora_name=lora_name
+        )
+        return request.block_hashes
     except Exception:  # anything the body's validation, its template or its ids raise: the replica says what
         return []
 
@@ -179,13 +188,16 @@ class RouteServer:
         self.server = server
         self.tokenizer = load_tokenizer(args.engine, args.engine.resolved_model())
         self.block_size = args.engine.block_size
+        self.model_name = args.model_name
         self.server._init()
 
     @route_app.post("/internal/route")
     async def route(self, request: Request) -> dict[str, Any]:
         body = await request.body()
         hashes = (
-            [] if "x-body-truncated" in request.headers else request_block_hashes(self.tokenizer, body, self.block_size)
+            []
+            if "x-body-truncated" in request.headers
+            else request_block_hashes(self.tokenizer, body, self.block_size, self.model_name)
         )
         kwargs: dict[str, Any] = {"_reserve": False}
         if hashes:

@@ -38,7 +38,12 @@ from cluster.serve.options import AppArgs
 from cluster.serve.prompts import chat_ids, chat_request_ids, prompt_ids
 from cluster.serve.protocol.chat import ChatCompletionRequest
 from cluster.serve.protocol.completions import CompletionRequest
-from cluster.serve.protocol.models import ModelCard, ModelList
+from cluster.serve.protocol.models import (
+    LoadLoraAdapterRequest,
+    ModelCard,
+    ModelList,
+    UnloadLoraAdapterRequest,
+)
 from cluster.serve.protocol.output import new_id, now
 from cluster.serve.protocol.parsing import APIError, bad_request, parse
 from cluster.serve.protocol.responses import ResponsesRequest, responses_error
@@ -104,6 +109,7 @@ class LLMServer:
         self.tokenizer = load_tokenizer(args.engine, self.engine.model_path)
         self.sampling_defaults = generation_defaults(args.engine, self.engine.model_path)
         self.model_name = args.model_name
+        self.lora_paths = dict(args.engine.lora_paths)  # the adapters this replica's engine holds: name -> path
         self.api_key = args.api_key
         self.max_body_bytes = args.max_body_bytes
         self.scheduling_policy = args.engine.scheduling_policy
@@ -163,14 +169,16 @@ class LLMServer:
         self._authorize(request.headers.get("authorization"))
         return await read_json(request, self.max_body_bytes)
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404,
-                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                "model",
-                "model_not_found",
-            )
+    def _check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model), or 404 naming the known ones."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.lora_paths:
+            return model
+        served = repr(self.model_name) + "".join(f", {n!r}" for n in sorted(self.lora_paths))
+        raise APIError(
+            404, f"the model {model!r} does not exist; this server serves {served}", "model", "model_not_found"
+        )
 
     def _bad_words(self, words: list[str] | None) -> list[list[int]] | None:
         """Each word as it would be tokenized at the start of a text and after a space (vLLM's variants)."""
@@ -206,6 +214,7 @@ class LLMServer:
         max_tokens: int,
         num_logprobs: int | None,
         tools: ToolCalling | None = None,
+        lora_name: str | None = None,
     ) -> Generation:
         # Under fcfs the scheduler ignores priority: refuse it rather than silently not honour it, as vLLM does.
         if req.priority != 0 and self.scheduling_policy != "priority":
@@ -224,7 +233,14 @@ class LLMServer:
         )
         try:
             return await Generation(
-                self.admission, self.tokenizer, self.metrics, prompt_ids, params, req, self.request_timeout_s
+                self.admission,
+                self.tokenizer,
+                self.metrics,
+                prompt_ids,
+                params,
+                req,
+                self.request_timeout_s,
+                lora_name,
             ).start()
         except RequestError as e:  # the engine's check
             raise req.refusal(e) from None
@@ -237,10 +253,11 @@ class LLMServer:
         num_logprobs: int | None,
         fmt_type: Callable[..., Format],
         prefix: str,
+        lora_name: str | None = None,
         **fmt_fields: Any,
     ) -> Response:
-        gen = await self._generation(req, prompt_ids, max_tokens, num_logprobs, fmt_fields.get("tools"))
-        fmt = fmt_type(self.tokenizer, new_id(prefix), self.model_name, num_logprobs, **fmt_fields)
+        gen = await self._generation(req, prompt_ids, max_tokens, num_logprobs, fmt_fields.get("tools"), lora_name)
+        fmt = fmt_type(self.tokenizer, new_id(prefix), lora_name or self.model_name, num_logprobs, **fmt_fields)
         if req.stream:
             return StreamingResponse(stream_sse(gen, fmt, req.include_usage), media_type="text/event-stream")
         return json_response(await collect(gen, fmt))
@@ -250,7 +267,7 @@ class LLMServer:
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         req = parse(CompletionRequest, await self._body(request))
-        self._check_model(req.model)
+        lora_name = self._check_model(req.model)
         prompt = req.single_prompt()
         ids = self._prompt_ids(prompt)
         max_tokens = self._max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt")
@@ -262,6 +279,7 @@ class LLMServer:
             req.logprobs,
             CompletionFormat,
             "cmpl",
+            lora_name,
             echo=echo,
             prompt_token_ids=ids,
             num_prompt_logprobs=req.prompt_logprobs,
@@ -270,35 +288,44 @@ class LLMServer:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         req = parse(ChatCompletionRequest, await self._body(request))
-        self._check_model(req.model)
+        lora_name = self._check_model(req.model)
         num_logprobs = req.num_logprobs
         ids, tools = chat_request_ids(self.tokenizer, req)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(len(ids), req.requested_max_tokens, param, "messages")
-        return await self._run(req, ids, max_tokens, num_logprobs, ChatFormat, "chatcmpl", tools=tools)
+        return await self._run(req, ids, max_tokens, num_logprobs, ChatFormat, "chatcmpl", lora_name, tools=tools)
 
-    def _model_card(self) -> ModelCard:
+    def _model_card(self, lora_name: str | None = None) -> ModelCard:
+        if lora_name is not None:
+            root, parent = self.lora_paths[lora_name], self.model_name
+        else:
+            root, parent = self.engine.model_path, None
         return ModelCard(
-            id=self.model_name,
+            id=lora_name or self.model_name,
             created=self.created,
-            root=self.engine.model_path,
+            root=root,
+            parent=parent,
             max_model_len=self.engine.max_model_len,
         )
 
     @app.post("/v1/responses")
     async def responses(self, request: Request) -> Response:
         req = parse(ResponsesRequest, await self._body(request))
-        self._check_model(req.model)
+        lora_name = self._check_model(req.model)
         history = self.response_store.get(req.previous_response_id) if req.previous_response_id else []
         try:
             chat = req.chat_request(history)
             ids, tools = chat_request_ids(self.tokenizer, chat)
             max_tokens = self._max_tokens(len(ids), chat.requested_max_tokens, "max_output_tokens", "input")
-            gen = await self._generation(chat, ids, max_tokens, None, tools)
+            gen = await self._generation(chat, ids, max_tokens, None, tools, lora_name)
         except APIError as e:
             raise responses_error(e) from None
         run = ResponsesRun(
-            req, self.model_name, tools, chat.messages[bool(req.instructions is not None) :], self.response_store.put
+            req,
+            lora_name or self.model_name,
+            tools,
+            chat.messages[bool(req.instructions is not None) :],
+            self.response_store.put,
         )
         if req.stream:
             return StreamingResponse(run.events(gen), media_type="text/event-stream")
@@ -307,14 +334,43 @@ class LLMServer:
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
         self._authorize(request.headers.get("authorization"))
-        return json_response(ModelList(data=[self._model_card()]))
+        cards = [self._model_card(), *(self._model_card(name) for name in sorted(self.lora_paths))]
+        return json_response(ModelList(data=cards))
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, request: Request) -> Response:
         """One model's card (the SDK's models.retrieve); a model id may hold slashes (org/name)."""
         self._authorize(request.headers.get("authorization"))
-        self._check_model(request.path_params["model_id"])
-        return json_response(self._model_card())
+        return json_response(self._model_card(self._check_model(request.path_params["model_id"])))
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """Load a LoRA adapter at run time (vLLM's body); 400 naming it when the name is taken or it does not fit
+        the model. Requests in flight run on meanwhile."""
+        req = parse(LoadLoraAdapterRequest, await self._body(request))
+        name = req.lora_name
+        if name == self.model_name or name in self.lora_paths:
+            raise bad_request(f"the LoRA adapter {name!r} is already loaded (or names the base model)", "lora_name")
+        try:
+            await asyncio.to_thread(self.engine.add_lora, name, req.lora_path)
+        except ValueError as e:
+            raise bad_request(str(e), "lora_path") from None
+        self.lora_paths[name] = req.lora_path
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """Unload a LoRA adapter (vLLM's body); 400 naming it when it is absent or requests still run with it."""
+        req = parse(UnloadLoraAdapterRequest, await self._body(request))
+        name = req.lora_name
+        if name not in self.lora_paths:
+            raise bad_request(f"the LoRA adapter {name!r} is not loaded", "lora_name")
+        try:
+            await asyncio.to_thread(self.engine.remove_lora, name)
+        except ValueError as e:
+            raise bad_request(str(e), "lora_name") from None
+        del self.lora_paths[name]
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:
@@ -376,10 +432,10 @@ class LLMServer:
         body = MessageToDict(request, preserving_proto_field_name=True)  # only the fields that are set
         body["prompt"] = body.pop("prompt_token_ids", None) or request.prompt
         req = parse(CompletionRequest, body)
-        self._check_model(req.model or None)
+        lora_name = self._check_model(req.model or None)
         ids = self._prompt_ids(req.single_prompt())
         max_tokens = self._max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt")
-        return await self._generation(req, ids, max_tokens, None)
+        return await self._generation(req, ids, max_tokens, None, lora_name=lora_name)
 
     async def Generate(self, request: GenerateRequest, grpc_context: RayServegRPCContext) -> GenerateResponse:
         reply = GenerateResponse()

@@ -94,9 +94,13 @@ def reference(llama) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def engine(llama):
-    """A tp=2 engine shared by the tests that leave it healthy."""
-    e = RayEngine(config(llama, tensor_parallel_size=2))
+def engine(llama, lora_adapters):
+    """A tp=2 engine shared by the tests that leave it healthy; LoRA on (one slot), one adapter loaded at start:
+    requests of the base model run as without LoRA."""
+    base, paths, _, _ = lora_adapters
+    assert base == llama
+    lora = dict(enable_lora=True, max_loras=1, max_lora_rank=8, lora_modules=[f"attn8={paths['attn8']}"])
+    e = RayEngine(config(llama, tensor_parallel_size=2, **lora))
     yield e
     e.shutdown()
 
@@ -104,6 +108,33 @@ def engine(llama):
 def test_tp2_greedy_matches_tp1_with_kv_heads_split(engine, reference):
     assert run_to_completion(engine) == reference
     assert engine.spec.kv_heads_per_rank(2) == 1
+
+
+def test_tp2_lora_adapters_match_peft_mixed_with_the_base(engine, lora_adapters):
+    """Adapters sliced like their layers over 2 ranks: one loaded at start, one at run time while the others'
+    requests run; with one slot, the requests of the adapter not resident wait for it."""
+    _, paths, prompts, expected = lora_adapters
+    with pytest.raises(RequestError, match="'all4'"):
+        engine.add_request("nope", prompts[0], greedy(4), lora_name="all4")
+    mixed = [(name, p) for p in prompts for name in (None, "attn8", "all4")]
+    for i, (name, prompt) in enumerate(mixed):  # the base's and attn8's requests run while all4 loads
+        if name != "all4":
+            engine.add_request(f"lora{i}", prompt, greedy(12), lora_name=name)
+    engine.add_lora("all4", paths["all4"])
+    try:
+        with pytest.raises(ValueError, match="'all4'.*already loaded"):
+            engine.add_lora("all4", paths["all4"])
+        for i, (name, prompt) in enumerate(mixed):
+            if name == "all4":
+                engine.add_request(f"lora{i}", prompt, greedy(12), lora_name=name)
+        got = {f"lora{i}": [] for i in range(len(mixed))}
+        while engine.has_unfinished_requests():
+            for o in bounded(engine.step, "a LoRA step"):
+                got[o.request_id].extend(o.new_token_ids)
+        assert [got[f"lora{i}"] for i in range(len(mixed))] == [expected[n][prompts.index(p)] for n, p in mixed]
+    finally:
+        engine.remove_lora("all4")
+    assert engine.lora_names() == {"attn8"}
 
 
 def test_tp2_greedy_matches_tp1_with_kv_heads_replicated(tiny_model_dir):

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler import RequestStatus, SamplingParams, Scheduler
+from scheduler import Request, RequestStatus, SamplingParams, Scheduler
 from tests.scheduler.configs import scheduler_config
 from tests.scheduler.fake_worker import FakeState, FakeWorker
 
@@ -436,3 +436,25 @@ def test_stats_count_running_waiting_and_usage():
     assert (st.num_running, st.num_waiting, st.num_steps, st.num_admitted) == (1, 1, 1, 1)
     assert st.kv_cache_usage == pytest.approx(2 / 10)  # 8 computed tokens -> 2 of 10 usable blocks
     assert st.num_scheduled_tokens == 8
+
+
+def test_adapter_is_part_of_the_prefix_cache_key():
+    prompt = list(range(1, 13))
+    salted = Request("a", prompt, block_size=4, cache_salt="t")
+    assert salted.block_hashes == Request("b", prompt, block_size=4, cache_salt="t").block_hashes
+    under = [Request(str(i), prompt, block_size=4, lora_name=name).block_hashes for i, name in enumerate("xxy")]
+    assert under[0] == under[1]
+    assert not set(under[0]) & set(under[2])
+    assert not set(under[0]) & set(Request("c", prompt, block_size=4).block_hashes)
+
+
+def test_requests_of_an_adapter_beyond_max_loras_wait_for_a_slot():
+    sched, worker = make(max_loras=1)
+    sched.add_request("x1", [1, 2, 3], params(), lora_name="x")
+    sched.add_request("y1", [1, 2, 3], params(), lora_name="y")
+    sched.add_request("x2", [4, 5, 6], params(), lora_name="x")
+    so, _ = step(sched, worker)
+    assert [n.req_id for n in so.scheduled_new_reqs] == ["x1"]  # y1 waits for x's slot; x2 waits behind it
+    assert [n.lora_name for n in so.scheduled_new_reqs] == ["x"]
+    got = run_all(sched, worker)
+    assert {rid for rid, _ in got} == {"x1", "y1", "x2"} and all(reason == "length" for _, reason in got.values())

@@ -1,10 +1,12 @@
-"""GET /v1/models."""
+"""GET /v1/models, and the LoRA adapter endpoints' bodies (vLLM's)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
+
+from cluster.serve.protocol.parsing import Strict
 
 
 class ModelCard(BaseModel):
@@ -13,9 +15,19 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "raylm"
     root: str
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoraAdapterRequest(Strict):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(Strict):
+    lora_name: str = Field(min_length=1)

@@ -19,6 +19,7 @@ from cluster.config import EngineConfig
 from cluster.engine.network import free_port
 from cluster.serve import AppArgs
 from tests.cluster.serve.test_server import serving
+from tests.workers.adapters import make_adapter
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -76,9 +77,28 @@ ASK = [{"role": "user", "content": "Describe a person in JSON."}]
 
 
 @pytest.fixture(scope="module")
-def server(default_model_dir):
+def adapters(default_model_dir, tmp_path_factory) -> dict[str, str]:
+    """Two random LoRA adapters of the default model (rank 8, q/v): 'sql' served from the start, 'chat' loaded by
+    the test that loads one."""
+    root = tmp_path_factory.mktemp("adapters")
+    lora = dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
+    return {
+        name: make_adapter(default_model_dir, root / name, seed, **lora) for seed, name in enumerate(("sql", "chat"))
+    }
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir, adapters):
     args = AppArgs(
-        engine=EngineConfig(model=default_model_dir, max_model_len=1024, max_num_seqs=8, kv_cache_bytes=64 << 20),
+        engine=EngineConfig(
+            model=default_model_dir,
+            max_model_len=1024,
+            max_num_seqs=8,
+            kv_cache_bytes=64 << 20,
+            enable_lora=True,
+            max_loras=2,
+            lora_modules=[f"sql={adapters['sql']}"],
+        ),
         served_model_name=MODEL,
     )
     grpc_port = free_port()
@@ -310,6 +330,39 @@ def test_cache_salt_separates_prefix_caches(client):
     cached("tenant-a")
     assert cached("tenant-a") > 0
     assert cached("tenant-b") == 0
+
+
+def test_a_requests_model_names_the_base_or_a_lora_adapter(client, url, adapters):
+    cards = {c.id: c.model_dump() for c in client.models.list().data}
+    assert cards["sql"]["parent"] == MODEL and cards["sql"]["root"] == adapters["sql"]
+    assert cards[MODEL]["parent"] is None
+    kw = dict(prompt="The capital of France is", max_tokens=6, temperature=0)
+    base, sql = (client.completions.create(model=m, **kw) for m in (MODEL, "sql"))
+    assert sql.model == "sql" and base.model == MODEL
+    assert sql.choices[0].text != base.choices[0].text  # the adapter changes the greedy tokens
+    r = httpx.post(f"{url}/v1/completions", json={**kw, "model": "nope"}, timeout=60)
+    assert r.status_code == 404 and "'nope'" in r.text and "'sql'" in r.text
+
+
+def test_lora_adapters_load_and_unload_at_run_time(client, url, adapters):
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{url}/v1/{path}", json=body, timeout=120)
+
+    kw = dict(prompt="def add(a, b):", max_tokens=4, temperature=0)
+    r = post("load_lora_adapter", {"lora_name": "chat", "lora_path": adapters["chat"]})
+    assert r.status_code == 200, r.text
+    assert "chat" in {c.id for c in client.models.list().data}
+    assert client.completions.create(model="chat", **kw).model == "chat"
+    for path, body, words in [
+        ("load_lora_adapter", {"lora_name": "chat", "lora_path": adapters["chat"]}, ["'chat'", "already loaded"]),
+        ("load_lora_adapter", {"lora_name": "gone", "lora_path": "/no/such/dir"}, ["'gone'", "does not exist"]),
+        ("unload_lora_adapter", {"lora_name": "absent"}, ["'absent'", "not loaded"]),
+    ]:
+        r = post(path, body)
+        assert r.status_code == 400 and all(w in r.json()["error"]["message"] for w in words), r.text
+    assert post("unload_lora_adapter", {"lora_name": "chat"}).status_code == 200
+    r = httpx.post(f"{url}/v1/completions", json={**kw, "model": "chat"}, timeout=60)
+    assert r.status_code == 404
 
 
 def test_echo_with_logprobs_and_prompt_logprobs_cover_the_prompt(client):

@@ -69,6 +69,12 @@ def test_body_hashes_are_the_schedulers_including_the_chat_template(tokenizer):
         request_block_hashes(tokenizer, json.dumps(prompt).encode(), 16)
         == Request("r", tokenizer.encode(prompt["prompt"]), block_size=16).block_hashes
     )
+    # A model other than the base names a LoRA adapter: its blocks are the adapter's, as the scheduler keys them.
+    under = request_block_hashes(tokenizer, json.dumps({**prompt, "model": "sql"}).encode(), 16, "base")
+    assert under == Request("r", tokenizer.encode(prompt["prompt"]), block_size=16, lora_name="sql").block_hashes
+    assert not set(under) & set(
+        request_block_hashes(tokenizer, json.dumps({**prompt, "model": "base"}).encode(), 16, "base")
+    )
 
 
 @pytest.mark.parametrize(

@@ -161,6 +161,12 @@ def test_models_lists_the_served_model(client, default_model_dir):
     assert card.model_dump()["max_model_len"] == MAX_MODEL_LEN
 
 
+def test_lora_adapter_endpoints_need_the_api_key(url):
+    for path in ("load_lora_adapter", "unload_lora_adapter"):
+        r = post(url, f"/v1/{path}", {"lora_name": "x", "lora_path": "/x"}, headers={})
+        assert r.status_code == 401, r.text
+
+
 def test_the_readme_quick_start(url, client):
     """The README's three calls as written, but for the API key (and fewer tokens)."""
     r = httpx.post(

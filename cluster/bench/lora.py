@@ -1,0 +1,101 @@
+"""`raylm bench lora`: output tok/s of one batch of requests mixing 1, 4, 16 LoRA adapters, against the same
+requests on the base model alone (the batched LoRA op's cost) and against a per-adapter loop (each adapter's
+requests as a batch of their own, one adapter after another: what serving without a batched op amounts to).
+
+The adapters are random, in PEFT's format, of --rank on every q/k/v/o and gate/up/down module, written to a
+temporary directory; one engine holds them all (max_loras = the largest mix) and runs every variant, base
+requests included, so the variants differ only in the adapters their requests name. Greedy, ignore_eos: every
+request makes exactly --max-tokens tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from cluster.config import EngineConfig
+from cluster.llm import LLM
+from scheduler import SamplingParams
+from workers.lora import LORA_TARGETS, target_shapes
+from workers.model_loader import read_model_spec
+from workers.model_spec import ModelSpec
+
+
+def write_adapter(root: Path, spec: ModelSpec, rank: int, seed: int) -> str:
+    """A random PEFT adapter of `spec`'s model on every target module; B small enough to keep outputs sane."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(spec.num_layers):
+        for module, (out, inp) in target_shapes(spec).items():
+            prefix = f"base_model.model.model.layers.{layer}.{LORA_TARGETS[module][0]}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, inp, generator=gen) / inp**0.5
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.01
+    root.mkdir(parents=True)
+    save_file(tensors, root / "adapter_model.safetensors")
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(LORA_TARGETS)}
+    (root / "adapter_config.json").write_text(json.dumps(config))
+    return str(root)
+
+
+def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams, names: list[str | None]) -> tuple[float, int]:
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_name=names)
+    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def bench_lora(
+    model: str | None,
+    num_requests: int,
+    prompt_len: int,
+    max_tokens: int,
+    mixes: tuple[int, ...],
+    rank: int,
+    executor: str,
+    address: str | None,
+    **engine_kwargs,
+) -> None:
+    path = EngineConfig(model=model).resolved_model()
+    spec = read_model_spec(path)
+    num_adapters = max(mixes)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, spec.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(num_requests)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        modules = [f"a{i}={write_adapter(Path(tmp) / f'a{i}', spec, rank, i)}" for i in range(num_adapters)]
+        kwargs = dict(enable_lora=True, max_loras=num_adapters, max_lora_rank=rank, lora_modules=modules)
+        extra = {"address": address} if executor == "ray" else {}
+        llm = LLM(model, executor=executor, **extra, **{**engine_kwargs, **kwargs})
+        try:
+            _run(llm, prompts[:2], params, ["a0", None])  # warm-up
+            print(
+                f"raylm bench lora: {spec.architecture}, {num_requests} requests of {prompt_len} prompt tokens and "
+                f"{max_tokens} output tokens, rank-{rank} adapters on every q/k/v/o/gate/up/down, {executor} "
+                f"executor, {torch.get_num_threads()} threads"
+            )
+            print(f"{'variant':<22} {'wall s':>8} {'out tok/s':>10} {'vs base':>8}")
+            seconds, tokens = _run(llm, prompts, params, [None] * num_requests)
+            base = tokens / seconds
+            print(f"{'base model':<22} {seconds:>8.2f} {base:>10.1f} {1.0:>7.2f}x")
+            for k in mixes:
+                names = [f"a{i % k}" for i in range(num_requests)]
+                seconds, tokens = _run(llm, prompts, params, names)
+                print(
+                    f"{f'{k} adapters, one batch':<22} {seconds:>8.2f} {tokens / seconds:>10.1f} "
+                    f"{tokens / seconds / base:>7.2f}x"
+                )
+                seconds = tokens = 0
+                for j in range(k):
+                    mine = [p for i, p in enumerate(prompts) if i % k == j]
+                    s, t = _run(llm, mine, params, [f"a{j}"] * len(mine))
+                    seconds, tokens = seconds + s, tokens + t
+                print(
+                    f"{f'{k} adapters, looped':<22} {seconds:>8.2f} {tokens / seconds:>10.1f} "
+                    f"{tokens / seconds / base:>7.2f}x"
+                )
+        finally:
+            llm.shutdown()
