@@ -26,6 +26,7 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 REQUEST_ROUTERS = ("prefix_cache", "serve")
+POOLING_TYPES = ("auto", "last", "mean")
 
 
 def _flags(*names: str) -> dict[str, Any]:
@@ -149,6 +150,13 @@ class EngineConfig(BaseModel):
         "unset: auto (the model's generation_config.json), vllm (none: OpenAI's "
         "defaults), or a directory holding a generation_config.json",
     )
+    structured_outputs_disable_additional_properties: bool = Field(
+        True,
+        description="JSON schemas (response_format, structured_outputs, forced tool calls, the offline LLM's StructuredOutputsParams.json): an object that lists "
+        "properties and says nothing of additionalProperties admits no others, as vLLM's default backend compiles "
+        "schemas and as client libraries sending pydantic's schemas expect (off: JSON Schema's literal reading)",
+    )
+
     placement_strategy: Literal[PLACEMENT_STRATEGIES] = Field(  # type: ignore[valid-type]
         "PACK", description="how the engine's ranks spread over the cluster's nodes"
     )
@@ -390,11 +398,20 @@ class AppArgs(BaseModel):
         description="a replica Serve stops (scale-down, redeploy) lets its "
         "requests finish this long, then ends the rest with a 503",
     )
-    structured_outputs_disable_additional_properties: bool = Field(
-        True,
-        description="JSON schemas (response_format, structured_outputs, forced tool calls): an object that lists "
-        "properties and says nothing of additionalProperties admits no others, as vLLM's default backend compiles "
-        "schemas and as client libraries sending pydantic's schemas expect (off: JSON Schema's literal reading)",
+    responses_store_max_entries: int = Field(
+        1024,
+        ge=1,
+        description="/v1/responses: the responses each replica keeps (store=true) for previous_response_id and "
+        "GET /v1/responses/{id}; the oldest go first",
+    )
+    responses_store_ttl_s: float = Field(
+        3600.0, gt=0, description="/v1/responses: how long a replica keeps a stored response, in seconds"
+    )
+    pooling_type: Literal[POOLING_TYPES] = Field(  # type: ignore[valid-type]
+        "auto",
+        description="/v1/embeddings: the final hidden states pooled as the last token's or the mean over the input, "
+        "then L2-normalised (vLLM's --pooler-config pooling_type); auto: what the model's sentence-transformers "
+        "1_Pooling/config.json says, else last, as vLLM pools decoder models",
     )
 
     @field_validator("min_replicas")

@@ -472,3 +472,20 @@ def test_pooled_embeddings_match_transformers_across_chunks_and_preemption(tiny_
         out = outs[str(i)]
         assert out.finish_reason == "stop" and out.new_token_ids == [] and out.num_cached_tokens == 0
         assert torch.tensor(out.embedding) == pytest.approx(want, abs=1e-4)
+
+
+def test_offline_json_schemas_are_closed_as_the_server_closes_them(smol):
+    """A pydantic schema as libraries pass it (no additionalProperties): closed by default offline too, so the
+    model stops after the object instead of adding properties until max_tokens."""
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    llm, _, _ = smol
+    ids = llm.apply_chat_template([{"role": "user", "content": "Describe Paris in JSON."}])
+    params = greedy(80, structured_outputs=StructuredOutputsParams(json=City.model_json_schema()))
+    out = llm.generate([ids], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop", out.text
+    City.model_validate_json(out.text)
