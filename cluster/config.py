@@ -454,6 +454,30 @@ class AppArgs(BaseModel):
         return self.served_model_name or self.engine.model or DEFAULT_MODEL_NAME
 
 
+def per_model_settings(values: dict[str, Any]) -> list[dict[str, Any]]:
+    """Several base models behind one endpoint: ``values["models"]`` lists each model's own settings (a mapping
+    holding at least ``model``; keys spelled as in a config file), laid over the settings ``values`` holds for
+    all of them. Each becomes one deployment (an AppArgs: its own engine, replicas and autoscaling bounds).
+    Without ``models``, ``values`` is the one model's. The `raylm serve` flag ``--model A --model B`` is
+    ``models: [{model: A}, {model: B}]``; a Serve config's ``args`` and ``--config``'s file take the list."""
+    models = values.get("models")
+    if models is None:
+        return [values]
+    if not isinstance(models, list) or not models or not all(isinstance(m, dict) and "model" in m for m in models):
+        raise ValueError(f"models={models!r} is invalid: a non-empty list of mappings, each naming its model")
+    shared = {k: v for k, v in values.items() if k != "models"}
+    return [{**shared, **{str(k).lstrip("-").replace("-", "_"): v for k, v in m.items()}} for m in models]
+
+
+def check_served_names(apps: list[AppArgs]) -> None:
+    """Raise ValueError unless each model is served under its own name: requests are routed by it."""
+    names = [a.model_name for a in apps]
+    if len(set(names)) < len(names):
+        raise ValueError(
+            f"models: two are served under one name ({', '.join(names)}): give each its own served_model_name"
+        )
+
+
 class LaunchConfig(BaseModel):
     """Where `raylm serve` runs: the Ray it joins and the ports its HTTP and gRPC ingress listen on."""
 

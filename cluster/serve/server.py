@@ -428,6 +428,48 @@ class LLMServer:
         text = await asyncio.to_thread(render_node_metrics, self.metrics_port)
         return Response(text, media_type=CONTENT_TYPE)
 
+    # ---- forwarded by the model router (model_router.py) ----
+
+    async def forwarded(
+        self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> AsyncIterator[dict[str, Any]]:
+        """One HTTP request that several models' endpoint routed here, run through this replica's own routes:
+        yields the ASGI response messages (the start, then each body chunk). Closing the stream (the client went
+        away) cancels the request, which aborts it in the engine."""
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": method,
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "root_path": "",
+            "query_string": query,
+            "headers": headers,
+            "client": None,
+            "server": None,
+        }
+        messages: asyncio.Queue = asyncio.Queue()
+        body_sent = asyncio.Event()
+
+        async def receive() -> dict[str, Any]:
+            if not body_sent.is_set():
+                body_sent.set()
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.Event().wait()  # no disconnect comes this way: closing the stream cancels the task
+            return {"type": "http.disconnect"}
+
+        task = asyncio.create_task(self.app(scope, receive, messages.put))
+        task.add_done_callback(lambda _: messages.put_nowait(None))
+        try:
+            while (message := await messages.get()) is not None:
+                yield message
+                if message["type"] == "http.response.body" and not message.get("more_body"):
+                    break
+        finally:
+            task.cancel()
+
     # ---- gRPC (method names are the .proto's) ----
 
     async def _grpc_generation(self, request: GenerateRequest, context: RayServegRPCContext) -> Generation:
