@@ -42,7 +42,7 @@ def build_app(args: dict[str, Any] | AppArgs | list[AppArgs]) -> serve.Applicati
     return ModelRouter.options(
         ray_actor_options={"num_cpus": REPLICA_CPUS},
         max_ongoing_requests=sum(deployment_options(a)["max_ongoing_requests"] for a in apps),
-    ).bind(servers)
+    ).bind(servers, max(a.max_body_bytes for a in apps))
 
 
 def app_args_list(args: dict[str, Any] | AppArgs | list[AppArgs]) -> list[AppArgs]:

@@ -28,7 +28,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from cluster.serve import server as llm_server
-from cluster.serve.http_io import json_response
+from cluster.serve.http_io import json_response, read_body
 from cluster.serve.protocol.parsing import APIError
 
 router_app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
@@ -57,10 +57,12 @@ RoutedLLMServer = serve.deployment(name="LLMServer")(RoutedServer)
 @serve.ingress(router_app)
 class ModelRouter:
     """The endpoint of several models: ``servers`` maps each served model name to its deployment, the first being
-    where requests that name no model go. Holds no state of its own: every answer is a deployment's."""
+    where requests that name no model go. Holds no state of its own: every answer is a deployment's, but a body
+    over every model's ``max_body_bytes`` (413), or an unknown model (404)."""
 
-    def __init__(self, servers: dict[str, DeploymentHandle]) -> None:
+    def __init__(self, servers: dict[str, DeploymentHandle], max_body_bytes: int) -> None:
         self.servers = servers
+        self.max_body_bytes = max_body_bytes  # the largest the models take: each checks its own
 
     def _server(self, model: str | None, param: str = "model") -> DeploymentHandle:
         if model is None:
@@ -97,7 +99,7 @@ class ModelRouter:
 
     @router_app.post("/{path:path}")
     async def post(self, request: Request) -> Response:
-        body = await request.body()
+        body = await read_body(request, self.max_body_bytes)
         try:
             model = json.loads(body).get("model")
         except (ValueError, AttributeError):  # not JSON, or not an object: the first model answers its 400

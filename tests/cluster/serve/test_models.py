@@ -29,7 +29,7 @@ def models(servable_tiny_model) -> dict[str, str]:
 def url(models):
     engine = dict(max_model_len=64, kv_cache_bytes=16 << 20, num_threads=1)
     apps = [
-        AppArgs(engine=EngineConfig(model=path, **engine), served_model_name=name, max_replicas=1)
+        AppArgs(engine=EngineConfig(model=path, **engine), served_model_name=name, max_body_bytes=1 << 16)
         for name, path in models.items()
     ]
     with serving(apps, host="127.0.0.1", port=free_port(), grpc_port=free_port()) as url:
@@ -69,6 +69,8 @@ def test_an_unknown_model_is_a_404_naming_the_known_ones(url):
     assert (error["param"], error["code"]) == ("model", "model_not_found")
     assert "'a'" in error["message"] and "'b'" in error["message"]
     assert httpx.get(f"{url}/v1/models/c", timeout=60).status_code == 404
+    big = httpx.post(f"{url}/v1/completions", json={"model": "a", "prompt": "x" * (1 << 16)}, timeout=60)
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     assert httpx.get(f"{url}/health", timeout=60).status_code == 200
 
 
