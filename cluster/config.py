@@ -26,6 +26,7 @@ PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 REQUEST_ROUTERS = ("prefix_cache", "serve")
+POOLING_TYPES = ("auto", "last", "mean")
 
 
 def _flags(*names: str) -> dict[str, Any]:
@@ -149,6 +150,13 @@ class EngineConfig(BaseModel):
         "unset: auto (the model's generation_config.json), vllm (none: OpenAI's "
         "defaults), or a directory holding a generation_config.json",
     )
+    structured_outputs_disable_additional_properties: bool = Field(
+        True,
+        description="JSON schemas (response_format, structured_outputs, forced tool calls, the offline LLM's StructuredOutputsParams.json): an object that lists "
+        "properties and says nothing of additionalProperties admits no others, as vLLM's default backend compiles "
+        "schemas and as client libraries sending pydantic's schemas expect (off: JSON Schema's literal reading)",
+    )
+
     placement_strategy: Literal[PLACEMENT_STRATEGIES] = Field(  # type: ignore[valid-type]
         "PACK", description="how the engine's ranks spread over the cluster's nodes"
     )
@@ -420,11 +428,20 @@ class AppArgs(BaseModel):
         description="a replica Serve stops (scale-down, redeploy) lets its "
         "requests finish this long, then ends the rest with a 503",
     )
-    structured_outputs_disable_additional_properties: bool = Field(
-        True,
-        description="JSON schemas (response_format, structured_outputs, forced tool calls): an object that lists "
-        "properties and says nothing of additionalProperties admits no others, as vLLM's default backend compiles "
-        "schemas and as client libraries sending pydantic's schemas expect (off: JSON Schema's literal reading)",
+    responses_store_max_entries: int = Field(
+        1024,
+        ge=1,
+        description="/v1/responses: the responses each replica keeps (store=true) for previous_response_id and "
+        "GET /v1/responses/{id}; the oldest go first",
+    )
+    responses_store_ttl_s: float = Field(
+        3600.0, gt=0, description="/v1/responses: how long a replica keeps a stored response, in seconds"
+    )
+    pooling_type: Literal[POOLING_TYPES] = Field(  # type: ignore[valid-type]
+        "auto",
+        description="/v1/embeddings: the final hidden states pooled as the last token's or the mean over the input, "
+        "then L2-normalised (vLLM's --pooler-config pooling_type); auto: what the model's sentence-transformers "
+        "1_Pooling/config.json says, else last, as vLLM pools decoder models",
     )
 
     @field_validator("min_replicas")
@@ -465,6 +482,30 @@ class AppArgs(BaseModel):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.engine.model or DEFAULT_MODEL_NAME
+
+
+def per_model_settings(values: dict[str, Any]) -> list[dict[str, Any]]:
+    """Several base models behind one endpoint: ``values["models"]`` lists each model's own settings (a mapping
+    holding at least ``model``; keys spelled as in a config file), laid over the settings ``values`` holds for
+    all of them. Each becomes one deployment (an AppArgs: its own engine, replicas and autoscaling bounds).
+    Without ``models``, ``values`` is the one model's. The `raylm serve` flag ``--model A --model B`` is
+    ``models: [{model: A}, {model: B}]``; a Serve config's ``args`` and ``--config``'s file take the list."""
+    models = values.get("models")
+    if models is None:
+        return [values]
+    if not isinstance(models, list) or not models or not all(isinstance(m, dict) and "model" in m for m in models):
+        raise ValueError(f"models={models!r} is invalid: a non-empty list of mappings, each naming its model")
+    shared = {k: v for k, v in values.items() if k != "models"}
+    return [{**shared, **{str(k).lstrip("-").replace("-", "_"): v for k, v in m.items()}} for m in models]
+
+
+def check_served_names(apps: list[AppArgs]) -> None:
+    """Raise ValueError unless each model is served under its own name: requests are routed by it."""
+    names = [a.model_name for a in apps]
+    if len(set(names)) < len(names):
+        raise ValueError(
+            f"models: two are served under one name ({', '.join(names)}): give each its own served_model_name"
+        )
 
 
 class LaunchConfig(BaseModel):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -11,6 +12,7 @@ from cluster.config import EngineConfig
 from cluster.engine.interface import Engine
 from cluster.model_files import generation_defaults, load_tokenizer
 from scheduler import RequestError, SampledLogprobs, SamplingParams
+from workers.structured_output import closed_schema
 
 
 @dataclass(slots=True)
@@ -87,6 +89,16 @@ class LLM:
         --generation-config (auto: its generation_config.json) names them, as vLLM's LLM does."""
         return SamplingParams(**generation_defaults(self.config, self.engine.model_path))
 
+    def _closed(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with its JSON schema's objects closed, as the server closes them, unless
+        structured_outputs_disable_additional_properties is off (workers/structured_output.close_objects)."""
+        so = params.structured_outputs if isinstance(params, SamplingParams) else None
+        if so is None or so.json is None or not self.config.structured_outputs_disable_additional_properties:
+            return params
+        return dataclasses.replace(
+            params, structured_outputs=dataclasses.replace(so, json=closed_schema(so.json, True))
+        )
+
     def generate(
         self,
         prompts: str | list[str] | list[int] | list[list[int]],
@@ -111,6 +123,7 @@ class LLM:
         for i, p in enumerate(priority or ()):
             if not isinstance(p, int) or isinstance(p, bool):
                 raise ValueError(f"priority[{i}]={p!r} is not an int")
+        params_list = [self._closed(p) for p in params_list]
         results = [
             GenerateOutput(
                 str(next(self._ids)),

@@ -1,5 +1,5 @@
 """What a model directory says beyond its weights, as the engine's settings select it: the tokenizer with the
-chat template in force, and the sampling defaults of its generation config."""
+chat template in force, the sampling defaults of its generation config, and how its embeddings are pooled."""
 
 from __future__ import annotations
 
@@ -46,3 +46,14 @@ def generation_defaults(config: EngineConfig, model_path: str) -> dict[str, Any]
         return {}
     data = json.loads(path.read_text())
     return {name: data[name] for name in GENERATION_DEFAULTS if data.get(name) is not None}
+
+
+def pooling_type(setting: str, model_path: str) -> str:
+    """How /v1/embeddings pools ("last" or "mean"): the setting, or for "auto" what a sentence-transformers
+    model's 1_Pooling/config.json says (Qwen3-Embedding: last token; most encoders' exports: mean), else
+    the last token, which is what a decoder has read the whole input by."""
+    if setting != "auto":
+        return setting
+    path = Path(model_path) / "1_Pooling" / "config.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    return "mean" if data.get("pooling_mode_mean_tokens") and not data.get("pooling_mode_lasttoken") else "last"

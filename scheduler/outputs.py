@@ -107,13 +107,15 @@ class ModelRunnerOutput:
     ``logprobs[i]`` is None for requests that did not ask for logprobs; the
     whole list is None when nobody did. ``prompt_logprobs`` maps a request
     asking for them to the entries of the prompt tokens its chunk predicted
-    this step (token p given tokens < p, in order, each returned once).
+    this step (token p given tokens < p, in order, each returned once). ``pooled`` maps each embedding request
+    (``SamplingParams.pooling``) whose prompt this step completed to its embedding; it samples nothing.
     """
 
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[SampledLogprobs | None] | None = None
     prompt_logprobs: dict[str, list[SampledLogprobs]] | None = None
+    pooled: dict[str, list[float]] | None = None
 
 
 @dataclass(slots=True)
@@ -125,7 +127,7 @@ class RequestOutput:
     "error" on the last delta (with ``error`` explaining an "error").
     ``prompt_logprobs`` (requests asking for them) rides on the first delta that
     has a token: one entry per prompt token after the first (empty for a
-    one-token prompt).
+    one-token prompt). ``embedding`` is an embedding request's result, on its one (final) delta.
     """
 
     request_id: str
@@ -139,3 +141,4 @@ class RequestOutput:
     error: str | None = None
     queued_s: float | None = None  # on the final delta: arrival to first scheduling, None if it never ran
     prompt_logprobs: list[SampledLogprobs] | None = None
+    embedding: list[float] | None = None

@@ -94,6 +94,10 @@ class SamplingParams:
     serving layer tokenizes vLLM's ``bad_words``); ``structured_outputs`` restricts it to what keeps the output inside a
     grammar. All three act on the processed logits, so logprobs still
     describe the model's own distribution.
+
+    ``pooling`` ("last" or "mean") makes it an embedding request: once its prompt is computed the ranks return
+    its final hidden states pooled that way and L2-normalised instead of sampling a token, and it finishes
+    there ("stop"), so it asks for exactly one output (``max_tokens=1``, ``n=1``).
     """
 
     temperature: float = 1.0
@@ -115,10 +119,18 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         self._check_numbers()
         self._check_token_ids()
+        _check(self.pooling in POOLING_TYPES, "pooling", self.pooling, f"must be one of {POOLING_TYPES}")
+        _check(
+            self.pooling is None or self.max_tokens == 1 and self.n == 1,
+            "pooling",
+            self.pooling,
+            "an embedding request takes max_tokens=1 and n=1",
+        )
         _check(
             self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
             "structured_outputs",
@@ -212,6 +224,7 @@ class SamplingParams:
         return self.temperature < _GREEDY_TEMPERATURE or self.top_k == 1
 
 
+POOLING_TYPES = (None, "last", "mean")
 _GREEDY_TEMPERATURE = 1e-5  # as vLLM's _SAMPLING_EPS
 _REAL_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _INT_FIELDS = ("top_k", "max_tokens", "min_tokens", "n", "seed", "logprobs", "prompt_logprobs")

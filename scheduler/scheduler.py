@@ -428,10 +428,11 @@ class Scheduler:
                 break  # (pipelined) preempted while a step in flight samples it: admitted once that returns
             if not self._lora_fits(request):
                 break  # its adapter waits for a slot: a running adapter's requests must finish first
-            if request.sampling_params.prompt_logprobs is None:
+            params = request.sampling_params
+            if params.prompt_logprobs is None and params.pooling is None:
                 hits, num_hit_tokens = get_computed(request)
                 host_hits = get_host_hits(request, len(hits)) if host_tier else ()
-            else:  # a cached prompt token is never computed, so its logprob would be missing (vLLM's rule)
+            else:  # a cached prompt token is never computed: its logprob (vLLM's rule) or hidden state would be missing
                 hits, num_hit_tokens, host_hits = [], 0, ()
             num_host_hit_tokens = len(host_hits) * self.block_size
             num_hit_tokens += num_host_hit_tokens
@@ -612,6 +613,13 @@ class Scheduler:
                 append_out(out)
             if params.prompt_logprobs is not None and num_outputs == 1:
                 out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
+        for req_id, embedding in (runner_output.pooled or {}).items():
+            request = step[req_id]
+            request.num_output_placeholders -= 1
+            if request.status < finished:
+                out = self._finish(request, finished)
+                out.embedding = embedding
+                append_out(out)
         # After the tokens: a token that completes a block's ids lets it be cached now, not a step later.
         running = RequestStatus.RUNNING
         for request in step.values():

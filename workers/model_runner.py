@@ -189,12 +189,17 @@ class ModelRunner:
         buf["slot_mapping"][:total] = block_tables[token_req, positions // bs].astype(np.int64) * bs + positions % bs
         num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
         sampling = np.nonzero(seq_lens == num_tokens)[0]
-        buf["logits_indices"][: len(sampling)] = cu[1 : num_reqs + 1][sampling] - 1
-        prompt_spans = []
+        prompt_spans, pool_spans = [], []
         for i, s in enumerate(states):
             first, count = s.prompt_logprob_span(int(starts[i]), int(num_new[i]))
             if count:
                 prompt_spans.append((s, first, count, int(cu[i]) + first - int(starts[i])))
+            if s.sampling_params.pooling is not None:
+                done = bool(seq_lens[i] == num_tokens[i])
+                pool_spans.append((s, int(cu[i]), int(num_new[i]), int(starts[i]), done))
+        if pool_spans:  # an embedding request samples nothing: no logits
+            sampling = sampling[[states[i].sampling_params.pooling is None for i in sampling]]
+        buf["logits_indices"][: len(sampling)] = cu[1 : num_reqs + 1][sampling] - 1
         if self.lora is not None:
             self.lora.set_step([s.lora_name for s in states], num_new, self.device)
         graph_size = self._decode_size(num_reqs, total)
@@ -219,6 +224,7 @@ class ModelRunner:
             [states[i] for i in sampling],
             graph_size,
             prompt_spans,
+            pool_spans,
         )
 
     def _decode_size(self, num_reqs: int, num_tokens: int) -> int:
@@ -288,8 +294,9 @@ class ModelRunner:
             return None
         logits = self.model.compute_logits(hidden[inputs.logits_indices]) if states else None
         prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_spans) if inputs.prompt_spans else None
+        pooled = self._pool(hidden, inputs.pool_spans) if inputs.pool_spans and self.is_driver else None
         if not states:
-            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs) if self.is_driver else None
+            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs, pooled=pooled) if self.is_driver else None
         sampled = logprobs = None
         if self.is_driver:
             smd, penalized, penalized_rows = sampling
@@ -305,7 +312,7 @@ class ModelRunner:
         self._append(states, token_ids)
         if not self.is_driver:
             return None
-        return ModelRunnerOutput([s.req_id for s in states], token_ids, logprobs, prompt_logprobs)
+        return ModelRunnerOutput([s.req_id for s in states], token_ids, logprobs, prompt_logprobs, pooled)
 
     def _share(self, sampled: torch.Tensor | None, num_sampled: int) -> torch.Tensor:
         """Rank 0's sampled ids (``sampled``, None on the other ranks), on every rank: one broadcast of an int64
@@ -351,6 +358,27 @@ class ModelRunner:
             ]
             i += count
         return out
+
+    def _pool(
+        self, hidden: torch.Tensor, spans: list[tuple[CachedRequestState, int, int, int, bool]]
+    ) -> dict[str, list[float]]:
+        """The embeddings of the requests whose prompt this step completed (rank 0 of the last stage, which holds
+        the final hidden states): the last token's or the mean over the prompt, in fp32, L2-normalised. Mean
+        pooling adds each chunk's sum to the request's state as its chunks are computed."""
+        done, vectors = [], []
+        for state, start, count, first, complete in spans:
+            if state.sampling_params.pooling == "mean":
+                chunk = hidden[start : start + count].float().sum(0)
+                state.pooled_sum = chunk if first == 0 else state.pooled_sum + chunk
+                if complete:
+                    vectors.append(state.pooled_sum / state.num_prompt_tokens)
+            elif complete:
+                vectors.append(hidden[start + count - 1].float())
+            if complete:
+                done.append(state.req_id)
+        if not done:
+            return {}
+        return dict(zip(done, torch.nn.functional.normalize(torch.stack(vectors), dim=-1).tolist()))
 
     def _to_host(self, sampled: torch.Tensor) -> list[int]:
         """The step's one device-to-host transfer, into pinned memory, and its one sync."""

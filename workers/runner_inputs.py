@@ -35,7 +35,8 @@ class CachedRequestState:
     this request's tokens and block ids; ``output_token_ids`` are its outputs in
     Python form (for their count; penalties read the runner's PenaltyState),
     appended by the runner itself as it samples them. A preempted request keeps
-    its state (``parked``) until it resumes with a new block table. ``matcher`` (sampling rank, constrained requests only) has
+    its state (``parked``) until it resumes with a new block table; an embedding request's ``pooled_sum`` restarts
+    with a chunk that starts at position 0 (a recompute after preemption). ``matcher`` (sampling rank, constrained requests only) has
     consumed exactly ``output_token_ids``.
     """
 
@@ -52,6 +53,7 @@ class CachedRequestState:
     matcher: Any = None  # llguidance.LLMatcher
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs were returned; kept across preemption
     lora_name: str | None = None  # its LoRA adapter; None: the base model
+    pooled_sum: torch.Tensor | None = None  # mean pooling: the sum of the hidden states of the chunks computed
 
     def prompt_logprob_span(self, start: int, num_new: int) -> tuple[int, int]:
         """The positions of a chunk [start, start + num_new) whose logits give a prompt token's logprob not yet
@@ -149,3 +151,5 @@ class StepInputs:
     sampling_states: list[CachedRequestState]
     graph_size: int
     prompt_spans: list[tuple[CachedRequestState, int, int, int]]  # (state, first position, count, batch index)
+    # embedding requests: (state, batch index of the chunk's first token, tokens, first position, prompt done)
+    pool_spans: list[tuple[CachedRequestState, int, int, int, bool]]

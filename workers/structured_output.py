@@ -51,6 +51,19 @@ def close_objects(schema: Any) -> Any:
     return out
 
 
+def closed_schema(schema: dict | str | None, close: bool) -> dict | str | None:
+    """``schema`` (a JSON schema, or its text) with its objects closed (``close_objects``) when ``close``; text that
+    is not JSON is left for the engine's check to name."""
+    if not close or schema is None:
+        return schema
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError:
+            return schema
+    return close_objects(schema)
+
+
 def compile_grammar(c: StructuredOutputsParams) -> str:
     """The llguidance grammar for a constraint, or ValueError naming the field and what is wrong with it.
 

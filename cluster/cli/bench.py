@@ -25,6 +25,7 @@ def add_parser(sub) -> None:
         _moe,
         _lora,
         _pipeline,
+        _embed,
         _soak,
         _serve,
     ):
@@ -231,6 +232,22 @@ def _pipeline(sub) -> None:
         from cluster.bench.pipeline import bench_pipeline
 
         bench_pipeline(args.model, args.num_requests, args.input_len, args.output_len)
+
+    p.set_defaults(run=run)
+
+
+def _embed(sub) -> None:
+    p = sub.add_parser("embed", help="embeddings/s of the pooling path against transformers, same inputs")
+    p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--num-inputs", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16, help="transformers' batch size")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads for both (default: all cores)")
+
+    def run(args: argparse.Namespace) -> None:
+        from cluster.bench.embed import bench_embed
+
+        bench_embed(args.model, args.num_inputs, args.input_len, args.batch, args.num_threads)
 
     p.set_defaults(run=run)
 

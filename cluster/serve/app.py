@@ -17,9 +17,11 @@ from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
 from ray.serve.context import _get_global_client
 from ray.serve.exceptions import RayServeException
 
+from cluster.config import check_served_names, per_model_settings
 from cluster.engine.connect import connect, starts_local_ray
 from cluster.engine.placement import engine_bundles
 from cluster.serve.lifecycle import StopSignals, haproxy_dies_with_its_parent
+from cluster.serve.model_router import ModelRouter, RoutedLLMServer
 from cluster.serve.options import REPLICA_CPUS, AppArgs, deployment_options, uses_prefix_cache_router
 from cluster.serve.router import RouteServer
 from cluster.serve.server import LLMServer
@@ -29,13 +31,43 @@ GRPC_SERVICER = "cluster.raylm_pb2_grpc.add_RayLMServicer_to_server"
 LOCAL_MIN_DRAINING_PERIOD_S = 2.0
 
 
-def build_app(args: dict[str, Any] | AppArgs) -> serve.Application:
+def build_app(args: dict[str, Any] | AppArgs | list[AppArgs]) -> serve.Application:
     """The application, from ``serve run cluster.serve:build_app model=PATH max_replicas=4`` (or a Serve config's
-    ``args``, or ``raylm serve``). The API key is ``api_key`` or else $RAYLM_API_KEY."""
-    app_args = args if isinstance(args, AppArgs) else AppArgs.from_flat(args)
-    if app_args.api_key is None and os.environ.get("RAYLM_API_KEY"):
-        app_args = app_args.model_copy(update={"api_key": os.environ["RAYLM_API_KEY"]})
-    server = LLMServer.options(**deployment_options(app_args)).bind(app_args)
+    ``args``, or ``raylm serve``). The API key is ``api_key`` or else $RAYLM_API_KEY. Several models (a list, or
+    ``models`` in the args: config.per_model_settings) are one deployment each behind a ModelRouter."""
+    apps = [with_env_api_key(a) for a in app_args_list(args)]
+    if len(apps) == 1:
+        return model_deployment(apps[0])
+    servers = {a.model_name: model_deployment(a, f"LLMServer-{i}") for i, a in enumerate(apps)}
+    return ModelRouter.options(
+        ray_actor_options={"num_cpus": REPLICA_CPUS},
+        max_ongoing_requests=sum(deployment_options(a)["max_ongoing_requests"] for a in apps),
+    ).bind(servers, max(a.max_body_bytes for a in apps))
+
+
+def app_args_list(args: dict[str, Any] | AppArgs | list[AppArgs]) -> list[AppArgs]:
+    if isinstance(args, AppArgs):
+        return [args]
+    if isinstance(args, list):
+        return args
+    apps = [AppArgs.from_flat(values) for values in per_model_settings(args)]
+    check_served_names(apps)
+    return apps
+
+
+def with_env_api_key(args: AppArgs) -> AppArgs:
+    if args.api_key is None and os.environ.get("RAYLM_API_KEY"):
+        return args.model_copy(update={"api_key": os.environ["RAYLM_API_KEY"]})
+    return args
+
+
+def model_deployment(app_args: AppArgs, name: str | None = None) -> serve.Application:
+    """One model's LLMServer deployment, with the prefix-cache router when it is the app's ingress (a model behind
+    a ModelRouter is reached through handles, where Serve's request router balances by load)."""
+    options = deployment_options(app_args)
+    if name is not None:
+        return RoutedLLMServer.options(**options, name=name).bind(app_args)
+    server = LLMServer.options(**options).bind(app_args)
     if uses_prefix_cache_router(app_args) and RAY_SERVE_ENABLE_HA_PROXY:
         # HAProxy bypasses the deployment's request router unless an ingress request router asks it (router.py).
         return server._with_ingress_request_router(RouteServer.bind(server, app_args))
@@ -43,7 +75,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> serve.Application:
 
 
 def start(
-    args: AppArgs,
+    args: AppArgs | list[AppArgs],
     *,
     address: str | None = None,
     host: str = "127.0.0.1",
@@ -64,7 +96,7 @@ def start(
     return url
 
 
-def start_ray(args: AppArgs, address: str | None, host: str, port: int, grpc_port: int) -> None:
+def start_ray(args: AppArgs | list[AppArgs], address: str | None, host: str, port: int, grpc_port: int) -> None:
     """Join the cluster at ``address``, or start a Ray of our own set up for serving; nothing if Ray is up."""
     if starts_local_ray(address) and not ray.is_initialized():
         # Nothing of ours can hold the ports yet: a taken one is another process's, and HAProxy would only find
@@ -77,8 +109,11 @@ def start_ray(args: AppArgs, address: str | None, host: str, port: int, grpc_por
         os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", str(LOCAL_MIN_DRAINING_PERIOD_S))
         haproxy_dies_with_its_parent()  # else a killed raylm leaves HAProxy holding the port (lifecycle.py)
     # A local Ray gets logical CPUs for every replica's reservations (engine_bundles plus the replica's own).
-    engine_cpus = sum(b.get("CPU", 0) for b in engine_bundles(args.engine, False))
-    connect(address, args.max_replicas * (REPLICA_CPUS + engine_cpus))
+    apps = app_args_list(args)
+    cpus = sum(
+        a.max_replicas * (REPLICA_CPUS + sum(b.get("CPU", 0) for b in engine_bundles(a.engine, False))) for a in apps
+    )
+    connect(address, cpus + (REPLICA_CPUS if len(apps) > 1 else 0))  # a ModelRouter's replica
 
 
 def check_serve_ports(host: str, port: int, grpc_port: int, *, joined: bool) -> None:
@@ -144,7 +179,9 @@ def wait_healthy(url: str, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-def serve_until_interrupted(args: AppArgs, *, address: str | None, host: str, port: int, grpc_port: int) -> None:
+def serve_until_interrupted(
+    args: AppArgs | list[AppArgs], *, address: str | None, host: str, port: int, grpc_port: int
+) -> None:
     """`raylm serve`: deploy, print where, and keep serving until Ctrl-C or SIGTERM, which drain the app, stop
     what this process started and return (exit status 0); a second one stops at once (SystemExit 130 or 143).
     A failed start stops what it started, then raises."""
@@ -160,7 +197,7 @@ def serve_until_interrupted(args: AppArgs, *, address: str | None, host: str, po
         url = start(args, address=address, host=host, port=port, grpc_port=grpc_port)
         serving = True
         print(
-            f"raylm: serving {args.model_name} at {url}/v1 (OpenAI API) and gRPC on port {grpc_port}; "
+            f"raylm: serving {', '.join(a.model_name for a in app_args_list(args))} at {url}/v1 (OpenAI API) and gRPC on port {grpc_port}; "
             f"Ctrl-C or SIGTERM stops",
             flush=True,
         )
@@ -168,7 +205,7 @@ def serve_until_interrupted(args: AppArgs, *, address: str | None, host: str, po
             time.sleep(3600)
     except KeyboardInterrupt:
         what = (
-            f"requests in flight get up to drain_timeout_s={args.drain_timeout_s:g} s"
+            f"requests in flight get up to drain_timeout_s={max(a.drain_timeout_s for a in app_args_list(args)):g} s"
             if serving
             else "it was still starting"
         )
@@ -180,7 +217,9 @@ def serve_until_interrupted(args: AppArgs, *, address: str | None, host: str, po
         raise
 
 
-def _start_ray(args: AppArgs, address: str | None, host: str, port: int, grpc_port: int, signals: StopSignals) -> None:
+def _start_ray(
+    args: AppArgs | list[AppArgs], address: str | None, host: str, port: int, grpc_port: int, signals: StopSignals
+) -> None:
     """start_ray, a stop signal during it included, with our signal handlers in place again after."""
     try:
         start_ray(args, address, host, port, grpc_port)

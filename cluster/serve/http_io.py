@@ -21,8 +21,8 @@ def json_response(model: BaseModel, status: int = 200) -> Response:
     return Response(model.model_dump_json(), status_code=status, media_type="application/json")
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The decoded body, refused (413) once it passes ``limit`` bytes, before anything parses it."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body's bytes, refused (413) once they pass ``limit``, before anything parses them."""
     too_large = APIError(413, f"the request body is over the limit of {limit} bytes", code="request_too_large")
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -32,6 +32,12 @@ async def read_json(request: Request, limit: int) -> Any:
         body += part
         if len(body) > limit:
             raise too_large
+    return bytes(body)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The decoded body, refused (413) once it passes ``limit`` bytes, before anything parses it."""
+    body = await read_body(request, limit)
     try:
         value = json.loads(body)
     except ValueError as e:

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from cluster.serve.protocol.chat import ChatCompletionRequest
 from cluster.serve.protocol.completions import CompletionRequest
+from cluster.serve.protocol.embeddings import EmbeddingRequest
 from cluster.serve.protocol.parsing import ErrorResponse
 from cluster.serve.protocol.responses import ResponsesRequest
 from cluster.serve.protocol.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
@@ -24,6 +25,7 @@ BODIES: dict[str, list[type[BaseModel]]] = {
     "/v1/completions": [CompletionRequest],
     "/v1/chat/completions": [ChatCompletionRequest],
     "/v1/responses": [ResponsesRequest],
+    "/v1/embeddings": [EmbeddingRequest],
     "/tokenize": [TokenizeCompletionRequest, TokenizeChatRequest],
     "/detokenize": [DetokenizeRequest],
 }

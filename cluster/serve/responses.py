@@ -28,8 +28,8 @@ from cluster.serve.tools import ToolCalling, ToolCallStream
 @dataclass(slots=True)
 class ResponsesRun:
     """Builds one request's Response and events. ``conversation`` is what its input adds to the stored history
-    (the history included); ``store`` is called once with the response id and the whole conversation, its output
-    appended, when the request asked to be stored and finished without error.
+    (the history included); ``store`` is called once with the final Response and the whole conversation, its
+    output appended, when the request asked to be stored and finished without error.
 
     Stream invariants: events carry ``sequence_number`` 0, 1, ...; ``response.created`` and
     ``response.in_progress`` come first and ``response.completed`` (``response.incomplete`` when cut at
@@ -42,7 +42,7 @@ class ResponsesRun:
     model: str
     tools: ToolCalling | None
     conversation: list[ChatMessage]
-    store: Callable[[str, list[ChatMessage]], None]
+    store: Callable[[Response, list[ChatMessage]], None]
     id: str = field(default_factory=lambda: new_id("resp"))
     created_at: int = field(default_factory=now)
     items: list[OutputItem] = field(default_factory=list)
@@ -98,7 +98,7 @@ class ResponsesRun:
             ]
             text = "".join(p.text for m in self.items if isinstance(m, OutputMessage) for p in m.content)
             reply = ChatMessage(role="assistant", content=text or None, tool_calls=calls or None)
-            self.store(self.id, [*self.conversation, reply])
+            self.store(response, [*self.conversation, reply])
         return response
 
     # ---- whole ----

@@ -24,13 +24,13 @@ from ray.serve.grpc_util import RayServegRPCContext
 from starlette.exceptions import HTTPException
 
 from cluster.engine.ray_client import RayEngine
-from cluster.model_files import generation_defaults, load_tokenizer
+from cluster.model_files import generation_defaults, load_tokenizer, pooling_type
 from cluster.raylm_pb2 import GenerateRequest, GenerateResponse
 from cluster.serve import grpc_status
 from cluster.serve.admission import Admission
 from cluster.serve.drain import Drain
 from cluster.serve.formats import ChatFormat, CompletionFormat, Format, collect, stream_sse
-from cluster.serve.generation import Generation
+from cluster.serve.generation import Generation, engine_error, engine_unavailable
 from cluster.serve.http_io import json_response, read_json
 from cluster.serve.metrics import CONTENT_TYPE, ServeMetrics, node_metrics_port, render_node_metrics
 from cluster.serve.openapi import openapi_schema
@@ -38,6 +38,7 @@ from cluster.serve.options import AppArgs
 from cluster.serve.prompts import chat_ids, chat_request_ids, prompt_ids
 from cluster.serve.protocol.chat import ChatCompletionRequest
 from cluster.serve.protocol.completions import CompletionRequest
+from cluster.serve.protocol.embeddings import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, encoded
 from cluster.serve.protocol.models import (
     LoadLoraAdapterRequest,
     ModelCard,
@@ -59,7 +60,7 @@ from cluster.serve.response_store import ResponseStore
 from cluster.serve.responses import ResponsesRun
 from cluster.serve.router import replica_routing_stats
 from cluster.serve.tools import ToolCalling
-from scheduler import RequestError
+from scheduler import RequestError, SamplingParams
 
 ENGINE_STATS_PERIOD_S = 1.0
 
@@ -113,8 +114,9 @@ class LLMServer:
         self.api_key = args.api_key
         self.max_body_bytes = args.max_body_bytes
         self.scheduling_policy = args.engine.scheduling_policy
-        self.close_objects = args.structured_outputs_disable_additional_properties
-        self.response_store = ResponseStore()
+        self.close_objects = args.engine.structured_outputs_disable_additional_properties
+        self.response_store = ResponseStore(args.responses_store_max_entries, args.responses_store_ttl_s)
+        self.pooling_type = pooling_type(args.pooling_type, self.engine.model_path)
         cfg = args.engine
         self.metrics = ServeMetrics(
             self.model_name,
@@ -331,6 +333,63 @@ class LLMServer:
             return StreamingResponse(run.events(gen), media_type="text/event-stream")
         return json_response(await run.collect(gen))
 
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(self, request: Request) -> Response:
+        """A response this replica stored (store=true), as it was returned."""
+        self._authorize(request.headers.get("authorization"))
+        return json_response(self.response_store.response(request.path_params["response_id"]))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(self, request: Request) -> Response:
+        """Each input's final hidden states pooled (``pooling_type``) and normalised, computed as one request each
+        (the scheduler batches them with everything else in flight)."""
+        req = parse(EmbeddingRequest, await self._body(request))
+        lora_name = self._check_model(req.model)
+        width = self.engine.spec.hidden_size
+        if req.dimensions is not None and req.dimensions != width:
+            raise bad_request(
+                f"dimensions={req.dimensions}: this model's embeddings have {width} dimensions and it cannot "
+                f"shorten them (it is no matryoshka model); leave dimensions out",
+                "dimensions",
+            )
+        prompts = [self._prompt_ids(p) for p in req.inputs()]
+        for i, ids in enumerate(prompts):
+            param = "input" if len(prompts) == 1 else f"input[{i}]"
+            if not ids:
+                raise bad_request(f"{param}: the text has no tokens", param)
+            if len(ids) >= self.max_seq_len:
+                raise bad_request(
+                    f"{param} has {len(ids)} tokens: this server embeds at most {self.max_seq_len - 1} "
+                    f"(max_model_len={self.engine.max_model_len})",
+                    param,
+                    "context_length_exceeded",
+                )
+        results = await asyncio.gather(*(self._embed(ids, lora_name) for ids in prompts), return_exceptions=True)
+        if error := next((r for r in results if isinstance(r, BaseException)), None):
+            raise error
+        data = [Embedding(index=i, embedding=encoded(v, req.encoding_format)) for i, v in enumerate(results)]
+        num_tokens = sum(map(len, prompts))
+        usage = EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
+        return json_response(EmbeddingResponse(data=data, model=lora_name or self.model_name, usage=usage))
+
+    async def _embed(self, prompt_ids: list[int], lora_name: str | None) -> list[float]:
+        params = SamplingParams(max_tokens=1, pooling=self.pooling_type)
+        try:
+            stream = self.admission.generate(new_id("embd"), prompt_ids, params, lora_name=lora_name)
+            async with aclosing(stream):
+                async for out in stream:
+                    if out.finished:
+                        break
+        except RequestError as e:  # the engine's check
+            raise bad_request(str(e), "input") from None
+        except APIError:
+            raise
+        except Exception as e:  # the engine's actors are gone, or the replica is draining
+            raise engine_error(e, "the engine failed") from None
+        if out.embedding is None:
+            raise engine_unavailable(f"the engine failed: {out.error or out.finish_reason}")
+        return out.embedding
+
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
         self._authorize(request.headers.get("authorization"))
@@ -424,6 +483,48 @@ class LLMServer:
         self._authorize(request.headers.get("authorization"))
         text = await asyncio.to_thread(render_node_metrics, self.metrics_port)
         return Response(text, media_type=CONTENT_TYPE)
+
+    # ---- forwarded by the model router (model_router.py) ----
+
+    async def forwarded(
+        self, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> AsyncIterator[dict[str, Any]]:
+        """One HTTP request that several models' endpoint routed here, run through this replica's own routes:
+        yields the ASGI response messages (the start, then each body chunk). Closing the stream (the client went
+        away) cancels the request, which aborts it in the engine."""
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": method,
+            "scheme": "http",
+            "path": path,
+            "raw_path": path.encode(),
+            "root_path": "",
+            "query_string": query,
+            "headers": headers,
+            "client": None,
+            "server": None,
+        }
+        messages: asyncio.Queue = asyncio.Queue()
+        body_sent = asyncio.Event()
+
+        async def receive() -> dict[str, Any]:
+            if not body_sent.is_set():
+                body_sent.set()
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.Event().wait()  # no disconnect comes this way: closing the stream cancels the task
+            return {"type": "http.disconnect"}
+
+        task = asyncio.create_task(self.app(scope, receive, messages.put))
+        task.add_done_callback(lambda _: messages.put_nowait(None))
+        try:
+            while (message := await messages.get()) is not None:
+                yield message
+                if message["type"] == "http.response.body" and not message.get("more_body"):
+                    break
+        finally:
+            task.cancel()
 
     # ---- gRPC (method names are the .proto's) ----
 

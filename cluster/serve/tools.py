@@ -22,8 +22,8 @@ from cluster.serve.protocol.chat import (
     ToolCall,
 )
 from cluster.serve.protocol.parsing import bad_request
-from cluster.serve.protocol.sampling import closed_schema
 from scheduler import StructuredOutputsParams
+from workers.structured_output import closed_schema
 
 START, END = "<tool_call>", "</tool_call>"
 HERMES, LLAMA3 = "hermes", "llama3"

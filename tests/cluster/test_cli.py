@@ -193,6 +193,8 @@ def test_a_config_file_is_read_as_vllm_reads_it_and_flags_win(monkeypatch, tmp_p
         (["--max-num", "8"], None, "unrecognized arguments: --max-num"),  # never a prefix of --max-num-seqs
         (["--dtype", "int4"], None, "argument --dtype: invalid choice: 'int4'"),
         (["/m", "--model", "/n"], None, "the model is given twice, as '/m' and --model '/n'"),
+        (["--model", "/m", "--model", "/m"], None, "two are served under one name (/m, /m)"),
+        ([], "models: [{max-num-seqs: 4}]\n", "each naming its model"),
         ([], "quantization: awq\n", "unknown setting 'quantization'"),
         ([], "max-num-seqs: lots\n", "max_num_seqs='lots' is invalid: Input should be a valid integer"),
         ([], "- a list\n", "must be a mapping of settings to values, not a list"),
@@ -368,3 +370,27 @@ def test_a_vllm_serve_command_line_serves_a_hub_model_offline(tmp_path, tiny_mod
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+def test_several_models_are_one_app_args_each(monkeypatch, tmp_path, any_model):
+    """`--model A --model B` (the shared flags for both), or --config's `models` list with each model's own
+    replica bounds over the file's shared settings; the Serve config's args take the same list."""
+    seen = {}
+    monkeypatch.setattr("cluster.serve.serve_until_interrupted", lambda args, **kw: seen.update(args=args))
+    cli.main(["serve", "--model", "/a", "--model", "/b", "--max-num-seqs", "8"])
+    assert [(a.model_name, a.engine.max_num_seqs) for a in seen["args"]] == [("/a", 8), ("/b", 8)]
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "max-num-seqs: 16\nmodels:\n  - model: /a\n    served-model-name: small\n    max_replicas: 3\n"
+        "  - model: /b\n    max-num-seqs: 4\n"
+    )
+    cli.main(["serve", "--config", str(config)])
+    a, b = seen["args"]
+    assert (a.model_name, a.max_replicas, a.engine.max_num_seqs) == ("small", 3, 16)
+    assert (b.model_name, b.max_replicas, b.engine.max_num_seqs) == ("/b", 1, 4)
+    from cluster.serve.app import app_args_list
+
+    flat = {"max_num_seqs": 16, "models": [{"model": "/a", "served_model_name": "small"}, {"model": "/b"}]}
+    assert [x.model_name for x in app_args_list(flat)] == ["small", "/b"]
+    with pytest.raises(ValueError, match="two are served under one name"):
+        app_args_list({"models": [{"model": "/a"}, {"model": "/a"}]})

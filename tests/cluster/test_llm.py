@@ -430,3 +430,62 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_preemption(tiny_mo
             top = row.topk(p.prompt_logprobs)
             assert got.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-4)
             assert len(got.top_token_ids) == p.prompt_logprobs
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_pooled_embeddings_match_transformers_across_chunks_and_preemption(tiny_model_dir, default_model_dir, pooling):
+    """SamplingParams(pooling=...): the final hidden states pooled and normalised equal transformers' last hidden
+    state pooled the same way, though the 70-token prompt is computed in 16-token chunks (mean pooling sums them)
+    and preempted mid-prefill (its sum restarts); the request ends "stop" with no token, and a prompt already in
+    the prefix cache is computed again (a cached token has no hidden state)."""
+    from transformers import AutoModel
+
+    path = tiny_model_dir("llama")
+    rng = torch.Generator().manual_seed(3)
+    ids = [torch.randint(3, 256, (n,), generator=rng).tolist() for n in (1, 9, 70)]
+    config = EngineConfig(
+        model=path,
+        tokenizer=default_model_dir,
+        block_size=8,
+        max_num_batched_tokens=32,
+        long_prefill_token_threshold=16,
+        kv_cache_bytes=1 << 16,
+    )
+    engine = InProcessEngine(config)
+    params = SamplingParams(max_tokens=1, pooling=pooling)
+    outs, mid_prefill = {}, []
+    for i, prompt in enumerate([ids[2], *ids]):  # the first run puts the long prompt in the prefix cache
+        engine.add_request(str(i), prompt, params)
+    while engine.has_unfinished_requests():
+        for r in list(engine.scheduler.running):
+            if 0 < r.num_computed_tokens < len(r.prompt_token_ids) and not r.num_preemptions and r.request_id == "3":
+                engine.scheduler._preempt(r)
+                mid_prefill.append(r.request_id)
+        outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    engine.shutdown()
+    assert mid_prefill
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+    for i, prompt in enumerate(ids, start=1):
+        with torch.no_grad():
+            hidden = model(torch.tensor([prompt])).last_hidden_state[0]
+        want = torch.nn.functional.normalize(hidden[-1] if pooling == "last" else hidden.mean(0), dim=0)
+        out = outs[str(i)]
+        assert out.finish_reason == "stop" and out.new_token_ids == [] and out.num_cached_tokens == 0
+        assert torch.tensor(out.embedding) == pytest.approx(want, abs=1e-4)
+
+
+def test_offline_json_schemas_are_closed_as_the_server_closes_them(smol):
+    """A pydantic schema as libraries pass it (no additionalProperties): closed by default offline too, so the
+    model stops after the object instead of adding properties until max_tokens."""
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    llm, _, _ = smol
+    ids = llm.apply_chat_template([{"role": "user", "content": "Describe Paris in JSON."}])
+    params = greedy(80, structured_outputs=StructuredOutputsParams(json=City.model_json_schema()))
+    out = llm.generate([ids], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop", out.text
+    City.model_validate_json(out.text)

@@ -18,7 +18,8 @@ import yaml
 from ray import serve
 from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
-from cluster.serve import AppArgs, deployment_options
+from cluster.serve import deployment_options
+from cluster.serve.app import app_args_list
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = sorted((ROOT / "manifests").glob("*.yaml"))
@@ -74,9 +75,10 @@ def limits(group: dict) -> dict[str, float]:
 
 def test_the_manifests_are_a_rayservice_a_raycluster_and_a_serve_config():
     # The checks below are parametrized over what these globs find: make sure they find it.
-    assert sorted(load(p)["kind"] for p in KUBERAY) == ["RayCluster", "RayService", "RayService"]
+    assert sorted(load(p)["kind"] for p in KUBERAY) == ["RayCluster", "RayService", "RayService", "RayService"]
     assert sorted(SERVE_CONFIGS) == [
         "rayservice-pipeline.yaml:serveConfigV2",
+        "rayservice-two-models.yaml:serveConfigV2",
         "rayservice.yaml:serveConfigV2",
         "serve_config.yaml",
     ]
@@ -154,23 +156,27 @@ def serve_args(manifest: dict) -> dict[str, Any]:
     return app["args"]
 
 
-@pytest.mark.parametrize("name", ["rayservice.yaml", "rayservice-pipeline.yaml"])
+@pytest.mark.parametrize("name", ["rayservice.yaml", "rayservice-pipeline.yaml", "rayservice-two-models.yaml"])
 def test_rayservice_gpu_pods_hold_serves_min_and_max_replicas(name):
     manifest = load(ROOT / "manifests" / name)
-    args = AppArgs.from_flat(serve_args(manifest))
-    # cuda, not auto: auto would follow the GPUs present when the app is built, before any GPU pod may be up.
-    assert args.engine.device == "cuda"
-    bundles = deployment_options(args)["placement_group_bundles"]  # one replica: its own, the engine's
-    assert sum(b.get("GPU", 0) for b in bundles) == args.engine.world_size
+    apps = app_args_list(serve_args(manifest))  # one per model
     spec = cluster_spec(manifest)
     assert spec["enableInTreeAutoscaling"] is True
     head, workers = limits(spec["headGroupSpec"]), gpu_group(manifest)
     pod = limits(workers)
-    for replicas, pods in ((args.min_replicas, workers["minReplicas"]), (args.max_replicas, workers["maxReplicas"])):
+    for bound, pods in (("min_replicas", workers["minReplicas"]), ("max_replicas", workers["maxReplicas"])):
+        gpus = cpus = 0.0
+        for args in apps:
+            # cuda, not auto: auto would follow the GPUs present when the app is built, before any GPU pod is up.
+            assert args.engine.device == "cuda"
+            bundles = deployment_options(args)["placement_group_bundles"]  # one replica: its own, the engine's
+            assert sum(b.get("GPU", 0) for b in bundles) == args.engine.world_size
+            gpus += getattr(args, bound) * args.engine.world_size
+            cpus += getattr(args, bound) * sum(b["CPU"] for b in bundles)
         # Exactly the GPUs that many replicas use: fewer and the last replica never starts, more and they idle.
-        assert pods * pod["GPU"] == replicas * args.engine.world_size
-        need = replicas * sum(b["CPU"] for b in bundles)
-        assert need <= head["CPU"] + pods * pod["CPU"], f"{replicas} replica(s) need {need} CPUs"
+        assert pods * pod["GPU"] == gpus
+        cpus += 1 if len(apps) > 1 else 0  # the ModelRouter's replica
+        assert cpus <= head["CPU"] + pods * pod["CPU"], f"{bound} replicas need {cpus} CPUs"
 
 
 @pytest.mark.parametrize("path", KUBERAY, ids=lambda p: p.name)
@@ -183,5 +189,6 @@ def test_every_ray_container_reads_the_model_from_the_pvc_and_has_probes(path):
         mounts = [m["mountPath"] for m in container["volumeMounts"] if m["name"] in claims]
         assert mounts, f"{group.get('groupName', 'head')} mounts no PVC"
         if manifest["kind"] == "RayService":
-            assert any(serve_args(manifest)["model"].startswith(m + "/") for m in mounts)
+            for args in app_args_list(serve_args(manifest)):
+                assert any(args.engine.model.startswith(m + "/") for m in mounts)
         assert "exec" in container["readinessProbe"] and "exec" in container["livenessProbe"]

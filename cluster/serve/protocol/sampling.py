@@ -4,14 +4,13 @@ vLLM's names and shapes."""
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.serve.protocol.parsing import APIError, Seed, Strict, TokenId, bad_request
 from scheduler import RequestError, SamplingParams, StructuredOutputsParams
-from workers.structured_output import close_objects
+from workers.structured_output import closed_schema
 
 
 class StreamOptions(BaseModel):
@@ -226,16 +225,3 @@ class SamplingFields(BaseModel):
             )
         except RequestError as e:
             raise self.refusal(e) from None
-
-
-def closed_schema(schema: dict | str | None, close: bool) -> dict | str | None:
-    """``schema`` (a JSON schema, or its text) with its objects closed (``close_objects``) when ``close``; text that
-    is not JSON is left for the engine's check to name."""
-    if not close or schema is None:
-        return schema
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError:
-            return schema
-    return close_objects(schema)

@@ -12,6 +12,7 @@ import httpx2 as httpx
 import jsonschema
 import openai
 import pytest
+import torch
 from pydantic import BaseModel, Field
 
 from cluster import raylm_pb2, raylm_pb2_grpc
@@ -614,6 +615,10 @@ def test_responses_a_two_turn_conversation_carries_the_first_turn(client):
     # The second prompt holds the first's and its output (the template's system prompt once), then the question.
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert first.status == "incomplete" and first.incomplete_details.reason == "max_output_tokens"
+    # GET /v1/responses/{id}: the stored response as it was returned; an unknown id is a 404 naming it.
+    assert client.responses.retrieve(second.id).model_dump() == second.model_dump()
+    with pytest.raises(openai.NotFoundError, match="resp_nope"):
+        client.responses.retrieve("resp_nope")
 
 
 def test_responses_stream_in_openais_order_with_a_json_schema_and_a_tool(client):
@@ -684,3 +689,50 @@ def test_responses_bad_input_names_the_field(url, body, status, param):
     assert r.json()["error"]["param"] == param
     if status == 404:
         assert "resp_unknown" in r.json()["error"]["message"]
+
+
+# ---- embeddings ----------------------------------------------------------------------------
+
+
+def test_embeddings_equal_transformers_pooled_hidden_states(client, default_model_dir):
+    """The default model (a decoder, no sentence-transformers pooling config) is pooled at its last token and
+    normalised; texts, token ids, float and base64 (the SDK's default, decoded by it) all give the same vectors."""
+    from transformers import AutoModel, AutoTokenizer
+
+    texts = ["The cat sat on the mat.", "Ray schedules actors across a cluster of nodes, one per GPU."]
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    ids = [tokenizer.encode(t) for t in texts]
+    model = AutoModel.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = [torch.nn.functional.normalize(model(torch.tensor([i])).last_hidden_state[0, -1], dim=0) for i in ids]
+    as_base64, as_float, as_ids, one = concurrently(
+        lambda: client.embeddings.create(model=MODEL, input=texts),
+        lambda: client.embeddings.create(model=MODEL, input=texts, encoding_format="float"),
+        lambda: client.embeddings.create(model=MODEL, input=ids),
+        lambda: client.embeddings.create(model=MODEL, input=ids[1]),
+    )
+    assert as_float.usage.prompt_tokens == as_float.usage.total_tokens == sum(map(len, ids))
+    assert [d.index for d in as_float.data] == [0, 1] and as_float.model == MODEL
+    for got in (as_base64, as_float, as_ids):
+        for d, w in zip(got.data, want):
+            assert len(d.embedding) == w.shape[0]
+            assert torch.tensor(d.embedding) == pytest.approx(w, abs=1e-4)
+    assert torch.tensor(one.data[0].embedding) == pytest.approx(want[1], abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": ["a", ""]}, "input"),
+        ({"input": "a", "dimensions": 8}, "dimensions"),
+        ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "a", "pooling": "cls"}, "pooling"),
+        ({"input": ["a", "word " * 1100]}, "input[1]"),
+    ],
+)
+def test_bad_embedding_requests_are_400_naming_the_field(url, body, param):
+    r = httpx.post(f"{url}/v1/embeddings", json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param

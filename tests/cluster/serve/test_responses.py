@@ -3,6 +3,7 @@ as, refusals naming the Responses field, and the per-replica store behind previo
 (create, stream, a two-turn conversation) is tested in test_openai_fields.py, on that module's server."""
 
 import json
+from types import SimpleNamespace
 
 import httpx2 as httpx
 import openai
@@ -99,11 +100,15 @@ def test_the_store_is_bounded_expires_and_names_an_unknown_id(monkeypatch):
     clock = [100.0]
     monkeypatch.setattr("cluster.serve.response_store.time.monotonic", lambda: clock[0])
     for i in range(3):
-        store.put(f"resp_{i}", [ChatMessage(role="user", content=str(i))])
+        store.put(SimpleNamespace(id=f"resp_{i}"), [ChatMessage(role="user", content=str(i))])
     assert store.get("resp_2")[0].content == "2" and store.get("resp_1")
+    assert store.response("resp_2").id == "resp_2"
     with pytest.raises(APIError) as e:
         store.get("resp_0")  # the oldest, past the capacity
     assert (e.value.status, e.value.param) == (404, "previous_response_id") and "resp_0" in e.value.message
+    with pytest.raises(APIError) as e:
+        store.response("resp_0")
+    assert (e.value.status, e.value.code) == (404, "response_not_found") and "resp_0" in e.value.message
     clock[0] += 11
     with pytest.raises(APIError):
         store.get("resp_2")  # expired

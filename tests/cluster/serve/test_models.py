@@ -1,0 +1,118 @@
+"""Several base models behind one endpoint (`raylm serve --model A --model B`): one deployment and engine per
+model behind a ModelRouter that routes by each request's `model`, streams and all, with one metrics scrape
+labelled by model; an unknown model is a 404 naming the known ones."""
+
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+import torch
+
+from cluster.config import EngineConfig
+from cluster.engine.network import free_port
+from cluster.serve import AppArgs
+from tests.cluster.serve.test_server import serving
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+PROMPT = [5, 17, 42, 99, 7]
+
+
+@pytest.fixture(scope="module")
+def models(servable_tiny_model) -> dict[str, str]:
+    """Two tiny random models that answer differently: "a" and "b", as their served names."""
+    return {"a": servable_tiny_model(), "b": servable_tiny_model(intermediate_size=96)}
+
+
+@pytest.fixture(scope="module")
+def url(models):
+    engine = dict(max_model_len=64, kv_cache_bytes=16 << 20, num_threads=1, enable_lora=True)
+    apps = [
+        AppArgs(engine=EngineConfig(model=path, **engine), served_model_name=name, max_body_bytes=1 << 16)
+        for name, path in models.items()
+    ]
+    with serving(apps, host="127.0.0.1", port=free_port(), grpc_port=free_port()) as url:
+        yield url
+
+
+def hf_greedy(path: str, new_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    x = torch.tensor([PROMPT])
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(PROMPT) :].tolist()
+
+
+def test_each_model_answers_its_own_requests_streamed_and_not(url, models):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(models["a"])
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    assert sorted(m.id for m in client.models.list()) == ["a", "b"]
+    assert client.models.retrieve("b").id == "b"
+    for name, path in models.items():
+        kw = dict(model=name, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        whole = client.completions.create(**kw)
+        assert whole.model == name
+        assert whole.choices[0].text == tokenizer.decode(hf_greedy(path, 6)), name
+        streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+        assert streamed == whole.choices[0].text
+    assert hf_greedy(models["a"], 6) != hf_greedy(models["b"], 6)  # else the routing would go unseen
+
+
+def test_an_unknown_model_is_a_404_naming_the_known_ones(url):
+    r = httpx.post(f"{url}/v1/completions", json={"model": "c", "prompt": "hi", "max_tokens": 1}, timeout=60)
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == ("model", "model_not_found")
+    assert "'a'" in error["message"] and "'b'" in error["message"]
+    assert httpx.get(f"{url}/v1/models/c", timeout=60).status_code == 404
+    big = httpx.post(f"{url}/v1/completions", json={"model": "a", "prompt": "x" * (1 << 16)}, timeout=60)
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+
+
+def test_one_metrics_scrape_labels_each_models_series(url):
+    for name in ("a", "b"):
+        httpx.post(f"{url}/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 2}, timeout=60)
+    deadline = time.monotonic() + 60
+    while True:
+        text = httpx.get(f"{url}/metrics", timeout=60).text
+        lines = [line for line in text.splitlines() if line.startswith("vllm:")]
+        seen = {name for name in ("a", "b") if any(f'model_name="{name}"' in line for line in lines)}
+        if seen == {"a", "b"} or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert seen == {"a", "b"}
+
+
+def test_a_lora_adapter_of_one_model_loads_through_the_router_and_answers_by_its_name(url, models, tmp_path):
+    """vLLM's load body names no base: the adapter of "b" (its MLP shapes are b's) is refused by "a" and loads
+    into "b"; a request naming it reaches "b"'s deployment; unloaded, its name is a 404 again."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.workers.adapters import make_adapter
+
+    adapter = make_adapter(models["b"], tmp_path / "b-lora", 3, r=4, lora_alpha=8, target_modules=["down_proj"])
+    body = {"lora_name": "b-lora", "lora_path": adapter}
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    assert {m.id: m.parent for m in client.models.list()}["b-lora"] == "b"
+    out = client.completions.create(
+        model="b-lora", prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.model == "b-lora"
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(models["b"], dtype=torch.float32), adapter)
+    x = torch.tensor([PROMPT])
+    expected = peft.eval().generate(
+        x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    assert out.choices[0].text == AutoTokenizer.from_pretrained(models["b"]).decode(expected[0, len(PROMPT) :])
+    r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "b-lora"}, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{url}/v1/completions", json={"model": "b-lora", "prompt": "hi", "max_tokens": 1}, timeout=60)
+    assert r.status_code == 404, r.text
