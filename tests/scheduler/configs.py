@@ -16,6 +16,9 @@ TEST_DEFAULTS = dict(
     preemption_mode="auto",
     swap_cost_per_block=1.0,
     pipeline_parallel_size=1,
+    num_speculative_tokens=0,
+    prompt_lookup_min=1,
+    prompt_lookup_max=1,
 )
 
 
