@@ -105,7 +105,7 @@ def bench_spec(
                 for engine in engines:
                     before = engine.stats()
                     tpots, tokens, wall = [], 0, 0.0
-                    for b in range(0, len(requests), c):  # batch by batch, each on both engines back to back
+                    for b in range(0, len(requests), c):  # c requests at a time
                         batch_tpots, batch_tokens, batch_wall = run_batch(
                             engine, requests[b : b + c], max_tokens, f"{name}{c}.{b}"
                         )

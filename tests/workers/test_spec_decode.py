@@ -36,7 +36,11 @@ def test_greedy_output_is_the_same_with_and_without_proposals(tiny_model_dir):
         SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),  # max_tokens inside a run
         SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, n=2),
         SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[9]),
+        # Seeded sampling gets no proposals, so its tokens are the same; penalties neither (they change along a run).
+        SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=20, ignore_eos=True),
     ]
+    prompts += prompts[:2]
     common = {"model": path, "device": "cpu", "block_size": 8, "max_num_batched_tokens": 24}
     expected = run(InProcessEngine(EngineConfig(**common)), prompts, params)
     engine = InProcessEngine(EngineConfig(**common, speculative_config=NGRAM))
@@ -50,6 +54,14 @@ def test_greedy_output_is_the_same_with_and_without_proposals(tiny_model_dir):
     assert stats.spec_decode_num_accepted_tokens > 0 and stats.spec_decode_num_drafts > 0
     assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens
     assert engine.scheduler.kv.block_pool.num_free_blocks == engine.num_blocks - 1
+    # Unseeded sampling with every position-independent feature verifies by rejection sampling: it runs to length.
+    sampled = SamplingParams(
+        temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, logit_bias={7: 5.0}, max_tokens=25, ignore_eos=True, n=2
+    )
+    before = engine.stats().spec_decode_num_drafts
+    out = run(engine, prompts[:2], [sampled] * 2)
+    assert sorted(len(v["tokens"]) for v in out.values()) == [25] * 4
+    assert engine.stats().spec_decode_num_drafts > before
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
