@@ -83,45 +83,42 @@ def bench_spec(
 
     spec = parse_speculative_config(speculative_config) if speculative_config else None
     spec = spec or {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    engines = []
-    try:
-        plain = LLM(model=model, executor=executor, address=address, **engine_kwargs)
-        engines.append(plain.engine)
-        engines.append(
-            LLM(model=model, executor=executor, address=address, speculative_config=spec, **engine_kwargs).engine
-        )
-        prompts = workloads(plain)
+    # One engine at a time (a machine may hold only one): every cell without proposals, then every cell with.
+    figures: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+    for overrides in ({}, {"speculative_config": spec}):
+        llm = LLM(model=model, executor=executor, address=address, **engine_kwargs, **overrides)
+        try:
+            prompts = workloads(llm)
+            run_batch(llm.engine, prompts["chat"][:1], 4, "warm-up")
+            for name, pool in prompts.items():
+                for c in concurrency:
+                    figures.setdefault((name, c), []).append(run_cell(llm.engine, pool, c, max_tokens, f"{name}{c}"))
+        finally:
+            llm.shutdown()
+    print(
+        f"spec: {spec}; {len(prompts['copy'])} copy prompts (docs/*.md paragraphs), {len(prompts['chat'])} chat "
+        f"prompts; greedy, max_tokens={max_tokens}, at least {MIN_REQUESTS} requests per cell; {executor} executor"
+    )
+    for (name, c), ((tpot0, tps0, _), (tpot1, tps1, rate)) in figures.items():
         print(
-            f"spec: {spec}; {len(prompts['copy'])} copy prompts (docs/*.md paragraphs), {len(prompts['chat'])} chat "
-            f"prompts; greedy, max_tokens={max_tokens}; {executor} executor"
+            f"  {name:4s} concurrency {c:3d}: TPOT median {tpot0 * 1e3:7.1f} -> {tpot1 * 1e3:7.1f} ms "
+            f"({tpot1 / tpot0:4.2f}x)   output {tps0:7.1f} -> {tps1:7.1f} tok/s ({tps1 / tps0:4.2f}x)   "
+            f"acceptance {rate:5.1%}"
         )
-        for engine in engines:
-            run_batch(engine, prompts["chat"][:1], 4, "warm-up")
-        for name, pool in prompts.items():
-            for c in concurrency:
-                # At least MIN_REQUESTS requests, c at a time: a lone request's figure would be one prompt's.
-                requests = [pool[i % len(pool)] for i in range(max(c, MIN_REQUESTS))]
-                figures = []
-                for engine in engines:
-                    before = engine.stats()
-                    tpots, tokens, wall = [], 0, 0.0
-                    for b in range(0, len(requests), c):  # c requests at a time
-                        batch_tpots, batch_tokens, batch_wall = run_batch(
-                            engine, requests[b : b + c], max_tokens, f"{name}{c}.{b}"
-                        )
-                        tpots += batch_tpots
-                        tokens += batch_tokens
-                        wall += batch_wall
-                    after = engine.stats()
-                    drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
-                    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
-                    figures.append((statistics.median(tpots), tokens / wall, accepted / drafted if drafted else 0.0))
-                (tpot0, tps0, _), (tpot1, tps1, rate) = figures
-                print(
-                    f"  {name:4s} concurrency {c:3d}: TPOT median {tpot0 * 1e3:7.1f} -> {tpot1 * 1e3:7.1f} ms "
-                    f"({tpot1 / tpot0:4.2f}x)   output {tps0:7.1f} -> {tps1:7.1f} tok/s ({tps1 / tps0:4.2f}x)   "
-                    f"acceptance {rate:5.1%}"
-                )
-    finally:
-        for engine in engines:
-            engine.shutdown()
+
+
+def run_cell(engine, pool: list[list[int]], c: int, max_tokens: int, tag: str) -> tuple[float, float, float]:
+    """At least MIN_REQUESTS requests, c at a time (a lone request's figure would be one prompt's): the median
+    TPOT, output tokens per second and the share of proposed tokens accepted."""
+    requests = [pool[i % len(pool)] for i in range(max(c, MIN_REQUESTS))]
+    before = engine.stats()
+    tpots, tokens, wall = [], 0, 0.0
+    for b in range(0, len(requests), c):
+        batch_tpots, batch_tokens, batch_wall = run_batch(engine, requests[b : b + c], max_tokens, f"{tag}.{b}")
+        tpots += batch_tpots
+        tokens += batch_tokens
+        wall += batch_wall
+    after = engine.stats()
+    drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    return statistics.median(tpots), tokens / wall, accepted / drafted if drafted else 0.0
