@@ -433,8 +433,8 @@ def test_prompt_logprobs_match_transformers_across_chunks_and_preemption(tiny_mo
 
 
 def test_greedy_matches_transformers_with_ngram_speculation(smol, default_model_dir):
-    """Proposals on the Ray engine (async scheduling), with chunked prefill, preemption, the prefix cache
-    (the second round), n=2 and max_tokens falling inside accepted runs: token for token transformers'."""
+    """Proposals on the Ray engine (async scheduling), with chunked prefill, preemption, the prefix cache and
+    n=2 (the second round): token for token transformers'."""
     _, ids, expected = smol
     block_bytes = ray.get(smol[0].engine.workers[0].call.remote("block_bytes"))
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -447,8 +447,6 @@ def test_greedy_matches_transformers_with_ngram_speculation(smol, default_model_
         assert stats.num_preemptions > 0 and stats.spec_decode_num_accepted_tokens > 0
         for out, want in zip(llm.generate(ids, greedy(n=2), use_tqdm=False), expected):
             assert [c.token_ids for c in out.outputs] == [want, want]
-        for n in (3, 6):
-            assert_same(llm.generate(ids, greedy(n), use_tqdm=False), [e[:n] for e in expected])
         after = llm.engine.stats()
         assert after.prefix_cache_hits > stats.prefix_cache_hits
         assert sum(after.spec_decode_num_accepted_tokens_per_pos) == after.spec_decode_num_accepted_tokens
