@@ -9,6 +9,7 @@ the setting, so its flag is vLLM's too; ``flags`` in a field's extra lists other
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -27,6 +28,10 @@ DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 REQUEST_ROUTERS = ("prefix_cache", "serve")
 POOLING_TYPES = ("auto", "last", "mean")
+SPECULATIVE_METHODS = ("ngram",)
+# Proposed tokens per step at most: each one is a position the step computes for every speculating request,
+# and the chance that a proposal's j-th token is accepted falls with j (the product of the chances before it).
+MAX_SPECULATIVE_TOKENS = 16
 
 
 def _flags(*names: str) -> dict[str, Any]:
@@ -173,6 +178,12 @@ class EngineConfig(BaseModel):
     async_scheduling: bool = Field(
         True, description="schedule the next step while the ranks run one (off: one step in flight)"
     )
+    speculative_config: str | None = Field(
+        None,
+        description="speculative decoding, a JSON object as vLLM spells it: "
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} '
+        f"(method ngram only; num_speculative_tokens in [1, {MAX_SPECULATIVE_TOKENS}]; default: off)",
+    )
     num_threads: int | None = Field(
         None, ge=1, description="torch threads per rank (default: every core the rank may use)"
     )
@@ -196,6 +207,31 @@ class EngineConfig(BaseModel):
         description="benchmarking only: ranks return a token per request at once, "
         "with no model or KV cache, so a benchmark measures the serving path alone",
     )
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _speculative_config_as_json(cls, value: Any) -> Any:
+        return json.dumps(value) if isinstance(value, dict) else value
+
+    @field_validator("speculative_config")
+    @classmethod
+    def _speculative_config_valid(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return None
+        spec = parse_speculative_config(value)
+        pp = info.data.get("pipeline_parallel_size", 1)
+        if pp > 1:
+            raise ValueError(
+                f"speculative_config cannot be served with pipeline_parallel_size={pp}: a stage would need the "
+                "proposals' verdict before the last stage has sampled it"
+            )
+        return json.dumps(spec)
+
+    @model_validator(mode="after")
+    def _speculation_needs_a_model(self) -> EngineConfig:
+        if self.speculative_config is not None and self.no_work_model:
+            raise ValueError("speculative_config needs a model to verify proposals: no_work_model=True has none")
+        return self
 
     @field_validator("pp_layer_partition")
     @classmethod
@@ -363,6 +399,7 @@ class EngineConfig(BaseModel):
                 f"max_num_batched_tokens={self.max_num_batched_tokens} is invalid: without chunked "
                 f"prefill it must be >= max_model_len={max_model_len}"
             )
+        spec = parse_speculative_config(self.speculative_config) if self.speculative_config else {}
         return SchedulerConfig(
             num_blocks=num_blocks,
             block_size=self.block_size,
@@ -378,6 +415,9 @@ class EngineConfig(BaseModel):
             preemption_mode=self.preemption_mode,
             pipeline_parallel_size=self.pipeline_parallel_size,
             max_loras=self.max_loras if self.enable_lora else 0,
+            num_speculative_tokens=spec.get("num_speculative_tokens", 0),
+            prompt_lookup_min=spec.get("prompt_lookup_min", 1),
+            prompt_lookup_max=spec.get("prompt_lookup_max", 1),
         )
 
 
@@ -517,3 +557,38 @@ class LaunchConfig(BaseModel):
     host: str = Field("127.0.0.1", description="HTTP address (0.0.0.0 to listen on every interface)")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port")
     grpc_port: int = Field(9000, ge=1, le=65535, description="gRPC port")
+
+
+def parse_speculative_config(text: str) -> dict[str, Any]:
+    """``speculative_config``'s JSON checked and completed: method ngram, num_speculative_tokens in
+    [1, MAX_SPECULATIVE_TOKENS], 1 <= prompt_lookup_min <= prompt_lookup_max (one given: the other equals it;
+    neither: 5, vLLM's rule). A ValueError names the key and the value."""
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"speculative_config={text!r} is not JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"speculative_config={text!r} must be a JSON object")
+    known = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+    unknown = sorted(set(spec) - set(known))
+    if unknown:
+        raise ValueError(f"speculative_config has unknown keys {unknown}: the keys are {list(known)}")
+    method = spec.get("method")
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(
+            f"speculative_config method={method!r} is not supported: the methods are {SPECULATIVE_METHODS}"
+        )
+    k = spec.get("num_speculative_tokens")
+    if type(k) is not int or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(
+            f"speculative_config num_speculative_tokens={k!r} is invalid: must be an integer in "
+            f"[1, {MAX_SPECULATIVE_TOKENS}]"
+        )
+    low, high = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
+    low, high = (low or high or 5), (high or low or 5)
+    for name, n in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+        if type(n) is not int or not 1 <= n <= 64:
+            raise ValueError(f"speculative_config {name}={n!r} is invalid: must be an integer in [1, 64]")
+    if low > high:
+        raise ValueError(f"speculative_config prompt_lookup_min={low} is above prompt_lookup_max={high}")
+    return {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": low, "prompt_lookup_max": high}

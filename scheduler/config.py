@@ -29,6 +29,11 @@ class SchedulerConfig:
     # samples to the ranks that do not sample (CachedRequestData.new_token_ids).
     pipeline_parallel_size: int
     max_loras: int  # LoRA adapters one step may use (the ranks' resident slots); 0: LoRA off
+    # Speculative decoding (prompt lookup): up to this many proposed tokens per request and step (0: off), from
+    # matches of the request's last prompt_lookup_max..prompt_lookup_min tokens (scheduler/ngram.py).
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
 
 
 @dataclass(slots=True)
@@ -47,3 +52,9 @@ class SchedulerStats:
     host_prefix_cache_hits: int = 0  # tokens, of prefix_cache_hits, that came from the host tier
     num_blocks_swapped_out: int = 0  # device -> host copies since start (preemption and evicted hashed blocks)
     num_blocks_swapped_in: int = 0  # host -> device copies since start
+    # Speculative decoding, since start: steps that verified proposals (one per request), proposed tokens, accepted
+    # ones, and accepted ones by position in their proposal (vLLM's vllm:spec_decode_* counters)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] | None = None

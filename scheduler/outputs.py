@@ -66,6 +66,10 @@ class SchedulerOutput:
     ``finished_req_ids`` (finished or aborted since the last step) and
     ``preempted_req_ids`` tell workers whose state to drop or park.
 
+    A request with proposals (``scheduled_spec_decode_tokens``) is scheduled for
+    its last token and its k proposed ones, and samples iff its computed count
+    then reaches its token count plus k.
+
     ``blocks_to_swap_out`` are (device block, host block) pairs and
     ``blocks_to_swap_in`` (host block, device block) pairs. Every rank applies
     all swap-outs, then all swap-ins, then the forward: a swap-out reads a
@@ -83,6 +87,9 @@ class SchedulerOutput:
     step_id: int = 0
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: a request's proposed tokens, scheduled after its last token (1 + k tokens this step);
+    # the ranks verify them and sample the token that follows the accepted ones.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -109,12 +116,19 @@ class ModelRunnerOutput:
     asking for them to the entries of the prompt tokens its chunk predicted
     this step (token p given tokens < p, in order, each returned once). ``pooled`` maps each embedding request
     (``SamplingParams.pooling``) whose prompt this step completed to its embedding; it samples nothing.
+
+    Speculative decoding: ``num_accepted_tokens[i]`` (None when no request had
+    proposals) is how many of request i's proposed tokens were accepted; its new
+    tokens are those proposals followed by ``sampled_token_ids[i]``, and
+    ``accepted_logprobs[i]`` (with ``logprobs``) are the accepted ones' entries.
     """
 
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[SampledLogprobs | None] | None = None
     prompt_logprobs: dict[str, list[SampledLogprobs]] | None = None
+    num_accepted_tokens: list[int] | None = None
+    accepted_logprobs: list[list[SampledLogprobs]] | None = None
     pooled: dict[str, list[float]] | None = None
 
 

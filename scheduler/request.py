@@ -279,9 +279,11 @@ class Request:
 
     Invariants the scheduler relies on:
     - ``num_tokens == len(prompt_token_ids) + len(output_token_ids)`` and
-      ``0 <= num_computed_tokens <= num_tokens + num_output_placeholders``: the
-      tokens of steps in flight are computed (scheduled) before the scheduler
-      knows their ids; the workers know them (they append their own samples).
+      ``0 <= num_computed_tokens <= num_tokens + num_output_placeholders +
+      len(spec_token_ids)``: the tokens of steps in flight are computed
+      (scheduled) before the scheduler knows their ids; the workers know them
+      (they append their own samples). Proposed tokens count as computed until
+      the step returns, which rolls the count back over the rejected ones.
     - ``block_hashes[i]`` is the chained hash of full block i of ``all_token_ids``;
       it is extended incrementally by ``append_output_token`` so that hashing costs
       O(block_size) per filled block, never O(context).
@@ -314,6 +316,7 @@ class Request:
         "num_output_placeholders",
         "queued_s",
         "prompt_logprobs",
+        "spec_token_ids",
     )
 
     def __init__(
@@ -370,6 +373,8 @@ class Request:
         # workers already hold them, so the request's next position to compute is one past its known tokens.
         self.num_output_placeholders = 0
         self.prompt_logprobs: list = []  # SampledLogprobs of prompt tokens 1.., until the first output carries them
+        # Proposed tokens the step in flight verifies (speculative decoding): computed, not yet known to be tokens.
+        self.spec_token_ids: list[int] = []
         self.extend_block_hashes()
 
     @property

@@ -9,6 +9,7 @@ import time
 from scheduler.block_hash import BlockHash
 from scheduler.config import SchedulerConfig, SchedulerStats
 from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.ngram import NgramProposer
 from scheduler.outputs import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -81,6 +82,26 @@ class Scheduler:
     - a token applied by ``update_from_output`` is kept in ``unsent`` and sent
       with the request's next step (``CachedRequestData.new_token_ids``) to the
       ranks that do not sample.
+
+    Speculative decoding (``num_speculative_tokens`` k > 0): a decoding request
+    may carry up to k proposed tokens (prompt lookup, ``NgramProposer``):
+    - it is scheduled for its last token and its proposals (1 + k tokens, within
+      the budget, their slots allocated as lookahead), and its computed count
+      counts the proposals until the step returns. The step's output says how
+      many were accepted; the count rolls back over the rejected ones, whose
+      slots the next step overwrites. A block filled only by rejected tokens has
+      no hash (hashes cover known tokens) and lies past the computed count, so
+      it is never cached; the block stays in the table for the next step;
+    - proposals are made from the request's known tokens, so a request that
+      may get them (``_speculable``) is not scheduled while a step in flight
+      samples it (as with pipelining): its placeholder is one per step, not k,
+      and it is never in two steps in flight. Other requests run as before;
+    - only requests whose sampling does not depend on the position in the run
+      get proposals (no penalties, bad words, min_tokens, structured outputs,
+      seeds of sampled requests): the ranks verify every position with the
+      same processed distribution, so the output is exactly the target's, and
+      a seeded request's random stream is the one it has without speculation;
+    - proposals never reach past max_tokens or max_model_len.
     """
 
     def __init__(self, config: SchedulerConfig, eos_token_id: int | None = None) -> None:
@@ -107,6 +128,11 @@ class Scheduler:
         self.num_steps = 0
         self.last_num_scheduled_tokens = 0
         self.last_num_admitted = 0
+        self.num_spec = config.num_speculative_tokens
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if self.num_spec else None
+        self.spec_tokens: dict[str, list[int]] = {}  # this step's proposals by request id
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted = 0
+        self.spec_accepted_per_pos = [0] * self.num_spec
 
     # ---- requests in and out -------------------------------------------------
 
@@ -271,6 +297,10 @@ class Scheduler:
             host_prefix_cache_hits=self.kv.host_prefix_cache_hits,
             num_blocks_swapped_out=self.kv.num_blocks_swapped_out,
             num_blocks_swapped_in=self.kv.num_blocks_swapped_in,
+            spec_decode_num_drafts=self.spec_num_drafts,
+            spec_decode_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_num_accepted,
+            spec_decode_num_accepted_tokens_per_pos=list(self.spec_accepted_per_pos) if self.num_spec else None,
         )
 
     # ---- one step ----------------------------------------------------------------
@@ -282,6 +312,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         cached = CachedRequestData()
         preempted: list[Request] = []
+        self.spec_tokens = {}
         if self.pipelined:
             live = len(self.running) + len(self.waiting) + len(self.swapped)
             self.step_cap = min(config.max_num_seqs, -(-live // config.pipeline_parallel_size))
@@ -313,6 +344,7 @@ class Scheduler:
             self.num_steps,
             swap_out,
             swap_in,
+            self.spec_tokens,
         )
 
     def _add_placeholders(self, num_scheduled: dict[str, int]) -> dict[str, Request]:
@@ -323,7 +355,8 @@ class Scheduler:
         step = {}
         for req_id in num_scheduled:
             request = step[req_id] = requests[req_id]
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+            sampled_at = request.num_tokens + request.num_output_placeholders + len(request.spec_token_ids)
+            if request.num_computed_tokens == sampled_at:
                 request.num_output_placeholders += 1
         return step
 
@@ -344,15 +377,18 @@ class Scheduler:
         req_to_blocks = self.kv.req_to_blocks
         running = self.running
         step_cap, pipelined = self.step_cap, self.pipelined
+        proposer, spec_tokens = self.proposer, self.spec_tokens
         i = 0
         while i < len(running) and budget > 0 and len(num_scheduled) < step_cap:
             request = running[i]
             req_id = request.request_id
             num_tokens = len(request.all_token_ids)
             placeholders = request.num_output_placeholders
+            speculable = proposer is not None and _speculable(request.sampling_params)
             if placeholders:
                 if (
                     pipelined
+                    or speculable
                     or len(request.output_token_ids) + placeholders >= request.sampling_params.max_tokens
                     or num_tokens + placeholders >= max_model_len
                 ):
@@ -365,17 +401,21 @@ class Scheduler:
                 num_new = threshold
             if num_new > budget:
                 num_new = budget
-            if num_computed + num_new <= len(req_to_blocks[req_id]) * block_size:
+            drafts = self._propose(request, budget) if speculable and num_computed + 1 == num_tokens else ()
+            if num_computed + num_new + len(drafts) <= len(req_to_blocks[req_id]) * block_size:
                 new_block_ids = []  # the last block still has room
             else:
                 new_blocks, freed_budget, num_unscheduled = self._allocate_preempting(
-                    request, num_new, num_scheduled, cached, preempted
+                    request, num_new, num_scheduled, cached, preempted, len(drafts)
                 )
                 budget += freed_budget
                 i -= num_unscheduled  # victims scheduled earlier in this loop sat before index i
                 if new_blocks is None:
                     continue
                 new_block_ids = [b.block_id for b in new_blocks]
+            if drafts:
+                spec_tokens[req_id] = request.spec_token_ids = drafts
+                num_new += len(drafts)
             num_scheduled[req_id] = num_new
             budget -= num_new
             cached_req_ids.append(req_id)
@@ -386,6 +426,17 @@ class Scheduler:
             i += 1
         return budget
 
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Up to k proposed tokens for a decoding request, within the step's budget (its last token takes one)
+        and short of max_tokens and max_model_len (the token sampled after the accepted ones needs room too)."""
+        max_k = min(
+            self.num_spec,
+            budget - 1,
+            request.sampling_params.max_tokens - len(request.output_token_ids) - 1,
+            self.config.max_model_len - request.num_tokens - 1,
+        )
+        return self.proposer.propose(request, max_k) if max_k > 0 else []
+
     def _allocate_preempting(
         self,
         request: Request,
@@ -393,12 +444,13 @@ class Scheduler:
         num_scheduled: dict[str, int],
         cached: CachedRequestData,
         preempted: list[Request],
+        num_lookahead: int = 0,
     ) -> tuple[list | None, int, int]:
-        """Blocks for ``num_new`` more tokens of ``request``, preempting the policy's victims until they fit; None
-        when ``request`` itself was the victim. Also returns the budget the victims had been given this step and
-        how many of them had been scheduled already."""
+        """Blocks for ``num_new`` more tokens of ``request`` (and ``num_lookahead`` proposed ones), preempting the
+        policy's victims until they fit; None when ``request`` itself was the victim. Also returns the budget the
+        victims had been given this step and how many of them had been scheduled already."""
         freed_budget = num_unscheduled = 0
-        new_blocks = self.kv.allocate_slots(request, num_new)
+        new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=num_lookahead)
         while new_blocks is None:
             victim = self.waiting.pick_victim(self.running)
             if victim.request_id in num_scheduled:
@@ -408,7 +460,7 @@ class Scheduler:
             preempted.append(victim)
             if victim is request:
                 break
-            new_blocks = self.kv.allocate_slots(request, num_new)
+            new_blocks = self.kv.allocate_slots(request, num_new, num_lookahead_tokens=num_lookahead)
         return new_blocks, freed_budget, num_unscheduled
 
     def _schedule_waiting(
@@ -524,6 +576,8 @@ class Scheduler:
         """Take back a request already scheduled this step (a priority victim); returns its tokens."""
         j = cached.req_ids.index(request.request_id)
         request.num_computed_tokens = cached.num_computed_tokens[j]
+        if self.spec_tokens.pop(request.request_id, None) is not None:
+            request.spec_token_ids = []
         for column in (
             cached.req_ids,
             cached.resumed_from_preemption,
@@ -577,9 +631,15 @@ class Scheduler:
         max_model_len = self.config.max_model_len
         finished = RequestStatus.FINISHED_STOPPED
         deferred = self.deferred
+        num_accepted = runner_output.num_accepted_tokens
         for i, (req_id, token) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             request = step[req_id]
             request.num_output_placeholders -= 1
+            if request.spec_token_ids:
+                out = self._apply_verified(request, token, num_accepted[i], runner_output, i)
+                if out is not None:
+                    append_out(out)
+                continue
             if request.status >= finished:
                 continue  # aborted, or stopped by an earlier step's token: this one is past its end
             request.append_output_token(token)
@@ -626,6 +686,63 @@ class Scheduler:
             if request.status == running:
                 cache_blocks(request)
         return outputs
+
+    def _apply_verified(
+        self, request: Request, token: int, num_accepted: int, runner_output: ModelRunnerOutput, i: int
+    ) -> RequestOutput | None:
+        """A request's verified proposals: its computed count rolls back over the rejected ones, then the accepted
+        ones and the sampled token are applied one by one, each checked against the stop rules (those after a stop
+        are dropped). None when the request had finished before the step returned."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += len(drafts)
+        self.spec_num_accepted += num_accepted
+        for pos in range(num_accepted):
+            self.spec_accepted_per_pos[pos] += 1
+        if request.num_computed_tokens:  # 0: preempted by recompute meanwhile, nothing computed is left
+            request.num_computed_tokens -= len(drafts) - num_accepted
+        if request.is_finished:
+            return None
+        tokens = drafts[:num_accepted] + [token]
+        entries = None
+        if runner_output.logprobs is not None and runner_output.logprobs[i] is not None:
+            entries = runner_output.accepted_logprobs[i] + [runner_output.logprobs[i]]
+        status = None
+        for j, t in enumerate(tokens):
+            request.append_output_token(t)
+            status = _stop_status(request, t, self.config.max_model_len)
+            if status is not None:
+                tokens = tokens[: j + 1]
+                break
+        entries = None if entries is None else entries[: len(tokens)]
+        req_id = request.request_id
+        if status is None:
+            if self.deferred and req_id in self.deferred:
+                self._release_deferred(request)
+            out = RequestOutput(request.parent_id or req_id, request.index, tokens, False, None, entries)
+        else:
+            if request.status == RequestStatus.RUNNING:
+                self.kv.cache_computed_blocks(request)
+            out = self._finish(request, status)
+            out.new_token_ids, out.new_logprobs = tokens, entries
+        if request.sampling_params.prompt_logprobs is not None and len(request.output_token_ids) == len(tokens):
+            out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
+        return out
+
+
+def _speculable(params: SamplingParams) -> bool:
+    """Whether a request may carry proposals: its sampling at each position of a run must depend on nothing the
+    run itself changes (the ranks verify every position with one processed distribution), and a seeded sampled
+    request keeps the random stream it has without speculation."""
+    return (
+        params.repetition_penalty == 1.0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.min_tokens == 0
+        and not params.bad_words_token_ids
+        and params.structured_outputs is None
+        and (params.seed is None or params.greedy)
+    )
 
 
 def _stop_status(request: Request, token: int, max_model_len: int) -> RequestStatus | None:

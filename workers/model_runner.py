@@ -93,7 +93,7 @@ class ModelRunner:
         self.decode_sizes = sorted(decode_sizes or [])
         max_reqs = max(max_num_seqs, *self.decode_sizes, 1)
         self.buffers = InputBuffers(max(max_num_batched_tokens, max_reqs), max_reqs, self.max_blocks_per_req, device)
-        self.sampled_host = torch.zeros(max_reqs, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.sampled_host = torch.zeros(2 * max_reqs, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     # ---- applying the diff ------------------------------------------------------
@@ -172,6 +172,9 @@ class ModelRunner:
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
         num_new = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
+        spec = so.scheduled_spec_decode_tokens
+        if spec:  # before the input ids are gathered from the rows
+            self._write_drafts(states, spec)
         buf = self.buffers.writable()
         cu = buf["query_start_loc"]
         cu[0] = 0
@@ -188,6 +191,8 @@ class ModelRunner:
         bs = self.block_size
         buf["slot_mapping"][:total] = block_tables[token_req, positions // bs].astype(np.int64) * bs + positions % bs
         num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
+        if spec:
+            num_tokens += np.fromiter((len(spec.get(s.req_id, ())) for s in states), dtype=np.int64, count=num_reqs)
         sampling = np.nonzero(seq_lens == num_tokens)[0]
         prompt_spans, pool_spans = [], []
         for i, s in enumerate(states):
@@ -199,14 +204,22 @@ class ModelRunner:
                 pool_spans.append((s, int(cu[i]), int(num_new[i]), int(starts[i]), done))
         if pool_spans:  # an embedding request samples nothing: no logits
             sampling = sampling[[states[i].sampling_params.pooling is None for i in sampling]]
-        buf["logits_indices"][: len(sampling)] = cu[1 : num_reqs + 1][sampling] - 1
+        ends = cu[1 : num_reqs + 1][sampling]
+        num_drafts = draft_ids = None
+        if spec:
+            num_drafts, draft_ids, index = self._draft_rows([states[i] for i in sampling], spec, ends)
+            num_logits = len(index)
+            buf["logits_indices"][:num_logits] = index
+        else:
+            num_logits = len(sampling)
+            buf["logits_indices"][:num_logits] = ends - 1
         if self.lora is not None:
             self.lora.set_step([s.lora_name for s in states], num_new, self.device)
         graph_size = self._decode_size(num_reqs, total)
         if graph_size:
             self._pad_decode(num_reqs, graph_size)
             num_reqs = total = graph_size
-        dev = self.buffers.upload(total, num_reqs, len(sampling))
+        dev = self.buffers.upload(total, num_reqs, num_logits)
         md = AttentionMetadata.build(
             query_start_loc=dev["query_start_loc"],
             seq_lens=dev["seq_lens"],
@@ -225,7 +238,31 @@ class ModelRunner:
             graph_size,
             prompt_spans,
             pool_spans,
+            num_drafts,
+            draft_ids,
         )
+
+    def _write_drafts(self, states: list[CachedRequestState], spec: dict[str, list[int]]) -> None:
+        """Each proposal into its request's row after its tokens (the step's input ids there). Accepted ones
+        stay, as they become tokens; rejected ones are overwritten by the tokens that follow."""
+        for state in states:
+            drafts = spec.get(state.req_id)
+            if drafts:
+                self.token_ids[state.row, state.num_tokens : state.num_tokens + len(drafts)] = drafts
+
+    def _draft_rows(
+        self, states: list[CachedRequestState], spec: dict[str, list[int]], ends: np.ndarray
+    ) -> tuple[list[int], torch.Tensor, np.ndarray]:
+        """The logits rows of a step with proposals: 1 + k per sampling request (its last k + 1 positions), the
+        proposal each verifies (-1: none), and their positions in the batch."""
+        num_drafts = [len(spec.get(s.req_id, ())) for s in states]
+        counts = np.array(num_drafts, dtype=np.int64) + 1
+        starts = np.repeat(np.cumsum(counts) - counts, counts)
+        index = np.repeat(ends - counts, counts) + np.arange(int(counts.sum())) - starts
+        draft_ids = np.full(len(index), -1, dtype=np.int64)
+        for s, start, k in zip(states, starts[np.cumsum(counts) - counts], num_drafts):
+            draft_ids[start : start + k] = spec[s.req_id] if k else []
+        return num_drafts, torch.from_numpy(draft_ids).to(self.device, non_blocking=True), index
 
     def _decode_size(self, num_reqs: int, num_tokens: int) -> int:
         """The padded size of a decode-only step that fits a captured size, else 0."""
@@ -242,17 +279,20 @@ class ModelRunner:
         buf["query_start_loc"][start + 1 : end + 1] = np.arange(start + 1, end + 1)
 
     def prepare_sampling(
-        self, states: list[CachedRequestState]
+        self, states: list[CachedRequestState], rows_of: list[CachedRequestState]
     ) -> tuple[SamplingMetadata, torch.Tensor | None, torch.Tensor | None]:
-        """The step's sampling metadata, and which sampled rows (and runner rows) count for penalties."""
-        params = [s.sampling_params for s in states]
+        """The step's sampling metadata over its logits rows (``rows_of[r]``: row r's request; with proposals a
+        request has several), and which sampled requests (and runner rows) count for penalties (requests with
+        penalties never have proposals)."""
         penalized = [i for i, s in enumerate(states) if s.penalized]
+        params = [s.sampling_params for s in rows_of]
         penalties = index = rows = None
         if penalized:
             index = torch.tensor(penalized).to(self.device, non_blocking=True)
             rows = torch.tensor([states[i].row for i in penalized]).to(self.device, non_blocking=True)
-            all_rows = torch.tensor([s.row for s in states]).to(self.device, non_blocking=True)
+            all_rows = torch.tensor([s.row for s in rows_of]).to(self.device, non_blocking=True)
             penalties = self.penalty_state.penalties(params, all_rows)
+        states = rows_of
         md = SamplingMetadata.build(
             params,
             [s.generator for s in states],
@@ -288,7 +328,10 @@ class ModelRunner:
             return ModelRunnerOutput([], []) if self.is_driver else None
         inputs = self.prepare_inputs(so)
         states = inputs.sampling_states
-        sampling = self.prepare_sampling(states) if self.is_driver and states else None
+        rows_of = states
+        if inputs.num_drafts is not None:
+            rows_of = [s for s, k in zip(states, inputs.num_drafts) for _ in range(k + 1)]
+        sampling = self.prepare_sampling(states, rows_of) if self.is_driver and states else None
         hidden = self.forward(inputs)
         if hidden is None:
             return None
@@ -297,22 +340,37 @@ class ModelRunner:
         pooled = self._pool(hidden, inputs.pool_spans) if inputs.pool_spans and self.is_driver else None
         if not states:
             return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs, pooled=pooled) if self.is_driver else None
-        sampled = logprobs = None
+        sampled = logprobs = accepted_logprobs = None
+        num_drafts = inputs.num_drafts
         if self.is_driver:
             smd, penalized, penalized_rows = sampling
-            constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+            constrained = [i for i, s in enumerate(rows_of) if s.matcher is not None]
             if constrained:  # filled on the host while the device runs the forward
-                smd.grammar = self.grammar.fill([states[i].matcher for i in constrained], constrained, len(states))
-            sampled, logprobs = self.sampler(logits.float(), smd)
+                matchers = [rows_of[i].matcher for i in constrained]
+                smd.grammar = self.grammar.fill(matchers, constrained, len(rows_of))
+            if num_drafts is None:
+                sampled, logprobs = self.sampler(logits.float(), smd)
+            else:  # [S, 2]: (token, accepted proposals), flattened for the one broadcast and transfer
+                sampled, logprobs, accepted_logprobs = self.sampler.verify(
+                    logits.float(), smd, inputs.draft_ids, num_drafts
+                )
+                sampled = sampled.flatten()
             if penalized is not None:
-                self.penalty_state.count(penalized_rows, sampled.index_select(0, penalized))
+                tokens = sampled if num_drafts is None else sampled[0::2]
+                self.penalty_state.count(penalized_rows, tokens.index_select(0, penalized))
         if self.pipelined and not self.is_driver:
             return None
-        token_ids = self._to_host(self._share(sampled, len(states)))
-        self._append(states, token_ids)
+        width = 1 if num_drafts is None else 2
+        token_ids = self._to_host(self._share(sampled, width * len(states)))
+        num_accepted = None
+        if num_drafts is not None:
+            token_ids, num_accepted = token_ids[0::2], token_ids[1::2]
+        self._append(states, token_ids, num_accepted)
         if not self.is_driver:
             return None
-        return ModelRunnerOutput([s.req_id for s in states], token_ids, logprobs, prompt_logprobs, pooled)
+        return ModelRunnerOutput(
+            [s.req_id for s in states], token_ids, logprobs, prompt_logprobs, num_accepted, accepted_logprobs, pooled
+        )
 
     def _share(self, sampled: torch.Tensor | None, num_sampled: int) -> torch.Tensor:
         """Rank 0's sampled ids (``sampled``, None on the other ranks), on every rank: one broadcast of an int64
@@ -324,11 +382,17 @@ class ModelRunner:
         dist.broadcast(sampled, src=0)
         return sampled
 
-    def _append(self, states: list[CachedRequestState], token_ids: list[int]) -> None:
-        """Each sampling request's new token, into its row and outputs, and into its matcher (a stopped
-        matcher takes nothing more: a token sampled after it stopped is past the request's end)."""
+    def _append(
+        self, states: list[CachedRequestState], token_ids: list[int], num_accepted: list[int] | None = None
+    ) -> None:
+        """Each sampling request's new token (after its accepted proposals, already in its row), into its row and
+        outputs, and into its matcher (a stopped matcher takes nothing more: a token sampled after it stopped is
+        past the request's end; a constrained request never has proposals)."""
         rows = self.token_ids
-        for state, token in zip(states, token_ids):
+        for i, (state, token) in enumerate(zip(states, token_ids)):
+            if num_accepted is not None and num_accepted[i]:
+                start = state.num_tokens
+                state.output_token_ids.extend(rows[state.row, start : start + num_accepted[i]].tolist())
             rows[state.row, state.num_tokens] = token
             state.output_token_ids.append(token)
             if state.matcher is not None and not state.matcher.is_stopped():

@@ -75,7 +75,7 @@ _BUFFERS = {  # name: (dtype, sized by tokens (T), requests (R), R + 1, or R x b
     "query_start_loc": (torch.int32, "R+1"),
     "seq_lens": (torch.int32, "R"),
     "block_tables": (torch.int32, "RxB"),
-    "logits_indices": (torch.int64, "R"),
+    "logits_indices": (torch.int64, "T"),  # one per sampling request, or 1 + k with k proposals
 }
 
 
@@ -153,3 +153,7 @@ class StepInputs:
     prompt_spans: list[tuple[CachedRequestState, int, int, int]]  # (state, first position, count, batch index)
     # embedding requests: (state, batch index of the chunk's first token, tokens, first position, prompt done)
     pool_spans: list[tuple[CachedRequestState, int, int, int, bool]]
+    # Speculative decoding (None in a step without proposals): sampling request i has num_drafts[i] proposals
+    # and 1 + num_drafts[i] logits rows; draft_ids (device) holds the proposal each row verifies, -1 on the last.
+    num_drafts: list[int] | None = None
+    draft_ids: torch.Tensor | None = None

@@ -1,4 +1,4 @@
-"""Batched token sampling: penalties, temperature, min-p, top-k, top-p, seeds, logprobs.
+"""Batched token sampling: penalties, temperature, min-p, top-k, top-p, seeds, logprobs; verification of proposals.
 
 The model runner builds one ``SamplingMetadata`` per step (Python lists to
 tensors, once, before it queues the forward); penalties read a ``PenaltyState`` the
@@ -273,6 +273,59 @@ class Sampler:
         if raw_logprobs is None:
             return sampled, None
         return sampled, _logprobs_out(raw_logprobs, sampled, metadata)
+
+    def verify(
+        self, logits: Tensor, metadata: SamplingMetadata, draft_ids: Tensor, num_drafts: list[int]
+    ) -> tuple[Tensor, list[SampledLogprobs | None] | None, list[list[SampledLogprobs]] | None]:
+        """Speculative decoding: accept a prefix of each request's proposals and sample the token after it.
+
+        Request i has ``num_drafts[i] + 1`` consecutive rows (its logits at its last token and at each proposal);
+        ``draft_ids[r]`` is the proposal row r verifies, -1 on a request's last row (and on requests without
+        proposals, which have one row and are sampled as ``__call__`` samples them). Every row's distribution is
+        the request's fully processed one (``process_logits``: every sampling feature applied), so:
+        - greedy rows accept while the argmax is the proposal; the token after is that row's argmax;
+        - sampled rows accept proposal t with probability p(t) (rejection sampling with a one-hot draft
+          distribution q: min(1, p/q)); the first rejected row samples from p with t removed, renormalized
+          (the residual max(0, p - q)), and a request that accepted all samples its last row from p. The
+          output is distributed exactly as p's, position by position.
+        Returns, per request, [its sampled token, its number of accepted proposals] as an [S, 2] tensor, the
+        sampled tokens' logprob entries, and each request's accepted proposals' entries (the model's own
+        distribution, as ``__call__`` reports it), both None when nobody asked for logprobs.
+        """
+        raw_logprobs = None if metadata.max_num_logprobs is None else logits.log_softmax(-1)
+        logits = self.process_logits(logits, metadata)
+        has_draft = draft_ids >= 0
+        drafts = draft_ids.clamp_min(0).unsqueeze(1)
+        greedy_ids = logits.argmax(-1) if metadata.all_greedy or metadata.greedy is not None else None
+        if metadata.all_greedy:
+            candidates, accept = greedy_ids, has_draft & (greedy_ids == draft_ids)
+        else:
+            probs = logits.softmax(-1)
+            p_draft = probs.gather(1, drafts).squeeze(1)
+            accept = has_draft & (torch.rand_like(p_draft) < p_draft)
+            # The residual: p without the proposal (the race needs no normalising: argmax(p / q) is scale-free).
+            residual = probs.scatter_(1, drafts, torch.where(has_draft, 0.0, p_draft).unsqueeze(1))
+            candidates = _exponential_race(residual, metadata.generators)
+            if metadata.greedy is not None:
+                candidates = torch.where(metadata.greedy, greedy_ids, candidates)
+                accept = torch.where(metadata.greedy, has_draft & (greedy_ids == draft_ids), accept)
+        # A request's accepted count is the offset of its first row that does not accept (its last row never does).
+        counts = torch.tensor(num_drafts) + 1
+        group = torch.repeat_interleave(torch.arange(len(num_drafts)), counts).to(logits.device, non_blocking=True)
+        first = (torch.cumsum(counts, 0) - counts).to(logits.device, non_blocking=True)
+        offset = torch.arange(logits.shape[0], device=logits.device) - first[group]
+        stop = torch.where(accept, logits.shape[0], offset)
+        num_accepted = torch.full_like(first, logits.shape[0]).scatter_reduce_(0, group, stop, "amin")
+        final_rows = first + num_accepted
+        sampled = candidates[final_rows]
+        out = torch.stack([sampled, num_accepted], 1)
+        if raw_logprobs is None:
+            return out, None, None
+        chosen = torch.where(has_draft, draft_ids, candidates).index_put_((final_rows,), sampled)
+        entries = _logprobs_out(raw_logprobs, chosen, metadata)
+        first_l, accepted_l = first.tolist(), num_accepted.tolist()
+        accepted_entries = [entries[f : f + a] for f, a in zip(first_l, accepted_l)]
+        return out, [entries[f + a] for f, a in zip(first_l, accepted_l)], accepted_entries
 
     def process_logits(self, logits: Tensor, metadata: SamplingMetadata) -> Tensor:
         """The logits random rows sample from (greedy rows: the logits they argmax)."""

@@ -28,6 +28,7 @@ def add_parser(sub) -> None:
         _embed,
         _soak,
         _serve,
+        _spec,
     ):
         add(bench_sub)
 
@@ -47,6 +48,31 @@ def _scheduler(sub) -> None:
         from cluster.bench.scheduler import bench_scheduler
 
         bench_scheduler(tuple(args.sizes), args.prompt_len, args.block_size, args.steps)
+
+    p.set_defaults(run=run)
+
+
+def _spec(sub) -> None:
+    p = sub.add_parser(
+        "spec",
+        help="speculative decoding (n-gram) against none: copy-heavy and chat workloads, TPOT, tok/s, acceptance",
+    )
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--max-tokens", type=int, default=64)
+    add_engine_flags(p)
+
+    def run(args: argparse.Namespace) -> None:
+        from cluster.bench.spec import bench_spec
+
+        bench_spec(
+            getattr(args, "model", None),
+            tuple(args.concurrency),
+            args.max_tokens,
+            getattr(args, "speculative_config", None),
+            args.executor,
+            getattr(args, "address", None),
+            **engine_kwargs(args, exclude=("model", "speculative_config")),
+        )
 
     p.set_defaults(run=run)
 

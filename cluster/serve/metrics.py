@@ -182,8 +182,17 @@ class ServeMetrics:
                 ("vllm_cpu_prefix_cache_hits", "Prefix-cache hits (tokens) served from the host tier."),
                 ("raylm_kv_blocks_swapped_out", "KV blocks copied from the device to the host tier."),
                 ("raylm_kv_blocks_swapped_in", "KV blocks copied from the host tier to the device."),
+                ("vllm_spec_decode_num_drafts", "Speculative decoding: proposals verified (one per request and step)."),
+                ("vllm_spec_decode_num_draft_tokens", "Speculative decoding: proposed tokens."),
+                ("vllm_spec_decode_num_accepted_tokens", "Speculative decoding: accepted proposed tokens."),
             )
         ]
+        self.accepted_per_pos = _counter(
+            "vllm_spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: accepted proposed tokens, by position in their proposal.",
+            ("position",),
+        )
+        self.accepted_per_pos_totals: list[int] = []
         self.info = info = Gauge(
             "vllm_cache_config_info",
             "The KV cache's configuration, in labels (value 1).",
@@ -206,6 +215,7 @@ class ServeMetrics:
             info,
             *self.engine_gauges,
             *self.engine_counters,
+            self.accepted_per_pos,
         ]:
             metric.set_default_tags(tags)
         self.cache_config = cache_config
@@ -249,11 +259,20 @@ class ServeMetrics:
             s.host_prefix_cache_hits,
             s.num_blocks_swapped_out,
             s.num_blocks_swapped_in,
+            s.spec_decode_num_drafts,
+            s.spec_decode_num_draft_tokens,
+            s.spec_decode_num_accepted_tokens,
         )
         for i, (counter, total) in enumerate(zip(self.engine_counters, totals, strict=True)):
             if total > self.engine_totals[i]:
                 counter.inc(total - self.engine_totals[i])
                 self.engine_totals[i] = total
+        per_pos = s.spec_decode_num_accepted_tokens_per_pos or []
+        self.accepted_per_pos_totals += [0] * (len(per_pos) - len(self.accepted_per_pos_totals))
+        for pos, total in enumerate(per_pos):
+            if total > self.accepted_per_pos_totals[pos]:
+                self.accepted_per_pos.inc(total - self.accepted_per_pos_totals[pos], tags={"position": str(pos)})
+                self.accepted_per_pos_totals[pos] = total
 
 
 def node_metrics_port() -> int:

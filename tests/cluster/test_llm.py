@@ -489,3 +489,25 @@ def test_offline_json_schemas_are_closed_as_the_server_closes_them(smol):
     out = llm.generate([ids], params, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop", out.text
     City.model_validate_json(out.text)
+
+
+def test_greedy_matches_transformers_with_ngram_speculation(smol, default_model_dir):
+    """Proposals on the Ray engine (async scheduling), with chunked prefill, preemption, the prefix cache and
+    n=2 (the second round): token for token transformers'."""
+    _, ids, expected = smol
+    block_bytes = ray.get(smol[0].engine.workers[0].call.remote("block_bytes"))
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(
+        model=default_model_dir, speculative_config=spec, max_num_batched_tokens=48, kv_cache_bytes=block_bytes * 24
+    )
+    try:
+        assert_same(llm.generate(ids, greedy(), use_tqdm=False), expected)
+        stats = llm.engine.stats()
+        assert stats.num_preemptions > 0 and stats.spec_decode_num_accepted_tokens > 0
+        for out, want in zip(llm.generate(ids, greedy(n=2), use_tqdm=False), expected):
+            assert [c.token_ids for c in out.outputs] == [want, want]
+        after = llm.engine.stats()
+        assert after.prefix_cache_hits > stats.prefix_cache_hits
+        assert sum(after.spec_decode_num_accepted_tokens_per_pos) == after.spec_decode_num_accepted_tokens
+    finally:
+        llm.shutdown()

@@ -17,6 +17,9 @@ TEST_DEFAULTS = dict(
     swap_cost_per_block=1.0,
     pipeline_parallel_size=1,
     max_loras=0,
+    num_speculative_tokens=0,
+    prompt_lookup_min=1,
+    prompt_lookup_max=1,
 )
 
 

@@ -88,23 +88,34 @@ class FakeWorker:
                 st.token_ids.extend(cached.new_token_ids[i])
         req_ids, sampled = [], []
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+        num_accepted = []
         for rid, n in so.num_scheduled_tokens.items():
             st = self.states[rid]
             assert n >= 1
+            drafts = so.scheduled_spec_decode_tokens.get(rid, [])
+            tokens = st.token_ids + drafts
             start = st.num_computed_tokens
-            assert start + n <= len(st.token_ids), f"{rid} scheduled past its tokens"
+            assert start + n <= len(tokens), f"{rid} scheduled past its tokens"
             assert len(st.block_ids) * self.block_size >= start + n, f"{rid} has too few blocks"
             self._check_context(rid, st, start)
             for pos in range(start, start + n):
                 blk, off = st.block_ids[pos // self.block_size], pos % self.block_size
-                self.kv[blk][off] = st.token_ids[pos]
+                self.kv[blk][off] = tokens[pos]
             st.num_computed_tokens = start + n
-            if st.num_computed_tokens == len(st.token_ids) and self.samples:
+            if st.num_computed_tokens == len(tokens) and self.samples:
+                # Verification as greedy requests get it: a proposal is accepted while it is the token the
+                # fake samples there; the sample after the accepted ones is the step's token.
+                accepted = 0
+                while accepted < len(drafts) and drafts[accepted] == self.next_token(rid, st):
+                    st.token_ids.append(drafts[accepted])
+                    accepted += 1
                 token = self.next_token(rid, st)
                 st.token_ids.append(token)  # a worker appends its own sample, as the real ranks do
+                st.num_computed_tokens -= len(drafts) - accepted
                 req_ids.append(rid)
                 sampled.append(token)
-        return ModelRunnerOutput(req_ids, sampled)
+                num_accepted.append(accepted)
+        return ModelRunnerOutput(req_ids, sampled, num_accepted_tokens=num_accepted)
 
     def _check_context(self, rid: str, st: FakeState, upto: int) -> None:
         for pos in range(upto):

@@ -15,8 +15,16 @@ deterministic tokens, as a serial run gives. With P > 1 a second fake plays
 a stage before the last: it never samples and takes each request's tokens
 from the steps, so it fails if a token reaches it later than a step needs
 it; no request is in two steps in flight that sample it.
+
+With speculative decoding a proposer makes random proposals (often the fake's
+own next tokens, often not) for the greedy requests; the fake accepts while a
+proposal is its token, so acceptance is random too. Rejected tokens roll the
+computed count back (the fake checks the count the scheduler sends), every
+hashed block still holds exactly its tokens, and the outputs are the serial
+run's.
 """
 
+import random
 from collections import Counter, deque
 
 import pytest
@@ -112,6 +120,21 @@ def check_contents(sched: Scheduler, worker: FakeWorker, block_tokens: dict, req
                 assert content[b.block_id] == block_tokens[b.block_hash], (pool is sched.kv.host_pool, b)
 
 
+class RandomProposer:
+    """Up to max_k proposals, each the fake's next token with probability 0.7, else a random one."""
+
+    def __init__(self, worker: FakeWorker, seed: int) -> None:
+        self.worker, self.rng = worker, random.Random(seed)
+
+    def propose(self, request, max_k: int) -> list[int]:
+        assert max_k >= 1 and request.num_output_placeholders == 0
+        out: list[int] = []
+        for _ in range(self.rng.randint(0, max_k)):
+            right = self.worker.next_token(request.request_id, FakeState(request.all_token_ids + out, [], 0))
+            out.append(right if self.rng.random() < 0.7 else self.rng.randrange(50))
+        return out
+
+
 # host tier: (host blocks, preemption mode, swap cost per block); the first is today's engine
 tiers = st.sampled_from(
     [
@@ -134,9 +157,13 @@ tiers = st.sampled_from(
     threshold=st.sampled_from([0, 5]),
     tier=tiers,
     flight=st.sampled_from([(1, 1), (2, 1), (2, 2), (3, 3)]),  # (steps in flight, pipeline stages)
+    spec=st.sampled_from([0, 0, 3]),  # proposed tokens per step at most
+    spec_seed=st.integers(0, 2**16),
 )
-def test_random_histories_keep_the_pool_consistent(history, policy, caching, threshold, tier, flight):
+def test_random_histories_keep_the_pool_consistent(history, policy, caching, threshold, tier, flight, spec, spec_seed):
     depth, pp = flight
+    if spec:
+        pp = 1  # speculation is refused with pipeline stages
     num_host_blocks, mode, swap_cost = tier
     cfg = scheduler_config(
         NUM_BLOCKS,
@@ -151,11 +178,14 @@ def test_random_histories_keep_the_pool_consistent(history, policy, caching, thr
         preemption_mode=mode,
         swap_cost_per_block=swap_cost,
         pipeline_parallel_size=pp,
+        num_speculative_tokens=spec,
     )
     sched = Scheduler(cfg, eos_token_id=EOS)
     worker = FakeWorker(
         BLOCK, NUM_BLOCKS, vocab_size=50, eos_token_id=EOS, eos_every=11, num_host_blocks=num_host_blocks
     )
+    if spec:
+        sched.proposer = RandomProposer(worker, spec_seed)
     first_stage = FakeWorker(BLOCK, NUM_BLOCKS, num_host_blocks=num_host_blocks, samples=False) if pp > 1 else None
     block_tokens: dict = {}
     admitted: list = []
@@ -223,7 +253,8 @@ def test_random_histories_keep_the_pool_consistent(history, policy, caching, thr
         rid = caller_id(*who)
         n_added += 1
         prompt = prefixes[prefix] + [(n_added + i) % 50 for i in range(length)]
-        params = SamplingParams(max_tokens=max_tokens, n=n, seed=n_added)
+        # Odd ones greedy: with speculation on, they get proposals (a seeded sampled request never does).
+        params = SamplingParams(max_tokens=max_tokens, n=n, seed=n_added, temperature=n_added % 2)
         ids = {rid} if n == 1 else {f"{rid}#{i}" for i in range(n)}
         if rid in live or ids & live_request_ids():
             with pytest.raises(ValueError, match="request_id"):

@@ -1,5 +1,5 @@
-"""The engine's stats as Prometheus series through Ray's metrics export: the host tier's gauges and counters carry
-the scheduler's numbers, and the counters follow the scheduler's totals without double counting."""
+"""The engine's stats as Prometheus series through Ray's metrics export: the host tier's gauges and counters (and
+speculative decoding's) carry the scheduler's numbers, and the counters follow the scheduler's totals without double counting."""
 
 import time
 import uuid
@@ -62,6 +62,10 @@ def test_host_tier_series_carry_the_schedulers_stats(ray_session):
             host_prefix_cache_hits=48,
             num_blocks_swapped_out=7,
             num_blocks_swapped_in=5,
+            spec_decode_num_drafts=3,
+            spec_decode_num_draft_tokens=12,
+            spec_decode_num_accepted_tokens=4,
+            spec_decode_num_accepted_tokens_per_pos=[4],
         )
     )
     # Each series reaches the export on its own flush: wait for all of them, so a late one is not a failure.
@@ -73,6 +77,10 @@ def test_host_tier_series_carry_the_schedulers_stats(ray_session):
             "vllm:cpu_prefix_cache_hits_total": 48,
             "raylm:kv_blocks_swapped_out_total": 7,
             "raylm:kv_blocks_swapped_in_total": 5,
+            "vllm:spec_decode_num_drafts_total": 3,
+            "vllm:spec_decode_num_draft_tokens_total": 12,
+            "vllm:spec_decode_num_accepted_tokens_total": 4,
+            "vllm:spec_decode_num_accepted_tokens_per_pos_total": 4,
         },
     )
     # Totals are cumulative in the scheduler: a second report adds only the growth.

@@ -1,0 +1,107 @@
+"""Speculative decoding on the ranks: greedy output identical with and without proposals (the tiny model, in
+process), and rejection sampling that keeps the target's distribution exactly (a chi-square bound)."""
+
+import pytest
+import torch
+
+from cluster import EngineConfig, SamplingParams
+from cluster.engine.inprocess import InProcessEngine
+from workers.sampler import Sampler, SamplingMetadata
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def run(engine: InProcessEngine, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), p, sp)
+    got: dict = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            entry = got.setdefault((o.request_id, o.index), {"tokens": [], "logprobs": [], "reason": None})
+            entry["tokens"] += o.new_token_ids
+            entry["logprobs"] += [e.logprob for e in o.new_logprobs or ()]
+            entry["reason"] = o.finish_reason
+    return got
+
+
+def test_greedy_output_is_the_same_with_and_without_proposals(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    rng = torch.Generator().manual_seed(3)
+    # Repeated text, so that prompt lookup finds matches; some prompts span several blocks (chunked below).
+    prompts = [
+        ([7, 8, 9, 10, 11] * (2 + i)) + torch.randint(3, 256, (3 + 4 * i,), generator=rng).tolist() for i in range(4)
+    ]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),  # max_tokens inside a run
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, n=2),
+        SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[9]),
+        # Seeded sampling gets no proposals, so its tokens are the same; penalties neither (they change along a run).
+        SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=20, ignore_eos=True),
+    ]
+    prompts += prompts[:2]
+    common = {"model": path, "device": "cpu", "block_size": 8, "max_num_batched_tokens": 24}
+    expected = run(InProcessEngine(EngineConfig(**common)), prompts, params)
+    engine = InProcessEngine(EngineConfig(**common, speculative_config=NGRAM))
+    got = run(engine, prompts, params)
+    assert {k: (v["tokens"], v["reason"]) for k, v in got.items()} == {
+        k: (v["tokens"], v["reason"]) for k, v in expected.items()
+    }
+    for key, entry in got.items():  # the target's logprobs, accepted tokens' included
+        assert entry["logprobs"] == pytest.approx(expected[key]["logprobs"], abs=1e-4)
+    stats = engine.stats()
+    assert stats.spec_decode_num_accepted_tokens > 0 and stats.spec_decode_num_drafts > 0
+    assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens
+    assert engine.scheduler.kv.block_pool.num_free_blocks == engine.num_blocks - 1
+    # Unseeded sampling with every position-independent feature verifies by rejection sampling: it runs to length.
+    sampled = SamplingParams(
+        temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, logit_bias={7: 5.0}, max_tokens=25, ignore_eos=True, n=2
+    )
+    before = engine.stats().spec_decode_num_drafts
+    out = run(engine, prompts[:2], [sampled] * 2)
+    assert sorted(len(v["tokens"]) for v in out.values()) == [25] * 4
+    assert engine.stats().spec_decode_num_drafts > before
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic of observed counts against probs, over the tokens probs allows; and its degrees of
+    freedom. A token probs forbids must never be drawn."""
+    support = probs > 0
+    assert counts[~support].sum() == 0, "a token the processed distribution forbids was drawn"
+    expected = probs[support] * counts.sum()
+    return float(((counts[support] - expected) ** 2 / expected).sum()), int(support.sum()) - 1
+
+
+# Upper 1e-4 quantiles of chi-square by degrees of freedom: a correct sampler fails once in 10,000 runs.
+CHI2_CRITICAL = {2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74}
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """Two proposals per request, verified against three processed distributions (temperature and top-k on
+    a 6-token vocabulary). The first token must follow p0 whether its proposal was accepted or resampled; the
+    second, given the first was the accepted proposal, p1; the third, given both were, p2. Resampling from p0 itself instead of the residual
+    (p0 without the rejected proposal) would put p0(t) + (1 - p0(t)) p0(t) on the proposal: far off."""
+    torch.manual_seed(0)
+    num_requests, vocab = 20000, 6
+    rows = torch.tensor([[2.0, 1.5, 1.0, 0.2, -1.0, 0.0], [0.1, 0.3, 2.5, 0.0, 1.0, -2.0], [1.0] * 6])
+    drafts = [1, 2]
+    params = SamplingParams(temperature=0.8, top_k=4)
+    logits = rows.repeat(num_requests, 1)
+    md = SamplingMetadata.build(
+        [params] * 3 * num_requests, [None] * 3 * num_requests, [0] * 3 * num_requests, None, vocab, "cpu"
+    )
+    target = (
+        Sampler()
+        .process_logits(rows.clone(), SamplingMetadata.build([params] * 3, [None] * 3, [0] * 3, None, vocab, "cpu"))
+        .softmax(-1)
+    )
+    draft_ids = torch.tensor(drafts + [-1]).repeat(num_requests)
+    out, _, _ = Sampler().verify(logits, md, draft_ids, [2] * num_requests)
+    token, accepted = out[:, 0], out[:, 1]
+    first = torch.where(accepted >= 1, drafts[0], token)
+    second = torch.where(accepted >= 2, drafts[1], token)[accepted >= 1]
+    third = token[accepted == 2]  # sampled from the last row, after both proposals were accepted
+    for observed, probs in ((first, target[0]), (second, target[1]), (third, target[2])):
+        stat, dof = chi_square(torch.bincount(observed, minlength=vocab).float(), probs)
+        assert stat < CHI2_CRITICAL[dof], (stat, dof)
