@@ -181,12 +181,21 @@ class LinearLora:
             in_size = layer.input_size // layer.tp_size
         n = len(self.modules)
         self.lora_a = torch.zeros(max_loras, n * max_rank, in_size, dtype=dtype, device=device)
-        self.lora_bs = [torch.zeros(max_loras, size, max_rank, dtype=dtype, device=device) for size in sizes]
+        if device.type == "cuda":  # the Triton op reads each output's B on its own
+            self.lora_b = None
+            self.lora_bs = [torch.zeros(max_loras, size, max_rank, dtype=dtype, device=device) for size in sizes]
+        else:  # the torch op's block-diagonal B; lora_bs are views of its blocks, so writes land in it
+            width = max(o + s for o, s in zip(self.offsets, sizes))
+            self.lora_b = torch.zeros(max_loras, n * max_rank, width, dtype=dtype, device=device)
+            self.lora_bs = [
+                self.lora_b[:, j * max_rank : (j + 1) * max_rank, o : o + s].transpose(1, 2)
+                for j, (o, s) in enumerate(zip(self.offsets, sizes))
+            ]
 
     def write(self, slot: int, parts: dict[str | None, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Slot `slot` holds `parts` (checkpoint module -> A, B; None for a row-parallel layer's one module)."""
         self.lora_a[slot].zero_()
-        for b in self.lora_bs:
+        for b in self.lora_bs:  # views of lora_b on CPU: its off-diagonal blocks stay zero
             b[slot].zero_()
         layer, R = self.layer, self.rank
         for j, module in enumerate(self.modules):
@@ -205,14 +214,14 @@ class LinearLora:
 
     def apply(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """y += the step's adapter products (a step of the base model alone adds nothing)."""
-        if not self.batch.groups:
+        if not self.batch.active:
             return
         if y.is_cuda:
             from kernels.triton_lora import triton_add_lora  # triton only where it runs
 
             triton_add_lora(y, x, self.lora_a, self.lora_bs, self.offsets, self.batch.token_slots)
         else:
-            add_lora(y, x, self.lora_a, self.lora_bs, self.offsets, self.batch)
+            add_lora(y, x, self.lora_a, self.lora_b, self.batch)
 
 
 class LoraManager:

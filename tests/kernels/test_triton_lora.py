@@ -35,7 +35,10 @@ def test_triton_lora_matches_torch(slots):
     expected = y0.clone()
     batch = LoraBatch([])
     batch.set(np.array(slots), torch.device("cpu"))
-    add_lora(expected, x, lora_a, lora_bs, offsets, batch)
+    lora_b = torch.zeros(3, 2 * rank, sum(sizes))  # the torch op's block-diagonal B
+    for j, (b, offset) in enumerate(zip(lora_bs, offsets)):
+        lora_b[:, j * rank : (j + 1) * rank, offset : offset + b.shape[1]] = b.transpose(1, 2)
+    add_lora(expected, x, lora_a, lora_b, batch)
     y = y0.to(DEVICE)
     to = [t.to(DEVICE) for t in (x, lora_a, torch.tensor(slots))]
     triton_add_lora(y, to[0], to[1], [b.to(DEVICE) for b in lora_bs], offsets, to[2])
