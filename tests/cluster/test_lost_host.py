@@ -49,7 +49,8 @@ def served_model(tiny_model_dir, default_model_dir) -> str:
 
 
 def test_pp2_served_across_hosts_answers_as_one_rank_does(serve_hosts, served_model):
-    """One stage on each of two worker hosts under Serve: the completion is the single-rank engine's."""
+    """One stage on each of two hosts under Serve (the activations cross between them): the completion is the
+    single-rank engine's."""
     hosts = {h.ip: h.ns for h in serve_hosts.hosts.values()}
     prompt = [1, 2, 3, 4, 5]
     (expected,) = run_to_completion(InProcessEngine(config(served_model)), prompts=[prompt])
@@ -60,8 +61,8 @@ def test_pp2_served_across_hosts_answers_as_one_rank_does(serve_hosts, served_mo
     assert status == 200, report
     tokenizer = AutoTokenizer.from_pretrained(served_model)
     assert json.loads(body)["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
-    stage_hosts = report["hosts"][2:]
-    assert len(set(stage_hosts)) == 2 and serve_hosts.hosts["head"].ns not in stage_hosts, report
+    stage_hosts = report["hosts"][2:]  # PACK decides which hosts; each rank fills one (2 CPUs), so two hosts
+    assert len(set(stage_hosts)) == 2, report
 
 
 def test_a_host_lost_mid_generation_fails_its_streams_and_serve_rebuilds_on_the_rest(serve_hosts, served_model):
