@@ -28,6 +28,7 @@ DEVICES = ("auto", "cpu", "cuda")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 REQUEST_ROUTERS = ("prefix_cache", "serve")
 POOLING_TYPES = ("auto", "last", "mean")
+RUNNERS = ("auto", "generate", "pooling")
 SPECULATIVE_METHODS = ("ngram",)
 # Proposed tokens per step at most: each one is a position the step computes for every speculating request,
 # and the chance that a proposal's j-th token is accepted falls with j (the product of the chances before it).
@@ -476,6 +477,12 @@ class AppArgs(BaseModel):
     )
     responses_store_ttl_s: float = Field(
         3600.0, gt=0, description="/v1/responses: how long a replica keeps a stored response, in seconds"
+    )
+    runner: Literal[RUNNERS] = Field(  # type: ignore[valid-type]
+        "auto",
+        description="vLLM's --runner: generate serves completions, chat and responses; pooling serves "
+        "/v1/embeddings too (a generative model asked for embeddings is a 400 saying so); auto: pooling for a "
+        "sentence-transformers export (modules.json or 1_Pooling/ in the model's directory), else generate",
     )
     pooling_type: Literal[POOLING_TYPES] = Field(  # type: ignore[valid-type]
         "auto",

@@ -48,6 +48,15 @@ def generation_defaults(config: EngineConfig, model_path: str) -> dict[str, Any]
     return {name: data[name] for name in GENERATION_DEFAULTS if data.get(name) is not None}
 
 
+def serves_embeddings(runner: str, model_path: str) -> bool:
+    """Whether /v1/embeddings is served: ``runner="pooling"``, or for "auto" a sentence-transformers export (an
+    embedding model such as Qwen3-Embedding ships its pooling with it; a chat model's hidden states are no
+    embedding anyone trained for)."""
+    if runner != "auto":
+        return runner == "pooling"
+    return (Path(model_path) / "modules.json").is_file() or (Path(model_path) / "1_Pooling").is_dir()
+
+
 def pooling_type(setting: str, model_path: str) -> str:
     """How /v1/embeddings pools ("last" or "mean"): the setting, or for "auto" what a sentence-transformers
     model's 1_Pooling/config.json says (Qwen3-Embedding: last token; most encoders' exports: mean), else

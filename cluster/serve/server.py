@@ -24,7 +24,7 @@ from ray.serve.grpc_util import RayServegRPCContext
 from starlette.exceptions import HTTPException
 
 from cluster.engine.ray_client import RayEngine
-from cluster.model_files import generation_defaults, load_tokenizer, pooling_type
+from cluster.model_files import generation_defaults, load_tokenizer, pooling_type, serves_embeddings
 from cluster.raylm_pb2 import GenerateRequest, GenerateResponse
 from cluster.serve import grpc_status
 from cluster.serve.admission import Admission
@@ -117,6 +117,7 @@ class LLMServer:
         self.close_objects = args.engine.structured_outputs_disable_additional_properties
         self.response_store = ResponseStore(args.responses_store_max_entries, args.responses_store_ttl_s)
         self.pooling_type = pooling_type(args.pooling_type, self.engine.model_path)
+        self.serves_embeddings = serves_embeddings(args.runner, self.engine.model_path)
         cfg = args.engine
         self.metrics = ServeMetrics(
             self.model_name,
@@ -345,6 +346,13 @@ class LLMServer:
         (the scheduler batches them with everything else in flight)."""
         req = parse(EmbeddingRequest, await self._body(request))
         lora_name = self._check_model(req.model)
+        if not self.serves_embeddings:
+            raise bad_request(
+                f"{self.model_name} is served for generation (runner=generate): it is no embedding model, and its "
+                f"hidden states are no embedding it was trained for. Serve an embedding model (a sentence-"
+                f"transformers export), or start with --runner pooling to embed with this one anyway",
+                "model",
+            )
         width = self.engine.spec.hidden_size
         if req.dimensions is not None and req.dimensions != width:
             raise bad_request(

@@ -101,6 +101,7 @@ def server(default_model_dir, adapters):
             lora_modules=[f"sql={adapters['sql']}"],
         ),
         served_model_name=MODEL,
+        runner="pooling",  # a chat model: its embeddings are asked for (the embeddings tests below)
     )
     grpc_port = free_port()
     with serving(args, host="127.0.0.1", port=free_port(), grpc_port=grpc_port) as url:

@@ -154,6 +154,16 @@ def sse_events(response: httpx.Response) -> list[str]:
 # ---- the OpenAI client ---------------------------------------------------------------------
 
 
+def test_a_generative_model_asked_for_embeddings_is_a_400_saying_why(client):
+    """runner=auto on a chat model (no sentence-transformers export): generate only."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model=MODEL, input="hello")
+    error = e.value.body
+    assert (
+        error["param"] == "model" and "runner=generate" in error["message"] and "--runner pooling" in error["message"]
+    )
+
+
 def test_models_lists_the_served_model(client, default_model_dir):
     (card,) = client.models.list().data
     assert card.id == MODEL == AppArgs().model_name  # what `raylm serve` with no --model serves
