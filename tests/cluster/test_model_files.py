@@ -9,7 +9,13 @@ import pytest
 
 from cluster.config import EngineConfig
 from cluster.llm import LLM
-from cluster.model_files import chat_template_text, generation_defaults, load_tokenizer
+from cluster.model_files import (
+    chat_template_text,
+    generation_defaults,
+    load_tokenizer,
+    pooling_type,
+    serves_embeddings,
+)
 from cluster.serve.protocol.completions import CompletionRequest
 from scheduler import SamplingParams
 
@@ -61,3 +67,26 @@ def test_a_chat_template_is_a_file_or_the_template_itself(tmp_path, default_mode
         chat_template_text("chatml")
     tokenizer = load_tokenizer(EngineConfig(device="cpu", chat_template=str(tmp_path / "t.jinja")), default_model_dir)
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi!"
+
+
+@pytest.mark.parametrize(
+    "files, runner, serves, pooling",
+    [
+        ({}, "auto", False, "last"),  # a chat model: generate only
+        ({}, "pooling", True, "last"),
+        ({"modules.json": []}, "generate", False, "last"),
+        # sentence-transformers exports: Qwen3-Embedding pools the last token, most encoders the mean
+        ({"modules.json": [], "1_Pooling/config.json": {"pooling_mode_lasttoken": True}}, "auto", True, "last"),
+        ({"1_Pooling/config.json": {"pooling_mode_mean_tokens": True}}, "auto", True, "mean"),
+    ],
+    ids=["chat model", "runner pooling", "runner generate", "last-token export", "mean export"],
+)
+def test_embeddings_are_served_for_an_embedding_model_pooled_as_its_export_says(
+    tmp_path, files, runner, serves, pooling
+):
+    for name, content in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(json.dumps(content))
+    assert serves_embeddings(runner, str(tmp_path)) is serves
+    assert pooling_type("auto", str(tmp_path)) == pooling
+    assert pooling_type("mean", str(tmp_path)) == "mean"
