@@ -4,8 +4,8 @@ requests as a batch of their own, one adapter after another: what serving withou
 
 The adapters are random, in PEFT's format, of --rank on every q/k/v/o and gate/up/down module, written to a
 temporary directory; one engine holds them all (max_loras = the largest mix) and runs every variant, base
-requests included, so the variants differ only in the adapters their requests name. Greedy, ignore_eos: every
-request makes exactly --max-tokens tokens.
+requests included, so the variants differ only in the adapters their requests name, and with prefix caching off
+(the variants repeat the same prompts). Greedy, ignore_eos: every request makes exactly --max-tokens tokens.
 """
 
 from __future__ import annotations
@@ -67,7 +67,15 @@ def bench_lora(
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     with tempfile.TemporaryDirectory() as tmp:
         modules = [f"a{i}={write_adapter(Path(tmp) / f'a{i}', spec, rank, i)}" for i in range(num_adapters)]
-        kwargs = dict(enable_lora=True, max_loras=num_adapters, max_lora_rank=rank, lora_modules=modules)
+        # Prefix caching off: every variant runs the same prompts, and the looped one would reuse the KV the
+        # batch computed for them under the same adapters.
+        kwargs = dict(
+            enable_lora=True,
+            max_loras=num_adapters,
+            max_lora_rank=rank,
+            lora_modules=modules,
+            enable_prefix_caching=False,
+        )
         extra = {"address": address} if executor == "ray" else {}
         llm = LLM(model, executor=executor, **extra, **{**engine_kwargs, **kwargs})
         try:
