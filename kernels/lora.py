@@ -40,7 +40,7 @@ class LoraBatch:
             self.token_slots = torch.from_numpy(token_slots).to(device, non_blocking=True)
         slots, counts = np.unique(token_slots, return_counts=True)
         adapted = slots >= 0
-        self.single, self.padding = None, None
+        self.single, self.order, self.padding = None, None, None  # nothing of the last step's view stays
         self.spans = []
         if not adapted.any():
             return

@@ -37,3 +37,20 @@ def test_each_token_gets_its_own_adapters_product(slots):
     batch.set(np.array(slots), torch.device("cpu"))
     add_lora(y, x, lora_a, lora_b, batch)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_one_batch_object_reset_by_each_step():
+    """Every layer holds one LoraBatch for the whole run: a mixed step, then a base-only step, then one adapter;
+    nothing of an earlier step's view may stay (a stale gather index would add adapters to base tokens)."""
+    g = torch.Generator().manual_seed(1)
+    lora_a, lora_b = torch.randn(3, 8, 16, generator=g), torch.randn(3, 8, 24, generator=g)
+    batch = LoraBatch([])
+    for slots in ([2, 0, 2, 0, 1, 1], [-1, -1, -1], [1, 1], [0, -1, 0, 0, 0, 0, 0, 2]):
+        x, y = torch.randn(len(slots), 16, generator=g), torch.randn(len(slots), 24, generator=g)
+        expected = y.clone()
+        for t, s in enumerate(slots):
+            if s >= 0:
+                expected[t] += (x[t] @ lora_a[s].T) @ lora_b[s]
+        batch.set(np.array(slots), torch.device("cpu"))
+        add_lora(y, x, lora_a, lora_b, batch)
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
