@@ -621,11 +621,7 @@ class Scheduler:
         check stop rules, cache newly computed blocks; one delta per sampled request."""
         step = self.in_flight.pop(scheduler_output.step_id)
         cache_blocks = self.kv.cache_computed_blocks
-        for req_id, entries in (runner_output.prompt_logprobs or {}).items():
-            request = step[req_id]
-            if not request.is_finished:
-                request.prompt_logprobs += entries
-        outputs = []
+        outputs = self._apply_prompt_results(step, runner_output)
         append_out = outputs.append
         logprobs = runner_output.logprobs
         max_model_len = self.config.max_model_len
@@ -673,18 +669,28 @@ class Scheduler:
                 append_out(out)
             if params.prompt_logprobs is not None and num_outputs == 1:
                 out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
-        for req_id, embedding in (runner_output.pooled or {}).items():
-            request = step[req_id]
-            request.num_output_placeholders -= 1
-            if request.status < finished:
-                out = self._finish(request, finished)
-                out.embedding = embedding
-                append_out(out)
         # After the tokens: a token that completes a block's ids lets it be cached now, not a step later.
         running = RequestStatus.RUNNING
         for request in step.values():
             if request.status == running:
                 cache_blocks(request)
+        return outputs
+
+    def _apply_prompt_results(self, step: dict[str, Request], runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        """What a step computed from prompts rather than sampled: prompt logprobs (kept for the request's first
+        token delta) and embeddings, each of which finishes its request; returns those final outputs."""
+        for req_id, entries in (runner_output.prompt_logprobs or {}).items():
+            request = step[req_id]
+            if not request.is_finished:
+                request.prompt_logprobs += entries
+        outputs = []
+        for req_id, embedding in (runner_output.pooled or {}).items():
+            request = step[req_id]
+            request.num_output_placeholders -= 1
+            if request.status < RequestStatus.FINISHED_STOPPED:
+                out = self._finish(request, RequestStatus.FINISHED_STOPPED)
+                out.embedding = embedding
+                outputs.append(out)
         return outputs
 
     def _apply_verified(
