@@ -45,10 +45,12 @@ class ToolCalling:
     """One chat request's tools: how its prompt shows them, what its output must be, how calls are read back.
 
     ``fmt`` is HERMES or LLAMA3; ``native`` says the chat template renders
-    ``tools`` itself; ``only_one`` is ``parallel_tool_calls=false`` (calls past
-    the first are not returned). ``forced`` names the tools a call must use
-    (``required``: all; a named function: that one), enforced by a grammar so
-    that the output always parses; empty under ``auto``.
+    ``tools`` itself; ``only_one`` is ``parallel_tool_calls=false`` or a named
+    ``tool_choice`` (one call of that function, as OpenAI and vLLM answer it: a
+    grammar that admitted more let a small model repeat the call until
+    max_tokens); calls past the first are not returned. ``forced`` names the
+    tools a call must use (``required``: all; a named function: that one),
+    enforced by a grammar so that the output always parses; empty under ``auto``.
     """
 
     tools: list[Tool]
@@ -84,7 +86,8 @@ class ToolCalling:
         template = chat_template or ""
         native = "tools" in template
         fmt = HERMES if START in template or not native else LLAMA3
-        return cls(tools, fmt, native, parallel_tool_calls is False, forced)
+        named = tool_choice not in (None, "auto", "required")
+        return cls(tools, fmt, native, parallel_tool_calls is False or named, forced)
 
     # ---- the prompt ----
 

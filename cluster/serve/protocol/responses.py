@@ -114,6 +114,19 @@ class Reasoning(Strict):
     generate_summary: str | None = None
 
 
+# `include` values naming output raylm never produces (no reasoning items, no built-in tools, text-only input):
+# honoured by adding nothing. The Agents SDK sends `include` on every request.
+VACUOUS_INCLUDES = (
+    "reasoning.encrypted_content",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+)
+
+
 class ResponsesRequest(Strict):
     """POST /v1/responses. Unknown fields, other tool types and other input item types are a 400 naming them.
     ``reasoning`` is accepted and ignored, as vLLM does for a model without a reasoning parser: the model has no
@@ -138,6 +151,11 @@ class ResponsesRequest(Strict):
     stream: bool = False
     reasoning: Reasoning | None = Field(None, description="accepted and ignored: this model does not reason")
     truncation: Literal["disabled"] | None = Field(None, description="only disabled: an input too long is a 400")
+    include: list[Literal[VACUOUS_INCLUDES]] | None = Field(  # type: ignore[valid-type]
+        None,
+        description="extra output OpenAI adds on request: those of reasoning, tool kinds and input items this server "
+        "never produces are accepted (there is nothing to add); message.output_text.logprobs is a 400",
+    )
     metadata: dict[str, str] | None = None
     user: str | None = None
 

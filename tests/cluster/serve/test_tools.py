@@ -141,6 +141,7 @@ def test_a_forced_choice_admits_exactly_calls_of_its_tools(default_model_dir, te
     assert accepts("required", weather + "\n" + zone)
     assert not accepts("required", weather + "\n" + zone, parallel=False)
     assert accepts(named, zone) and not accepts(named, weather)
+    assert not accepts(named, zone + "\n" + zone)  # a named choice is one call
     assert not accepts("required", call("get_weather", {"city": "Oslo"}))  # a required argument missing
     assert not accepts("required", "I would rather chat.")
     extra = call("get_time", {"zone": "CET", "dst": True})  # the parameters list no "dst" nor additionalProperties
