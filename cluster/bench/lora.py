@@ -9,8 +9,9 @@ requests included, so the variants differ only in the adapters their requests na
 
 ``--load-while-streaming N`` measures instead what loading an adapter at run time costs the streams running: N
 streams on a Ray engine, one more adapter loaded (``add_lora``, as /v1/load_lora_adapter does) once the first
-stream has a third of its tokens; it prints the longest gap between two chunks of a stream, overall and across
-the load, against the median gap (a decode step: each stream gets a token a step).
+stream has a third of its tokens, then one request of it; it prints the longest gap between two chunks of a
+stream across the load, across that request's first step (which copies the adapter into a slot) and overall,
+against the median gap (a decode step: each stream gets a token a step).
 """
 
 from __future__ import annotations
@@ -116,15 +117,18 @@ def bench_lora(
             llm.shutdown()
 
 
-async def _stream(engine, request_id: str, prompt: list[int], params: SamplingParams, times: list[float]) -> None:
-    async for _ in engine.generate(request_id, prompt, params):
+async def _stream(
+    engine, request_id: str, prompt: list[int], params: SamplingParams, times: list[float], lora: str | None = None
+) -> None:
+    async for _ in engine.generate(request_id, prompt, params, lora_name=lora):
         times.append(time.perf_counter())
 
 
 async def _streams_while_loading(
     engine, prompts: list[list[int]], params: SamplingParams, path: str
-) -> tuple[list[list[float]], float, float]:
-    """Each stream's chunk times, and when the load started and ended."""
+) -> tuple[list[list[float]], tuple[float, float], tuple[float, float]]:
+    """Each stream's chunk times; when the load started and ended; when the first request of the adapter loaded
+    was sent and got its first token (its step copies the adapter into a slot)."""
     times: list[list[float]] = [[] for _ in prompts]
     tasks = [asyncio.create_task(_stream(engine, f"s{i}", p, params, times[i])) for i, p in enumerate(prompts)]
     while len(times[0]) < params.max_tokens // 3:
@@ -132,8 +136,11 @@ async def _streams_while_loading(
     start = time.perf_counter()
     await asyncio.to_thread(engine.add_lora, "loaded-late", path)
     end = time.perf_counter()
+    mine: list[float] = []
+    one_token = SamplingParams(temperature=0.0, max_tokens=1)
+    await _stream(engine, "uses-it", prompts[0][:8], one_token, mine, "loaded-late")
     await asyncio.gather(*tasks)
-    return times, start, end
+    return times, (start, end), (end, mine[0])
 
 
 def bench_lora_load(
@@ -161,13 +168,14 @@ def bench_lora_load(
         try:
             asyncio.run(_streams_while_loading(engine, prompts[:2], SamplingParams(max_tokens=3), path))  # warm-up
             engine.remove_lora("loaded-late")
-            times, start, end = asyncio.run(_streams_while_loading(engine, prompts, params, path))
+            times, (start, end), first_use = asyncio.run(_streams_while_loading(engine, prompts, params, path))
         finally:
             engine.shutdown()
     running = max(t[0] for t in times)  # every stream has its first token: the prompts are done
     gaps = [(b - a, a, b) for t in times for a, b in zip(t, t[1:]) if a >= running]
     step = statistics.median(g for g, _, _ in gaps)
     across = max((g for g, a, b in gaps if a < end and b > start), default=0.0)
+    using = max((g for g, a, b in gaps if a < first_use[1] and b > first_use[0]), default=0.0)
     longest = max(g for g, _, _ in gaps)
     print(
         f"raylm bench lora --load-while-streaming: {spec.architecture}, {num_streams} streams of {prompt_len} prompt "
@@ -176,4 +184,5 @@ def bench_lora_load(
     )
     print(f"median gap between chunks (a step): {step * 1e3:.1f} ms")
     print(f"longest gap across the load:        {across * 1e3:.1f} ms ({across / step:.1f} steps)")
+    print(f"longest gap as it is first used:    {using * 1e3:.1f} ms ({using / step:.1f} steps; its slot copy)")
     print(f"longest gap, all streams running:   {longest * 1e3:.1f} ms ({longest / step:.1f} steps)")
