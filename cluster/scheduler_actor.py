@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import ray
 
+from cluster.worker_actor import LORA_READS
 from scheduler import (
     ModelRunnerOutput,
     RequestError,
@@ -279,11 +280,13 @@ class SchedulerActor:
 
     async def add_lora(self, name: str, path: str) -> None:
         """Every rank reads adapter `name` into host memory, or none keeps it: a ValueError naming the adapter and
-        the mismatch. The ranks take the call after the steps already sent them, so no step sees half of it."""
+        the mismatch. The ranks read it on their LORA_READS thread while steps go on; no step names it before every
+        rank has it."""
         if name in self.lora_names:
             raise ValueError(f"LoRA adapter {name!r}: an adapter of this name is already loaded")
         results = await asyncio.gather(
-            *[w.call.remote("add_lora", name, path) for w in self.workers], return_exceptions=True
+            *[w.call.options(concurrency_group=LORA_READS).remote("add_lora", name, path) for w in self.workers],
+            return_exceptions=True,
         )
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:

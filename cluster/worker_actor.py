@@ -43,8 +43,16 @@ def share_node_gpus(workers: list, node_ids: Sequence[str]) -> None:
     )
 
 
+# The concurrency group that reads LoRA adapters: an adapter loaded at run time is read (safetensors from disk,
+# checked, converted) on this thread while steps run on the actor's default one, so the streams running stall for
+# no disk read; nothing reads the adapter until every rank has it (the scheduler actor admits requests for it
+# only then), and the step that first uses it copies it into its slots.
+LORA_READS = "lora_reads"
+
+
 class WorkerActor:
-    """One tensor-parallel rank: owns its Worker (model shard and KV cache) for the actor's lifetime."""
+    """One tensor-parallel rank: owns its Worker (model shard and KV cache) for the actor's lifetime. Methods run
+    one at a time on the actor's thread, in the order called, but ``call`` dispatched to ``LORA_READS``."""
 
     def __init__(self, config: Any, rank: int) -> None:
         import ray

@@ -36,14 +36,14 @@ class LoraBatch:
 
     def set(self, token_slots: np.ndarray, device: torch.device) -> None:
         """The step whose token t uses slot ``token_slots[t]`` (-1: none)."""
+        self.single, self.order, self.padding = None, None, None  # nothing of the last step's view stays
+        self.spans = []
+        if token_slots.max(initial=-1) < 0:  # the base model alone: nothing to sort or upload
+            return
         if device.type == "cuda":
             self.token_slots = torch.from_numpy(token_slots).to(device, non_blocking=True)
         slots, counts = np.unique(token_slots, return_counts=True)
         adapted = slots >= 0
-        self.single, self.order, self.padding = None, None, None  # nothing of the last step's view stays
-        self.spans = []
-        if not adapted.any():
-            return
         if len(slots) == 1:
             self.single = int(slots[0])
             return

@@ -223,13 +223,25 @@ def _lora(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--mixes", type=int, nargs="+", default=[1, 4, 16], help="adapters one batch mixes")
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument(
+        "--load-while-streaming",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: N streams (Ray executor) while an adapter loads mid-way; the longest gap between chunks",
+    )
     add_engine_flags(p, exclude=("enable_lora", "max_loras", "max_lora_rank", "lora_modules"))
 
     def run(args: argparse.Namespace) -> None:
-        from cluster.bench.lora import bench_lora
+        from cluster.bench.lora import bench_lora, bench_lora_load
 
         kwargs = engine_kwargs(args)
         model = kwargs.pop("model", None)
+        if args.load_while_streaming:
+            address = getattr(args, "address", None)
+            n = args.load_while_streaming
+            bench_lora_load(model, n, args.prompt_len, args.max_tokens, args.rank, address, **kwargs)
+            return
         bench_lora(
             model,
             args.num_requests,

@@ -15,9 +15,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import EngineConfig
 from cluster.engine.network import free_port, interface_of
-from cluster.worker_actor import WorkerActor, share_node_gpus
+from cluster.worker_actor import LORA_READS, WorkerActor, share_node_gpus
 
-RayWorker = ray.remote(WorkerActor)
+# A thread of its own reads LoRA adapters from disk while the default one runs steps (worker_actor.py).
+RayWorker = ray.remote(concurrency_groups={LORA_READS: 1})(WorkerActor)
 SOCKET_IFNAME = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
 
 

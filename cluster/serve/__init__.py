@@ -8,10 +8,11 @@ responses; ``responses.py`` a /v1/responses request's output items and events, a
 responses a replica keeps for ``previous_response_id``; ``http_io.py`` body reading and JSON responses;
 ``grpc_status.py`` the gRPC status mapping; ``protocol/`` the request and response models (a module per job);
 ``model_router.py`` the ingress of an app serving several models, which forwards each request to its model's
-deployment; ``detokenize.py`` incremental text and stop strings; ``metrics.py`` Prometheus; ``ingress.py`` the Ray Serve
-settings of the streaming path, which the process starting Serve sets before it imports this package
-(``use_fast_ingress``); ``lifecycle.py`` stop signals and HAProxy's lifetime; ``drain.py`` a stopping replica's
-drain.
+deployment; ``lora_registry.py`` the LoRA adapters every replica of a deployment holds (loads and unloads at
+run time reach them all); ``detokenize.py`` incremental text and stop strings; ``metrics.py`` Prometheus;
+``ingress.py`` the Ray Serve settings of the streaming path, which the process starting Serve sets before it
+imports this package (``use_fast_ingress``); ``lifecycle.py`` stop signals and HAProxy's lifetime; ``drain.py``
+a stopping replica's drain.
 """
 
 import importlib

@@ -49,9 +49,9 @@ class RoutedServer(llm_server.LLMServer.func_or_class.__bases__[0]):
     def app(self) -> FastAPI:
         return llm_server.app
 
-    def served_names(self) -> list[str]:
+    async def served_names(self) -> list[str]:
         """The base model's name and its LoRA adapters' (those loaded at run time included)."""
-        return [self.model_name, *self.lora_paths]
+        return [self.model_name, *await self._lora_names()]
 
 
 RoutedLLMServer = serve.deployment(name="LLMServer")(RoutedServer)

@@ -10,6 +10,7 @@ from ray.serve.config import RequestRouterConfig
 from cluster.config import AppArgs
 from cluster.engine.placement import engine_bundles, resolve_device
 from cluster.serve import drain
+from cluster.serve.lora_registry import registry_config
 
 REPLICA_CPUS = 1.0  # the replica tokenizes, detokenizes and formats every token it streams
 ROUTING_STATS_PERIOD_S = 1.0  # how often each replica publishes its prefix-cache digest (cluster/serve/router.py)
@@ -24,14 +25,16 @@ def deployment_options(args: AppArgs) -> dict[str, Any]:
     so Serve only starts a replica, or scales up, where the whole engine fits."""
     cfg = args.engine
     use_gpu = resolve_device(cfg.device) == "cuda" if ray.is_initialized() else cfg.device == "cuda"
-    routing = {}
+    extra: dict[str, Any] = {}
+    if cfg.enable_lora:  # adapters loaded at run time reach every replica (lora_registry.py)
+        extra["deployment_actors"] = [registry_config(cfg.lora_paths)]
     if uses_prefix_cache_router(args):
-        routing["request_router_config"] = RequestRouterConfig(
+        extra["request_router_config"] = RequestRouterConfig(
             request_router_class="cluster.serve.router:PrefixCacheRouter",
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
         )
     return dict(
-        **routing,
+        **extra,
         ray_actor_options={"num_cpus": REPLICA_CPUS},
         placement_group_bundles=[{"CPU": REPLICA_CPUS}] + engine_bundles(cfg, use_gpu),
         placement_group_strategy=cfg.placement_strategy,

@@ -39,6 +39,7 @@ from cluster.serve.drain import Drain
 from cluster.serve.formats import ChatFormat, CompletionFormat, Format, collect, stream_sse
 from cluster.serve.generation import Generation, engine_error, engine_unavailable
 from cluster.serve.http_io import json_response, read_json
+from cluster.serve.lora_registry import registry
 from cluster.serve.metrics import CONTENT_TYPE, ServeMetrics, node_metrics_port, render_node_metrics
 from cluster.serve.openapi import openapi_schema
 from cluster.serve.options import AppArgs
@@ -112,12 +113,15 @@ class LLMServer:
     refuses new requests and ends those still running after ``drain_timeout_s`` (503).
     """
 
-    def __init__(self, args: AppArgs) -> None:
+    async def __init__(self, args: AppArgs) -> None:
         self.engine = RayEngine(args.engine, placement_group=ray.util.get_current_placement_group(), first_bundle=1)
         self.tokenizer = load_tokenizer(args.engine, self.engine.model_path)
         self.sampling_defaults = generation_defaults(args.engine, self.engine.model_path)
         self.model_name = args.model_name
-        self.lora_paths = dict(args.engine.lora_paths)  # the adapters this replica's engine holds: name -> path
+        # The deployment's LoRA adapters as this replica last saw them (name -> path); the registry knows them
+        # all, and every replica's engine holds them all (lora_registry.py).
+        self.lora_paths = dict(args.engine.lora_paths)
+        self.lora_registry = None
         self.api_key = args.api_key
         self.max_body_bytes = args.max_body_bytes
         self.scheduling_policy = args.engine.scheduling_policy
@@ -147,6 +151,10 @@ class LLMServer:
         # The longest sequence (prompt + output) one request may reach: the context, or the whole KV cache
         # (less block 0, the scheduler's null block). Longer ones are refused here with a 400 naming max_tokens.
         self.max_seq_len = min(self.engine.max_model_len, (self.engine.num_blocks - 1) * cfg.block_size)
+        if cfg.enable_lora:  # before serving: the engine then holds every adapter loaded at run time so far
+            self.lora_registry = await registry()
+            replica = serve.get_replica_context().replica_id.unique_id
+            self.lora_paths = await self.lora_registry.join.remote(replica, self.engine.actor)
 
     async def _publish_engine_stats(self) -> None:
         """The engine's gauges and totals into Ray's metrics, each period (a gauge not set for two of Ray's
@@ -179,11 +187,17 @@ class LLMServer:
         self._authorize(request.headers.get("authorization"))
         return await read_json(request, self.max_body_bytes)
 
-    def _check_model(self, model: str | None) -> str | None:
+    async def _lora_names(self) -> dict[str, str]:
+        """The deployment's adapters now: loads and unloads through other replicas included."""
+        if self.lora_registry is not None:
+            self.lora_paths = await self.lora_registry.listed.remote()
+        return self.lora_paths
+
+    async def _check_model(self, model: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` names (None: the base model), or 404 naming the known ones."""
         if model is None or model == self.model_name:
             return None
-        if model in self.lora_paths:
+        if model in self.lora_paths or model in await self._lora_names():
             return model
         served = repr(self.model_name) + "".join(f", {n!r}" for n in sorted(self.lora_paths))
         raise APIError(
@@ -253,7 +267,18 @@ class LLMServer:
                 lora_name,
             ).start()
         except RequestError as e:  # the engine's check
-            raise req.refusal(e) from None
+            raise await self._unloaded(e) or req.refusal(e) from None
+
+    async def _unloaded(self, e: RequestError) -> APIError | None:
+        """The 404 for a request naming an adapter that another replica unloaded since this one last looked."""
+        if e.field != "model" or self.lora_registry is None:
+            return None
+        self.lora_paths.pop(e.value, None)
+        try:
+            await self._check_model(e.value)
+        except APIError as gone:
+            return gone
+        return None
 
     async def _run(
         self,
@@ -277,7 +302,7 @@ class LLMServer:
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         req = parse(CompletionRequest, await self._body(request))
-        lora_name = self._check_model(req.model)
+        lora_name = await self._check_model(req.model)
         prompt = req.single_prompt()
         ids = self._prompt_ids(prompt)
         max_tokens = self._max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt")
@@ -298,7 +323,7 @@ class LLMServer:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         req = parse(ChatCompletionRequest, await self._body(request))
-        lora_name = self._check_model(req.model)
+        lora_name = await self._check_model(req.model)
         num_logprobs = req.num_logprobs
         ids, tools = chat_request_ids(self.tokenizer, req)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -321,7 +346,7 @@ class LLMServer:
     @app.post("/v1/responses")
     async def responses(self, request: Request) -> Response:
         req = parse(ResponsesRequest, await self._body(request))
-        lora_name = self._check_model(req.model)
+        lora_name = await self._check_model(req.model)
         history = self.response_store.get(req.previous_response_id) if req.previous_response_id else []
         try:
             chat = req.chat_request(history)
@@ -352,7 +377,7 @@ class LLMServer:
         """Each input's final hidden states pooled (``pooling_type``) and normalised, computed as one request each
         (the scheduler batches them with everything else in flight)."""
         req = parse(EmbeddingRequest, await self._body(request))
-        lora_name = self._check_model(req.model)
+        lora_name = await self._check_model(req.model)
         if not self.serves_embeddings:
             raise bad_request(not_an_embedding_model(self.model_name), "model")
         prompts = [self._prompt_ids(p) for p in req.inputs()]
@@ -387,7 +412,8 @@ class LLMServer:
                     if out.finished:
                         break
         except RequestError as e:  # the engine's check: the prompt is the request's input
-            raise bad_request(str(e), "input" if e.field.startswith("prompt") else e.field) from None
+            param = "input" if e.field.startswith("prompt") else e.field
+            raise await self._unloaded(e) or bad_request(str(e), param) from None
         except APIError:
             raise
         except Exception as e:  # the engine's actors are gone, or the replica is draining
@@ -400,50 +426,51 @@ class LLMServer:
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
         self._authorize(request.headers.get("authorization"))
-        cards = [self._model_card(), *(self._model_card(name) for name in sorted(self.lora_paths))]
+        cards = [self._model_card(), *(self._model_card(name) for name in sorted(await self._lora_names()))]
         return json_response(ModelList(data=cards))
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, request: Request) -> Response:
         """One model's card (the SDK's models.retrieve); a model id may hold slashes (org/name)."""
         self._authorize(request.headers.get("authorization"))
-        return json_response(self._model_card(self._check_model(request.path_params["model_id"])))
+        return json_response(self._model_card(await self._check_model(request.path_params["model_id"])))
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> Response:
-        """Load a LoRA adapter at run time (vLLM's body); 400 naming it when the name is taken or it does not fit
-        the model. Requests in flight run on meanwhile."""
+        """Load a LoRA adapter at run time (vLLM's body) into every replica's engine; 400 naming it when the name
+        is taken or it does not fit the model. Requests in flight run on meanwhile."""
         req = parse(LoadLoraAdapterRequest, await self._body(request))
         name = req.lora_name
-        if name == self.model_name or name in self.lora_paths:
-            raise bad_request(f"the LoRA adapter {name!r} is already loaded (or names the base model)", "lora_name")
-        try:
-            await asyncio.to_thread(self.engine.add_lora, name, req.lora_path)
-        except ValueError as e:
-            raise bad_request(str(e), "lora_path") from None
+        if name == self.model_name:
+            raise bad_request(f"the LoRA adapter {name!r} names the base model", "lora_name")
+        refusal = await self._lora_registry().load.remote(name, req.lora_path)
+        if refusal is not None:
+            raise bad_request(refusal, "lora_name" if "already loaded" in refusal else "lora_path")
         self.lora_paths[name] = req.lora_path
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: Request) -> Response:
-        """Unload a LoRA adapter (vLLM's body); 400 naming it when it is absent or requests still run with it."""
+        """Unload a LoRA adapter (vLLM's body) from every replica's engine; 400 naming it when it is absent or
+        requests on some replica still run with it."""
         req = parse(UnloadLoraAdapterRequest, await self._body(request))
-        name = req.lora_name
-        if name not in self.lora_paths:
-            raise bad_request(f"the LoRA adapter {name!r} is not loaded", "lora_name")
-        try:
-            await asyncio.to_thread(self.engine.remove_lora, name)
-        except ValueError as e:
-            raise bad_request(str(e), "lora_name") from None
-        del self.lora_paths[name]
-        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+        refusal = await self._lora_registry().unload.remote(req.lora_name)
+        if refusal is not None:
+            raise bad_request(refusal, "lora_name")
+        self.lora_paths.pop(req.lora_name, None)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
+
+    def _lora_registry(self) -> Any:
+        if self.lora_registry is None:
+            raise bad_request("LoRA is not enabled on this server: serve it with enable_lora", "lora_path")
+        return self.lora_registry
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:
         body = await self._body(request)
         is_chat = isinstance(body, dict) and "messages" in body
         req = parse(TokenizeChatRequest if is_chat else TokenizeCompletionRequest, body)
-        self._check_model(req.model)
+        await self._check_model(req.model)
         ids = (
             chat_ids(self.tokenizer, req.messages, req.add_generation_prompt)
             if is_chat
@@ -454,7 +481,7 @@ class LLMServer:
     @app.post("/detokenize")
     async def detokenize(self, request: Request) -> Response:
         req = parse(DetokenizeRequest, await self._body(request))
-        self._check_model(req.model)
+        await self._check_model(req.model)
         vocab = len(self.tokenizer)
         if bad := next((t for t in req.tokens if t >= vocab), None):
             raise bad_request(f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
@@ -540,7 +567,7 @@ class LLMServer:
         body = MessageToDict(request, preserving_proto_field_name=True)  # only the fields that are set
         body["prompt"] = body.pop("prompt_token_ids", None) or request.prompt
         req = parse(CompletionRequest, body)
-        lora_name = self._check_model(req.model or None)
+        lora_name = await self._check_model(req.model or None)
         ids = self._prompt_ids(req.single_prompt())
         max_tokens = self._max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt")
         return await self._generation(req, ids, max_tokens, None, lora_name=lora_name)

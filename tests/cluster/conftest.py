@@ -16,9 +16,10 @@ from cluster.serve.ingress import use_fast_ingress
 use_fast_ingress()
 from cluster.serve.lifecycle import haproxy_dies_with_its_parent  # noqa: E402  (after the ingress settings)
 
-# Logical CPUs only count reservations (the engine sets torch threads from the real cores): 8 hold
-# two tp=2 engines at once (1 scheduler + 2 rank bundles each) on these 2-core machines.
-SESSION_CPUS = 8
+# Logical CPUs only count reservations (the engine sets torch threads from the real cores): 10 hold
+# two tp=2 engines at once (1 scheduler + 2 rank bundles each) on these 2-core machines, or three replicas
+# of a one-thread engine and a ModelRouter (tests/cluster/serve/test_models.py).
+SESSION_CPUS = 10
 # Replicas' metrics reach Ray's export once per report period (10 s by default); tests read them within 1 s.
 os.environ.setdefault("RAY_metrics_report_interval_ms", "1000")
 # A replica that Serve stops (shutdown, scale-down, replacement) in direct-ingress mode first drains for this long

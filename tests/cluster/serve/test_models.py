@@ -5,17 +5,19 @@ labelled by model; an unknown model is a 404 naming the known ones."""
 import json
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx2 as httpx
 import openai
 import pytest
 import torch
+from ray import serve
 
 from cluster.config import EngineConfig
 from cluster.engine.network import free_port
-from cluster.serve import AppArgs
-from tests.cluster.serve.test_server import serving
+from cluster.serve import APP_NAME, AppArgs
+from tests.cluster.serve.test_server import WAIT_S, metrics, serving
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -36,12 +38,23 @@ def models(servable_tiny_model, tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def url(models):
+    """ "b" runs two replicas: a LoRA adapter loaded through one must reach both."""
     engine = dict(max_model_len=64, kv_cache_bytes=16 << 20, num_threads=1, enable_lora=True)
     apps = [
-        AppArgs(engine=EngineConfig(model=path, **engine), served_model_name=name, max_body_bytes=1 << 16)
+        AppArgs(
+            engine=EngineConfig(model=path, **engine),
+            served_model_name=name,
+            max_body_bytes=1 << 16,
+            min_replicas=1 + (name == "b"),
+            max_replicas=1 + (name == "b"),
+        )
         for name, path in models.items()
     ]
     with serving(apps, host="127.0.0.1", port=free_port(), grpc_port=free_port()) as url:
+        deadline = time.monotonic() + 300
+        while serve.status().applications[APP_NAME].deployments["LLMServer-1"].replica_states.get("RUNNING", 0) < 2:
+            assert time.monotonic() < deadline, "the second replica of 'b' did not start"
+            time.sleep(0.5)
         yield url
 
 
@@ -115,31 +128,52 @@ def test_one_metrics_scrape_labels_each_models_series(url):
     assert seen == {"a", "b"}
 
 
-def test_a_lora_adapter_of_one_model_loads_through_the_router_and_answers_by_its_name(url, models, tmp_path):
+def served_by_replica(url: str, model: str) -> dict[str, float]:
+    """Finished requests of `model`'s deployment per replica, from one scrape."""
+    out: dict[str, float] = {}
+    for key, value in metrics(url, by_replica=True).items():
+        if key.startswith("vllm:request_success_total{") and f"model_name={model}," in key:
+            replica = key.split("replica=")[1].split(",")[0].rstrip("}")
+            out[replica] = out.get(replica, 0) + value
+    return out
+
+
+def test_a_lora_adapter_loads_through_the_router_into_every_replica_of_its_model(url, models, tmp_path):
     """vLLM's load body names no base: the adapter of "b" (its MLP shapes are b's) is refused by "a" and loads
-    into "b"; a request naming it reaches "b"'s deployment; unloaded, its name is a 404 again."""
+    into "b", into both its replicas: requests naming it reach "b"'s deployment, and each replica answers them
+    with peft's tokens; unloaded, its name is a 404 again."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tests.workers.adapters import make_adapter
 
     adapter = make_adapter(models["b"], tmp_path / "b-lora", 3, r=4, lora_alpha=8, target_modules=["down_proj"])
-    body = {"lora_name": "b-lora", "lora_path": adapter}
-    r = httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-    assert {m.id: m.parent for m in client.models.list()}["b-lora"] == "b"
-    out = client.completions.create(
-        model="b-lora", prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
-    )
-    assert out.model == "b-lora"
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(models["b"], dtype=torch.float32), adapter)
     x = torch.tensor([PROMPT])
     expected = peft.eval().generate(
         x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0
     )
-    assert out.choices[0].text == AutoTokenizer.from_pretrained(models["b"]).decode(expected[0, len(PROMPT) :])
+    expected = AutoTokenizer.from_pretrained(models["b"]).decode(expected[0, len(PROMPT) :])
+    body = {"lora_name": "b-lora", "lora_path": adapter}
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    assert {m.id: m.parent for m in client.models.list()}["b-lora"] == "b"
+    kw = dict(model="b-lora", prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    before = served_by_replica(url, "b")
+    deadline = time.monotonic() + WAIT_S
+    with ThreadPoolExecutor(6) as pool:  # at once, so that load spreads them over both replicas
+        while True:
+            outs = list(pool.map(lambda _: client.completions.create(**kw), range(6)))
+            assert [(o.model, o.choices[0].text) for o in outs] == [("b-lora", expected)] * 6
+            after = served_by_replica(url, "b")
+            answered = [k for k, v in after.items() if v > before.get(k, 0)]
+            if len(answered) == 2 or time.monotonic() > deadline:
+                break
+    assert len(answered) == 2, (before, after)
     r = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "b-lora"}, timeout=60)
     assert r.status_code == 200, r.text
-    r = httpx.post(f"{url}/v1/completions", json={"model": "b-lora", "prompt": "hi", "max_tokens": 1}, timeout=60)
-    assert r.status_code == 404, r.text
+    assert "b-lora" not in {m.id for m in client.models.list()}
+    for _ in range(4):
+        r = httpx.post(f"{url}/v1/completions", json={"model": "b-lora", "prompt": "hi", "max_tokens": 1}, timeout=60)
+        assert r.status_code == 404, r.text
