@@ -24,9 +24,12 @@ from pydantic import BaseModel, Field
 
 
 class City(BaseModel):
+    """No integer field: JSON integers have no length bound in any grammar engine, and SmolLM2-135M greedy writes
+    "population": 1111... until max_tokens (a model's failure the grammar permits, not the server's)."""
+
     name: str
     country: str
-    population: int | None = None
+    capital: bool | None = None
 
 
 class Weather(BaseModel):
