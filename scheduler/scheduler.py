@@ -381,12 +381,6 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         max_model_len = self.config.max_model_len
         block_size = self.block_size
-        cached_req_ids, cached_resumed, cached_new_block_ids, cached_num_computed = (
-            cached.req_ids,
-            cached.resumed_from_preemption,
-            cached.new_block_ids,
-            cached.num_computed_tokens,
-        )
         req_to_blocks = self.kv.req_to_blocks
         running = self.running
         step_cap, pipelined = self.step_cap, self.pipelined
@@ -409,11 +403,7 @@ class Scheduler:
                     continue  # a step in flight samples its last token (pipelined: its next input): wait for it
                 num_tokens += placeholders
             num_computed = request.num_computed_tokens
-            num_new = num_tokens - num_computed
-            if threshold and num_new > threshold:
-                num_new = threshold
-            if num_new > budget:
-                num_new = budget
+            num_new = min(num_tokens - num_computed, budget, threshold or budget)
             drafts, lookahead = self._speculate(request, num_tokens, num_new, budget) if speculable else ((), 0)
             if num_computed + num_new + lookahead <= len(req_to_blocks[req_id]) * block_size:
                 new_block_ids = []  # the last block still has room
@@ -431,10 +421,10 @@ class Scheduler:
                 num_new += len(drafts)
             num_scheduled[req_id] = num_new
             budget -= num_new
-            cached_req_ids.append(req_id)
-            cached_resumed.append(False)
-            cached_new_block_ids.append(new_block_ids)
-            cached_num_computed.append(num_computed)
+            cached.req_ids.append(req_id)
+            cached.resumed_from_preemption.append(False)
+            cached.new_block_ids.append(new_block_ids)
+            cached.num_computed_tokens.append(num_computed)
             request.num_computed_tokens = num_computed + num_new
             i += 1
         return budget
@@ -647,21 +637,17 @@ class Scheduler:
         check stop rules, cache newly computed blocks; one delta per sampled request."""
         step = self.in_flight.pop(scheduler_output.step_id)
         cache_blocks = self.kv.cache_computed_blocks
-        outputs = self._apply_prompt_results(step, runner_output)
+        outputs = self._apply_other_results(step, runner_output)
         append_out = outputs.append
         logprobs = runner_output.logprobs
         max_model_len = self.config.max_model_len
         finished = RequestStatus.FINISHED_STOPPED
         deferred = self.deferred
-        num_accepted = runner_output.num_accepted_tokens
-        if runner_output.draft_token_ids is not None:  # each sampled request's proposals for its next step
-            for req_id in runner_output.req_ids:
-                step[req_id].draft_token_ids = runner_output.draft_token_ids.get(req_id, [])
         for i, (req_id, token) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             request = step[req_id]
             request.num_output_placeholders -= 1
             if request.spec_token_ids:
-                out = self._apply_verified(request, token, num_accepted[i], runner_output, i)
+                out = self._apply_verified(request, token, runner_output.num_accepted_tokens[i], runner_output, i)
                 if out is not None:
                     append_out(out)
                 continue
@@ -705,9 +691,12 @@ class Scheduler:
                 cache_blocks(request)
         return outputs
 
-    def _apply_prompt_results(self, step: dict[str, Request], runner_output: ModelRunnerOutput) -> list[RequestOutput]:
-        """What a step computed from prompts rather than sampled: prompt logprobs (kept for the request's first
-        token delta) and embeddings, each of which finishes its request; returns those final outputs."""
+    def _apply_other_results(self, step: dict[str, Request], runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        """What a step computed besides sampled tokens: prompt logprobs (kept for the request's first token delta),
+        embeddings, each of which finishes its request (returns those final outputs), and a draft model's proposals
+        for each speculable request it sampled (kept for its next step)."""
+        for req_id, draft_token_ids in (runner_output.draft_token_ids or {}).items():
+            step[req_id].draft_token_ids = draft_token_ids
         for req_id, entries in (runner_output.prompt_logprobs or {}).items():
             request = step[req_id]
             if not request.is_finished:

@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kernels import AttentionMetadata, select_backend
+from kernels import AttentionBackend, AttentionMetadata, select_backend
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.cache_engine import CacheEngine, check_swap_space
 from workers.draft import DraftModel
@@ -245,19 +245,9 @@ class Worker:
                 self.dtype,
                 self.device,
             )
-        if self.is_driver and cfg.draft_model:
-            draft_dir = resolve_model(cfg.draft_model, None, cfg.download_dir)
-            self.draft = DraftModel(
-                draft_dir,
-                cfg.num_speculative_tokens,
-                backend,
-                self.dtype,
-                self.device,
-                cfg.block_size,
-                cfg.max_model_len,
-            )
         grammar = None
         if self.is_driver:
+            self._load_draft(backend)
             tokenizer_dir = (
                 resolve_model(cfg.tokenizer, cfg.tokenizer_revision, cfg.download_dir, weights=False)
                 if cfg.tokenizer
@@ -282,6 +272,21 @@ class Worker:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             decode_sizes=graph_batch_sizes(cfg.max_num_seqs) if graphs else None,
         )
+
+    def _load_draft(self, backend: AttentionBackend) -> None:
+        """Speculative decoding's draft model, unsharded, on this (sampling) rank (workers/draft.py says why)."""
+        cfg = self.config
+        if cfg.draft_model:
+            draft_dir = resolve_model(cfg.draft_model, None, cfg.download_dir)
+            self.draft = DraftModel(
+                draft_dir,
+                cfg.num_speculative_tokens,
+                backend,
+                self.dtype,
+                self.device,
+                cfg.block_size,
+                cfg.max_model_len,
+            )
 
     def _new_cache(self, num_blocks: int, num_host_blocks: int = 0) -> CacheEngine:
         cfg, spec = self.config, self.spec

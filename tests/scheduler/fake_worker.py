@@ -67,14 +67,7 @@ class FakeWorker:
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.steps += 1
-        assert len({h for _, h in so.blocks_to_swap_out}) == len(so.blocks_to_swap_out), "two copies to a host block"
-        assert len({d for _, d in so.blocks_to_swap_in}) == len(so.blocks_to_swap_in), "two copies to a device block"
-        out = [(h, list(self.kv[d])) for d, h in so.blocks_to_swap_out]
-        for h, content in out:
-            self.host[h] = content
-        into = [(d, list(self.host[h])) for h, d in so.blocks_to_swap_in]
-        for d, content in into:
-            self.kv[d] = content
+        self._swap(so)
         for rid in so.finished_req_ids:
             del self.states[rid]
         for rid in so.preempted_req_ids:
@@ -132,6 +125,16 @@ class FakeWorker:
                 num_accepted.append(accepted)
         drafts = {rid: self._draft(rid, self.states[rid]) for rid in req_ids} if self.draft_k else None
         return ModelRunnerOutput(req_ids, sampled, num_accepted_tokens=num_accepted, draft_token_ids=drafts)
+
+    def _swap(self, so: SchedulerOutput) -> None:
+        assert len({h for _, h in so.blocks_to_swap_out}) == len(so.blocks_to_swap_out), "two copies to a host block"
+        assert len({d for _, d in so.blocks_to_swap_in}) == len(so.blocks_to_swap_in), "two copies to a device block"
+        out = [(h, list(self.kv[d])) for d, h in so.blocks_to_swap_out]
+        for h, content in out:
+            self.host[h] = content
+        into = [(d, list(self.host[h])) for h, d in so.blocks_to_swap_in]
+        for d, content in into:
+            self.kv[d] = content
 
     def _draft(self, rid: str, st: FakeState) -> list[int]:
         """A draft's proposals after the newest token, and its KV writes: the newest token's at its position,
