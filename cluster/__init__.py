@@ -10,6 +10,7 @@ _EXPORTS = {
     "LLM": "cluster.llm",
     "Completion": "cluster.llm",
     "GenerateOutput": "cluster.llm",
+    "EmbeddingOutput": "cluster.llm",
     "EngineConfig": "cluster.config",
     "SamplingParams": "scheduler",
 }

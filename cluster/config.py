@@ -156,6 +156,18 @@ class EngineConfig(BaseModel):
         "unset: auto (the model's generation_config.json), vllm (none: OpenAI's "
         "defaults), or a directory holding a generation_config.json",
     )
+    runner: Literal[RUNNERS] = Field(  # type: ignore[valid-type]
+        "auto",
+        description="vLLM's --runner: generate serves completions, chat and responses; pooling serves "
+        "/v1/embeddings too (a generative model asked for embeddings is a 400 saying so); auto: pooling for a "
+        "sentence-transformers export (modules.json or 1_Pooling/ in the model's directory), else generate",
+    )
+    pooling_type: Literal[POOLING_TYPES] = Field(  # type: ignore[valid-type]
+        "auto",
+        description="/v1/embeddings: the final hidden states pooled as the last token's or the mean over the input, "
+        "then L2-normalised (vLLM's --pooler-config pooling_type); auto: what the model's sentence-transformers "
+        "1_Pooling/config.json says, else last, as vLLM pools decoder models",
+    )
     structured_outputs_disable_additional_properties: bool = Field(
         True,
         description="JSON schemas (response_format, structured_outputs, forced tool calls, the offline LLM's StructuredOutputsParams.json): an object that lists "
@@ -488,18 +500,6 @@ class AppArgs(BaseModel):
     )
     responses_store_ttl_s: float = Field(
         3600.0, gt=0, description="/v1/responses: how long a replica keeps a stored response, in seconds"
-    )
-    runner: Literal[RUNNERS] = Field(  # type: ignore[valid-type]
-        "auto",
-        description="vLLM's --runner: generate serves completions, chat and responses; pooling serves "
-        "/v1/embeddings too (a generative model asked for embeddings is a 400 saying so); auto: pooling for a "
-        "sentence-transformers export (modules.json or 1_Pooling/ in the model's directory), else generate",
-    )
-    pooling_type: Literal[POOLING_TYPES] = Field(  # type: ignore[valid-type]
-        "auto",
-        description="/v1/embeddings: the final hidden states pooled as the last token's or the mean over the input, "
-        "then L2-normalised (vLLM's --pooler-config pooling_type); auto: what the model's sentence-transformers "
-        "1_Pooling/config.json says, else last, as vLLM pools decoder models",
     )
 
     @field_validator("min_replicas")

@@ -10,7 +10,13 @@ from tqdm import tqdm
 
 from cluster.config import EngineConfig
 from cluster.engine.interface import Engine
-from cluster.model_files import generation_defaults, load_tokenizer
+from cluster.model_files import (
+    generation_defaults,
+    load_tokenizer,
+    not_an_embedding_model,
+    pooling_type,
+    serves_embeddings,
+)
 from scheduler import RequestError, SampledLogprobs, SamplingParams
 from workers.structured_output import closed_schema
 
@@ -38,6 +44,18 @@ class GenerateOutput:
     outputs: list[Completion] = field(default_factory=list)
     num_cached_tokens: int = 0
     prompt_logprobs: list[SampledLogprobs | None] | None = None
+    embedding: list[float] | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One prompt's embedding (``LLM.embed``): its final hidden states pooled as ``pooling_type`` says,
+    shortened to ``dimensions`` if asked, L2-normalised."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    embedding: list[float]
 
 
 class LLM:
@@ -151,6 +169,8 @@ class LLM:
                     r.prompt_logprobs = [None, *o.prompt_logprobs]
                 if o.new_logprobs:
                     c.logprobs = (c.logprobs or []) + o.new_logprobs
+                if o.embedding is not None:
+                    r.embedding = o.embedding
                 if o.finished:
                     c.finish_reason, c.error = o.finish_reason, o.error
                     by_id[o.request_id].num_cached_tokens = o.num_cached_tokens
@@ -181,3 +201,25 @@ class LLM:
             for c in r.outputs:
                 c.text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
         return results
+
+    def embed(
+        self,
+        prompts: str | list[str] | list[int] | list[list[int]],
+        *,
+        dimensions: int | None = None,
+        use_tqdm: bool = True,
+        lora_name: str | list[str | None] | None = None,
+    ) -> list[EmbeddingOutput]:
+        """Every prompt's embedding, batched with continuous batching as ``generate`` runs prompts; served for an
+        embedding model or with ``runner="pooling"``, as /v1/embeddings is (ValueError otherwise)."""
+        model_path = self.engine.model_path
+        if not serves_embeddings(self.config.runner, model_path):
+            raise ValueError(not_an_embedding_model(self.config.model or model_path))
+        params = SamplingParams(
+            max_tokens=1, pooling=pooling_type(self.config.pooling_type, model_path), dimensions=dimensions
+        )
+        results = self.generate(prompts, params, use_tqdm=use_tqdm, lora_name=lora_name)
+        failed = next((r for r in results if r.embedding is None), None)
+        if failed is not None:
+            raise RuntimeError(f"request {failed.request_id} got no embedding: {failed.outputs[0].error}")
+        return [EmbeddingOutput(r.request_id, r.prompt, r.prompt_token_ids, r.embedding) for r in results]

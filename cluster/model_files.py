@@ -57,6 +57,15 @@ def serves_embeddings(runner: str, model_path: str) -> bool:
     return (Path(model_path) / "modules.json").is_file() or (Path(model_path) / "1_Pooling").is_dir()
 
 
+def not_an_embedding_model(model: str) -> str:
+    """Why a model served for generation refuses embeddings, and how to have them anyway."""
+    return (
+        f"{model} is served for generation (runner=generate): it is no embedding model, and its hidden states are "
+        f"no embedding it was trained for. Serve an embedding model (a sentence-transformers export), or start with "
+        f"--runner pooling to embed with this one anyway"
+    )
+
+
 def pooling_type(setting: str, model_path: str) -> str:
     """How /v1/embeddings pools ("last" or "mean"): the setting, or for "auto" what a sentence-transformers
     model's 1_Pooling/config.json says (Qwen3-Embedding: last token; most encoders' exports: mean), else

@@ -97,7 +97,9 @@ class SamplingParams:
 
     ``pooling`` ("last" or "mean") makes it an embedding request: once its prompt is computed the ranks return
     its final hidden states pooled that way and L2-normalised instead of sampling a token, and it finishes
-    there ("stop"), so it asks for exactly one output (``max_tokens=1``, ``n=1``).
+    there ("stop"), so it asks for exactly one output (``max_tokens=1``, ``n=1``). ``dimensions`` shortens the
+    embedding to its first that many values before normalising (a matryoshka model's, checked against the model
+    at the engine boundary).
     """
 
     temperature: float = 1.0
@@ -120,6 +122,7 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     pooling: str | None = None
+    dimensions: int | None = None
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -130,6 +133,12 @@ class SamplingParams:
             "pooling",
             self.pooling,
             "an embedding request takes max_tokens=1 and n=1",
+        )
+        _check(
+            self.dimensions is None or _is_int(self.dimensions) and self.dimensions >= 1 and self.pooling is not None,
+            "dimensions",
+            self.dimensions,
+            "must be an integer >= 1, on an embedding request (pooling set)",
         )
         _check(
             self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),

@@ -22,6 +22,7 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 # (older spellings, and fields this loader reads itself); any other unlisted key is refused by name.
 KNOWN_MOE_CONFIG_KEYS = frozenset(
     {"num_experts", "torch_dtype", "rope_theta", "rope_scaling", "head_dim", "max_window_layers", "layer_types"}
+    | {"is_matryoshka", "matryoshka_dimensions"}
 )
 
 
@@ -121,6 +122,16 @@ def _bias_flags(architecture: str, cfg: PretrainedConfig) -> dict[str, bool]:
     }
 
 
+def _matryoshka(cfg: PretrainedConfig) -> dict[str, Any]:
+    widths = getattr(cfg, "matryoshka_dimensions", None) or ()
+    if any(not isinstance(w, int) or not 0 < w <= cfg.hidden_size for w in widths):
+        raise ValueError(f"config.json's matryoshka_dimensions={widths} must be widths in [1, {cfg.hidden_size}]")
+    return {
+        "is_matryoshka": bool(widths) or bool(getattr(cfg, "is_matryoshka", False)),
+        "matryoshka_dimensions": tuple(widths),
+    }
+
+
 def read_model_spec(path: str | Path, tp_size: int = 1, expert_parallel: bool = False) -> ModelSpec:
     """The spec of the model at `path`; ValueError naming the problem when the directory,
     its config, its architecture or its split over `tp_size` ranks (whole experts per rank
@@ -151,6 +162,7 @@ def read_model_spec(path: str | Path, tp_size: int = 1, expert_parallel: bool = 
         layer_windows=_layer_windows(cfg),
         moe=_moe_spec(root, architecture, cfg),
         **_bias_flags(architecture, cfg),
+        **_matryoshka(cfg),
     )
     spec.check_tp(tp_size, expert_parallel)
     return spec

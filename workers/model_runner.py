@@ -443,22 +443,21 @@ class ModelRunner:
         self, hidden: torch.Tensor, spans: list[tuple[CachedRequestState, int, int, int, bool]]
     ) -> dict[str, list[float]]:
         """The embeddings of the requests whose prompt this step completed (rank 0 of the last stage, which holds
-        the final hidden states): the last token's or the mean over the prompt, in fp32, L2-normalised. Mean
-        pooling adds each chunk's sum to the request's state as its chunks are computed."""
-        done, vectors = [], []
+        the final hidden states): the last token's or the mean over the prompt, in fp32, shortened to the
+        request's ``dimensions`` and L2-normalised. Mean pooling adds each chunk's sum to the request's state as
+        its chunks are computed."""
+        pooled = {}
         for state, start, count, first, complete in spans:
-            if state.sampling_params.pooling == "mean":
+            params = state.sampling_params
+            if params.pooling == "mean":
                 chunk = hidden[start : start + count].float().sum(0)
                 state.pooled_sum = chunk if first == 0 else state.pooled_sum + chunk
-                if complete:
-                    vectors.append(state.pooled_sum / state.num_prompt_tokens)
-            elif complete:
-                vectors.append(hidden[start + count - 1].float())
+                vector = state.pooled_sum / state.num_prompt_tokens
+            else:
+                vector = hidden[start + count - 1].float()
             if complete:
-                done.append(state.req_id)
-        if not done:
-            return {}
-        return dict(zip(done, torch.nn.functional.normalize(torch.stack(vectors), dim=-1).tolist()))
+                pooled[state.req_id] = torch.nn.functional.normalize(vector[: params.dimensions], dim=-1).tolist()
+        return pooled
 
     def _to_host(self, sampled: torch.Tensor) -> list[int]:
         """The step's one device-to-host transfer, into pinned memory, and its one sync."""

@@ -33,7 +33,9 @@ class ModelSpec:
     `eos_token_id` is the first of the config's EOS ids; `eos_token_ids` holds all of them
     (config.json and generation_config.json), for stopping on any. `layer_windows[i]` is layer i's
     sliding window (a query sees its last that many positions, itself included) or None (all of
-    them); empty when no layer has one. `moe` is None for a dense model."""
+    them); empty when no layer has one. `moe` is None for a dense model. `is_matryoshka`: its embeddings keep
+    their meaning when shortened to their first d dimensions (config.json's `is_matryoshka`, or its
+    `matryoshka_dimensions`, which then lists the only widths allowed), as vLLM reads it."""
 
     architecture: str
     num_layers: int
@@ -57,6 +59,8 @@ class ModelSpec:
     qk_norm: bool = False
     layer_windows: tuple[int | None, ...] = ()
     moe: MoeSpec | None = None
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] = ()
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None

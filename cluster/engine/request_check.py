@@ -25,6 +25,8 @@ def check_request(
     for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
         if (bad := next((t for t in ids if t >= spec.vocab_size), None)) is not None:
             raise RequestError(name, bad, f"token id outside the vocabulary [0, {spec.vocab_size})")
+    if params.dimensions is not None:
+        check_dimensions(params.dimensions, spec)
     if params.structured_outputs is not None:
         compiled = check_constraint(params.structured_outputs)
         params = dataclasses.replace(
@@ -37,6 +39,22 @@ def check_lora(lora_name: str | None, loaded: set[str]) -> None:
     """A request's adapter must be loaded (it waits for a slot, never for a load)."""
     if lora_name is not None and lora_name not in loaded:
         raise RequestError("model", lora_name, f"no LoRA adapter of this name is loaded (loaded: {sorted(loaded)})")
+
+
+def check_dimensions(dimensions: int, spec: ModelSpec) -> None:
+    """An embedding is shortened only where the model was trained for it (matryoshka, vLLM's rule); its own
+    width is always served."""
+    width = spec.hidden_size
+    if dimensions == width:
+        return
+    if not spec.is_matryoshka:
+        rule = f"this model's embeddings have {width} dimensions and it is no matryoshka model (config.json says"
+        raise RequestError("dimensions", dimensions, rule + " neither is_matryoshka nor matryoshka_dimensions)")
+    allowed = spec.matryoshka_dimensions
+    if allowed and dimensions not in allowed:
+        raise RequestError("dimensions", dimensions, f"this model serves the widths {list(allowed)} (and {width})")
+    if dimensions > width:
+        raise RequestError("dimensions", dimensions, f"this model's embeddings have {width} dimensions")
 
 
 def check_prompt(prompt_token_ids: list[int], vocab_size: int, max_model_len: int) -> None:

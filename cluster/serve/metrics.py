@@ -245,6 +245,16 @@ class ServeMetrics:
             if num_tokens > 1:
                 self.tpot.observe((end - first_token) / (num_tokens - 1))
 
+    def embedded(self, num_prompt_tokens: int, arrival: float, end: float, queued_s: float | None) -> None:
+        """Record one finished embedding request (one input of /v1/embeddings): its prompt tokens and its
+        latencies; it generates nothing, so it has no token latencies and finishes with "stop"."""
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.prompt_hist.observe(num_prompt_tokens)
+        self.success.inc(tags={"finished_reason": "stop"})
+        self.e2e.observe(end - arrival)
+        if queued_s is not None:
+            self.queue.observe(queued_s)
+
     def record_engine(self, s: SchedulerStats) -> None:
         """Called each period: Ray drops a gauge from its export when it was not set for two report periods."""
         self.info.set(1, tags=self.cache_config)

@@ -10,6 +10,7 @@ package), never defined after the class: Serve pickles the class by value.
 import asyncio
 import hmac
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
@@ -24,7 +25,13 @@ from ray.serve.grpc_util import RayServegRPCContext
 from starlette.exceptions import HTTPException
 
 from cluster.engine.ray_client import RayEngine
-from cluster.model_files import generation_defaults, load_tokenizer, pooling_type, serves_embeddings
+from cluster.model_files import (
+    generation_defaults,
+    load_tokenizer,
+    not_an_embedding_model,
+    pooling_type,
+    serves_embeddings,
+)
 from cluster.raylm_pb2 import GenerateRequest, GenerateResponse
 from cluster.serve import grpc_status
 from cluster.serve.admission import Admission
@@ -116,9 +123,9 @@ class LLMServer:
         self.scheduling_policy = args.engine.scheduling_policy
         self.close_objects = args.engine.structured_outputs_disable_additional_properties
         self.response_store = ResponseStore(args.responses_store_max_entries, args.responses_store_ttl_s)
-        self.pooling_type = pooling_type(args.pooling_type, self.engine.model_path)
-        self.serves_embeddings = serves_embeddings(args.runner, self.engine.model_path)
         cfg = args.engine
+        self.pooling_type = pooling_type(cfg.pooling_type, self.engine.model_path)
+        self.serves_embeddings = serves_embeddings(cfg.runner, self.engine.model_path)
         self.metrics = ServeMetrics(
             self.model_name,
             serve.get_replica_context().replica_id.unique_id,
@@ -347,19 +354,7 @@ class LLMServer:
         req = parse(EmbeddingRequest, await self._body(request))
         lora_name = self._check_model(req.model)
         if not self.serves_embeddings:
-            raise bad_request(
-                f"{self.model_name} is served for generation (runner=generate): it is no embedding model, and its "
-                f"hidden states are no embedding it was trained for. Serve an embedding model (a sentence-"
-                f"transformers export), or start with --runner pooling to embed with this one anyway",
-                "model",
-            )
-        width = self.engine.spec.hidden_size
-        if req.dimensions is not None and req.dimensions != width:
-            raise bad_request(
-                f"dimensions={req.dimensions}: this model's embeddings have {width} dimensions and it cannot "
-                f"shorten them (it is no matryoshka model); leave dimensions out",
-                "dimensions",
-            )
+            raise bad_request(not_an_embedding_model(self.model_name), "model")
         prompts = [self._prompt_ids(p) for p in req.inputs()]
         for i, ids in enumerate(prompts):
             param = "input" if len(prompts) == 1 else f"input[{i}]"
@@ -372,7 +367,10 @@ class LLMServer:
                     param,
                     "context_length_exceeded",
                 )
-        results = await asyncio.gather(*(self._embed(ids, lora_name) for ids in prompts), return_exceptions=True)
+        params = SamplingParams(max_tokens=1, pooling=self.pooling_type, dimensions=req.dimensions)
+        results = await asyncio.gather(
+            *(self._embed(ids, params, lora_name) for ids in prompts), return_exceptions=True
+        )
         if error := next((r for r in results if isinstance(r, BaseException)), None):
             raise error
         data = [Embedding(index=i, embedding=encoded(v, req.encoding_format)) for i, v in enumerate(results)]
@@ -380,22 +378,23 @@ class LLMServer:
         usage = EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
         return json_response(EmbeddingResponse(data=data, model=lora_name or self.model_name, usage=usage))
 
-    async def _embed(self, prompt_ids: list[int], lora_name: str | None) -> list[float]:
-        params = SamplingParams(max_tokens=1, pooling=self.pooling_type)
+    async def _embed(self, prompt_ids: list[int], params: SamplingParams, lora_name: str | None) -> list[float]:
+        arrival = time.monotonic()
         try:
             stream = self.admission.generate(new_id("embd"), prompt_ids, params, lora_name=lora_name)
             async with aclosing(stream):
                 async for out in stream:
                     if out.finished:
                         break
-        except RequestError as e:  # the engine's check
-            raise bad_request(str(e), "input") from None
+        except RequestError as e:  # the engine's check: the prompt is the request's input
+            raise bad_request(str(e), "input" if e.field.startswith("prompt") else e.field) from None
         except APIError:
             raise
         except Exception as e:  # the engine's actors are gone, or the replica is draining
             raise engine_error(e, "the engine failed") from None
         if out.embedding is None:
             raise engine_unavailable(f"the engine failed: {out.error or out.finish_reason}")
+        self.metrics.embedded(len(prompt_ids), arrival, time.monotonic(), out.queued_s)
         return out.embedding
 
     @app.get("/v1/models")

@@ -474,6 +474,46 @@ def test_pooled_embeddings_match_transformers_across_chunks_and_preemption(tiny_
         assert torch.tensor(out.embedding) == pytest.approx(want, abs=1e-4)
 
 
+def test_embed_a_sentence_transformers_export_with_matryoshka_dimensions(tiny_model_dir, default_model_dir, tmp_path):
+    """LLM.embed on a tiny random Qwen3 exported as sentence-transformers does (modules.json, 1_Pooling asking
+    for mean pooling) whose config.json lists matryoshka widths: served with runner=auto, pooled as its export
+    says, equal to transformers' mean hidden state; dimensions=16 is the first 16 values renormalised; a width
+    the config does not list is refused naming dimensions; the same weights without the export refuse embed."""
+    import shutil
+
+    from transformers import AutoModel
+
+    plain = tiny_model_dir("qwen3", matryoshka_dimensions=[16, 32])
+    export = shutil.copytree(plain, tmp_path / "st")
+    (export / "modules.json").write_text(json.dumps([{"idx": 0, "name": "0", "path": "", "type": "Transformer"}]))
+    (export / "1_Pooling").mkdir()
+    (export / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    ids = [[5, 17, 99, 3], list(range(40, 70))]
+    llm = LLM(str(export), executor="inprocess", tokenizer=default_model_dir, kv_cache_bytes=1 << 20)
+    try:
+        full = llm.embed(ids, use_tqdm=False)
+        short = llm.embed(ids, dimensions=16, use_tqdm=False)
+        with pytest.raises(ValueError, match="dimensions") as refused:
+            llm.embed(ids[0], dimensions=24, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert refused.value.field == "dimensions"
+    model = AutoModel.from_pretrained(plain, dtype=torch.float32).eval()
+    for prompt, got, got_short in zip(ids, full, short):
+        with torch.no_grad():
+            mean = model(torch.tensor([prompt])).last_hidden_state[0].mean(0)
+        assert got.prompt_token_ids == prompt and len(got.embedding) == 64 and len(got_short.embedding) == 16
+        assert torch.tensor(got.embedding) == pytest.approx(torch.nn.functional.normalize(mean, dim=0), abs=1e-4)
+        want_short = torch.nn.functional.normalize(mean[:16], dim=0)
+        assert torch.tensor(got_short.embedding) == pytest.approx(want_short, abs=1e-4)
+    generative = LLM(plain, executor="inprocess", tokenizer=default_model_dir, kv_cache_bytes=1 << 20)
+    try:
+        with pytest.raises(ValueError, match="runner pooling"):
+            generative.embed(ids)
+    finally:
+        generative.shutdown()
+
+
 def test_offline_json_schemas_are_closed_as_the_server_closes_them(smol):
     """A pydantic schema as libraries pass it (no additionalProperties): closed by default offline too, so the
     model stops after the object instead of adding properties until max_tokens."""

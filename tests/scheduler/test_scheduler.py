@@ -96,6 +96,10 @@ def test_scheduler_package_never_imports_torch():
         ({"stop_token_ids": [True]}, "stop_token_ids"),
         ({"stop_token_ids": None}, "stop_token_ids"),
         ({"ignore_eos": "no"}, "ignore_eos"),
+        ({"pooling": "cls", "max_tokens": 1}, "pooling"),
+        ({"pooling": "last", "max_tokens": 2}, "pooling"),
+        ({"dimensions": 8}, "dimensions"),
+        ({"pooling": "last", "max_tokens": 1, "dimensions": 0}, "dimensions"),
     ],
 )
 def test_sampling_params_reject_bad_values_naming_the_field(kw, field):

@@ -2,7 +2,10 @@
 model behind a ModelRouter that routes by each request's `model`, streams and all, with one metrics scrape
 labelled by model; an unknown model is a 404 naming the known ones."""
 
+import json
+import shutil
 import time
+from pathlib import Path
 
 import httpx2 as httpx
 import openai
@@ -20,9 +23,15 @@ PROMPT = [5, 17, 42, 99, 7]
 
 
 @pytest.fixture(scope="module")
-def models(servable_tiny_model) -> dict[str, str]:
-    """Two tiny random models that answer differently: "a" and "b", as their served names."""
-    return {"a": servable_tiny_model(), "b": servable_tiny_model(intermediate_size=96)}
+def models(servable_tiny_model, tmp_path_factory) -> dict[str, str]:
+    """Two tiny random models that answer differently: "a" and "b", as their served names. "b" is exported as
+    sentence-transformers exports an embedding model (modules.json, 1_Pooling asking for mean pooling), so it
+    serves /v1/embeddings as well (runner=auto) and "a" does not."""
+    b = Path(shutil.copytree(servable_tiny_model(intermediate_size=96), tmp_path_factory.mktemp("st") / "b"))
+    (b / "modules.json").write_text(json.dumps([{"idx": 0, "name": "0", "path": "", "type": "Transformer"}]))
+    (b / "1_Pooling").mkdir()
+    (b / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    return {"a": servable_tiny_model(), "b": str(b)}
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +69,24 @@ def test_each_model_answers_its_own_requests_streamed_and_not(url, models):
         streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
         assert streamed == whole.choices[0].text
     assert hf_greedy(models["a"], 6) != hf_greedy(models["b"], 6)  # else the routing would go unseen
+
+
+def test_embeddings_of_the_embedding_model_equal_transformers_mean_pooled(url, models):
+    """The SDK's embeddings.create routed to "b" (a sentence-transformers export): its mean-pooled, normalised
+    final hidden states, as transformers computes them; "a", a generative model, refuses embeddings naming why."""
+    from transformers import AutoModel
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    prompts = [PROMPT, list(range(100, 140))]
+    got = client.embeddings.create(model="b", input=prompts)
+    model = AutoModel.from_pretrained(models["b"], dtype=torch.float32).eval()
+    for prompt, d in zip(prompts, got.data):
+        with torch.no_grad():
+            mean = model(torch.tensor([prompt])).last_hidden_state[0].mean(0)
+        assert torch.tensor(d.embedding) == pytest.approx(torch.nn.functional.normalize(mean, dim=0), abs=1e-4)
+    assert got.model == "b" and got.usage.prompt_tokens == sum(map(len, prompts))
+    with pytest.raises(openai.BadRequestError, match="runner pooling"):
+        client.embeddings.create(model="a", input=PROMPT)
 
 
 def test_an_unknown_model_is_a_404_naming_the_known_ones(url):

@@ -19,7 +19,7 @@ from cluster import raylm_pb2, raylm_pb2_grpc
 from cluster.config import EngineConfig
 from cluster.engine.network import free_port
 from cluster.serve import AppArgs
-from tests.cluster.serve.test_server import serving
+from tests.cluster.serve.test_server import metrics, serving, wait_metrics
 from tests.workers.adapters import make_adapter
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -99,9 +99,9 @@ def server(default_model_dir, adapters):
             enable_lora=True,
             max_loras=2,
             lora_modules=[f"sql={adapters['sql']}"],
+            runner="pooling",  # a chat model: its embeddings are asked for (the embeddings tests below)
         ),
         served_model_name=MODEL,
-        runner="pooling",  # a chat model: its embeddings are asked for (the embeddings tests below)
     )
     grpc_port = free_port()
     with serving(args, host="127.0.0.1", port=free_port(), grpc_port=grpc_port) as url:
@@ -721,6 +721,26 @@ def test_embeddings_equal_transformers_pooled_hidden_states(client, default_mode
     assert torch.tensor(one.data[0].embedding) == pytest.approx(want[1], abs=1e-4)
 
 
+def test_embeddings_are_counted_in_the_request_metrics(url):
+    """Each input is a finished request in vLLM's series: its prompt tokens, a "stop" success and an e2e latency."""
+    labels = f"model_name={MODEL}"
+    key = f"vllm:request_success_total{{finished_reason=stop,{labels}}}"
+    before = metrics(url)
+    r = httpx.post(f"{url}/v1/embeddings", json={"model": MODEL, "input": ["one two", "three"]}, timeout=60)
+    assert r.status_code == 200, r.text
+    tokens = r.json()["usage"]["prompt_tokens"]
+    e2e = f"vllm:e2e_request_latency_seconds_count{{{labels}}}"
+    prompt = f"vllm:prompt_tokens_total{{{labels}}}"
+    wait_metrics(
+        url,
+        lambda m: (
+            m.get(key, 0) >= before.get(key, 0) + 2
+            and m.get(prompt, 0) >= before.get(prompt, 0) + tokens
+            and m.get(e2e, 0) >= before.get(e2e, 0) + 2
+        ),
+    )
+
+
 @pytest.mark.parametrize(
     "body, param",
     [
@@ -728,6 +748,7 @@ def test_embeddings_equal_transformers_pooled_hidden_states(client, default_mode
         ({"input": []}, "input"),
         ({"input": ["a", ""]}, "input"),
         ({"input": "a", "dimensions": 8}, "dimensions"),
+        ({"input": "a", "dimensions": 0}, "dimensions"),
         ({"input": "a", "encoding_format": "int8"}, "encoding_format"),
         ({"input": "a", "pooling": "cls"}, "pooling"),
         ({"input": ["a", "word " * 1100]}, "input[1]"),
