@@ -70,7 +70,9 @@ class DraftModel:
       scheduler allocates k lookahead slots for them). Those are past the computed tokens: the next steps
       rewrite them before anything reads them as context.
     Greedy proposals are a one-hot draft distribution, for which the sampler's rejection rule (accept with
-    probability p(t)) is exact.
+    probability p(t)) is exact. The GPU memory profile runs the target alone: the draft's weights are loaded
+    before it (so counted), and its forwards run after the target's activations are freed, a smaller model's
+    peak under the target's.
     """
 
     def __init__(
