@@ -29,7 +29,7 @@ PREEMPTION_MODES = ("auto", "recompute", "swap")
 REQUEST_ROUTERS = ("prefix_cache", "serve")
 POOLING_TYPES = ("auto", "last", "mean")
 RUNNERS = ("auto", "generate", "pooling")
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 # Proposed tokens per step at most: each one is a position the step computes for every speculating request,
 # and the chance that a proposal's j-th token is accepted falls with j (the product of the chances before it).
 MAX_SPECULATIVE_TOKENS = 16
@@ -194,8 +194,9 @@ class EngineConfig(BaseModel):
     speculative_config: str | None = Field(
         None,
         description="speculative decoding, a JSON object as vLLM spells it: "
-        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} '
-        f"(method ngram only; num_speculative_tokens in [1, {MAX_SPECULATIVE_TOKENS}]; default: off)",
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or '
+        '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} (a smaller model with the same '
+        f"vocabulary); num_speculative_tokens in [1, {MAX_SPECULATIVE_TOKENS}]; default: off",
     )
     num_threads: int | None = Field(
         None, ge=1, description="torch threads per rank (default: every core the rank may use)"
@@ -344,6 +345,12 @@ class EngineConfig(BaseModel):
         return value
 
     @property
+    def draft_model(self) -> str | None:
+        """The draft model's id or directory (speculative_config method draft_model), else None."""
+        spec = parse_speculative_config(self.speculative_config) if self.speculative_config else {}
+        return spec.get("model")
+
+    @property
     def swap_space_bytes(self) -> int:
         return int(self.swap_space * GIB)
 
@@ -368,6 +375,7 @@ class EngineConfig(BaseModel):
     def worker_config(self, model_path: str, max_model_len: int) -> WorkerConfig:
         """What each rank needs. ``model`` stays the id the user gave (a rank on another node resolves it into its
         own cache); ``model_path`` is this node's copy, used where the id names no hub model."""
+        spec = parse_speculative_config(self.speculative_config) if self.speculative_config else {}
         return WorkerConfig(
             model=model_path if self.model is None else self.model,
             revision=self.revision,
@@ -395,6 +403,8 @@ class EngineConfig(BaseModel):
             max_loras=self.max_loras if self.enable_lora else 0,
             max_lora_rank=self.max_lora_rank,
             lora_modules=self.lora_paths,
+            draft_model=spec.get("model"),
+            num_speculative_tokens=spec.get("num_speculative_tokens", 0) if "model" in spec else 0,
         )
 
     def scheduler_config(
@@ -429,6 +439,7 @@ class EngineConfig(BaseModel):
             pipeline_parallel_size=self.pipeline_parallel_size,
             max_loras=self.max_loras if self.enable_lora else 0,
             num_speculative_tokens=spec.get("num_speculative_tokens", 0),
+            speculative_method=spec.get("method", "ngram"),
             prompt_lookup_min=spec.get("prompt_lookup_min", 1),
             prompt_lookup_max=spec.get("prompt_lookup_max", 1),
         )
@@ -567,30 +578,38 @@ class LaunchConfig(BaseModel):
 
 
 def parse_speculative_config(text: str) -> dict[str, Any]:
-    """``speculative_config``'s JSON checked and completed: method ngram, num_speculative_tokens in
-    [1, MAX_SPECULATIVE_TOKENS], 1 <= prompt_lookup_min <= prompt_lookup_max (one given: the other equals it;
-    neither: 5, vLLM's rule). A ValueError names the key and the value."""
+    """``speculative_config``'s JSON checked and completed: method ngram or draft_model, num_speculative_tokens in
+    [1, MAX_SPECULATIVE_TOKENS]; ngram: 1 <= prompt_lookup_min <= prompt_lookup_max (one given: the other equals
+    it; neither: 5, vLLM's rule); draft_model: ``model``, the draft's hub id or directory. A ValueError names the
+    key and the value."""
     try:
         spec = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"speculative_config={text!r} is not JSON: {e}") from None
     if not isinstance(spec, dict):
         raise ValueError(f"speculative_config={text!r} must be a JSON object")
-    known = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
-    unknown = sorted(set(spec) - set(known))
-    if unknown:
-        raise ValueError(f"speculative_config has unknown keys {unknown}: the keys are {list(known)}")
     method = spec.get("method")
     if method not in SPECULATIVE_METHODS:
         raise ValueError(
             f"speculative_config method={method!r} is not supported: the methods are {SPECULATIVE_METHODS}"
         )
+    known = ("method", "num_speculative_tokens") + (
+        ("model",) if method == "draft_model" else ("prompt_lookup_min", "prompt_lookup_max")
+    )
+    unknown = sorted(set(spec) - set(known))
+    if unknown:
+        raise ValueError(f"speculative_config has unknown keys {unknown}: method {method}'s keys are {list(known)}")
     k = spec.get("num_speculative_tokens")
     if type(k) is not int or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(
             f"speculative_config num_speculative_tokens={k!r} is invalid: must be an integer in "
             f"[1, {MAX_SPECULATIVE_TOKENS}]"
         )
+    if method == "draft_model":
+        model = spec.get("model")
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"speculative_config model={model!r} is invalid: draft_model needs the draft's id or path")
+        return {"method": method, "model": model, "num_speculative_tokens": k}
     low, high = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
     low, high = (low or high or 5), (high or low or 5)
     for name, n in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):

@@ -29,9 +29,11 @@ class SchedulerConfig:
     # samples to the ranks that do not sample (CachedRequestData.new_token_ids).
     pipeline_parallel_size: int
     max_loras: int  # LoRA adapters one step may use (the ranks' resident slots); 0: LoRA off
-    # Speculative decoding (prompt lookup): up to this many proposed tokens per request and step (0: off), from
-    # matches of the request's last prompt_lookup_max..prompt_lookup_min tokens (scheduler/ngram.py).
+    # Speculative decoding: up to this many proposed tokens per request and step (0: off). speculative_method
+    # "ngram": from matches of the request's last prompt_lookup_max..prompt_lookup_min tokens (scheduler/ngram.py);
+    # "draft_model": what a draft model on the sampling rank proposed (ModelRunnerOutput.draft_token_ids).
     num_speculative_tokens: int
+    speculative_method: str
     prompt_lookup_min: int
     prompt_lookup_max: int
 

@@ -1,4 +1,4 @@
-"""Prompt lookup (n-gram) proposals: the tokens that followed the request's last n tokens where they last occurred."""
+"""Where a request's proposals come from: prompt lookup (n-gram, made here) or a draft model (made on the ranks)."""
 
 from __future__ import annotations
 
@@ -36,3 +36,13 @@ class NgramProposer:
                 start = int(hits[0]) + n
                 return token_ids[start : start + max_k]
         return []
+
+
+class DraftModelProposals:
+    """A draft model's proposals (speculative_method "draft_model"): the draft runs on the sampling rank after
+    each step and the step's output carries them; ``Scheduler.update_from_output`` keeps them on the request
+    (``draft_token_ids``). They are always for the request's latest token: a speculable request is never in two
+    steps in flight, and every step that samples it replaces them."""
+
+    def propose(self, request: Request, max_k: int) -> list[int]:
+        return request.draft_token_ids[:max_k]

@@ -130,6 +130,9 @@ class ModelRunnerOutput:
     num_accepted_tokens: list[int] | None = None
     accepted_logprobs: list[list[SampledLogprobs]] | None = None
     pooled: dict[str, list[float]] | None = None
+    # A draft model's proposals (speculative_method "draft_model") after the newest token of each speculable
+    # request that sampled (every one, [] where the draft had no room), for its next step; None without a draft.
+    draft_token_ids: dict[str, list[int]] | None = None
 
 
 @dataclass(slots=True)

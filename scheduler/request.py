@@ -228,6 +228,21 @@ class SamplingParams:
         )
 
     @property
+    def speculable(self) -> bool:
+        """Whether a request may carry proposals (speculative decoding): its sampling at each position of a run
+        must depend on nothing the run itself changes (the ranks verify every position with one processed
+        distribution), and a seeded sampled request keeps the random stream it has without speculation."""
+        return (
+            self.repetition_penalty == 1.0
+            and self.presence_penalty == 0.0
+            and self.frequency_penalty == 0.0
+            and self.min_tokens == 0
+            and not self.bad_words_token_ids
+            and self.structured_outputs is None
+            and (self.seed is None or self.greedy)
+        )
+
+    @property
     def greedy(self) -> bool:
         # Dividing logits by a temperature this small overflows them to inf/NaN; its argmax is the intent.
         return self.temperature < _GREEDY_TEMPERATURE or self.top_k == 1
@@ -326,6 +341,7 @@ class Request:
         "queued_s",
         "prompt_logprobs",
         "spec_token_ids",
+        "draft_token_ids",
     )
 
     def __init__(
@@ -384,6 +400,9 @@ class Request:
         self.prompt_logprobs: list = []  # SampledLogprobs of prompt tokens 1.., until the first output carries them
         # Proposed tokens the step in flight verifies (speculative decoding): computed, not yet known to be tokens.
         self.spec_token_ids: list[int] = []
+        # What a draft model proposed after the request's latest token (speculative_method "draft_model"), for its
+        # next step: replaced by each step that samples it.
+        self.draft_token_ids: list[int] = []
         self.extend_block_hashes()
 
     @property

@@ -9,7 +9,7 @@ import time
 from scheduler.block_hash import BlockHash
 from scheduler.config import SchedulerConfig, SchedulerStats
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.ngram import NgramProposer
+from scheduler.ngram import DraftModelProposals, NgramProposer
 from scheduler.outputs import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -93,7 +93,7 @@ class Scheduler:
       no hash (hashes cover known tokens) and lies past the computed count, so
       it is never cached; the block stays in the table for the next step;
     - proposals are made from the request's known tokens, so a request that
-      may get them (``_speculable``) is not scheduled while a step in flight
+      may get them (``SamplingParams.speculable``) is not scheduled while a step in flight
       samples it (as with pipelining): its placeholder is one per step, not k,
       and it is never in two steps in flight. Other requests run as before;
     - only requests whose sampling does not depend on the position in the run
@@ -102,6 +102,12 @@ class Scheduler:
       same processed distribution, so the output is exactly the target's, and
       a seeded request's random stream is the one it has without speculation;
     - proposals never reach past max_tokens or max_model_len.
+    A draft model (``speculative_method="draft_model"``) proposes on the sampling rank, after the step is
+    verified, from the request's newest token; the step's output carries the proposals
+    (``draft_token_ids``), kept on the request for its next step, which schedules them as prompt lookup's.
+    The draft's KV uses the target's block table and slots: its k proposal passes write positions up to 2k past
+    the computed ones (k proposals verified, then k passes from the sampled token after them), so a step that
+    samples a speculable request allocates k lookahead slots beyond its proposals' (``_speculate``).
     """
 
     def __init__(self, config: SchedulerConfig, eos_token_id: int | None = None) -> None:
@@ -129,7 +135,14 @@ class Scheduler:
         self.last_num_scheduled_tokens = 0
         self.last_num_admitted = 0
         self.num_spec = config.num_speculative_tokens
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max) if self.num_spec else None
+        self.proposer = None
+        if self.num_spec:
+            draft = config.speculative_method == "draft_model"
+            self.proposer = (
+                DraftModelProposals() if draft else NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+            )
+        # With a draft model, slots its k proposal passes write after a step that samples (see _speculate).
+        self.draft_lookahead = self.num_spec if config.speculative_method == "draft_model" else 0
         self.spec_tokens: dict[str, list[int]] = {}  # this step's proposals by request id
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted = 0
         self.spec_accepted_per_pos = [0] * self.num_spec
@@ -368,12 +381,6 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         max_model_len = self.config.max_model_len
         block_size = self.block_size
-        cached_req_ids, cached_resumed, cached_new_block_ids, cached_num_computed = (
-            cached.req_ids,
-            cached.resumed_from_preemption,
-            cached.new_block_ids,
-            cached.num_computed_tokens,
-        )
         req_to_blocks = self.kv.req_to_blocks
         running = self.running
         step_cap, pipelined = self.step_cap, self.pipelined
@@ -384,7 +391,7 @@ class Scheduler:
             req_id = request.request_id
             num_tokens = len(request.all_token_ids)
             placeholders = request.num_output_placeholders
-            speculable = proposer is not None and _speculable(request.sampling_params)
+            speculable = proposer is not None and request.sampling_params.speculable
             if placeholders:
                 if (
                     pipelined
@@ -396,17 +403,13 @@ class Scheduler:
                     continue  # a step in flight samples its last token (pipelined: its next input): wait for it
                 num_tokens += placeholders
             num_computed = request.num_computed_tokens
-            num_new = num_tokens - num_computed
-            if threshold and num_new > threshold:
-                num_new = threshold
-            if num_new > budget:
-                num_new = budget
-            drafts = self._propose(request, budget) if speculable and num_computed + 1 == num_tokens else ()
-            if num_computed + num_new + len(drafts) <= len(req_to_blocks[req_id]) * block_size:
+            num_new = min(num_tokens - num_computed, budget, threshold or budget)
+            drafts, lookahead = self._speculate(request, num_tokens, num_new, budget) if speculable else ((), 0)
+            if num_computed + num_new + lookahead <= len(req_to_blocks[req_id]) * block_size:
                 new_block_ids = []  # the last block still has room
             else:
                 new_blocks, freed_budget, num_unscheduled = self._allocate_preempting(
-                    request, num_new, num_scheduled, cached, preempted, len(drafts)
+                    request, num_new, num_scheduled, cached, preempted, lookahead
                 )
                 budget += freed_budget
                 i -= num_unscheduled  # victims scheduled earlier in this loop sat before index i
@@ -418,13 +421,26 @@ class Scheduler:
                 num_new += len(drafts)
             num_scheduled[req_id] = num_new
             budget -= num_new
-            cached_req_ids.append(req_id)
-            cached_resumed.append(False)
-            cached_new_block_ids.append(new_block_ids)
-            cached_num_computed.append(num_computed)
+            cached.req_ids.append(req_id)
+            cached.resumed_from_preemption.append(False)
+            cached.new_block_ids.append(new_block_ids)
+            cached.num_computed_tokens.append(num_computed)
             request.num_computed_tokens = num_computed + num_new
             i += 1
         return budget
+
+    def _speculate(self, request: Request, num_tokens: int, num_new: int, budget: int) -> tuple[list[int], int]:
+        """A speculable running request's proposals this step (when it decodes) and the lookahead slots to allocate
+        after its new tokens: the proposals', and with a draft model k more when the step samples it (the draft's
+        passes then write from the sampled token, up to k past the proposals), short of max_model_len and the
+        request's last position (whose KV is never computed). The ranks' draft writes no slot it was not given."""
+        num_computed = request.num_computed_tokens
+        drafts = self._propose(request, budget) if num_computed + 1 == num_tokens else []
+        lookahead = len(drafts)
+        if self.draft_lookahead and num_computed + num_new == num_tokens:
+            end = min(self.config.max_model_len, request.max_total_tokens)
+            lookahead = max(min(lookahead + self.draft_lookahead, end - num_computed - num_new), len(drafts))
+        return drafts, lookahead
 
     def _propose(self, request: Request, budget: int) -> list[int]:
         """Up to k proposed tokens for a decoding request, within the step's budget (its last token takes one)
@@ -621,18 +637,17 @@ class Scheduler:
         check stop rules, cache newly computed blocks; one delta per sampled request."""
         step = self.in_flight.pop(scheduler_output.step_id)
         cache_blocks = self.kv.cache_computed_blocks
-        outputs = self._apply_prompt_results(step, runner_output)
+        outputs = self._apply_other_results(step, runner_output)
         append_out = outputs.append
         logprobs = runner_output.logprobs
         max_model_len = self.config.max_model_len
         finished = RequestStatus.FINISHED_STOPPED
         deferred = self.deferred
-        num_accepted = runner_output.num_accepted_tokens
         for i, (req_id, token) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             request = step[req_id]
             request.num_output_placeholders -= 1
             if request.spec_token_ids:
-                out = self._apply_verified(request, token, num_accepted[i], runner_output, i)
+                out = self._apply_verified(request, token, runner_output.num_accepted_tokens[i], runner_output, i)
                 if out is not None:
                     append_out(out)
                 continue
@@ -676,9 +691,12 @@ class Scheduler:
                 cache_blocks(request)
         return outputs
 
-    def _apply_prompt_results(self, step: dict[str, Request], runner_output: ModelRunnerOutput) -> list[RequestOutput]:
-        """What a step computed from prompts rather than sampled: prompt logprobs (kept for the request's first
-        token delta) and embeddings, each of which finishes its request; returns those final outputs."""
+    def _apply_other_results(self, step: dict[str, Request], runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        """What a step computed besides sampled tokens: prompt logprobs (kept for the request's first token delta),
+        embeddings, each of which finishes its request (returns those final outputs), and a draft model's proposals
+        for each speculable request it sampled (kept for its next step)."""
+        for req_id, draft_token_ids in (runner_output.draft_token_ids or {}).items():
+            step[req_id].draft_token_ids = draft_token_ids
         for req_id, entries in (runner_output.prompt_logprobs or {}).items():
             request = step[req_id]
             if not request.is_finished:
@@ -734,21 +752,6 @@ class Scheduler:
         if request.sampling_params.prompt_logprobs is not None and len(request.output_token_ids) == len(tokens):
             out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
         return out
-
-
-def _speculable(params: SamplingParams) -> bool:
-    """Whether a request may carry proposals: its sampling at each position of a run must depend on nothing the
-    run itself changes (the ranks verify every position with one processed distribution), and a seeded sampled
-    request keeps the random stream it has without speculation."""
-    return (
-        params.repetition_penalty == 1.0
-        and params.presence_penalty == 0.0
-        and params.frequency_penalty == 0.0
-        and params.min_tokens == 0
-        and not params.bad_words_token_ids
-        and params.structured_outputs is None
-        and (params.seed is None or params.greedy)
-    )
 
 
 def _stop_status(request: Request, token: int, max_model_len: int) -> RequestStatus | None:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from kernels import AttentionMetadata
 from scheduler.outputs import ModelRunnerOutput, SampledLogprobs, SchedulerOutput
 from scheduler.request import SamplingParams
+from workers.draft import DraftModel
 from workers.lora import LoraManager
 from workers.parallel import StageLink, pipeline_stage
 from workers.runner_inputs import (
@@ -46,6 +47,9 @@ class ModelRunner:
     block: they write slot 0 and read only block 0), so that its forward is one
     of a few fixed shapes, each captured as a CUDA graph by
     ``capture_decode_graphs``.
+
+    With a draft model (speculative decoding, the sampling rank only) the draft runs over each step's tokens
+    after the target, and proposes for the sampled requests after their tokens are appended (workers/draft.py).
     """
 
     def __init__(
@@ -65,8 +69,10 @@ class ModelRunner:
         grammar: GrammarBitmasks | None = None,
         link: StageLink | None = None,
         lora: LoraManager | None = None,
+        draft: DraftModel | None = None,
     ) -> None:
         self.model = model
+        self.draft = draft
         self.lora = lora
         self.grammar = grammar
         self.attn_backend = attn_backend
@@ -335,6 +341,8 @@ class ModelRunner:
         hidden = self.forward(inputs)
         if hidden is None:
             return None
+        if self.draft is not None:
+            self.draft.catch_up(inputs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices]) if states else None
         prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_spans) if inputs.prompt_spans else None
         pooled = self._pool(hidden, inputs.pool_spans) if inputs.pool_spans and self.is_driver else None
@@ -368,8 +376,16 @@ class ModelRunner:
         self._append(states, token_ids, num_accepted)
         if not self.is_driver:
             return None
+        drafts = self.draft.propose(states, self.token_ids, self.block_table) if self.draft is not None else None
         return ModelRunnerOutput(
-            [s.req_id for s in states], token_ids, logprobs, prompt_logprobs, num_accepted, accepted_logprobs, pooled
+            [s.req_id for s in states],
+            token_ids,
+            logprobs,
+            prompt_logprobs,
+            num_accepted,
+            accepted_logprobs,
+            pooled,
+            drafts,
         )
 
     def _share(self, sampled: torch.Tensor | None, num_sampled: int) -> torch.Tensor:

@@ -65,6 +65,19 @@ class ModelSpec:
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None
 
+    def num_parameters(self) -> int:
+        """The weights' count, from the shapes (norms and biases left out): attention, the MLPs (every expert of
+        a sparse layer), the embeddings and the head unless tied. What a draft model's size is checked by."""
+        h, moe = self.hidden_size, self.moe
+        attention = h * 2 * (self.num_heads + self.num_kv_heads) * self.head_dim
+        mlps = sum(
+            moe.num_experts * 3 * h * moe.intermediate_size
+            if moe is not None and layer in moe.sparse_layers
+            else 3 * h * self.intermediate_size
+            for layer in range(self.num_layers)
+        )
+        return self.num_layers * attention + mlps + self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+
     def kv_heads_per_rank(self, tp_size: int) -> int:
         """KV heads one rank holds: an even share, or one replicated head when tp > num_kv_heads."""
         return max(self.num_kv_heads // tp_size, 1)

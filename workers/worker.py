@@ -11,9 +11,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from kernels import AttentionMetadata, select_backend
+from kernels import AttentionBackend, AttentionMetadata, select_backend
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 from workers.cache_engine import CacheEngine, check_swap_space
+from workers.draft import DraftModel
 from workers.hub import resolve_model
 from workers.layers import can_pack, pack_for_cpu
 from workers.lora import LoraManager
@@ -107,6 +108,8 @@ class WorkerConfig:
     max_loras: int  # LoRA adapter slots per rank; 0: LoRA off
     max_lora_rank: int
     lora_modules: dict[str, str]  # adapters loaded at start: name -> PEFT directory
+    draft_model: str | None  # speculative decoding's draft model (hub id or directory), on the driver; None: none
+    num_speculative_tokens: int  # the draft's proposals per request and step (0 without a draft)
 
 
 class Worker:
@@ -128,6 +131,7 @@ class Worker:
         self.spec = None
         self.runner: ModelRunner | NoWorkRunner | None = None
         self.cache: CacheEngine | None = None
+        self.draft: DraftModel | None = None  # speculative decoding's draft, on the driver only
         self.ranks_on_host = 1  # ranks sharing this host's memory (each pins its own host tier); set by the actor
         self.link: StageLink | None = None
         self.busy_s = 0.0  # time in execute_model, less the time its stage link waited: the bench's busy fraction
@@ -243,6 +247,7 @@ class Worker:
             )
         grammar = None
         if self.is_driver:
+            self._load_draft(backend)
             tokenizer_dir = (
                 resolve_model(cfg.tokenizer, cfg.tokenizer_revision, cfg.download_dir, weights=False)
                 if cfg.tokenizer
@@ -261,11 +266,27 @@ class Worker:
             grammar=grammar,
             link=self.link,
             lora=lora,
+            draft=self.draft,
             max_rows=min(cfg.max_num_seqs, 256),
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             decode_sizes=graph_batch_sizes(cfg.max_num_seqs) if graphs else None,
         )
+
+    def _load_draft(self, backend: AttentionBackend) -> None:
+        """Speculative decoding's draft model, unsharded, on this (sampling) rank (workers/draft.py says why)."""
+        cfg = self.config
+        if cfg.draft_model:
+            draft_dir = resolve_model(cfg.draft_model, None, cfg.download_dir)
+            self.draft = DraftModel(
+                draft_dir,
+                cfg.num_speculative_tokens,
+                backend,
+                self.dtype,
+                self.device,
+                cfg.block_size,
+                cfg.max_model_len,
+            )
 
     def _new_cache(self, num_blocks: int, num_host_blocks: int = 0) -> CacheEngine:
         cfg, spec = self.config, self.spec
@@ -281,14 +302,16 @@ class Worker:
         )
 
     def block_bytes(self) -> int:
+        """Bytes one block takes on this rank: the target's KV, and the draft's beside it on the driver."""
         spec = self.spec
-        return CacheEngine.block_bytes(
+        target = CacheEngine.block_bytes(
             pipeline_stage().num_layers(spec.num_layers),
             self.config.block_size,
             spec.kv_heads_per_rank(self.config.tensor_parallel_size),
             spec.head_dim,
             self.dtype,
         )
+        return target + (self.draft.block_bytes() if self.draft is not None else 0)
 
     def determine_num_blocks(self) -> int:
         """Blocks this rank can hold. CPU (and the no-work runner, which holds no KV): kv_cache_bytes. GPU: what
@@ -391,6 +414,8 @@ class Worker:
             return
         self.cache = self._new_cache(num_blocks, num_host_blocks)
         self.cache.bind(self.model.attention_layers)
+        if self.draft is not None:
+            self.draft.init_cache(num_blocks, num_host_blocks)
         if self.runner.decode_sizes:
             self.runner.capture_decode_graphs()
 
@@ -401,6 +426,8 @@ class Worker:
         if (so.blocks_to_swap_out or so.blocks_to_swap_in) and self.cache is not None:
             with torch.inference_mode():
                 self.cache.swap(so.blocks_to_swap_out, so.blocks_to_swap_in)  # before the forward: its contract
+                if self.draft is not None:
+                    self.draft.swap(so.blocks_to_swap_out, so.blocks_to_swap_in)
         out = self.runner.execute_model(so)
         self.busy_s += time.perf_counter() - start - ((self.link.wait_s - waited) if self.link is not None else 0.0)
         return out

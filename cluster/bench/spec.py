@@ -1,6 +1,7 @@
-"""`raylm bench spec`: speculative decoding (n-gram prompt lookup) against none, on a copy-heavy workload (the
-model is asked to repeat paragraphs of this repository's own documentation, real text it copies from) and on free
-chat, at several concurrencies: TPOT, output tokens per second and the acceptance rate."""
+"""`raylm bench spec`: speculative decoding (n-gram prompt lookup, and a draft model when one is given) against
+none, on a copy-heavy workload (the model is asked to repeat paragraphs of this repository's own documentation, real
+text it copies from) and on free chat, at several concurrencies: TPOT, output tokens per second and the acceptance
+rate."""
 
 from __future__ import annotations
 
@@ -81,11 +82,13 @@ def bench_spec(
     from cluster.config import parse_speculative_config
     from cluster.llm import LLM
 
-    spec = parse_speculative_config(speculative_config) if speculative_config else None
-    spec = spec or {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    # One engine at a time (a machine may hold only one): every cell without proposals, then every cell with.
+    # What is compared with no speculation: the given config (default: n-gram), and n-gram beside a draft model.
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    given = parse_speculative_config(speculative_config) if speculative_config else ngram
+    specs = [ngram, given] if given["method"] == "draft_model" else [given]
+    # One engine at a time (a machine may hold only one): every cell without proposals, then every cell with each.
     figures: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
-    for overrides in ({}, {"speculative_config": spec}):
+    for overrides in [{}] + [{"speculative_config": spec} for spec in specs]:
         llm = LLM(model=model, executor=executor, address=address, **engine_kwargs, **overrides)
         try:
             prompts = workloads(llm)
@@ -96,15 +99,17 @@ def bench_spec(
         finally:
             llm.shutdown()
     print(
-        f"spec: {spec}; {len(prompts['copy'])} copy prompts (docs/*.md paragraphs), {len(prompts['chat'])} chat "
-        f"prompts; greedy, max_tokens={max_tokens}, at least {MIN_REQUESTS} requests per cell; {executor} executor"
+        f"spec: {'; '.join(map(str, specs))}; {len(prompts['copy'])} copy prompts (docs/*.md paragraphs), "
+        f"{len(prompts['chat'])} chat prompts; greedy, max_tokens={max_tokens}, at least {MIN_REQUESTS} requests per "
+        f"cell; {executor} executor"
     )
-    for (name, c), ((tpot0, tps0, _), (tpot1, tps1, rate)) in figures.items():
-        print(
-            f"  {name:4s} concurrency {c:3d}: TPOT median {tpot0 * 1e3:7.1f} -> {tpot1 * 1e3:7.1f} ms "
-            f"({tpot1 / tpot0:4.2f}x)   output {tps0:7.1f} -> {tps1:7.1f} tok/s ({tps1 / tps0:4.2f}x)   "
-            f"acceptance {rate:5.1%}"
-        )
+    for (name, c), ((tpot0, tps0, _), *with_spec) in figures.items():
+        for spec, (tpot1, tps1, rate) in zip(specs, with_spec):
+            print(
+                f"  {name:4s} concurrency {c:3d}: {spec['method']:11s} TPOT median {tpot0 * 1e3:7.1f} -> "
+                f"{tpot1 * 1e3:7.1f} ms ({tpot1 / tpot0:4.2f}x)   output {tps0:7.1f} -> {tps1:7.1f} tok/s "
+                f"({tps1 / tps0:4.2f}x)   acceptance {rate:5.1%}"
+            )
 
 
 def run_cell(engine, pool: list[list[int]], c: int, max_tokens: int, tag: str) -> tuple[float, float, float]:

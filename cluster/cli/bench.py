@@ -55,7 +55,8 @@ def _scheduler(sub) -> None:
 def _spec(sub) -> None:
     p = sub.add_parser(
         "spec",
-        help="speculative decoding (n-gram) against none: copy-heavy and chat workloads, TPOT, tok/s, acceptance",
+        help="speculative decoding against none (n-gram, or --speculative-config's; with a draft model, n-gram and "
+        "the draft): copy-heavy and chat workloads, TPOT, tok/s, acceptance",
     )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--max-tokens", type=int, default=64)

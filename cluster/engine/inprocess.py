@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from cluster.config import EngineConfig
-from cluster.engine.interface import resolve_max_model_len
+from cluster.engine.interface import check_draft_model, resolve_max_model_len
 from cluster.engine.request_check import check_lora, check_request
 from scheduler import RequestOutput, SamplingParams, Scheduler, SchedulerStats
 from workers.model_loader import read_model_spec
@@ -32,6 +32,7 @@ class InProcessEngine:
         self.model_path = config.resolved_model()
         self.spec = read_model_spec(self.model_path)
         self.max_model_len = resolve_max_model_len(config, self.spec)
+        check_draft_model(config, self.model_path, self.spec, self.max_model_len)
         self.worker = Worker(config.worker_config(self.model_path, self.max_model_len))
         self.device = self.worker.init_device()
         self.worker.load_model()

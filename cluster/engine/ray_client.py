@@ -15,7 +15,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.config import EngineConfig
 from cluster.engine.connect import connect
 from cluster.engine.health import diagnose
-from cluster.engine.interface import resolve_max_model_len
+from cluster.engine.interface import check_draft_model, resolve_max_model_len
 from cluster.engine.placement import SCHEDULER_CPUS, bundle_device, engine_bundles, place, resolve_device
 from cluster.engine.request_check import check_request
 from cluster.engine.startup import init_workers, start_workers
@@ -67,6 +67,7 @@ class RayEngine:
         # Refused here, before Ray is joined or any weight loads.
         partition_layers(self.spec.num_layers, config.pipeline_parallel_size, config.layer_partition)
         self.max_model_len = resolve_max_model_len(config, self.spec)
+        check_draft_model(config, self.model_path, self.spec, self.max_model_len)
         connect(address, SCHEDULER_CPUS + config.world_size * (config.num_threads or 1), config.placement_timeout_s)
         self.device = (
             bundle_device(placement_group, first_bundle + 1)

@@ -100,3 +100,28 @@ def test_auto_binding_leaves_threads_alone_where_replicas_may_share_a_node():
     assert AppArgs(engine=EngineConfig(model="/m"), max_replicas=2).engine.cpu_omp_threads_bind == "nobind"
     pinned = EngineConfig(model="/m", cpu_omp_threads_bind="0|1")
     assert AppArgs(engine=pinned, max_replicas=2).engine.cpu_omp_threads_bind == "0|1"  # the user's own lists stay
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"method": "draft_model", "num_speculative_tokens": 4}, "model=None is invalid"),
+        ({"method": "draft_model", "model": "d", "num_speculative_tokens": 4, "prompt_lookup_max": 3}, "unknown keys"),
+        ({"method": "draft_model", "model": "d", "num_speculative_tokens": 0}, "num_speculative_tokens=0"),
+        ({"method": "draft_model", "model": "d", "num_speculative_tokens": 17}, r"\[1, 16\]"),
+        ({"method": "eagle", "model": "d", "num_speculative_tokens": 2}, "method='eagle'"),
+    ],
+)
+def test_bad_speculative_config_is_refused_naming_the_key(spec, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=spec)
+
+
+def test_a_draft_model_reaches_the_sampling_rank_and_is_refused_with_pipeline_stages():
+    spec = {"method": "draft_model", "model": "/draft", "num_speculative_tokens": 3}
+    config = EngineConfig(device="cpu", speculative_config=spec)
+    ranks = config.worker_config("/target", 256)
+    assert (ranks.draft_model, ranks.num_speculative_tokens) == ("/draft", 3)
+    assert config.scheduler_config(64, 256).speculative_method == "draft_model"
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
+        EngineConfig(pipeline_parallel_size=2, speculative_config=spec)

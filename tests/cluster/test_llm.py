@@ -531,12 +531,18 @@ def test_offline_json_schemas_are_closed_as_the_server_closes_them(smol):
     City.model_validate_json(out.text)
 
 
-def test_greedy_matches_transformers_with_ngram_speculation(smol, default_model_dir):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_matches_transformers_with_speculation(smol, default_model_dir, method):
     """Proposals on the Ray engine (async scheduling), with chunked prefill, preemption, the prefix cache and
-    n=2 (the second round): token for token transformers'."""
+    n=2 (the second round): token for token transformers'. The draft model is the default model itself: it must
+    have every proposal accepted."""
     _, ids, expected = smol
     block_bytes = ray.get(smol[0].engine.workers[0].call.remote("block_bytes"))
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    if method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    else:
+        spec = {"method": "draft_model", "model": default_model_dir, "num_speculative_tokens": 4}
+        block_bytes *= 2  # the draft's KV beside the target's
     llm = LLM(
         model=default_model_dir, speculative_config=spec, max_num_batched_tokens=48, kv_cache_bytes=block_bytes * 24
     )
@@ -544,6 +550,8 @@ def test_greedy_matches_transformers_with_ngram_speculation(smol, default_model_
         assert_same(llm.generate(ids, greedy(), use_tqdm=False), expected)
         stats = llm.engine.stats()
         assert stats.num_preemptions > 0 and stats.spec_decode_num_accepted_tokens > 0
+        if method == "draft_model":
+            assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
         for out, want in zip(llm.generate(ids, greedy(n=2), use_tqdm=False), expected):
             assert [c.token_ids for c in out.outputs] == [want, want]
         after = llm.engine.stats()

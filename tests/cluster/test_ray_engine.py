@@ -147,6 +147,19 @@ def test_tp2_greedy_matches_tp1_with_kv_heads_replicated(tiny_model_dir):
         e.shutdown()
 
 
+def test_tp2_with_a_draft_model_on_the_sampling_rank_matches_tp1(llama, reference):
+    """The draft (here the target itself, unsharded on rank 0) proposes beside the tp=2 target under async
+    scheduling: every proposal is accepted and the output is tp=1's without speculation."""
+    spec = {"method": "draft_model", "model": llama, "num_speculative_tokens": 3}
+    e = RayEngine(config(llama, tensor_parallel_size=2, speculative_config=spec))
+    try:
+        assert run_to_completion(e) == reference
+        stats = e.stats()
+        assert 0 < stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    finally:
+        e.shutdown()
+
+
 def test_streaming_yields_each_token_as_it_is_sampled(engine, reference):
     async def consume():
         return [d async for d in engine.generate("stream", PROMPTS[1], greedy(8))]

@@ -18,6 +18,7 @@ TEST_DEFAULTS = dict(
     pipeline_parallel_size=1,
     max_loras=0,
     num_speculative_tokens=0,
+    speculative_method="ngram",
     prompt_lookup_min=1,
     prompt_lookup_max=1,
 )

@@ -6,10 +6,18 @@ step's writes, as the real workers do), so that any prefix-cache hit whose
 blocks do not hold exactly the request's tokens, a swap that brings back the
 wrong content, or a block overwritten while another request still reads it,
 fails loudly.
+
+With ``draft_k`` it plays a draft model (speculative_method "draft_model"):
+after a step samples a speculable request, it proposes up to k tokens (the
+fake's own next token with probability 0.7, else a random one) and writes
+their KV as a draft does, at the newest token's position and past it, only
+into blocks the request holds. Those slots lie past the computed tokens, so
+a step that reads them as context before rewriting them fails the check.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 from scheduler import ModelRunnerOutput, SchedulerOutput
@@ -22,6 +30,7 @@ class FakeState:
     num_computed_tokens: int
     parked: bool = False
     sampled: list[int] = field(default_factory=list)
+    speculable: bool = False
 
 
 class FakeWorker:
@@ -34,6 +43,8 @@ class FakeWorker:
         eos_every: int = 0,
         num_host_blocks: int = 0,
         samples: bool = True,
+        draft_k: int = 0,
+        draft_seed: int = 0,
     ) -> None:
         # samples=False: a pipeline stage before the last, which gets each request's tokens from the scheduler
         # (CachedRequestData.new_token_ids) and never samples.
@@ -46,6 +57,7 @@ class FakeWorker:
         self.eos_token_id = eos_token_id
         self.eos_every = eos_every
         self.steps = 0
+        self.draft_k, self.draft_rng = draft_k, random.Random(draft_seed)
 
     def next_token(self, rid: str, state: FakeState) -> int:
         n = len(state.token_ids)
@@ -55,14 +67,7 @@ class FakeWorker:
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self.steps += 1
-        assert len({h for _, h in so.blocks_to_swap_out}) == len(so.blocks_to_swap_out), "two copies to a host block"
-        assert len({d for _, d in so.blocks_to_swap_in}) == len(so.blocks_to_swap_in), "two copies to a device block"
-        out = [(h, list(self.kv[d])) for d, h in so.blocks_to_swap_out]
-        for h, content in out:
-            self.host[h] = content
-        into = [(d, list(self.host[h])) for h, d in so.blocks_to_swap_in]
-        for d, content in into:
-            self.kv[d] = content
+        self._swap(so)
         for rid in so.finished_req_ids:
             del self.states[rid]
         for rid in so.preempted_req_ids:
@@ -70,7 +75,10 @@ class FakeWorker:
         for new in so.scheduled_new_reqs:
             assert new.req_id not in self.states, f"{new.req_id} sent as new twice"
             self.states[new.req_id] = FakeState(
-                list(new.prompt_token_ids), list(new.block_ids), new.num_computed_tokens
+                list(new.prompt_token_ids),
+                list(new.block_ids),
+                new.num_computed_tokens,
+                speculable=new.sampling_params.speculable,
             )
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -115,7 +123,33 @@ class FakeWorker:
                 req_ids.append(rid)
                 sampled.append(token)
                 num_accepted.append(accepted)
-        return ModelRunnerOutput(req_ids, sampled, num_accepted_tokens=num_accepted)
+        drafts = {rid: self._draft(rid, self.states[rid]) for rid in req_ids} if self.draft_k else None
+        return ModelRunnerOutput(req_ids, sampled, num_accepted_tokens=num_accepted, draft_token_ids=drafts)
+
+    def _swap(self, so: SchedulerOutput) -> None:
+        assert len({h for _, h in so.blocks_to_swap_out}) == len(so.blocks_to_swap_out), "two copies to a host block"
+        assert len({d for _, d in so.blocks_to_swap_in}) == len(so.blocks_to_swap_in), "two copies to a device block"
+        out = [(h, list(self.kv[d])) for d, h in so.blocks_to_swap_out]
+        for h, content in out:
+            self.host[h] = content
+        into = [(d, list(self.host[h])) for h, d in so.blocks_to_swap_in]
+        for d, content in into:
+            self.kv[d] = content
+
+    def _draft(self, rid: str, st: FakeState) -> list[int]:
+        """A draft's proposals after the newest token, and its KV writes: the newest token's at its position,
+        each proposal's at the next, within the slots the request holds."""
+        if not st.speculable:
+            return []
+        newest = len(st.token_ids) - 1
+        room = len(st.block_ids) * self.block_size - newest
+        out: list[int] = []
+        for j in range(min(self.draft_k, room)):
+            pos = newest + j
+            self.kv[st.block_ids[pos // self.block_size]][pos % self.block_size] = (st.token_ids + out)[pos]
+            right = self.next_token(rid, FakeState(st.token_ids + out, [], 0))
+            out.append(right if self.draft_rng.random() < 0.7 else self.draft_rng.randrange(50))
+        return out
 
     def _check_context(self, rid: str, st: FakeState, upto: int) -> None:
         for pos in range(upto):

@@ -21,7 +21,9 @@ own next tokens, often not) for the greedy requests; the fake accepts while a
 proposal is its token, so acceptance is random too. Rejected tokens roll the
 computed count back (the fake checks the count the scheduler sends), every
 hashed block still holds exactly its tokens, and the outputs are the serial
-run's.
+run's. With a draft model the fake worker proposes instead (FakeWorker's
+``draft_k``), and its draft writes KV past the computed tokens, into the
+lookahead slots the scheduler gave it.
 """
 
 import random
@@ -157,10 +159,13 @@ tiers = st.sampled_from(
     threshold=st.sampled_from([0, 5]),
     tier=tiers,
     flight=st.sampled_from([(1, 1), (2, 1), (2, 2), (3, 3)]),  # (steps in flight, pipeline stages)
-    spec=st.sampled_from([0, 0, 3]),  # proposed tokens per step at most
+    spec=st.sampled_from([0, 0, 3, 3]),  # proposed tokens per step at most
+    draft=st.booleans(),  # proposals from a draft model on the (fake) ranks, else from the scheduler
     spec_seed=st.integers(0, 2**16),
 )
-def test_random_histories_keep_the_pool_consistent(history, policy, caching, threshold, tier, flight, spec, spec_seed):
+def test_random_histories_keep_the_pool_consistent(
+    history, policy, caching, threshold, tier, flight, spec, draft, spec_seed
+):
     depth, pp = flight
     if spec:
         pp = 1  # speculation is refused with pipeline stages
@@ -179,12 +184,20 @@ def test_random_histories_keep_the_pool_consistent(history, policy, caching, thr
         swap_cost_per_block=swap_cost,
         pipeline_parallel_size=pp,
         num_speculative_tokens=spec,
+        speculative_method="draft_model" if draft else "ngram",
     )
     sched = Scheduler(cfg, eos_token_id=EOS)
     worker = FakeWorker(
-        BLOCK, NUM_BLOCKS, vocab_size=50, eos_token_id=EOS, eos_every=11, num_host_blocks=num_host_blocks
+        BLOCK,
+        NUM_BLOCKS,
+        vocab_size=50,
+        eos_token_id=EOS,
+        eos_every=11,
+        num_host_blocks=num_host_blocks,
+        draft_k=spec if draft else 0,
+        draft_seed=spec_seed,
     )
-    if spec:
+    if spec and not draft:
         sched.proposer = RandomProposer(worker, spec_seed)
     first_stage = FakeWorker(BLOCK, NUM_BLOCKS, num_host_blocks=num_host_blocks, samples=False) if pp > 1 else None
     block_tokens: dict = {}

@@ -41,7 +41,7 @@ def test_greedy_output_is_the_same_with_and_without_proposals(tiny_model_dir):
         SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=20, ignore_eos=True),
     ]
     prompts += prompts[:2]
-    common = {"model": path, "device": "cpu", "block_size": 8, "max_num_batched_tokens": 24}
+    common = {"model": path, "device": "cpu", "block_size": 8, "max_num_batched_tokens": 24, "kv_cache_bytes": 1 << 20}
     expected = run(InProcessEngine(EngineConfig(**common)), prompts, params)
     engine = InProcessEngine(EngineConfig(**common, speculative_config=NGRAM))
     got = run(engine, prompts, params)
@@ -105,3 +105,73 @@ def test_rejection_sampling_keeps_the_target_distribution():
     for observed, probs in ((first, target[0]), (second, target[1]), (third, target[2])):
         stat, dof = chi_square(torch.bincount(observed, minlength=vocab).float(), probs)
         assert stat < CHI2_CRITICAL[dof], (stat, dof)
+
+
+def draft_config(path: str, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": k}
+
+
+def test_a_draft_that_is_the_target_has_every_proposal_accepted(tiny_model_dir):
+    """The strong check of the bookkeeping: the draft's KV follows the target's through chunked prefill, prefix
+    hits, rollbacks and preemption by swap (its blocks go to the host tier and back with the target's), so the
+    draft = the target proposes exactly the target's greedy tokens, all accepted; the output is the one without
+    speculation for n=2, stop ids and max_tokens inside an accepted run."""
+    path = tiny_model_dir("llama")
+    rng = torch.Generator().manual_seed(4)
+    shared = torch.randint(3, 256, (20,), generator=rng).tolist()  # a prefix-cache hit for the later prompts
+    prompts = [shared + torch.randint(3, 256, (2 + 5 * i,), generator=rng).tolist() for i in range(4)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),  # ends inside a run of 4
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2),
+        SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=list(range(3, 256, 9))),
+    ]
+    common = {"model": path, "device": "cpu", "block_size": 8, "max_num_batched_tokens": 24, "kv_cache_bytes": 1 << 20}
+    expected = run(InProcessEngine(EngineConfig(**common)), prompts, params)
+    # 16 blocks of 8 tokens for the target's and the draft's KV: the 5 sequences preempt each other
+    swap = {"kv_cache_bytes": 16 * 8192, "swap_space": 1 / 1024, "preemption_mode": "swap"}
+    engine = InProcessEngine(EngineConfig(**{**common, **swap}, speculative_config=draft_config(path)))
+    got = run(engine, prompts, params)
+    assert {k: (v["tokens"], v["reason"]) for k, v in got.items()} == {
+        k: (v["tokens"], v["reason"]) for k, v in expected.items()
+    }
+    assert engine.num_blocks == 16 and engine.stats().num_blocks_swapped_in > 0
+    assert expected[("3", 0)]["reason"] == "stop" and len(expected[("3", 0)]["tokens"]) % 4 != 1
+    for key, entry in got.items():
+        assert entry["logprobs"] == pytest.approx(expected[key]["logprobs"], abs=1e-4)
+    stats = engine.stats()
+    assert stats.prefix_cache_hits > 0 and stats.spec_decode_num_drafts > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    assert engine.scheduler.kv.block_pool.num_free_blocks == engine.num_blocks - 1
+
+
+def test_a_smaller_draft_gives_the_output_of_no_speculation(tiny_model_dir):
+    """Another, smaller draft with the target's vocabulary (the target with one layer): whatever it proposes, the
+    output is the target's, under preemption by recompute too."""
+    path = tiny_model_dir("llama")
+    draft = tiny_model_dir("llama", num_hidden_layers=1)
+    rng = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (4 + 9 * i,), generator=rng).tolist() for i in range(2)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, n=2),
+    ]
+    common = {"model": path, "device": "cpu", "block_size": 8}
+    expected = run(InProcessEngine(EngineConfig(**common, kv_cache_bytes=1 << 20)), prompts, params)
+    # 6 blocks of the two models' KV (6 KiB each): the 3 sequences preempt each other, recomputed
+    engine = InProcessEngine(EngineConfig(**common, kv_cache_bytes=6 * 6144, speculative_config=draft_config(draft, 2)))
+    assert run(engine, prompts, params) == expected
+    stats = engine.stats()
+    assert engine.num_blocks == 6 and stats.spec_decode_num_draft_tokens > 0 and stats.num_preemptions > 0
+
+
+@pytest.mark.parametrize(
+    ("draft_overrides", "message"),
+    [({"vocab_size": 300}, "vocab_size=300"), ({"hidden_size": 128, "intermediate_size": 256}, "more than the target")],
+)
+def test_a_draft_that_cannot_serve_is_refused_at_start(tiny_model_dir, draft_overrides, message):
+    target = tiny_model_dir("llama")
+    draft = tiny_model_dir("llama", **draft_overrides)
+    with pytest.raises(ValueError, match=message) as err:
+        InProcessEngine(EngineConfig(model=target, device="cpu", speculative_config=draft_config(draft)))
+    assert "speculative_config model=" in str(err.value)

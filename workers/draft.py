@@ -1,0 +1,158 @@
+"""A draft model for speculative decoding: a smaller model with the target's vocabulary proposing k tokens per
+request and step, greedily, on the sampling rank."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kernels import AttentionBackend, AttentionMetadata
+from workers.cache_engine import CacheEngine
+from workers.layers import can_pack, pack_for_cpu
+from workers.model_loader import load_model, read_model_spec
+from workers.model_spec import ModelSpec
+from workers.runner_inputs import CachedRequestState, StepInputs
+
+
+def check_draft(target: ModelSpec, target_dir: str, draft_dir: str, max_model_len: int) -> ModelSpec:
+    """The draft's spec, or a ValueError naming the setting when it cannot propose for the target: another
+    vocabulary (size, special tokens or the tokenizer's vocabulary), more parameters than the target (it would
+    cost more than it saves), or fewer positions than max_model_len."""
+    draft = read_model_spec(draft_dir)
+    where = f"speculative_config model={draft_dir!r}"
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"{where} has vocab_size={draft.vocab_size}, the target {target.vocab_size}: a draft must share the "
+            "target's tokenizer"
+        )
+    if (draft.eos_token_id, draft.bos_token_id) != (target.eos_token_id, target.bos_token_id) or _vocab(
+        draft_dir
+    ) != _vocab(target_dir):
+        raise ValueError(f"{where} has another tokenizer than the target: a draft must share the target's tokenizer")
+    if draft.num_parameters() > target.num_parameters():
+        raise ValueError(
+            f"{where} has {draft.num_parameters():,} parameters, more than the target's {target.num_parameters():,}: "
+            "a draft must be smaller than the model it proposes for"
+        )
+    if draft.max_position_embeddings < max_model_len:
+        raise ValueError(
+            f"{where} has max_position_embeddings={draft.max_position_embeddings}, under max_model_len="
+            f"{max_model_len}: the draft must reach every position the target serves"
+        )
+    return draft
+
+
+def _vocab(model_dir: str) -> dict | None:
+    """The tokenizer's token -> id map from tokenizer.json, or None where the directory has none."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("model", {}).get("vocab")
+
+
+class DraftModel:
+    """The draft, unsharded, on the sampling rank only: the other ranks need no proposals (the scheduler sends
+    them to every rank with the next step), and unsharded it runs no collective, so no rank waits on it. Its
+    weights and KV cost that one rank's memory (``block_bytes`` adds to the rank's per-block bytes, so the pool's
+    block count counts both caches).
+
+    Invariants:
+    - its KV cache has the target's blocks (same count and size; its own tensor, shaped by its layers and heads)
+      and is addressed by the target's block tables and slots, so the scheduler's one allocation covers both,
+      the prefix cache and the host tier included (``swap`` moves the same blocks);
+    - ``catch_up`` runs it over each step's scheduled tokens (the target's input ids, positions and slots), so
+      its KV follows the target's: prefill chunks, accepted proposals, and rejected ones rewritten next step;
+    - ``propose`` runs k greedy single-token passes per speculable sampled request, from its newest token, each
+      writing the KV of its input position: only positions below max_model_len in blocks the request holds (the
+      scheduler allocates k lookahead slots for them). Those are past the computed tokens: the next steps
+      rewrite them before anything reads them as context.
+    Greedy proposals are a one-hot draft distribution, for which the sampler's rejection rule (accept with
+    probability p(t)) is exact. The GPU memory profile runs the target alone: the draft's weights are loaded
+    before it (so counted), and its forwards run after the target's activations are freed, a smaller model's
+    peak under the target's.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        num_speculative_tokens: int,
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int,
+        max_model_len: int,
+    ) -> None:
+        self.spec = read_model_spec(model_dir)
+        self.model = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend)
+        if can_pack(device, dtype):
+            pack_for_cpu(self.model)
+        self.k = num_speculative_tokens
+        self.backend, self.dtype, self.device = backend, dtype, device
+        self.block_size, self.max_model_len = block_size, max_model_len
+        self.cache: CacheEngine | None = None
+
+    def block_bytes(self) -> int:
+        spec = self.spec
+        return CacheEngine.block_bytes(spec.num_layers, self.block_size, spec.num_kv_heads, spec.head_dim, self.dtype)
+
+    def init_cache(self, num_blocks: int, num_host_blocks: int) -> None:
+        spec = self.spec
+        self.cache = CacheEngine(
+            spec.num_layers,
+            num_blocks,
+            self.block_size,
+            spec.num_kv_heads,
+            spec.head_dim,
+            self.dtype,
+            self.device,
+            num_host_blocks,
+        )
+        self.cache.bind(self.model.attention_layers)
+
+    def catch_up(self, inputs: StepInputs) -> None:
+        """The step's tokens through the draft, for their KV (the outputs are not needed)."""
+        self.model(inputs.input_ids, inputs.positions, inputs.metadata, None)
+
+    def propose(
+        self, states: list[CachedRequestState], token_ids: np.ndarray, block_table: np.ndarray
+    ) -> dict[str, list[int]]:
+        """Up to k proposals after each speculable request's newest token (``token_ids[row, num_tokens - 1]``),
+        as many as its held slots and max_model_len allow; one host transfer at the end."""
+        states = [s for s in states if s.sampling_params.speculable]
+        if not states:
+            return {}
+        bs = self.block_size
+        rows = np.array([s.row for s in states], dtype=np.int64)
+        first = np.array([s.num_tokens - 1 for s in states], dtype=np.int64)  # the newest token's position
+        room = np.minimum(np.array([s.num_blocks * bs for s in states]), self.max_model_len) - first
+        num_passes = np.clip(room, 0, self.k)
+        dev = self.device
+        tokens = torch.from_numpy(token_ids[rows, first]).to(dev)
+        out = torch.full((len(states), self.k), -1, dtype=torch.int64, device=dev)
+        for j in range(int(num_passes.max())):
+            active = np.flatnonzero(num_passes > j)
+            positions = first[active] + j
+            tables = block_table[rows[active]]
+            slots = tables[np.arange(len(active)), positions // bs].astype(np.int64) * bs + positions % bs
+            md = AttentionMetadata.build(
+                query_start_loc=torch.arange(len(active) + 1, dtype=torch.int32).to(dev),
+                seq_lens=torch.from_numpy((positions + 1).astype(np.int32)).to(dev),
+                block_tables=torch.from_numpy(tables).to(dev),
+                slot_mapping=torch.from_numpy(slots).to(dev),
+                max_query_len=1,
+                max_seq_len=int(positions.max()) + 1,
+                backend=self.backend,
+            )
+            index = torch.from_numpy(active).to(dev)
+            hidden = self.model(tokens[index], torch.from_numpy(positions).to(dev), md, None)
+            proposed = self.model.compute_logits(hidden).argmax(-1)
+            tokens[index] = proposed
+            out[index, j] = proposed
+        proposals = out.tolist()
+        return {s.req_id: proposals[i][: num_passes[i]] for i, s in enumerate(states)}
+
+    def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        self.cache.swap(swap_out, swap_in)
