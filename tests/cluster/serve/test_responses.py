@@ -73,13 +73,14 @@ def test_sdk_requests_become_the_chat_requests_they_run_as():
         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0]"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-        ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "include"),
+        ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include[0]"),
         ({"input": "hi", "truncation": "auto"}, "truncation"),
         ({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format"),
         ({"input": []}, "input"),
     ],
 )
 def test_what_it_does_not_serve_is_a_400_naming_the_field(body, param):
+    """Each refusal names its field (logprobs is the one `include` value whose output raylm could add and does not)."""
     with pytest.raises(APIError) as e:
         req = parse(ResponsesRequest, body)
         try:
@@ -112,3 +113,12 @@ def test_the_store_is_bounded_expires_and_names_an_unknown_id(monkeypatch):
     clock[0] += 11
     with pytest.raises(APIError):
         store.get("resp_2")  # expired
+
+
+def test_include_naming_output_this_server_never_produces_is_accepted():
+    """The Agents SDK sends `include` on every request: reasoning and built-in tools' output that this server
+    never produces is honoured by adding nothing."""
+    req = parse(
+        ResponsesRequest, {"input": "hi", "include": ["reasoning.encrypted_content", "file_search_call.results"]}
+    )
+    assert req.chat_request([]).messages[-1].content == "hi"
