@@ -17,6 +17,7 @@ from cluster.engine.interface import Engine
 from cluster.engine.ray_client import RayEngine
 from cluster.engine.streams import merge_deltas
 from scheduler import RequestError, RequestOutput, SampledLogprobs, SamplingParams
+from tests.cluster.conftest import SESSION_CPUS
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -359,21 +360,22 @@ def test_dead_worker_fails_in_flight_requests_and_health_then_a_new_engine_works
         fresh.shutdown()
 
 
+# Thread counts against the session's SESSION_CPUS logical CPUs (10): a scheduler bundle of 1 plus rank bundles.
 @pytest.mark.parametrize(
     "overrides, missing",
     [
         ({"device": "cuda"}, "GPU: 1"),  # no GPU in the cluster
-        ({"tensor_parallel_size": 2, "num_threads": 4}, "CPU: 1"),  # 1 + 2 * 4 CPUs; the session has 8
+        ({"tensor_parallel_size": 2, "num_threads": 5}, "CPU: 1"),  # 1 + 2 * 5 CPUs
         # 1 + 2 stages * 2 ranks * 3 CPUs; each stage fits on the one node, the whole does not
         (
             {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "num_threads": 3},
-            r"CPU: 5; per stage: stage 0 \(ranks 0-1\) needs CPU: 6 on one node; stage 1 \(ranks 2-3\) needs CPU: 6",
+            r"CPU: 3; per stage: stage 0 \(ranks 0-1\) needs CPU: 6 on one node; stage 1 \(ranks 2-3\) needs CPU: 6",
         ),
         # a stage larger than any node: named as such
         (
-            {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "num_threads": 5},
-            r"CPU: 13; .*stage 1 \(ranks 2-3\) needs CPU: 10 on one node: no node is that large "
-            r"\(the largest has CPU: 8\)",
+            {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "num_threads": 6},
+            r"CPU: 15; .*stage 1 \(ranks 2-3\) needs CPU: 12 on one node: no node is that large "
+            rf"\(the largest has CPU: {SESSION_CPUS}\)",
         ),
     ],
     ids=["no GPU", "tp2 over the CPUs", "pp2 over the CPUs", "a stage larger than any node"],
