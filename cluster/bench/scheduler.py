@@ -7,7 +7,7 @@ import random
 import statistics
 import time
 
-from cluster.config import EngineConfig
+from cluster.config import EngineConfig, derive_scheduler_config
 from scheduler import ModelRunnerOutput, SamplingParams, Scheduler
 from scheduler.block_pool import BlockPool
 
@@ -17,7 +17,7 @@ def _decode_step_times(num_requests: int, prompt_len: int, block_size: int, step
     engine = EngineConfig(
         device="cpu", block_size=block_size, max_num_seqs=num_requests, max_num_batched_tokens=max(8192, prompt_len)
     )
-    cfg = engine.scheduler_config(num_blocks, prompt_len + 4096)
+    cfg = derive_scheduler_config(engine, num_blocks, prompt_len + 4096)
     sched = Scheduler(cfg, eos_token_id=0)
     rng = random.Random(0)
     params = SamplingParams(max_tokens=4096, ignore_eos=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from cluster.config import EngineConfig
+from cluster.config import EngineConfig, derive_scheduler_config, derive_worker_config
 from cluster.engine.interface import check_draft_model, resolve_max_model_len
 from cluster.engine.request_check import check_lora, check_request
 from scheduler import RequestOutput, SamplingParams, Scheduler, SchedulerStats
@@ -33,7 +33,7 @@ class InProcessEngine:
         self.spec = read_model_spec(self.model_path)
         self.max_model_len = resolve_max_model_len(config, self.spec)
         check_draft_model(config, self.model_path, self.spec, self.max_model_len)
-        self.worker = Worker(config.worker_config(self.model_path, self.max_model_len))
+        self.worker = Worker(derive_worker_config(config, self.model_path, self.max_model_len))
         self.device = self.worker.init_device()
         self.worker.load_model()
         num_blocks = self.worker.determine_num_blocks()
@@ -46,7 +46,9 @@ class InProcessEngine:
         self.worker.init_cache(num_blocks, num_host_blocks)
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(
-            config.scheduler_config(num_blocks, self.max_model_len, num_host_blocks, self.worker.swap_cost_per_block()),
+            derive_scheduler_config(
+                config, num_blocks, self.max_model_len, num_host_blocks, self.worker.swap_cost_per_block()
+            ),
             eos_token_id=self.spec.eos_token_id,
         )
 

@@ -64,9 +64,10 @@ def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
 def check_draft_model(config: EngineConfig, model_path: str, spec: ModelSpec, max_model_len: int) -> None:
     """Refuse, before any rank starts, a speculative_config draft model that cannot propose for this model
     (workers.draft.check_draft says which)."""
-    if config.draft_model is None:
+    draft_model = config.speculative.get("model")
+    if draft_model is None:
         return
     from workers.draft import check_draft
     from workers.hub import resolve_model
 
-    check_draft(spec, model_path, resolve_model(config.draft_model, None, config.download_dir), max_model_len)
+    check_draft(spec, model_path, resolve_model(draft_model, None, config.download_dir), max_model_len)

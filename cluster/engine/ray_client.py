@@ -12,7 +12,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.config import EngineConfig
+from cluster.config import EngineConfig, derive_scheduler_config
 from cluster.engine.connect import connect
 from cluster.engine.health import diagnose
 from cluster.engine.interface import check_draft_model, resolve_max_model_len
@@ -100,7 +100,7 @@ class RayEngine:
             swap_cost = ray.get(self.workers[0].call.remote("swap_cost_per_block"))
             ray.get(
                 self.actor.start.remote(
-                    config.scheduler_config(self.num_blocks, self.max_model_len, num_host_blocks, swap_cost),
+                    derive_scheduler_config(config, self.num_blocks, self.max_model_len, num_host_blocks, swap_cost),
                     config.step_timeout_s,
                     config.async_scheduling,
                     tuple(config.lora_paths),

@@ -13,7 +13,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.config import EngineConfig
+from cluster.config import EngineConfig, derive_worker_config
 from cluster.engine.network import free_port, interface_of
 from cluster.worker_actor import LORA_READS, WorkerActor, share_node_gpus
 
@@ -92,7 +92,7 @@ def start_workers(
 ) -> list:
     """Rank r (tensor-parallel rank r % tp of stage r // tp) goes to bundle ``first_bundle + 1 + r``
     (``first_bundle`` is the scheduler's)."""
-    wcfg = dataclasses.replace(config.worker_config(model_path, max_model_len), device=device)
+    wcfg = dataclasses.replace(derive_worker_config(config, model_path, max_model_len), device=device)
     return [
         RayWorker.options(
             num_cpus=config.num_threads or 1,

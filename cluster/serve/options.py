@@ -1,4 +1,4 @@
-"""The Ray options of the application's deployment, from its settings (AppArgs, declared in cluster/config.py)."""
+"""The Ray options of the application's deployment, from its settings (AppArgs, declared in cluster/config/app.py)."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from cluster import EngineConfig
+from cluster.config import derive_scheduler_config, derive_worker_config
 from kernels import flash_attention
 
 FLASH_STAND_INS = (lambda *args, **kwargs: None, lambda *args, **kwargs: None)
@@ -21,7 +22,10 @@ def test_unset_block_size_is_flash_attns_page_where_it_serves(cuda_with_flash_at
     assert EngineConfig(attention_backend="triton").block_size == 16
     assert EngineConfig(device="cpu").block_size == 16
     assert EngineConfig(block_size=32).block_size == 32
-    assert EngineConfig().worker_config("m", 64).block_size == EngineConfig().scheduler_config(9, 64).block_size
+    assert (
+        derive_worker_config(EngineConfig(), "m", 64).block_size
+        == derive_scheduler_config(EngineConfig(), 9, 64).block_size
+    )
 
 
 @pytest.mark.parametrize(
@@ -46,19 +50,19 @@ def test_swap_preemption_needs_a_host_tier():
     with pytest.raises(ValueError, match="preemption_mode='swap' needs a host tier"):
         EngineConfig(preemption_mode="swap")
     config = EngineConfig(device="cpu", swap_space=1 / 1024, preemption_mode="swap")
-    assert config.worker_config("m", 64).swap_space_bytes == 1 << 20
-    assert config.scheduler_config(9, 64, num_host_blocks=4).preemption_mode == "swap"
+    assert derive_worker_config(config, "m", 64).swap_space_bytes == 1 << 20
+    assert derive_scheduler_config(config, 9, 64, num_host_blocks=4).preemption_mode == "swap"
 
 
 def test_unset_block_size_on_cpu_is_16_and_dtype_auto_passes_to_the_ranks():
     config = EngineConfig(device="cpu")
-    assert config.block_size == 16 and config.worker_config("m", 64).dtype == "auto"
+    assert config.block_size == 16 and derive_worker_config(config, "m", 64).dtype == "auto"
 
 
 def test_the_ranks_get_every_setting_they_need_from_the_engine_config():
     """WorkerConfig has no defaults: a field EngineConfig forgot to pass would fail here, not on a rank."""
     config = EngineConfig(model="org/name", revision="v1", download_dir="/d", device="cpu", seed=3, num_threads=2)
-    worker = config.worker_config("/local/copy", 64)
+    worker = derive_worker_config(config, "/local/copy", 64)
     assert (worker.model, worker.revision, worker.download_dir, worker.seed, worker.num_threads) == (
         "org/name",
         "v1",
@@ -66,7 +70,7 @@ def test_the_ranks_get_every_setting_they_need_from_the_engine_config():
         3,
         2,
     )
-    assert EngineConfig(device="cpu").worker_config("/default/converted", 64).model == "/default/converted"
+    assert derive_worker_config(EngineConfig(device="cpu"), "/default/converted", 64).model == "/default/converted"
 
 
 def test_generation_config_names_auto_vllm_or_a_directory(tmp_path):
@@ -83,13 +87,17 @@ def test_checks_that_need_the_ranks_numbers_are_made_when_the_scheduler_is_confi
         match=r"preemption_mode='swap' needs a host tier, but swap_space=0.000976562 GiB "
         r"holds 1 KV blocks per rank",
     ):
-        config.scheduler_config(9, 64, num_host_blocks=1)
+        derive_scheduler_config(config, 9, 64, num_host_blocks=1)
     with pytest.raises(
         ValueError,
         match="max_num_batched_tokens=64 is invalid: without chunked prefill it must be >= max_model_len=128",
     ):
-        EngineConfig(device="cpu", enable_chunked_prefill=False, max_num_batched_tokens=64).scheduler_config(9, 128)
-    assert not EngineConfig(device="cpu", enable_chunked_prefill=False).scheduler_config(9, 64).enable_chunked_prefill
+        derive_scheduler_config(
+            EngineConfig(device="cpu", enable_chunked_prefill=False, max_num_batched_tokens=64), 9, 128
+        )
+    assert not derive_scheduler_config(
+        EngineConfig(device="cpu", enable_chunked_prefill=False), 9, 64
+    ).enable_chunked_prefill
 
 
 def test_auto_binding_leaves_threads_alone_where_replicas_may_share_a_node():
@@ -120,8 +128,8 @@ def test_bad_speculative_config_is_refused_naming_the_key(spec, message):
 def test_a_draft_model_reaches_the_sampling_rank_and_is_refused_with_pipeline_stages():
     spec = {"method": "draft_model", "model": "/draft", "num_speculative_tokens": 3}
     config = EngineConfig(device="cpu", speculative_config=spec)
-    ranks = config.worker_config("/target", 256)
+    ranks = derive_worker_config(config, "/target", 256)
     assert (ranks.draft_model, ranks.num_speculative_tokens) == ("/draft", 3)
-    assert config.scheduler_config(64, 256).speculative_method == "draft_model"
+    assert derive_scheduler_config(config, 64, 256).speculative_method == "draft_model"
     with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
         EngineConfig(pipeline_parallel_size=2, speculative_config=spec)

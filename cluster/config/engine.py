@@ -1,11 +1,4 @@
-"""Every setting raylm has, declared once: its type, bounds, default and help.
-
-`EngineConfig` (one engine), `AppArgs` (the Serve app around it) and `LaunchConfig` (where `raylm serve` listens
-and which Ray it joins) are the one declaration. The CLI's flags, `--config FILE.yaml`, a Serve config's `args`
-and the manifests all derive from these fields (cluster/flags.py); the scheduler's and the ranks' configs are
-produced from them here and carry no defaults or checks of their own. A field's name is vLLM's where vLLM has
-the setting, so its flag is vLLM's too; ``flags`` in a field's extra lists other spellings it accepts.
-"""
+"""One engine's settings: `EngineConfig`."""
 
 from __future__ import annotations
 
@@ -14,25 +7,19 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from cluster.config.choices import (
+    DEVICES,
+    GIB,
+    MAX_SPECULATIVE_TOKENS,
+    PLACEMENT_STRATEGIES,
+    POOLING_TYPES,
+    PREEMPTION_MODES,
+    RUNNERS,
+    SCHEDULING_POLICIES,
+)
+from cluster.config.speculative import parse_speculative_config
 from kernels import BACKENDS
-from scheduler import SchedulerConfig
-from workers.worker import DTYPES, WorkerConfig, wants_cuda
-
-# workers.default_model.MODEL_NAME: importing that module needs gguf, which a GPU machine may lack
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_MAX_BODY_BYTES = 8 << 20
-GIB = 1 << 30
-SCHEDULING_POLICIES = ("fcfs", "priority")
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-DEVICES = ("auto", "cpu", "cuda")
-PREEMPTION_MODES = ("auto", "recompute", "swap")
-REQUEST_ROUTERS = ("prefix_cache", "serve")
-POOLING_TYPES = ("auto", "last", "mean")
-RUNNERS = ("auto", "generate", "pooling")
-SPECULATIVE_METHODS = ("ngram", "draft_model")
-# Proposed tokens per step at most: each one is a position the step computes for every speculating request,
-# and the chance that a proposal's j-th token is accepted falls with j (the product of the chances before it).
-MAX_SPECULATIVE_TOKENS = 16
+from workers.worker import DTYPES, wants_cuda
 
 
 def _flags(*names: str) -> dict[str, Any]:
@@ -345,10 +332,9 @@ class EngineConfig(BaseModel):
         return value
 
     @property
-    def draft_model(self) -> str | None:
-        """The draft model's id or directory (speculative_config method draft_model), else None."""
-        spec = parse_speculative_config(self.speculative_config) if self.speculative_config else {}
-        return spec.get("model")
+    def speculative(self) -> dict[str, Any]:
+        """``speculative_config`` checked and completed (speculative.py); empty: speculation is off."""
+        return parse_speculative_config(self.speculative_config) if self.speculative_config else {}
 
     @property
     def swap_space_bytes(self) -> int:
@@ -371,250 +357,3 @@ class EngineConfig(BaseModel):
         from workers.hub import resolve_model
 
         return resolve_model(self.tokenizer, self.tokenizer_revision, self.download_dir, weights=False)
-
-    def worker_config(self, model_path: str, max_model_len: int) -> WorkerConfig:
-        """What each rank needs. ``model`` stays the id the user gave (a rank on another node resolves it into its
-        own cache); ``model_path`` is this node's copy, used where the id names no hub model."""
-        spec = parse_speculative_config(self.speculative_config) if self.speculative_config else {}
-        return WorkerConfig(
-            model=model_path if self.model is None else self.model,
-            revision=self.revision,
-            download_dir=self.download_dir,
-            dtype=self.dtype,
-            device=self.device,
-            block_size=self.block_size,
-            max_model_len=max_model_len,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            tensor_parallel_size=self.tensor_parallel_size,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            pp_layer_partition=self.layer_partition,
-            enable_expert_parallel=self.enable_expert_parallel,
-            kv_cache_bytes=self.kv_cache_bytes,
-            swap_space_bytes=self.swap_space_bytes,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            attention_backend=self.attention_backend,
-            num_threads=self.num_threads,
-            enforce_eager=self.enforce_eager,
-            no_work=self.no_work_model,
-            tokenizer=self.tokenizer,
-            tokenizer_revision=self.tokenizer_revision,
-            seed=self.seed,
-            max_loras=self.max_loras if self.enable_lora else 0,
-            max_lora_rank=self.max_lora_rank,
-            lora_modules=self.lora_paths,
-            draft_model=spec.get("model"),
-            num_speculative_tokens=spec.get("num_speculative_tokens", 0) if "model" in spec else 0,
-        )
-
-    def scheduler_config(
-        self, num_blocks: int, max_model_len: int, num_host_blocks: int = 0, swap_cost_per_block: float = 1.0
-    ) -> SchedulerConfig:
-        """The scheduler's config, once the ranks have sized the pools and the model's length is known: the checks
-        that need those numbers are made here."""
-        if self.preemption_mode == "swap" and num_host_blocks < 2:
-            raise ValueError(
-                f"preemption_mode='swap' needs a host tier, but swap_space={self.swap_space:g} GiB holds "
-                f"{num_host_blocks} KV blocks per rank (at least 2 are needed): raise swap_space"
-            )
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} is invalid: without chunked "
-                f"prefill it must be >= max_model_len={max_model_len}"
-            )
-        spec = parse_speculative_config(self.speculative_config) if self.speculative_config else {}
-        return SchedulerConfig(
-            num_blocks=num_blocks,
-            block_size=self.block_size,
-            max_model_len=max_model_len,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            enable_prefix_caching=self.enable_prefix_caching,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            policy=self.scheduling_policy,
-            num_host_blocks=num_host_blocks,
-            swap_cost_per_block=swap_cost_per_block,
-            preemption_mode=self.preemption_mode,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            max_loras=self.max_loras if self.enable_lora else 0,
-            num_speculative_tokens=spec.get("num_speculative_tokens", 0),
-            speculative_method=spec.get("method", "ngram"),
-            prompt_lookup_min=spec.get("prompt_lookup_min", 1),
-            prompt_lookup_max=spec.get("prompt_lookup_max", 1),
-        )
-
-
-class AppArgs(BaseModel):
-    """What ``build_app`` takes: an EngineConfig plus the serving settings.
-
-    Autoscaling defaults suit an engine that batches: a replica runs up to ``max_num_seqs`` requests at once and
-    scales out when it averages half of that (``target_ongoing_requests``); Serve's defaults (5 and 2) would
-    starve the batch. It holds ``max_queue_len`` more in its engine's queue and refuses the rest with 429, so a
-    flood gets fast refusals, not minutes of queueing (cluster/serve/admission.py).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    served_model_name: str | None = Field(
-        None,
-        description="the id clients send as `model` (default: the model "
-        "path or id, or SmolLM2-135M-Instruct for the default model)",
-    )
-    api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' (default: $RAYLM_API_KEY)")
-    min_replicas: int = Field(1, description="replicas kept running (at least 1)")
-    max_replicas: int = Field(1, ge=1, description="replicas autoscaling may start")
-    request_router: Literal[REQUEST_ROUTERS] = Field(  # type: ignore[valid-type]
-        "prefix_cache",
-        description="with several replicas: send each request to the replica whose prefix cache "
-        "holds most of its prompt (prefix_cache), or Serve's own balancing by load (serve)",
-    )
-    target_ongoing_requests: float | None = Field(
-        None, gt=0, description="ongoing requests per replica that autoscaling aims at (default: max_num_seqs / 2)"
-    )
-    max_ongoing_requests: int | None = Field(
-        None, ge=1, description="Serve's cap per replica (default: 2 * max_num_seqs + max_queue_len)"
-    )
-    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1, description="largest HTTP request body")
-    max_queue_len: int | None = Field(
-        None, ge=0, description="requests a replica queues beyond max_num_seqs; more get 429 (default: max_num_seqs)"
-    )
-    request_timeout_s: float | None = Field(
-        None, gt=0, description="per request, from arrival: past it the request is aborted with 504 (default: none)"
-    )
-    health_check_period_s: float = Field(
-        10.0, gt=0, description="how often Serve checks each replica's engine; 3 failures in a row replace the replica"
-    )
-    drain_timeout_s: float = Field(
-        30.0,
-        ge=0,
-        description="a replica Serve stops (scale-down, redeploy) lets its "
-        "requests finish this long, then ends the rest with a 503",
-    )
-    responses_store_max_entries: int = Field(
-        1024,
-        ge=1,
-        description="/v1/responses: the responses each replica keeps (store=true) for previous_response_id and "
-        "GET /v1/responses/{id}; the oldest go first",
-    )
-    responses_store_ttl_s: float = Field(
-        3600.0, gt=0, description="/v1/responses: how long a replica keeps a stored response, in seconds"
-    )
-
-    @field_validator("min_replicas")
-    @classmethod
-    def _no_scale_to_zero(cls, v: int) -> int:
-        if v < 1:
-            raise ValueError(
-                f"min_replicas={v} is invalid: raylm needs at least 1 replica. Scale to zero is refused because a "
-                "replica starts by loading the model and building its engine (tens of seconds to minutes), which "
-                "the first request after idle would wait for, and because HTTP goes through HAProxy straight to "
-                "replicas, which with none has nowhere to hold that request"
-            )
-        return v
-
-    @model_validator(mode="after")
-    def _replica_bounds(self) -> AppArgs:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(
-                f"min_replicas={self.min_replicas} is greater than max_replicas={self.max_replicas}: "
-                f"the deployment cannot keep more replicas than it may have"
-            )
-        if self.max_replicas > 1 and self.engine.cpu_omp_threads_bind == "auto":
-            # auto plans one engine per node: replicas sharing a node would all bind to the same cores.
-            self.engine = self.engine.model_copy(update={"cpu_omp_threads_bind": "nobind"})
-        return self
-
-    @classmethod
-    def from_flat(cls, args: dict[str, Any]) -> AppArgs:
-        """From one flat mapping (``serve run ... key=value``, a Serve config's ``args``): EngineConfig's
-        fields go to the engine, the rest are the serving settings."""
-        engine = {k: v for k, v in args.items() if k in EngineConfig.model_fields}
-        return cls(engine=EngineConfig(**engine), **{k: v for k, v in args.items() if k not in engine})
-
-    @property
-    def queue_len(self) -> int:
-        return self.engine.max_num_seqs if self.max_queue_len is None else self.max_queue_len
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or self.engine.model or DEFAULT_MODEL_NAME
-
-
-def per_model_settings(values: dict[str, Any]) -> list[dict[str, Any]]:
-    """Several base models behind one endpoint: ``values["models"]`` lists each model's own settings (a mapping
-    holding at least ``model``; keys spelled as in a config file), laid over the settings ``values`` holds for
-    all of them. Each becomes one deployment (an AppArgs: its own engine, replicas and autoscaling bounds).
-    Without ``models``, ``values`` is the one model's. The `raylm serve` flag ``--model A --model B`` is
-    ``models: [{model: A}, {model: B}]``; a Serve config's ``args`` and ``--config``'s file take the list."""
-    models = values.get("models")
-    if models is None:
-        return [values]
-    if not isinstance(models, list) or not models or not all(isinstance(m, dict) and "model" in m for m in models):
-        raise ValueError(f"models={models!r} is invalid: a non-empty list of mappings, each naming its model")
-    shared = {k: v for k, v in values.items() if k != "models"}
-    return [{**shared, **{str(k).lstrip("-").replace("-", "_"): v for k, v in m.items()}} for m in models]
-
-
-def check_served_names(apps: list[AppArgs]) -> None:
-    """Raise ValueError unless each model is served under its own name: requests are routed by it."""
-    names = [a.model_name for a in apps]
-    if len(set(names)) < len(names):
-        raise ValueError(
-            f"models: two are served under one name ({', '.join(names)}): give each its own served_model_name"
-        )
-
-
-class LaunchConfig(BaseModel):
-    """Where `raylm serve` runs: the Ray it joins and the ports its HTTP and gRPC ingress listen on."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    address: str | None = Field(None, description="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
-    host: str = Field("127.0.0.1", description="HTTP address (0.0.0.0 to listen on every interface)")
-    port: int = Field(8000, ge=1, le=65535, description="HTTP port")
-    grpc_port: int = Field(9000, ge=1, le=65535, description="gRPC port")
-
-
-def parse_speculative_config(text: str) -> dict[str, Any]:
-    """``speculative_config``'s JSON checked and completed: method ngram or draft_model, num_speculative_tokens in
-    [1, MAX_SPECULATIVE_TOKENS]; ngram: 1 <= prompt_lookup_min <= prompt_lookup_max (one given: the other equals
-    it; neither: 5, vLLM's rule); draft_model: ``model``, the draft's hub id or directory. A ValueError names the
-    key and the value."""
-    try:
-        spec = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"speculative_config={text!r} is not JSON: {e}") from None
-    if not isinstance(spec, dict):
-        raise ValueError(f"speculative_config={text!r} must be a JSON object")
-    method = spec.get("method")
-    if method not in SPECULATIVE_METHODS:
-        raise ValueError(
-            f"speculative_config method={method!r} is not supported: the methods are {SPECULATIVE_METHODS}"
-        )
-    known = ("method", "num_speculative_tokens") + (
-        ("model",) if method == "draft_model" else ("prompt_lookup_min", "prompt_lookup_max")
-    )
-    unknown = sorted(set(spec) - set(known))
-    if unknown:
-        raise ValueError(f"speculative_config has unknown keys {unknown}: method {method}'s keys are {list(known)}")
-    k = spec.get("num_speculative_tokens")
-    if type(k) is not int or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-        raise ValueError(
-            f"speculative_config num_speculative_tokens={k!r} is invalid: must be an integer in "
-            f"[1, {MAX_SPECULATIVE_TOKENS}]"
-        )
-    if method == "draft_model":
-        model = spec.get("model")
-        if not isinstance(model, str) or not model:
-            raise ValueError(f"speculative_config model={model!r} is invalid: draft_model needs the draft's id or path")
-        return {"method": method, "model": model, "num_speculative_tokens": k}
-    low, high = spec.get("prompt_lookup_min"), spec.get("prompt_lookup_max")
-    low, high = (low or high or 5), (high or low or 5)
-    for name, n in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
-        if type(n) is not int or not 1 <= n <= 64:
-            raise ValueError(f"speculative_config {name}={n!r} is invalid: must be an integer in [1, 64]")
-    if low > high:
-        raise ValueError(f"speculative_config prompt_lookup_min={low} is above prompt_lookup_max={high}")
-    return {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": low, "prompt_lookup_max": high}

@@ -1,0 +1,28 @@
+"""Every setting raylm has, declared once: its type, bounds, default and help.
+
+`EngineConfig` (one engine), `AppArgs` (the Serve app around it) and `LaunchConfig` (where `raylm serve` listens
+and which Ray it joins) are the one declaration. The CLI's flags, `--config FILE.yaml`, a Serve config's `args`
+and the manifests all derive from these fields (cluster/flags.py); the scheduler's and the ranks' configs are
+produced from them (derive.py) and carry no defaults or checks of their own. A field's name is vLLM's where vLLM
+has the setting, so its flag is vLLM's too; ``flags`` in a field's extra lists other spellings it accepts.
+"""
+
+from cluster.config.app import AppArgs, LaunchConfig, check_served_names, per_model_settings
+from cluster.config.choices import DEFAULT_MODEL_NAME, GIB, SCHEDULING_POLICIES
+from cluster.config.derive import derive_scheduler_config, derive_worker_config
+from cluster.config.engine import EngineConfig
+from cluster.config.speculative import parse_speculative_config
+
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "GIB",
+    "SCHEDULING_POLICIES",
+    "AppArgs",
+    "EngineConfig",
+    "LaunchConfig",
+    "check_served_names",
+    "derive_scheduler_config",
+    "derive_worker_config",
+    "parse_speculative_config",
+    "per_model_settings",
+]

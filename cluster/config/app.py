@@ -1,0 +1,143 @@
+"""The serving settings around an engine: `AppArgs` (one model's deployment), several models' settings, and
+`LaunchConfig` (where `raylm serve` runs)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from cluster.config.choices import DEFAULT_MAX_BODY_BYTES, DEFAULT_MODEL_NAME, REQUEST_ROUTERS
+from cluster.config.engine import EngineConfig
+
+
+class AppArgs(BaseModel):
+    """What ``build_app`` takes: an EngineConfig plus the serving settings.
+
+    Autoscaling defaults suit an engine that batches: a replica runs up to ``max_num_seqs`` requests at once and
+    scales out when it averages half of that (``target_ongoing_requests``); Serve's defaults (5 and 2) would
+    starve the batch. It holds ``max_queue_len`` more in its engine's queue and refuses the rest with 429, so a
+    flood gets fast refusals, not minutes of queueing (cluster/serve/admission.py).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    served_model_name: str | None = Field(
+        None,
+        description="the id clients send as `model` (default: the model "
+        "path or id, or SmolLM2-135M-Instruct for the default model)",
+    )
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer KEY' (default: $RAYLM_API_KEY)")
+    min_replicas: int = Field(1, description="replicas kept running (at least 1)")
+    max_replicas: int = Field(1, ge=1, description="replicas autoscaling may start")
+    request_router: Literal[REQUEST_ROUTERS] = Field(  # type: ignore[valid-type]
+        "prefix_cache",
+        description="with several replicas: send each request to the replica whose prefix cache "
+        "holds most of its prompt (prefix_cache), or Serve's own balancing by load (serve)",
+    )
+    target_ongoing_requests: float | None = Field(
+        None, gt=0, description="ongoing requests per replica that autoscaling aims at (default: max_num_seqs / 2)"
+    )
+    max_ongoing_requests: int | None = Field(
+        None, ge=1, description="Serve's cap per replica (default: 2 * max_num_seqs + max_queue_len)"
+    )
+    max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, ge=1, description="largest HTTP request body")
+    max_queue_len: int | None = Field(
+        None, ge=0, description="requests a replica queues beyond max_num_seqs; more get 429 (default: max_num_seqs)"
+    )
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="per request, from arrival: past it the request is aborted with 504 (default: none)"
+    )
+    health_check_period_s: float = Field(
+        10.0, gt=0, description="how often Serve checks each replica's engine; 3 failures in a row replace the replica"
+    )
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="a replica Serve stops (scale-down, redeploy) lets its "
+        "requests finish this long, then ends the rest with a 503",
+    )
+    responses_store_max_entries: int = Field(
+        1024,
+        ge=1,
+        description="/v1/responses: the responses each replica keeps (store=true) for previous_response_id and "
+        "GET /v1/responses/{id}; the oldest go first",
+    )
+    responses_store_ttl_s: float = Field(
+        3600.0, gt=0, description="/v1/responses: how long a replica keeps a stored response, in seconds"
+    )
+
+    @field_validator("min_replicas")
+    @classmethod
+    def _no_scale_to_zero(cls, v: int) -> int:
+        if v < 1:
+            raise ValueError(
+                f"min_replicas={v} is invalid: raylm needs at least 1 replica. Scale to zero is refused because a "
+                "replica starts by loading the model and building its engine (tens of seconds to minutes), which "
+                "the first request after idle would wait for, and because HTTP goes through HAProxy straight to "
+                "replicas, which with none has nowhere to hold that request"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _replica_bounds(self) -> AppArgs:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas={self.min_replicas} is greater than max_replicas={self.max_replicas}: "
+                f"the deployment cannot keep more replicas than it may have"
+            )
+        if self.max_replicas > 1 and self.engine.cpu_omp_threads_bind == "auto":
+            # auto plans one engine per node: replicas sharing a node would all bind to the same cores.
+            self.engine = self.engine.model_copy(update={"cpu_omp_threads_bind": "nobind"})
+        return self
+
+    @classmethod
+    def from_flat(cls, args: dict[str, Any]) -> AppArgs:
+        """From one flat mapping (``serve run ... key=value``, a Serve config's ``args``): EngineConfig's
+        fields go to the engine, the rest are the serving settings."""
+        engine = {k: v for k, v in args.items() if k in EngineConfig.model_fields}
+        return cls(engine=EngineConfig(**engine), **{k: v for k, v in args.items() if k not in engine})
+
+    @property
+    def queue_len(self) -> int:
+        return self.engine.max_num_seqs if self.max_queue_len is None else self.max_queue_len
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.engine.model or DEFAULT_MODEL_NAME
+
+
+def per_model_settings(values: dict[str, Any]) -> list[dict[str, Any]]:
+    """Several base models behind one endpoint: ``values["models"]`` lists each model's own settings (a mapping
+    holding at least ``model``; keys spelled as in a config file), laid over the settings ``values`` holds for
+    all of them. Each becomes one deployment (an AppArgs: its own engine, replicas and autoscaling bounds).
+    Without ``models``, ``values`` is the one model's. The `raylm serve` flag ``--model A --model B`` is
+    ``models: [{model: A}, {model: B}]``; a Serve config's ``args`` and ``--config``'s file take the list."""
+    models = values.get("models")
+    if models is None:
+        return [values]
+    if not isinstance(models, list) or not models or not all(isinstance(m, dict) and "model" in m for m in models):
+        raise ValueError(f"models={models!r} is invalid: a non-empty list of mappings, each naming its model")
+    shared = {k: v for k, v in values.items() if k != "models"}
+    return [{**shared, **{str(k).lstrip("-").replace("-", "_"): v for k, v in m.items()}} for m in models]
+
+
+def check_served_names(apps: list[AppArgs]) -> None:
+    """Raise ValueError unless each model is served under its own name: requests are routed by it."""
+    names = [a.model_name for a in apps]
+    if len(set(names)) < len(names):
+        raise ValueError(
+            f"models: two are served under one name ({', '.join(names)}): give each its own served_model_name"
+        )
+
+
+class LaunchConfig(BaseModel):
+    """Where `raylm serve` runs: the Ray it joins and the ports its HTTP and gRPC ingress listen on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    address: str | None = Field(None, description="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
+    host: str = Field("127.0.0.1", description="HTTP address (0.0.0.0 to listen on every interface)")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port")
+    grpc_port: int = Field(9000, ge=1, le=65535, description="gRPC port")

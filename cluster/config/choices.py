@@ -1,0 +1,17 @@
+"""The one list of each setting's choices, and the defaults more than one declaration needs."""
+
+# workers.default_model.MODEL_NAME: importing that module needs gguf, which a GPU machine may lack
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+GIB = 1 << 30
+SCHEDULING_POLICIES = ("fcfs", "priority")
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+DEVICES = ("auto", "cpu", "cuda")
+PREEMPTION_MODES = ("auto", "recompute", "swap")
+REQUEST_ROUTERS = ("prefix_cache", "serve")
+POOLING_TYPES = ("auto", "last", "mean")
+RUNNERS = ("auto", "generate", "pooling")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# Proposed tokens per step at most: each one is a position the step computes for every speculating request,
+# and the chance that a proposal's j-th token is accepted falls with j (the product of the chances before it).
+MAX_SPECULATIVE_TOKENS = 16
