@@ -9,7 +9,8 @@ from scheduler.outputs import (
     SampledLogprobs,
     SchedulerOutput,
 )
-from scheduler.request import Request, RequestError, RequestStatus, SamplingParams, StructuredOutputsParams
+from scheduler.request import Request, RequestStatus
+from scheduler.sampling_params import RequestError, SamplingParams, StructuredOutputsParams
 from scheduler.scheduler import Scheduler
 
 __all__ = [

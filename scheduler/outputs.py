@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.request import SamplingParams
+from scheduler.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

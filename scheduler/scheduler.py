@@ -9,7 +9,6 @@ import time
 from scheduler.block_hash import BlockHash
 from scheduler.config import SchedulerConfig, SchedulerStats
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.ngram import DraftModelProposals, NgramProposer
 from scheduler.outputs import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -17,7 +16,9 @@ from scheduler.outputs import (
     RequestOutput,
     SchedulerOutput,
 )
-from scheduler.request import FINISH_REASONS, Request, RequestStatus, SamplingParams
+from scheduler.request import FINISH_REASONS, Request, RequestStatus
+from scheduler.sampling_params import SamplingParams
+from scheduler.speculation import Speculation
 from scheduler.waiting_queue import WAITING_QUEUES
 
 
@@ -83,31 +84,8 @@ class Scheduler:
       with the request's next step (``CachedRequestData.new_token_ids``) to the
       ranks that do not sample.
 
-    Speculative decoding (``num_speculative_tokens`` k > 0): a decoding request
-    may carry up to k proposed tokens (prompt lookup, ``NgramProposer``):
-    - it is scheduled for its last token and its proposals (1 + k tokens, within
-      the budget, their slots allocated as lookahead), and its computed count
-      counts the proposals until the step returns. The step's output says how
-      many were accepted; the count rolls back over the rejected ones, whose
-      slots the next step overwrites. A block filled only by rejected tokens has
-      no hash (hashes cover known tokens) and lies past the computed count, so
-      it is never cached; the block stays in the table for the next step;
-    - proposals are made from the request's known tokens, so a request that
-      may get them (``SamplingParams.speculable``) is not scheduled while a step in flight
-      samples it (as with pipelining): its placeholder is one per step, not k,
-      and it is never in two steps in flight. Other requests run as before;
-    - only requests whose sampling does not depend on the position in the run
-      get proposals (no penalties, bad words, min_tokens, structured outputs,
-      seeds of sampled requests): the ranks verify every position with the
-      same processed distribution, so the output is exactly the target's, and
-      a seeded request's random stream is the one it has without speculation;
-    - proposals never reach past max_tokens or max_model_len.
-    A draft model (``speculative_method="draft_model"``) proposes on the sampling rank, after the step is
-    verified, from the request's newest token; the step's output carries the proposals
-    (``draft_token_ids``), kept on the request for its next step, which schedules them as prompt lookup's.
-    The draft's KV uses the target's block table and slots: its k proposal passes write positions up to 2k past
-    the computed ones (k proposals verified, then k passes from the sampled token after them), so a step that
-    samples a speculable request allocates k lookahead slots beyond its proposals' (``_speculate``).
+    Speculative decoding (``num_speculative_tokens`` k > 0): a decoding request may carry up to k proposed
+    tokens, verified in the step that computes them; ``Speculation`` states what the scheduler keeps for them.
     """
 
     def __init__(self, config: SchedulerConfig, eos_token_id: int | None = None) -> None:
@@ -134,18 +112,8 @@ class Scheduler:
         self.num_steps = 0
         self.last_num_scheduled_tokens = 0
         self.last_num_admitted = 0
-        self.num_spec = config.num_speculative_tokens
-        self.proposer = None
-        if self.num_spec:
-            draft = config.speculative_method == "draft_model"
-            self.proposer = (
-                DraftModelProposals() if draft else NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-            )
-        # With a draft model, slots its k proposal passes write after a step that samples (see _speculate).
-        self.draft_lookahead = self.num_spec if config.speculative_method == "draft_model" else 0
+        self.speculation = Speculation(config)
         self.spec_tokens: dict[str, list[int]] = {}  # this step's proposals by request id
-        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted = 0
-        self.spec_accepted_per_pos = [0] * self.num_spec
 
     # ---- requests in and out -------------------------------------------------
 
@@ -295,6 +263,7 @@ class Scheduler:
         return list(itertools.islice(reversed(self.kv.block_pool.cached_blocks), limit))
 
     def stats(self) -> SchedulerStats:
+        spec = self.speculation
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting) + sum(map(len, self.deferred.values())),
@@ -310,10 +279,10 @@ class Scheduler:
             host_prefix_cache_hits=self.kv.host_prefix_cache_hits,
             num_blocks_swapped_out=self.kv.num_blocks_swapped_out,
             num_blocks_swapped_in=self.kv.num_blocks_swapped_in,
-            spec_decode_num_drafts=self.spec_num_drafts,
-            spec_decode_num_draft_tokens=self.spec_num_draft_tokens,
-            spec_decode_num_accepted_tokens=self.spec_num_accepted,
-            spec_decode_num_accepted_tokens_per_pos=list(self.spec_accepted_per_pos) if self.num_spec else None,
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted,
+            spec_decode_num_accepted_tokens_per_pos=list(spec.accepted_per_pos) if spec.num_spec else None,
         )
 
     # ---- one step ----------------------------------------------------------------
@@ -384,7 +353,8 @@ class Scheduler:
         req_to_blocks = self.kv.req_to_blocks
         running = self.running
         step_cap, pipelined = self.step_cap, self.pipelined
-        proposer, spec_tokens = self.proposer, self.spec_tokens
+        speculation, spec_tokens = self.speculation, self.spec_tokens
+        proposer = speculation.proposer
         i = 0
         while i < len(running) and budget > 0 and len(num_scheduled) < step_cap:
             request = running[i]
@@ -404,7 +374,7 @@ class Scheduler:
                 num_tokens += placeholders
             num_computed = request.num_computed_tokens
             num_new = min(num_tokens - num_computed, budget, threshold or budget)
-            drafts, lookahead = self._speculate(request, num_tokens, num_new, budget) if speculable else ((), 0)
+            drafts, lookahead = speculation.plan(request, num_tokens, num_new, budget) if speculable else ((), 0)
             if num_computed + num_new + lookahead <= len(req_to_blocks[req_id]) * block_size:
                 new_block_ids = []  # the last block still has room
             else:
@@ -428,30 +398,6 @@ class Scheduler:
             request.num_computed_tokens = num_computed + num_new
             i += 1
         return budget
-
-    def _speculate(self, request: Request, num_tokens: int, num_new: int, budget: int) -> tuple[list[int], int]:
-        """A speculable running request's proposals this step (when it decodes) and the lookahead slots to allocate
-        after its new tokens: the proposals', and with a draft model k more when the step samples it (the draft's
-        passes then write from the sampled token, up to k past the proposals), short of max_model_len and the
-        request's last position (whose KV is never computed). The ranks' draft writes no slot it was not given."""
-        num_computed = request.num_computed_tokens
-        drafts = self._propose(request, budget) if num_computed + 1 == num_tokens else []
-        lookahead = len(drafts)
-        if self.draft_lookahead and num_computed + num_new == num_tokens:
-            end = min(self.config.max_model_len, request.max_total_tokens)
-            lookahead = max(min(lookahead + self.draft_lookahead, end - num_computed - num_new), len(drafts))
-        return drafts, lookahead
-
-    def _propose(self, request: Request, budget: int) -> list[int]:
-        """Up to k proposed tokens for a decoding request, within the step's budget (its last token takes one)
-        and short of max_tokens and max_model_len (the token sampled after the accepted ones needs room too)."""
-        max_k = min(
-            self.num_spec,
-            budget - 1,
-            request.sampling_params.max_tokens - len(request.output_token_ids) - 1,
-            self.config.max_model_len - request.num_tokens - 1,
-        )
-        return self.proposer.propose(request, max_k) if max_k > 0 else []
 
     def _allocate_preempting(
         self,
@@ -718,11 +664,7 @@ class Scheduler:
         ones and the sampled token are applied one by one, each checked against the stop rules (those after a stop
         are dropped). None when the request had finished before the step returned."""
         drafts, request.spec_token_ids = request.spec_token_ids, []
-        self.spec_num_drafts += 1
-        self.spec_num_draft_tokens += len(drafts)
-        self.spec_num_accepted += num_accepted
-        for pos in range(num_accepted):
-            self.spec_accepted_per_pos[pos] += 1
+        self.speculation.record(len(drafts), num_accepted)
         if request.num_computed_tokens:  # 0: preempted by recompute meanwhile, nothing computed is left
             request.num_computed_tokens -= len(drafts) - num_accepted
         if request.is_finished:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from kernels import AttentionMetadata
 from scheduler.outputs import ModelRunnerOutput, SampledLogprobs, SchedulerOutput
-from scheduler.request import SamplingParams
+from scheduler.sampling_params import SamplingParams
 from workers.draft import DraftModel
 from workers.lora import LoraManager
 from workers.parallel import StageLink, pipeline_stage

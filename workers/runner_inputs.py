@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kernels import AttentionMetadata
-from scheduler.request import SamplingParams
+from scheduler.sampling_params import SamplingParams
 
 # Decode batch sizes captured as CUDA graphs (vLLM's and nano-vllm's choice): every size up to 4, then
 # every multiple of 8 up to 512. A step of n decodes runs the smallest captured size >= n, padded; a larger

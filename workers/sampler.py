@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from scheduler.outputs import SampledLogprobs
-from scheduler.request import SamplingParams
+from scheduler.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -17,7 +17,7 @@ import llguidance.hf
 import numpy as np
 import torch
 
-from scheduler.request import StructuredOutputsParams
+from scheduler.sampling_params import StructuredOutputsParams
 
 # JSON Schema keywords (draft 7 and 2020-12) whose value is a schema or a list of schemas, and those whose value maps
 # names to schemas: the only places a schema nests, so a property *named* "properties" is never taken for one.

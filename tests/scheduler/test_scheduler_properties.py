@@ -198,7 +198,7 @@ def test_random_histories_keep_the_pool_consistent(
         draft_seed=spec_seed,
     )
     if spec and not draft:
-        sched.proposer = RandomProposer(worker, spec_seed)
+        sched.speculation.proposer = RandomProposer(worker, spec_seed)
     first_stage = FakeWorker(BLOCK, NUM_BLOCKS, num_host_blocks=num_host_blocks, samples=False) if pp > 1 else None
     block_tokens: dict = {}
     admitted: list = []

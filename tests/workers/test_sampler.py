@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from scheduler.outputs import SampledLogprobs
-from scheduler.request import SamplingParams
+from scheduler.sampling_params import SamplingParams
 from workers.sampler import PenaltyState, Sampler, SamplingMetadata
 
 V = 10
