@@ -1,9 +1,11 @@
-"""HTTP plumbing: reading a JSON body within a size limit, and JSON responses."""
+"""HTTP plumbing: reading a JSON body within a size limit, JSON responses, and a request run through an ASGI app."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -73,3 +75,43 @@ def lone_surrogate(value: Any) -> str | None:
         elif isinstance(v, list):
             stack.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
     return None
+
+
+async def asgi_messages(
+    app: Any, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]], body: bytes
+) -> AsyncIterator[dict[str, Any]]:
+    """One HTTP request run through an ASGI app: yields its response messages (the start, then each body chunk).
+    Closing the generator (the client went away) cancels the app's task, which aborts the request."""
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": query,
+        "headers": headers,
+        "client": None,
+        "server": None,
+    }
+    messages: asyncio.Queue = asyncio.Queue()
+    body_sent = asyncio.Event()
+
+    async def receive() -> dict[str, Any]:
+        if not body_sent.is_set():
+            body_sent.set()
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # no disconnect comes this way: closing the stream cancels the task
+        return {"type": "http.disconnect"}
+
+    task = asyncio.create_task(app(scope, receive, messages.put))
+    task.add_done_callback(lambda _: messages.put_nowait(None))
+    try:
+        while (message := await messages.get()) is not None:
+            yield message
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                break
+    finally:
+        task.cancel()

@@ -27,6 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from cluster.serve import http_app
 from cluster.serve import server as llm_server
 from cluster.serve.http_io import json_response, read_body
 from cluster.serve.protocol.parsing import APIError
@@ -47,11 +48,11 @@ class RoutedServer(llm_server.LLMServer.func_or_class.__bases__[0]):
 
     @property
     def app(self) -> FastAPI:
-        return llm_server.app
+        return http_app.app
 
     async def served_names(self) -> list[str]:
         """The base model's name and its LoRA adapters' (those loaded at run time included)."""
-        return [self.model_name, *await self._lora_names()]
+        return [self.model_name, *await self.served.names()]
 
 
 RoutedLLMServer = serve.deployment(name="LLMServer")(RoutedServer)

@@ -10,19 +10,16 @@ package), never defined after the class: Serve pickles the class by value.
 import asyncio
 import hmac
 import json
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
 import ray
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
-from google.protobuf.json_format import MessageToDict
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
-from starlette.exceptions import HTTPException
 
 from cluster.engine.ray_client import RayEngine
 from cluster.model_files import (
@@ -33,13 +30,15 @@ from cluster.model_files import (
     serves_embeddings,
 )
 from cluster.raylm_pb2 import GenerateRequest, GenerateResponse
-from cluster.serve import grpc_status
+from cluster.serve import grpc_replies
 from cluster.serve.admission import Admission
 from cluster.serve.drain import Drain
+from cluster.serve.embeddings import embed, embedding_prompts
 from cluster.serve.formats import ChatFormat, CompletionFormat, Format, collect, stream_sse
-from cluster.serve.generation import Generation, engine_error, engine_unavailable
-from cluster.serve.http_io import json_response, read_json
-from cluster.serve.lora_registry import registry
+from cluster.serve.generation import Generation
+from cluster.serve.grpc_replies import completion_body
+from cluster.serve.http_app import app
+from cluster.serve.http_io import asgi_messages, json_response, read_json
 from cluster.serve.metrics import CONTENT_TYPE, ServeMetrics, node_metrics_port, render_node_metrics
 from cluster.serve.openapi import openapi_schema
 from cluster.serve.options import AppArgs
@@ -49,7 +48,6 @@ from cluster.serve.protocol.completions import CompletionRequest
 from cluster.serve.protocol.embeddings import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, encoded
 from cluster.serve.protocol.models import (
     LoadLoraAdapterRequest,
-    ModelCard,
     ModelList,
     UnloadLoraAdapterRequest,
 )
@@ -67,36 +65,11 @@ from cluster.serve.protocol.tokenize import (
 from cluster.serve.response_store import ResponseStore
 from cluster.serve.responses import ResponsesRun
 from cluster.serve.router import replica_routing_stats
+from cluster.serve.served_models import ServedModels
 from cluster.serve.tools import ToolCalling
 from scheduler import RequestError, SamplingParams
 
 ENGINE_STATS_PERIOD_S = 1.0
-
-# FastAPI's own docs routes would answer without the API key: LLMServer serves them behind it instead.
-app = FastAPI(
-    title="raylm", description="OpenAI-compatible LLM serving on Ray", docs_url=None, redoc_url=None, openapi_url=None
-)
-# A refusal that a retry may get past (a full queue, an engine being replaced) says when to try again.
-RETRY_AFTER = {429: "1", 503: "5"}
-
-
-@app.exception_handler(APIError)
-async def _api_error(_: Request, e: APIError) -> Response:
-    response = json_response(e.body(), e.status)
-    if e.status in RETRY_AFTER:
-        response.headers["Retry-After"] = RETRY_AFTER[e.status]
-    return response
-
-
-@app.exception_handler(HTTPException)
-async def _http_error(_: Request, e: HTTPException) -> Response:
-    code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-    return json_response(APIError(e.status_code, str(e.detail), code=code).body(), e.status_code)
-
-
-@app.exception_handler(Exception)
-async def _internal_error(_: Request, e: Exception) -> Response:
-    return json_response(APIError(500, f"internal error: {type(e).__name__}: {e}").body(), 500)
 
 
 @serve.deployment(name="LLMServer")
@@ -118,10 +91,9 @@ class LLMServer:
         self.tokenizer = load_tokenizer(args.engine, self.engine.model_path)
         self.sampling_defaults = generation_defaults(args.engine, self.engine.model_path)
         self.model_name = args.model_name
-        # The deployment's LoRA adapters as this replica last saw them (name -> path); the registry knows them
-        # all, and every replica's engine holds them all (lora_registry.py).
-        self.lora_paths = dict(args.engine.lora_paths)
-        self.lora_registry = None
+        self.served = ServedModels(
+            self.model_name, self.engine.model_path, self.engine.max_model_len, args.engine.lora_paths, now()
+        )
         self.api_key = args.api_key
         self.max_body_bytes = args.max_body_bytes
         self.scheduling_policy = args.engine.scheduling_policy
@@ -146,15 +118,12 @@ class LLMServer:
         self.drain = Drain(self.admission, args.drain_timeout_s)
         self._drainer = asyncio.get_running_loop().create_task(self.drain.watch())
         self.metrics_port = node_metrics_port()
-        self.created = now()
         self._publisher = asyncio.get_running_loop().create_task(self._publish_engine_stats())
         # The longest sequence (prompt + output) one request may reach: the context, or the whole KV cache
         # (less block 0, the scheduler's null block). Longer ones are refused here with a 400 naming max_tokens.
         self.max_seq_len = min(self.engine.max_model_len, (self.engine.num_blocks - 1) * cfg.block_size)
         if cfg.enable_lora:  # before serving: the engine then holds every adapter loaded at run time so far
-            self.lora_registry = await registry()
-            replica = serve.get_replica_context().replica_id.unique_id
-            self.lora_paths = await self.lora_registry.join.remote(replica, self.engine.actor)
+            await self.served.join(serve.get_replica_context().replica_id.unique_id, self.engine.actor)
 
     async def _publish_engine_stats(self) -> None:
         """The engine's gauges and totals into Ray's metrics, each period (a gauge not set for two of Ray's
@@ -186,23 +155,6 @@ class LLMServer:
     async def _body(self, request: Request) -> Any:
         self._authorize(request.headers.get("authorization"))
         return await read_json(request, self.max_body_bytes)
-
-    async def _lora_names(self) -> dict[str, str]:
-        """The deployment's adapters now: loads and unloads through other replicas included."""
-        if self.lora_registry is not None:
-            self.lora_paths = await self.lora_registry.listed.remote()
-        return self.lora_paths
-
-    async def _check_model(self, model: str | None) -> str | None:
-        """The LoRA adapter a request's ``model`` names (None: the base model), or 404 naming the known ones."""
-        if model is None or model == self.model_name:
-            return None
-        if model in self.lora_paths or model in await self._lora_names():
-            return model
-        served = repr(self.model_name) + "".join(f", {n!r}" for n in sorted(self.lora_paths))
-        raise APIError(
-            404, f"the model {model!r} does not exist; this server serves {served}", "model", "model_not_found"
-        )
 
     def _bad_words(self, words: list[str] | None) -> list[list[int]] | None:
         """Each word as it would be tokenized at the start of a text and after a space (vLLM's variants)."""
@@ -267,18 +219,7 @@ class LLMServer:
                 lora_name,
             ).start()
         except RequestError as e:  # the engine's check
-            raise await self._unloaded(e) or req.refusal(e) from None
-
-    async def _unloaded(self, e: RequestError) -> APIError | None:
-        """The 404 for a request naming an adapter that another replica unloaded since this one last looked."""
-        if e.field != "model" or self.lora_registry is None:
-            return None
-        self.lora_paths.pop(e.value, None)
-        try:
-            await self._check_model(e.value)
-        except APIError as gone:
-            return gone
-        return None
+            raise await self.served.unloaded(e) or req.refusal(e) from None
 
     async def _run(
         self,
@@ -302,7 +243,7 @@ class LLMServer:
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         req = parse(CompletionRequest, await self._body(request))
-        lora_name = await self._check_model(req.model)
+        lora_name = await self.served.check(req.model)
         prompt = req.single_prompt()
         ids = self._prompt_ids(prompt)
         max_tokens = self._max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt")
@@ -323,30 +264,17 @@ class LLMServer:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         req = parse(ChatCompletionRequest, await self._body(request))
-        lora_name = await self._check_model(req.model)
+        lora_name = await self.served.check(req.model)
         num_logprobs = req.num_logprobs
         ids, tools = chat_request_ids(self.tokenizer, req)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self._max_tokens(len(ids), req.requested_max_tokens, param, "messages")
         return await self._run(req, ids, max_tokens, num_logprobs, ChatFormat, "chatcmpl", lora_name, tools=tools)
 
-    def _model_card(self, lora_name: str | None = None) -> ModelCard:
-        if lora_name is not None:
-            root, parent = self.lora_paths[lora_name], self.model_name
-        else:
-            root, parent = self.engine.model_path, None
-        return ModelCard(
-            id=lora_name or self.model_name,
-            created=self.created,
-            root=root,
-            parent=parent,
-            max_model_len=self.engine.max_model_len,
-        )
-
     @app.post("/v1/responses")
     async def responses(self, request: Request) -> Response:
         req = parse(ResponsesRequest, await self._body(request))
-        lora_name = await self._check_model(req.model)
+        lora_name = await self.served.check(req.model)
         history = self.response_store.get(req.previous_response_id) if req.previous_response_id else []
         try:
             chat = req.chat_request(history)
@@ -377,24 +305,14 @@ class LLMServer:
         """Each input's final hidden states pooled (``pooling_type``) and normalised, computed as one request each
         (the scheduler batches them with everything else in flight)."""
         req = parse(EmbeddingRequest, await self._body(request))
-        lora_name = await self._check_model(req.model)
+        lora_name = await self.served.check(req.model)
         if not self.serves_embeddings:
             raise bad_request(not_an_embedding_model(self.model_name), "model")
-        prompts = [self._prompt_ids(p) for p in req.inputs()]
-        for i, ids in enumerate(prompts):
-            param = "input" if len(prompts) == 1 else f"input[{i}]"
-            if not ids:
-                raise bad_request(f"{param}: the text has no tokens", param)
-            if len(ids) >= self.max_seq_len:
-                raise bad_request(
-                    f"{param} has {len(ids)} tokens: this server embeds at most {self.max_seq_len - 1} "
-                    f"(max_model_len={self.engine.max_model_len})",
-                    param,
-                    "context_length_exceeded",
-                )
+        prompts = embedding_prompts(self.tokenizer, req.inputs(), self.max_seq_len, self.engine.max_model_len)
         params = SamplingParams(max_tokens=1, pooling=self.pooling_type, dimensions=req.dimensions)
         results = await asyncio.gather(
-            *(self._embed(ids, params, lora_name) for ids in prompts), return_exceptions=True
+            *(embed(self.admission, self.metrics, self.served, ids, params, lora_name) for ids in prompts),
+            return_exceptions=True,
         )
         if error := next((r for r in results if isinstance(r, BaseException)), None):
             raise error
@@ -403,74 +321,39 @@ class LLMServer:
         usage = EmbeddingUsage(prompt_tokens=num_tokens, total_tokens=num_tokens)
         return json_response(EmbeddingResponse(data=data, model=lora_name or self.model_name, usage=usage))
 
-    async def _embed(self, prompt_ids: list[int], params: SamplingParams, lora_name: str | None) -> list[float]:
-        arrival = time.monotonic()
-        try:
-            stream = self.admission.generate(new_id("embd"), prompt_ids, params, lora_name=lora_name)
-            async with aclosing(stream):
-                async for out in stream:
-                    if out.finished:
-                        break
-        except RequestError as e:  # the engine's check: the prompt is the request's input
-            param = "input" if e.field.startswith("prompt") else e.field
-            raise await self._unloaded(e) or bad_request(str(e), param) from None
-        except APIError:
-            raise
-        except Exception as e:  # the engine's actors are gone, or the replica is draining
-            raise engine_error(e, "the engine failed") from None
-        if out.embedding is None:
-            raise engine_unavailable(f"the engine failed: {out.error or out.finish_reason}")
-        self.metrics.embedded(len(prompt_ids), arrival, time.monotonic(), out.queued_s)
-        return out.embedding
-
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
         self._authorize(request.headers.get("authorization"))
-        cards = [self._model_card(), *(self._model_card(name) for name in sorted(await self._lora_names()))]
-        return json_response(ModelList(data=cards))
+        return json_response(ModelList(data=await self.served.cards()))
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, request: Request) -> Response:
         """One model's card (the SDK's models.retrieve); a model id may hold slashes (org/name)."""
         self._authorize(request.headers.get("authorization"))
-        return json_response(self._model_card(await self._check_model(request.path_params["model_id"])))
+        return json_response(self.served.card(await self.served.check(request.path_params["model_id"])))
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> Response:
         """Load a LoRA adapter at run time (vLLM's body) into every replica's engine; 400 naming it when the name
         is taken or it does not fit the model. Requests in flight run on meanwhile."""
         req = parse(LoadLoraAdapterRequest, await self._body(request))
-        name = req.lora_name
-        if name == self.model_name:
-            raise bad_request(f"the LoRA adapter {name!r} names the base model", "lora_name")
-        refusal = await self._lora_registry().load.remote(name, req.lora_path)
-        if refusal is not None:
-            raise bad_request(refusal, "lora_name" if "already loaded" in refusal else "lora_path")
-        self.lora_paths[name] = req.lora_path
-        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+        await self.served.load(req.lora_name, req.lora_path)
+        return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: Request) -> Response:
         """Unload a LoRA adapter (vLLM's body) from every replica's engine; 400 naming it when it is absent or
         requests on some replica still run with it."""
         req = parse(UnloadLoraAdapterRequest, await self._body(request))
-        refusal = await self._lora_registry().unload.remote(req.lora_name)
-        if refusal is not None:
-            raise bad_request(refusal, "lora_name")
-        self.lora_paths.pop(req.lora_name, None)
+        await self.served.unload(req.lora_name)
         return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
-
-    def _lora_registry(self) -> Any:
-        if self.lora_registry is None:
-            raise bad_request("LoRA is not enabled on this server: serve it with enable_lora", "lora_path")
-        return self.lora_registry
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:
         body = await self._body(request)
         is_chat = isinstance(body, dict) and "messages" in body
         req = parse(TokenizeChatRequest if is_chat else TokenizeCompletionRequest, body)
-        await self._check_model(req.model)
+        await self.served.check(req.model)
         ids = (
             chat_ids(self.tokenizer, req.messages, req.add_generation_prompt)
             if is_chat
@@ -481,7 +364,7 @@ class LLMServer:
     @app.post("/detokenize")
     async def detokenize(self, request: Request) -> Response:
         req = parse(DetokenizeRequest, await self._body(request))
-        await self._check_model(req.model)
+        await self.served.check(req.model)
         vocab = len(self.tokenizer)
         if bad := next((t for t in req.tokens if t >= vocab), None):
             raise bad_request(f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
@@ -526,86 +409,35 @@ class LLMServer:
         """One HTTP request that several models' endpoint routed here, run through this replica's own routes:
         yields the ASGI response messages (the start, then each body chunk). Closing the stream (the client went
         away) cancels the request, which aborts it in the engine."""
-        scope = {
-            "type": "http",
-            "asgi": {"version": "3.0"},
-            "http_version": "1.1",
-            "method": method,
-            "scheme": "http",
-            "path": path,
-            "raw_path": path.encode(),
-            "root_path": "",
-            "query_string": query,
-            "headers": headers,
-            "client": None,
-            "server": None,
-        }
-        messages: asyncio.Queue = asyncio.Queue()
-        body_sent = asyncio.Event()
-
-        async def receive() -> dict[str, Any]:
-            if not body_sent.is_set():
-                body_sent.set()
-                return {"type": "http.request", "body": body, "more_body": False}
-            await asyncio.Event().wait()  # no disconnect comes this way: closing the stream cancels the task
-            return {"type": "http.disconnect"}
-
-        task = asyncio.create_task(self.app(scope, receive, messages.put))
-        task.add_done_callback(lambda _: messages.put_nowait(None))
-        try:
-            while (message := await messages.get()) is not None:
+        async with aclosing(asgi_messages(self.app, method, path, query, headers, body)) as messages:
+            async for message in messages:
                 yield message
-                if message["type"] == "http.response.body" and not message.get("more_body"):
-                    break
-        finally:
-            task.cancel()
 
     # ---- gRPC (method names are the .proto's) ----
 
     async def _grpc_generation(self, request: GenerateRequest, context: RayServegRPCContext) -> Generation:
         self._authorize(dict(context.invocation_metadata()).get("authorization"))
-        body = MessageToDict(request, preserving_proto_field_name=True)  # only the fields that are set
-        body["prompt"] = body.pop("prompt_token_ids", None) or request.prompt
-        req = parse(CompletionRequest, body)
-        lora_name = await self._check_model(req.model or None)
+        req = parse(CompletionRequest, completion_body(request))
+        lora_name = await self.served.check(req.model or None)
         ids = self._prompt_ids(req.single_prompt())
         max_tokens = self._max_tokens(len(ids), req.max_tokens, "max_tokens", "prompt")
         return await self._generation(req, ids, max_tokens, None, lora_name=lora_name)
 
     async def Generate(self, request: GenerateRequest, grpc_context: RayServegRPCContext) -> GenerateResponse:
-        reply = GenerateResponse()
         try:
-            gen = await self._grpc_generation(request, grpc_context)
-            async with aclosing(gen.pieces()) as stream:
-                async for pieces in stream:
-                    for p in pieces:
-                        grpc_status.check(p)
-                        reply.text += p.text
-                        reply.token_ids.extend(p.token_ids)
-                        reply.finish_reason = p.finish_reason or ""
+            return await grpc_replies.reply(await self._grpc_generation(request, grpc_context))
         except APIError as e:
-            grpc_status.abort(grpc_context, e)
+            grpc_replies.abort(grpc_context, e)
             return GenerateResponse()
-        reply.num_prompt_tokens, reply.num_generated_tokens = len(gen.prompt_ids), len(reply.token_ids)
-        return reply
 
     async def GenerateStream(
         self, request: GenerateRequest, grpc_context: RayServegRPCContext
     ) -> AsyncIterator[GenerateResponse]:
         try:
             gen = await self._grpc_generation(request, grpc_context)
-            sample = gen.samples[0]
-            async with aclosing(gen.pieces()) as stream:
-                async for pieces in stream:
-                    for p in pieces:
-                        grpc_status.check(p)
-                        yield GenerateResponse(
-                            text=p.text,
-                            token_ids=p.token_ids,
-                            finish_reason=p.finish_reason or "",
-                            num_prompt_tokens=len(gen.prompt_ids),
-                            num_generated_tokens=len(sample.token_ids),
-                        )
+            async with aclosing(grpc_replies.replies(gen)) as stream:
+                async for message in stream:
+                    yield message
         except APIError as e:
-            grpc_status.abort(grpc_context, e)
+            grpc_replies.abort(grpc_context, e)
             raise  # a streaming call ends with the status set only when it raises
