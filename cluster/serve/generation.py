@@ -154,10 +154,12 @@ class Generation:
             else:
                 self.metrics.itl.observe((t - s.last_token_time) / len(out.new_token_ids))
             s.last_token_time = t
+            # Inside the branch: Ray's counters refuse an increment of 0, and a final delta without tokens (an
+            # error, an abort) must reach the caller as itself, not as that refusal.
+            self.metrics.generation_tokens.inc(len(out.new_token_ids))
         s.token_ids += out.new_token_ids
         if out.prompt_logprobs is not None:
             s.prompt_logprobs = out.prompt_logprobs
-        self.metrics.generation_tokens.inc(len(out.new_token_ids))
         text = s.text.add(out.new_token_ids)
         if s.text.stopped:
             s.finish_reason = "stop"
