@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import numpy as np
@@ -12,6 +11,7 @@ import torch.distributed as dist
 from kernels import AttentionMetadata
 from scheduler.outputs import ModelRunnerOutput, SampledLogprobs, SchedulerOutput
 from scheduler.sampling_params import SamplingParams
+from workers.decode_graphs import DecodeGraphs
 from workers.draft import DraftModel
 from workers.lora import LoraManager
 from workers.parallel import StageLink, pipeline_stage
@@ -42,11 +42,8 @@ class ModelRunner:
     persistent buffers and copied without blocking, sampling tensors are made
     before the forward is queued, penalty statistics are updated on the device,
     and the sampled ids come back in one transfer, the step's only sync. With
-    ``decode_sizes``, a decode-only step of n <= max(decode_sizes) requests is
-    padded to the next size (padding rows are one-token requests on the null
-    block: they write slot 0 and read only block 0), so that its forward is one
-    of a few fixed shapes, each captured as a CUDA graph by
-    ``capture_decode_graphs``.
+    ``decode_sizes``, a decode-only step is padded to a size whose forward is a
+    captured CUDA graph (workers/decode_graphs.py).
 
     With a draft model (speculative decoding, the sampling rank only) the draft runs over each step's tokens
     after the target, and proposes for the sampled requests after their tokens are appended (workers/draft.py).
@@ -96,11 +93,10 @@ class ModelRunner:
         self.token_ids = np.zeros((max_rows, max_model_len), dtype=np.int64)
         self.block_table = np.zeros((max_rows, self.max_blocks_per_req), dtype=np.int32)
         self.free_rows = list(range(max_rows - 1, -1, -1))
-        self.decode_sizes = sorted(decode_sizes or [])
-        max_reqs = max(max_num_seqs, *self.decode_sizes, 1)
+        self.decode_graphs = DecodeGraphs(decode_sizes)
+        max_reqs = max(max_num_seqs, *self.decode_graphs.sizes, 1)
         self.buffers = InputBuffers(max(max_num_batched_tokens, max_reqs), max_reqs, self.max_blocks_per_req, device)
         self.sampled_host = torch.zeros(2 * max_reqs, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     # ---- applying the diff ------------------------------------------------------
 
@@ -221,9 +217,9 @@ class ModelRunner:
             buf["logits_indices"][:num_logits] = ends - 1
         if self.lora is not None:
             self.lora.set_step([s.lora_name for s in states], num_new, self.device)
-        graph_size = self._decode_size(num_reqs, total)
+        graph_size = self.decode_graphs.padded_size(num_reqs, total)
         if graph_size:
-            self._pad_decode(num_reqs, graph_size)
+            self.buffers.pad_decode(num_reqs, graph_size)
             num_reqs = total = graph_size
         dev = self.buffers.upload(total, num_reqs, num_logits)
         md = AttentionMetadata.build(
@@ -270,20 +266,6 @@ class ModelRunner:
             draft_ids[start : start + k] = spec[s.req_id] if k else []
         return num_drafts, torch.from_numpy(draft_ids).to(self.device, non_blocking=True), index
 
-    def _decode_size(self, num_reqs: int, num_tokens: int) -> int:
-        """The padded size of a decode-only step that fits a captured size, else 0."""
-        if num_tokens != num_reqs or not self.decode_sizes or num_reqs > self.decode_sizes[-1]:
-            return 0
-        return next(s for s in self.decode_sizes if s >= num_reqs)
-
-    def _pad_decode(self, start: int, end: int) -> None:
-        """Rows start..end-1 become one-token requests on the null block (slot 0, context of 1)."""
-        buf = self.buffers.writable()
-        for name in ("input_ids", "positions", "slot_mapping", "block_tables"):
-            buf[name][start:end] = 0
-        buf["seq_lens"][start:end] = 1
-        buf["query_start_loc"][start + 1 : end + 1] = np.arange(start + 1, end + 1)
-
     def prepare_sampling(
         self, states: list[CachedRequestState], rows_of: list[CachedRequestState]
     ) -> tuple[SamplingMetadata, torch.Tensor | None, torch.Tensor | None]:
@@ -314,10 +296,8 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """Hidden states of the step's tokens (padding rows included), by graph replay when one is captured; None
         on a pipeline stage before the last, which hands its output to the next stage."""
-        captured = self.graphs.get(inputs.graph_size)
-        if captured is not None:
-            graph, hidden = captured
-            graph.replay()
+        hidden = self.decode_graphs.replay(inputs.graph_size)
+        if hidden is not None:
             return hidden
         stage = self.stage
         intermediate = None if stage.is_first else self.link.recv(inputs.input_ids.shape[0])
@@ -506,43 +486,5 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_decode_graphs(self) -> None:
-        """Capture the decode forward at each of `decode_sizes`, largest first so that the smaller
-        graphs reuse its memory pool. Needs the KV cache bound: the graphs hold its address.
-
-        A backend that cannot be captured (a flash-attn build that syncs with the host in its decode
-        path, say) makes the capture raise: the runner then drops every graph and runs decodes eagerly,
-        with a warning naming the error, rather than failing the engine at start."""
-        try:
-            pool = None
-            for size in reversed(self.decode_sizes):
-                pool = self._capture(size, pool)
-            torch.cuda.synchronize()
-        except Exception as e:  # whatever broke the capture, eager decodes are the remedy
-            warnings.warn(
-                f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly, as enforce_eager=True would",
-                stacklevel=2,
-            )
-            self.graphs.clear()
-            self.decode_sizes = []
-
-    def _capture(self, size: int, pool: Any) -> Any:
-        dev = self.buffers.dev
-        self._pad_decode(0, size)
-        self.buffers.upload(size, size, 0)
-        md = AttentionMetadata.build(
-            query_start_loc=dev["query_start_loc"][: size + 1],
-            seq_lens=dev["seq_lens"][:size],
-            block_tables=dev["block_tables"][:size],
-            slot_mapping=dev["slot_mapping"][:size],
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-            backend=self.attn_backend,
-        )
-        args = (dev["input_ids"][:size], dev["positions"][:size], md)
-        self.model(*args)  # outside the capture: Triton compiles, cuBLAS picks its kernels
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            hidden = self.model(*args)
-        self.graphs[size] = (graph, hidden)
-        return graph.pool()
+        """Capture the decode forward at each padded size; needs the KV cache bound (the graphs hold its address)."""
+        self.decode_graphs.capture(self.model, self.buffers, self.attn_backend, self.max_model_len)

@@ -128,6 +128,15 @@ class InputBuffers:
             self.uploaded.record()
         return out
 
+    def pad_decode(self, start: int, end: int) -> None:
+        """Rows start..end-1 become one-token requests on the null block (slot 0, context of 1): a decode batch
+        padded to a captured graph's size."""
+        buf = self.writable()
+        for name in ("input_ids", "positions", "slot_mapping", "block_tables"):
+            buf[name][start:end] = 0
+        buf["seq_lens"][start:end] = 1
+        buf["query_start_loc"][start + 1 : end + 1] = np.arange(start + 1, end + 1)
+
 
 def logprob_stats(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
     """Each row's logprob of its target, the target's rank (1 = the likeliest), and the row's top k: what

@@ -334,7 +334,9 @@ class Worker:
             layer.kv_cache = torch.empty(0)
         del cache
         torch.cuda.empty_cache()  # hand the profile's blocks back, for the real cache
-        graphs = graph_pool_bytes(forward_peak, sum(self._profile_lens()), max(self.runner.decode_sizes, default=0))
+        graphs = graph_pool_bytes(
+            forward_peak, sum(self._profile_lens()), max(self.runner.decode_graphs.sizes, default=0)
+        )
         budget = kv_cache_budget(
             torch.cuda.mem_get_info()[1],
             self.config.gpu_memory_utilization,
@@ -416,7 +418,7 @@ class Worker:
         self.cache.bind(self.model.attention_layers)
         if self.draft is not None:
             self.draft.init_cache(num_blocks, num_host_blocks)
-        if self.runner.decode_sizes:
+        if self.runner.decode_graphs.sizes:
             self.runner.capture_decode_graphs()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:

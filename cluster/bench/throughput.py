@@ -104,7 +104,7 @@ def gpu_decode_figures(engine, batches: tuple[int, ...] = (1, 32, 256), context:
     print(
         f"  GPU decode: {torch.cuda.get_device_name()}, {bandwidth / 1e9:.0f} GB/s measured (copy), weights "
         f"{weight_bytes / 1e9:.2f} GB, {worker.dtype}, backend {worker.runner.attn_backend.name}, "
-        f"{'CUDA graphs' if worker.runner.graphs else 'eager'}"
+        f"{'CUDA graphs' if worker.runner.decode_graphs.graphs else 'eager'}"
     )
     rng = random.Random(0)
     for batch in batches:

@@ -112,10 +112,10 @@ def test_graph_decode_equals_eager_decode(default_model_dir, backend):
     params = [SamplingParams(temperature=0.0, max_tokens=8 + i, ignore_eos=True) for i in range(37)]
     dtype = "float32" if backend == "triton" else "bfloat16"
     graphs = cuda_engine(default_model_dir, dtype=dtype, attention_backend=backend)
-    assert graphs.worker.runner.graphs, "no decode graph was captured"
+    assert graphs.worker.runner.decode_graphs.graphs, "no decode graph was captured"
     got = run_and_free(graphs, ids, params)  # before the eager engine starts: each sizes its cache from free memory
     eager = cuda_engine(default_model_dir, dtype=dtype, attention_backend=backend, enforce_eager=True)
-    assert not eager.worker.runner.graphs
+    assert not eager.worker.runner.decode_graphs.graphs
     want = run_and_free(eager, ids, params)
     if dtype == "float32":
         assert got == want

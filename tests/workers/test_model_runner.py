@@ -37,7 +37,7 @@ def test_decodes_padded_to_graph_sizes_give_the_same_tokens(tiny_model_dir):
     expected = run(engine(path), ids, params)
     padded = engine(path)  # all five prompts fit one step, so all five then decode together
     runner = padded.worker.runner
-    runner.decode_sizes = [1, 2, 4, 8]
+    runner.decode_graphs.sizes = [1, 2, 4, 8]
     shapes = []
     forward = runner.forward
 
@@ -171,8 +171,8 @@ def test_graph_sizes_stop_at_512_and_larger_decode_batches_run_eagerly(tiny_mode
     assert graph_batch_sizes(37) == [1, 2, 4, 8, 16, 24, 32, 40]
     assert graph_batch_sizes(512)[-1] == graph_batch_sizes(2000)[-1] == MAX_GRAPH_SIZE == 512
     runner = engine(tiny_model_dir("llama"), max_num_seqs=600).worker.runner
-    runner.decode_sizes = graph_batch_sizes(600)
-    assert runner._decode_size(512, 512) == 512 and runner._decode_size(513, 513) == 0
+    runner.decode_graphs.sizes = graph_batch_sizes(600)
+    assert runner.decode_graphs.padded_size(512, 512) == 512 and runner.decode_graphs.padded_size(513, 513) == 0
 
 
 def test_a_capture_that_raises_leaves_the_runner_decoding_eagerly(tiny_model_dir):
@@ -185,8 +185,8 @@ def test_a_capture_that_raises_leaves_the_runner_decoding_eagerly(tiny_model_dir
     expected = run(engine(path), ids, params)
     eng = engine(path)
     runner = eng.worker.runner
-    runner.decode_sizes = [1, 2, 4]
+    runner.decode_graphs.sizes = [1, 2, 4]
     with pytest.warns(UserWarning, match="CUDA graph capture failed .*decoding eagerly"):
         runner.capture_decode_graphs()
-    assert runner.decode_sizes == [] and not runner.graphs
+    assert runner.decode_graphs.sizes == [] and not runner.decode_graphs.graphs
     assert run(eng, ids, params) == expected
