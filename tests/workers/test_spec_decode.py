@@ -1,6 +1,8 @@
 """Speculative decoding on the ranks: greedy output identical with and without proposals (the tiny model, in
 process), and rejection sampling that keeps the target's distribution exactly (a chi-square bound)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -23,6 +25,15 @@ def run(engine: InProcessEngine, prompts: list[list[int]], params: list[Sampling
             entry["logprobs"] += [e.logprob for e in o.new_logprobs or ()]
             entry["reason"] = o.finish_reason
     return got
+
+
+def assert_opted_out_requests_get_no_proposals(engine: InProcessEngine, prompts, params, expected: dict) -> None:
+    """Requests with disable_spec_decode on the speculating ``engine``: no proposal made, the same output."""
+    before = engine.stats().spec_decode_num_drafts
+    opted_out = [dataclasses.replace(p, disable_spec_decode=True) for p in params]
+    got = run(engine, prompts, opted_out)
+    assert {k: v["tokens"] for k, v in got.items()} == {k: expected[k]["tokens"] for k in got}
+    assert engine.stats().spec_decode_num_drafts == before
 
 
 def test_greedy_output_is_the_same_with_and_without_proposals(tiny_model_dir):
@@ -55,6 +66,7 @@ def test_greedy_output_is_the_same_with_and_without_proposals(tiny_model_dir):
     assert stats.spec_decode_num_accepted_tokens > 0 and stats.spec_decode_num_drafts > 0
     assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens
     assert engine.scheduler.kv.block_pool.num_free_blocks == engine.num_blocks - 1
+    assert_opted_out_requests_get_no_proposals(engine, prompts[:2], params[:2], expected)
     # Unseeded sampling with every position-independent feature verifies by rejection sampling: it runs to length.
     sampled = SamplingParams(
         temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, logit_bias={7: 5.0}, max_tokens=25, ignore_eos=True, n=2
@@ -144,6 +156,7 @@ def test_a_draft_that_is_the_target_has_every_proposal_accepted(tiny_model_dir):
     assert stats.prefix_cache_hits > 0 and stats.spec_decode_num_drafts > 0
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
     assert engine.scheduler.kv.block_pool.num_free_blocks == engine.num_blocks - 1
+    assert_opted_out_requests_get_no_proposals(engine, prompts[:2], params[:2], expected)
 
 
 # The other families, one of each kind: tied embeddings, windows shorter than a verified run (on every layer, and
