@@ -8,6 +8,7 @@ import torch
 
 from cluster import EngineConfig, SamplingParams
 from cluster.engine.inprocess import InProcessEngine
+from scheduler import StructuredOutputsParams
 from tests.workers.test_models import TINY_MODELS
 from workers.sampler import Sampler, SamplingMetadata
 
@@ -157,6 +158,29 @@ def test_a_draft_that_is_the_target_has_every_proposal_accepted(tiny_model_dir):
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
     assert engine.scheduler.kv.block_pool.num_free_blocks == engine.num_blocks - 1
     assert_opted_out_requests_get_no_proposals(engine, prompts[:2], params[:2], expected)
+
+
+def test_constrained_requests_beside_speculating_ones_give_the_output_without_speculation(
+    tiny_model_dir, default_model_dir
+):
+    """A JSON-schema and a regex constraint (no proposals: the mask moves along a run) in steps whose other requests
+    verify n-gram or draft proposals: every request's greedy output is the one without speculation."""
+    path = tiny_model_dir("llama", vocab_size=49152)  # the default model's tokenizer, for the grammars
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    prompts = [[7, 8, 9, 10] * 4, [7, 8, 9, 10] * 3 + [11, 12], [5, 6, 7] * 5, [7, 8, 9, 10] * 2]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputsParams(json=schema)),
+        SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z]{3,9}")),
+    ]
+    # Biased to the prompts' tokens, so that the unconstrained requests' output repeats them and n-gram proposes.
+    bias = dict.fromkeys(range(5, 11), 5)
+    params += [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logit_bias=bias)] * 2
+    common = {"model": path, "tokenizer": default_model_dir, "device": "cpu", "block_size": 8}
+    expected = run(InProcessEngine(EngineConfig(**common)), prompts, params)
+    for spec in (NGRAM, draft_config(path)):
+        engine = InProcessEngine(EngineConfig(**common, speculative_config=spec))
+        assert run(engine, prompts, params) == expected, spec["method"]
+        assert engine.stats().spec_decode_num_accepted_tokens > 0, spec["method"]
 
 
 # The other families, one of each kind: tied embeddings, windows shorter than a verified run (on every layer, and
