@@ -96,6 +96,9 @@ class SamplingParams:
     there ("stop"), so it asks for exactly one output (``max_tokens=1``, ``n=1``). ``dimensions`` shortens the
     embedding to its first that many values before normalising (a matryoshka model's, checked against the model
     at the engine boundary).
+
+    ``disable_spec_decode`` opts the request out of speculative decoding (the engine's speculative_config): it
+    gets no proposals, as a request the engine cannot speculate for (``speculable``).
     """
 
     temperature: float = 1.0
@@ -119,6 +122,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     pooling: str | None = None
     dimensions: int | None = None
+    disable_spec_decode: bool = False
 
     def __post_init__(self) -> None:
         self._check_numbers()
@@ -181,6 +185,12 @@ class SamplingParams:
             "must be None or in [0, 20]",
         )
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "must be a bool")
+        _check(
+            isinstance(self.disable_spec_decode, bool),
+            "disable_spec_decode",
+            self.disable_spec_decode,
+            "must be a bool",
+        )
 
     def _check_token_ids(self) -> None:
         stop = self.stop_token_ids
@@ -227,9 +237,12 @@ class SamplingParams:
     def speculable(self) -> bool:
         """Whether a request may carry proposals (speculative decoding): its sampling at each position of a run
         must depend on nothing the run itself changes (the ranks verify every position with one processed
-        distribution), and a seeded sampled request keeps the random stream it has without speculation."""
+        distribution), a seeded sampled request keeps the random stream it has without speculation, and a request
+        may opt out (``disable_spec_decode``: its output is the same either way, only its latency and the batch's
+        cost change)."""
         return (
-            self.repetition_penalty == 1.0
+            not self.disable_spec_decode
+            and self.repetition_penalty == 1.0
             and self.presence_penalty == 0.0
             and self.frequency_penalty == 0.0
             and self.min_tokens == 0

@@ -96,6 +96,7 @@ def test_scheduler_package_never_imports_torch():
         ({"stop_token_ids": [True]}, "stop_token_ids"),
         ({"stop_token_ids": None}, "stop_token_ids"),
         ({"ignore_eos": "no"}, "ignore_eos"),
+        ({"disable_spec_decode": 1}, "disable_spec_decode"),
         ({"pooling": "cls", "max_tokens": 1}, "pooling"),
         ({"pooling": "last", "max_tokens": 2}, "pooling"),
         ({"dimensions": 8}, "dimensions"),

@@ -1,11 +1,15 @@
 """Speculative decoding on the ranks: greedy output identical with and without proposals (the tiny model, in
 process), and rejection sampling that keeps the target's distribution exactly (a chi-square bound)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from cluster import EngineConfig, SamplingParams
 from cluster.engine.inprocess import InProcessEngine
+from scheduler import StructuredOutputsParams
+from tests.workers.test_models import TINY_MODELS
 from workers.sampler import Sampler, SamplingMetadata
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -22,6 +26,15 @@ def run(engine: InProcessEngine, prompts: list[list[int]], params: list[Sampling
             entry["logprobs"] += [e.logprob for e in o.new_logprobs or ()]
             entry["reason"] = o.finish_reason
     return got
+
+
+def assert_opted_out_requests_get_no_proposals(engine: InProcessEngine, prompts, params, expected: dict) -> None:
+    """Requests with disable_spec_decode on the speculating ``engine``: no proposal made, the same output."""
+    before = engine.stats().spec_decode_num_drafts
+    opted_out = [dataclasses.replace(p, disable_spec_decode=True) for p in params]
+    got = run(engine, prompts, opted_out)
+    assert {k: v["tokens"] for k, v in got.items()} == {k: expected[k]["tokens"] for k in got}
+    assert engine.stats().spec_decode_num_drafts == before
 
 
 def test_greedy_output_is_the_same_with_and_without_proposals(tiny_model_dir):
@@ -54,6 +67,7 @@ def test_greedy_output_is_the_same_with_and_without_proposals(tiny_model_dir):
     assert stats.spec_decode_num_accepted_tokens > 0 and stats.spec_decode_num_drafts > 0
     assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens
     assert engine.scheduler.kv.block_pool.num_free_blocks == engine.num_blocks - 1
+    assert_opted_out_requests_get_no_proposals(engine, prompts[:2], params[:2], expected)
     # Unseeded sampling with every position-independent feature verifies by rejection sampling: it runs to length.
     sampled = SamplingParams(
         temperature=0.8, top_k=20, top_p=0.9, min_p=0.01, logit_bias={7: 5.0}, max_tokens=25, ignore_eos=True, n=2
@@ -143,6 +157,54 @@ def test_a_draft_that_is_the_target_has_every_proposal_accepted(tiny_model_dir):
     assert stats.prefix_cache_hits > 0 and stats.spec_decode_num_drafts > 0
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
     assert engine.scheduler.kv.block_pool.num_free_blocks == engine.num_blocks - 1
+    assert_opted_out_requests_get_no_proposals(engine, prompts[:2], params[:2], expected)
+
+
+def test_constrained_requests_beside_speculating_ones_give_the_output_without_speculation(
+    tiny_model_dir, default_model_dir
+):
+    """A JSON-schema constraint (no proposals: the mask moves along a run) in steps whose other requests
+    verify n-gram or draft proposals: every request's greedy output is the one without speculation."""
+    path = tiny_model_dir("llama", vocab_size=49152)  # the default model's tokenizer, for the grammars
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    prompts = [[7, 8, 9, 10] * 4, [5, 6, 7] * 5, [7, 8, 9, 10] * 2 + [11, 12]]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputsParams(json=schema)),
+    ]
+    # Biased to the prompts' tokens, so that the unconstrained requests' output repeats them and n-gram proposes.
+    bias = dict.fromkeys(range(5, 11), 5)
+    params += [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logit_bias=bias)] * 2
+    common = {"model": path, "tokenizer": default_model_dir, "device": "cpu", "block_size": 8}
+    expected = run(InProcessEngine(EngineConfig(**common)), prompts, params)
+    for spec in (NGRAM, draft_config(path)):
+        engine = InProcessEngine(EngineConfig(**common, speculative_config=spec))
+        assert run(engine, prompts, params) == expected, spec["method"]
+        assert engine.stats().spec_decode_num_accepted_tokens > 0, spec["method"]
+
+
+# The other families, one of each kind: tied embeddings, windows shorter than a verified run (on every layer, and
+# on one layer of two), experts. Llama's is the tests above.
+FAMILIES = ["qwen2 (qkv bias, tied)", "mistral (sliding window 4)", "qwen3 (sliding window 3 on layer 1)", "mixtral"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_gives_the_same_greedy_output_with_ngram_and_a_draft_of_itself(tiny_model_dir, family):
+    """Per family, greedy output with n-gram proposals and with the model as its own draft (which must have every
+    proposal accepted) is the output without speculation, token for token, through chunked prefill."""
+    model_type, shard, overrides = TINY_MODELS[family]
+    path = tiny_model_dir(model_type, shard, **overrides)
+    rng = torch.Generator().manual_seed(6)
+    prompts = [[7, 8, 9, 10] * 3 + torch.randint(3, 256, (1 + 9 * i,), generator=rng).tolist() for i in range(2)]
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)] * 2
+    common = {"model": path, "device": "cpu", "block_size": 8, "max_num_batched_tokens": 16, "kv_cache_bytes": 1 << 20}
+    expected = run(InProcessEngine(EngineConfig(**common)), prompts, params)
+    for spec in (NGRAM, draft_config(path)):
+        engine = InProcessEngine(EngineConfig(**common, speculative_config=spec))
+        assert run(engine, prompts, params) == expected, spec["method"]
+        stats = engine.stats()
+        assert stats.spec_decode_num_draft_tokens > 0, spec["method"]  # n-gram's are seldom accepted: random weights
+        if spec["method"] == "draft_model":
+            assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
 
 
 def test_a_smaller_draft_gives_the_output_of_no_speculation(tiny_model_dir):

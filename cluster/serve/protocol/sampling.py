@@ -103,6 +103,13 @@ class SamplingFields(BaseModel):
         ),
     )
     best_of: int | None = Field(None, ge=1, description="accepted only when equal to n (no server-side ranking)")
+    disable_spec_decode: bool = Field(
+        False,
+        description=(
+            "opts this request out of the server's speculative decoding (--speculative-config): no proposals are "
+            "made or verified for it; the output is the same either way"
+        ),
+    )
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -222,6 +229,7 @@ class SamplingFields(BaseModel):
                 allowed_token_ids=self.allowed_token_ids,
                 structured_outputs=constraint,
                 bad_words_token_ids=bad_words_token_ids,
+                disable_spec_decode=self.disable_spec_decode,
             )
         except RequestError as e:
             raise self.refusal(e) from None

@@ -75,6 +75,7 @@ SAMPLING = {
     "ignore_eos": True,
     "n": 2,
     "min_tokens": 1,
+    "disable_spec_decode": True,
 }  # distinct values, so that a swap of two fields fails
 
 
@@ -250,6 +251,9 @@ def test_unknown_fields_are_refused_and_harmless_ones_accepted():
     with pytest.raises(APIError) as e:  # nested objects too: vLLM's whitespace knob is not honoured
         parse(CompletionRequest, {"prompt": "x", "structured_outputs": {"regex": "a", "whitespace_pattern": " "}})
     assert (e.value.code, e.value.param) == ("unsupported_field", "structured_outputs.whitespace_pattern")
+    with pytest.raises(APIError) as e:  # the opt-out of speculative decoding is disable_spec_decode
+        parse(CompletionRequest, {"prompt": "x", "speculative": False})
+    assert (e.value.code, e.value.param) == ("unsupported_field", "speculative")
     req = parse(CompletionRequest, {"prompt": "x", "user": "u", "metadata": {"k": "v"}, "store": False})
     assert req.metadata == {"k": "v"}
 
