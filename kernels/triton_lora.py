@@ -2,7 +2,7 @@
 
 Two kernels per layer: a shrink, one program per token, h[t] = A[slot(t)] x[t] over the layer's n stacked
 down-projections; then an expand per fused output j, one program per (token, column tile), y[t, cols] +=
-B_j[slot(t)][cols] h[t, j]. A token of the base model (slot -1) adds nothing. No host work: the slots are a device
+h[t, j] B_j[slot(t)][:, cols]. A token of the base model (slot -1) adds nothing. No host work: the slots are a device
 tensor, so the op never syncs and a decode step stays one fixed shape. The tests run it on CPU tensors under
 TRITON_INTERPRET=1 against the torch path.
 """
@@ -52,7 +52,7 @@ def _expand_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """y[t, offset + cols] += B[slot] [N, R] h[t, h_start : h_start + R] for the tile's cols; nothing for slot -1."""
+    """y[t, offset + cols] += h[t, h_start : h_start + R] B[slot] [R, N] for the tile's cols; nothing for slot -1."""
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -60,7 +60,7 @@ def _expand_kernel(
     col_ok, r_ok = cols < N, r < R
     h = tl.load(h_ptr + t * NR + h_start + r, r_ok, 0.0)
     base = tl.maximum(slot, 0).to(tl.int64) * N * R
-    b = tl.load(b_ptr + base + cols[:, None] * R + r[None, :], col_ok[:, None] & r_ok[None, :], 0.0).to(tl.float32)
+    b = tl.load(b_ptr + base + r[None, :] * N + cols[:, None], col_ok[:, None] & r_ok[None, :], 0.0).to(tl.float32)
     delta = tl.sum(b * h[None, :], axis=1)
     out = y_ptr + t * y_stride + offset + cols
     mask = col_ok & ((cols * 0 + slot) >= 0)  # a block, not a scalar: the interpreter takes only block masks
@@ -83,11 +83,11 @@ def triton_add_lora(
         return
     x, lora_a = x.contiguous(), lora_a.contiguous()
     nr, k = lora_a.shape[1], lora_a.shape[2]
-    rank = lora_bs[0].shape[-1]
+    rank = lora_bs[0].shape[1]
     h = torch.empty(num_tokens, nr, dtype=torch.float32, device=x.device)
     _shrink_kernel[(num_tokens,)](h, x, lora_a, token_slots, k, nr, triton.next_power_of_2(nr), _BLOCK_K)
     for j, (b, offset) in enumerate(zip(lora_bs, offsets)):
-        n = b.shape[1]
+        n = b.shape[2]
         grid = (num_tokens, triton.cdiv(n, _BLOCK_N))
         _expand_kernel[grid](
             y,

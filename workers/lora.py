@@ -9,6 +9,7 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -19,6 +20,7 @@ from kernels.lora import LoraBatch, add_lora
 from workers.layers import ColumnParallelLinear, RowParallelLinear
 from workers.model_spec import ModelSpec
 
+T = TypeVar("T")
 # checkpoint module -> (the block holding it, the fused layer of ours it feeds)
 LORA_TARGETS = {
     "q_proj": ("self_attn", "qkv_proj"),
@@ -161,7 +163,7 @@ def read_adapter(name: str, path: str, spec: ModelSpec, max_rank: int) -> LoraAd
 
 class LinearLora:
     """The adapter slots of one fused layer of this rank: ``lora_a`` [slots, n * R, in_rank] and per checkpoint
-    module j ``lora_bs[j]`` [slots, size_j, R], sliced like the layer (column-parallel: B's rows of this rank's
+    module j ``lora_bs[j]`` [slots, R, size_j], sliced like the layer (column-parallel: B's columns of this rank's
     shard, A whole; row-parallel: A's columns of this rank's input slice, B whole, the partial products summed by
     the layer's all-reduce). A slot holding no adapter for this layer is zeros."""
 
@@ -181,21 +183,12 @@ class LinearLora:
             in_size = layer.input_size // layer.tp_size
         n = len(self.modules)
         self.lora_a = torch.zeros(max_loras, n * max_rank, in_size, dtype=dtype, device=device)
-        if device.type == "cuda":  # the Triton op reads each output's B on its own
-            self.lora_b = None
-            self.lora_bs = [torch.zeros(max_loras, size, max_rank, dtype=dtype, device=device) for size in sizes]
-        else:  # the torch op's block-diagonal B; lora_bs are views of its blocks, so writes land in it
-            width = max(o + s for o, s in zip(self.offsets, sizes))
-            self.lora_b = torch.zeros(max_loras, n * max_rank, width, dtype=dtype, device=device)
-            self.lora_bs = [
-                self.lora_b[:, j * max_rank : (j + 1) * max_rank, o : o + s].transpose(1, 2)
-                for j, (o, s) in enumerate(zip(self.offsets, sizes))
-            ]
+        self.lora_bs = [torch.zeros(max_loras, max_rank, size, dtype=dtype, device=device) for size in sizes]
 
     def write(self, slot: int, parts: dict[str | None, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Slot `slot` holds `parts` (checkpoint module -> A, B; None for a row-parallel layer's one module)."""
         self.lora_a[slot].zero_()
-        for b in self.lora_bs:  # views of lora_b on CPU: its off-diagonal blocks stay zero
+        for b in self.lora_bs:
             b[slot].zero_()
         layer, R = self.layer, self.rank
         for j, module in enumerate(self.modules):
@@ -210,7 +203,7 @@ class LinearLora:
                 s = layer.shards[module]
                 b = b[s.start : s.start + s.size]
             self.lora_a[slot, j * R : j * R + r].copy_(a)
-            self.lora_bs[j][slot, :, :r].copy_(b)
+            self.lora_bs[j][slot, :r].copy_(b.T)
 
     def apply(self, y: torch.Tensor, x: torch.Tensor) -> None:
         """y += the step's adapter products (a step of the base model alone adds nothing)."""
@@ -221,7 +214,7 @@ class LinearLora:
 
             triton_add_lora(y, x, self.lora_a, self.lora_bs, self.offsets, self.batch.token_slots)
         else:
-            add_lora(y, x, self.lora_a, self.lora_b, self.batch)
+            add_lora(y, x, self.lora_a, self.lora_bs, self.offsets, self.batch)
 
 
 class LoraManager:
@@ -272,6 +265,14 @@ class LoraManager:
             lora.write(slot, by_layer.get(key, {}))
         self.slots[name] = slot
         return slot
+
+    def group(self, states: list[T]) -> list[T]:
+        """A step's requests (anything with a ``lora_name``; None: the base model) with their adapters made
+        resident, reordered by slot, the base model's first: each adapter's tokens are then one run of rows,
+        which the torch LoRA op slices instead of gathering and scattering them in every layer."""
+        step = {s.lora_name for s in states if s.lora_name is not None}
+        slot_of = {n: self._slot(n, step) for n in step}
+        return sorted(states, key=lambda s: slot_of.get(s.lora_name, -1))
 
     def set_step(self, names: list[str | None], num_new: np.ndarray, device: torch.device) -> None:
         """The step's requests' adapters (None: the base model) and token counts: slots made resident, and the

@@ -170,9 +170,11 @@ class ModelRunner:
         """Flatten the scheduled tokens of all requests into one batch (numpy, no per-token Python),
         written into the persistent buffers and queued for the device."""
         states = [self.requests[rid] for rid in so.num_scheduled_tokens]
+        if self.lora is not None:
+            states = self.lora.group(states)
         num_reqs = len(states)
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
-        num_new = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=num_reqs)
+        num_new = np.fromiter((so.num_scheduled_tokens[s.req_id] for s in states), dtype=np.int64, count=num_reqs)
         starts = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=num_reqs)
         spec = so.scheduled_spec_decode_tokens
         if spec:  # before the input ids are gathered from the rows

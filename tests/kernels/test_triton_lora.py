@@ -30,15 +30,12 @@ def test_triton_lora_matches_torch(slots):
     rank, k, sizes, offsets = 8, 72, [80, 24], [0, 80]
     x = torch.randn(len(slots), k, generator=g)
     lora_a = torch.randn(3, 2 * rank, k, generator=g)
-    lora_bs = [torch.randn(3, n, rank, generator=g) for n in sizes]
+    lora_bs = [torch.randn(3, rank, n, generator=g) for n in sizes]
     y0 = torch.randn(len(slots), sum(sizes) + 8, generator=g)  # 8 columns past the layer's outputs: untouched
     expected = y0.clone()
     batch = LoraBatch([])
     batch.set(np.array(slots), torch.device("cpu"))
-    lora_b = torch.zeros(3, 2 * rank, sum(sizes))  # the torch op's block-diagonal B
-    for j, (b, offset) in enumerate(zip(lora_bs, offsets)):
-        lora_b[:, j * rank : (j + 1) * rank, offset : offset + b.shape[1]] = b.transpose(1, 2)
-    add_lora(expected, x, lora_a, lora_b, batch)
+    add_lora(expected, x, lora_a, lora_bs, offsets, batch)
     y = y0.to(DEVICE)
     to = [t.to(DEVICE) for t in (x, lora_a, torch.tensor(slots))]
     triton_add_lora(y, to[0], to[1], [b.to(DEVICE) for b in lora_bs], offsets, to[2])
