@@ -7,6 +7,7 @@ torch, never the rest of cluster/). engine/ray_client.py places it and the worke
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -165,6 +166,8 @@ class SchedulerActor:
         try:
             await self._loop()
         except Exception as e:  # a dead or failing rank: no request can go on
+            # The callers hear the reason in one line; the actor's log keeps where it was raised.
+            logging.getLogger(__name__).exception("engine step failed")
             self._fail(f"engine step failed: {type(e).__name__}: {e}")
 
     async def _loop(self) -> None:
