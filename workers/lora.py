@@ -266,18 +266,18 @@ class LoraManager:
         self.slots[name] = slot
         return slot
 
-    def group(self, states: list[T]) -> list[T]:
+    def group(self, states: list[T]) -> tuple[list[T], np.ndarray]:
         """A step's requests (anything with a ``lora_name``; None: the base model) with their adapters made
-        resident, reordered by slot, the base model's first: each adapter's tokens are then one run of rows,
-        which the torch LoRA op slices instead of gathering and scattering them in every layer."""
+        resident, reordered by slot, the base model's first, and each one's slot (-1: the base model): each
+        adapter's tokens are then one run of rows, which the torch LoRA op slices instead of gathering and
+        scattering them in every layer."""
         step = {s.lora_name for s in states if s.lora_name is not None}
         slot_of = {n: self._slot(n, step) for n in step}
-        return sorted(states, key=lambda s: slot_of.get(s.lora_name, -1))
+        slots = [slot_of.get(s.lora_name, -1) for s in states]
+        order = sorted(range(len(states)), key=slots.__getitem__)
+        return [states[i] for i in order], np.fromiter((slots[i] for i in order), dtype=np.int64, count=len(order))
 
-    def set_step(self, names: list[str | None], num_new: np.ndarray, device: torch.device) -> None:
-        """The step's requests' adapters (None: the base model) and token counts: slots made resident, and the
-        batch every LoRA layer reads."""
-        step = {n for n in names if n is not None}
-        slot_of = {n: self._slot(n, step) for n in step}
-        req_slots = np.fromiter((slot_of.get(n, -1) if n else -1 for n in names), dtype=np.int64, count=len(names))
+    def set_step(self, req_slots: np.ndarray, num_new: np.ndarray, device: torch.device) -> None:
+        """The batch every LoRA layer reads this step: request i's ``num_new[i]`` tokens use slot ``req_slots[i]``
+        (``group``'s, in its order)."""
         self.batch.set(np.repeat(req_slots, num_new), device)

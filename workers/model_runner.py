@@ -171,7 +171,7 @@ class ModelRunner:
         written into the persistent buffers and queued for the device."""
         states = [self.requests[rid] for rid in so.num_scheduled_tokens]
         if self.lora is not None:
-            states = self.lora.group(states)
+            states, req_slots = self.lora.group(states)
         num_reqs = len(states)
         rows = np.fromiter((s.row for s in states), dtype=np.int64, count=num_reqs)
         num_new = np.fromiter((so.num_scheduled_tokens[s.req_id] for s in states), dtype=np.int64, count=num_reqs)
@@ -218,7 +218,7 @@ class ModelRunner:
             num_logits = len(sampling)
             buf["logits_indices"][:num_logits] = ends - 1
         if self.lora is not None:
-            self.lora.set_step([s.lora_name for s in states], num_new, self.device)
+            self.lora.set_step(req_slots, num_new, self.device)
         graph_size = self.decode_graphs.padded_size(num_reqs, total)
         if graph_size:
             self.buffers.pad_decode(num_reqs, graph_size)
