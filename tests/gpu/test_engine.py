@@ -43,9 +43,13 @@ def run_and_free(engine: InProcessEngine, ids: list[list[int]], params: list[Sam
     try:
         return run(engine, ids, params)
     finally:
-        engine.shutdown()
-        gc.collect()
-        torch.cuda.empty_cache()
+        free(engine)
+
+
+def free(engine: InProcessEngine) -> None:
+    engine.shutdown()
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def greedy(n: int, max_tokens: int) -> list[SamplingParams]:

@@ -1,0 +1,84 @@
+"""The features whose GPU code the CPU suite reaches only through Triton's interpreter or not at all, run on CUDA
+with the in-process executor: sliding windows and the mixture-of-experts families against transformers, the
+batched LoRA op against peft, and speculation (n-gram, a draft of the target itself) against no speculation."""
+
+import pytest
+import torch
+
+from cluster import SamplingParams
+from tests.gpu.test_engine import cuda_engine, free, greedy, hf_greedy, run_and_free
+from tests.workers.test_model_runner import prompts
+from tests.workers.test_models import MIXTRAL, QWEN3_MOE
+from tests.workers.test_spec_decode import NGRAM, draft_config
+from tests.workers.test_spec_decode import run as run_keyed
+
+FAMILIES = {
+    "mistral (window 12)": ("mistral", dict(sliding_window=12)),
+    "qwen3_moe": ("qwen3_moe", QWEN3_MOE),
+    "mixtral": ("mixtral", MIXTRAL),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_windowed_and_expert_families_match_transformers_in_fp32(tiny_model_dir, family):
+    """Triton's windowed attention past the window (prompts of 5, 18 and 31 tokens, chunked), and the experts'
+    Triton grouped matmul, against transformers on the same GPU."""
+    model_type, overrides = FAMILIES[family]
+    path = tiny_model_dir(model_type, None, **overrides)
+    ids = prompts(3)
+    expected = hf_greedy(path, ids, 12, torch.float32)
+    engine = cuda_engine(path, dtype="float32", max_num_batched_tokens=16, long_prefill_token_threshold=8)
+    assert run_and_free(engine, ids, greedy(3, 12)) == expected
+
+
+def test_lora_adapters_mixed_with_the_base_match_peft(lora_adapters):
+    """The Triton shrink/expand kernels with two adapters of different ranks and the base in one batch."""
+    base, paths, lora_prompts, expected = lora_adapters
+    engine = cuda_engine(
+        base,
+        dtype="float32",
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        lora_modules=[f"{n}={p}" for n, p in paths.items()],
+    )
+    mixed = [(name, p) for p in lora_prompts for name in (None, "attn8", "all4")]
+    params = SamplingParams(temperature=0.0, max_tokens=len(expected[None][0]), ignore_eos=True)
+    try:
+        for i, (name, p) in enumerate(mixed):
+            engine.add_request(str(i), p, params, lora_name=name)
+        got: dict[str, list[int]] = {str(i): [] for i in range(len(mixed))}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                got[o.request_id].extend(o.new_token_ids)
+    finally:
+        free(engine)
+    assert [got[str(i)] for i in range(len(mixed))] == [expected[n][lora_prompts.index(p)] for n, p in mixed]
+
+
+def test_speculation_gives_the_output_without_it(tiny_model_dir):
+    """k + 1 rows verified per speculating request, eagerly (never a captured graph): greedy output equal to no
+    speculation, and a draft that is the target has every proposal accepted."""
+    path = tiny_model_dir("llama")
+    rng = torch.Generator().manual_seed(6)
+    ids = [[7, 8, 9, 10] * 3 + torch.randint(3, 256, (1 + 9 * i,), generator=rng).tolist() for i in range(3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=1)] * 3
+    common = {"dtype": "float32", "block_size": 16, "max_num_batched_tokens": 32}
+    baseline = cuda_engine(path, **common)
+    try:
+        expected = run_keyed(baseline, ids, params)
+    finally:
+        free(baseline)
+    for spec in (NGRAM, draft_config(path)):
+        engine = cuda_engine(path, **common, speculative_config=spec)
+        try:
+            got = run_keyed(engine, ids, params)
+            stats = engine.stats()
+        finally:
+            free(engine)
+        assert {k: v["tokens"] for k, v in got.items()} == {k: v["tokens"] for k, v in expected.items()}, spec
+        for key, entry in got.items():
+            assert entry["logprobs"] == pytest.approx(expected[key]["logprobs"], abs=1e-4)
+        assert stats.spec_decode_num_draft_tokens > 0, spec["method"]
+        if spec["method"] == "draft_model":
+            assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
