@@ -108,30 +108,42 @@ def gpu_decode_figures(engine, batches: tuple[int, ...] = (1, 32, 256), context:
     )
     rng = random.Random(0)
     for batch in batches:
-        if batch > engine.config.max_num_seqs:
+        if batch > engine.config.max_num_seqs or batch >= engine.config.max_num_batched_tokens:
             continue
-        for i in range(batch):
-            engine.add_request(
-                f"decode-{batch}-{i}",
-                [rng.randrange(100, engine.spec.vocab_size) for _ in range(context)],
-                SamplingParams(temperature=0.0, max_tokens=steps + 10, ignore_eos=True),
-            )
-        while True:  # until every request is past its prompt: a step of `batch` decodes
-            engine.step()
-            stats = engine.stats()
-            if stats.num_waiting == 0 and stats.num_running == batch == stats.num_scheduled_tokens:
-                break
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        step_s = (time.perf_counter() - t0) / steps
+        step_s = decode_step_seconds(engine, batch, context, steps, rng)
         floor = (weight_bytes + batch * (context + steps) * kv_bytes_per_token) / bandwidth
         print(
             f"    {batch:4d} requests at ~{context + steps // 2} tokens: {step_s * 1e3:7.3f} ms per step, HBM floor "
             f"{floor * 1e3:6.3f} ms ({floor / step_s:.0%} of the floor's speed)"
         )
-        while engine.has_unfinished_requests():
-            engine.step()
+
+
+def decode_step_seconds(engine, batch: int, context: int, steps: int, rng: random.Random) -> float:
+    """The mean time of `steps` engine steps that each decode all of `batch` requests of about `context` tokens
+    (greedy); the requests run to their end afterwards."""
+    # The first requests decode while the last still prefill (each step holds at least budget - batch prefill
+    # tokens): they must not finish before every request decodes, or the batch is never whole.
+    prefill_steps = -(-batch * context // (engine.config.max_num_batched_tokens - batch)) + 1
+    for i in range(batch):
+        engine.add_request(
+            f"decode-{batch}-{i}",
+            [rng.randrange(100, engine.spec.vocab_size) for _ in range(context)],
+            SamplingParams(temperature=0.0, max_tokens=prefill_steps + steps + 10, ignore_eos=True),
+        )
+    for _ in range(prefill_steps + 1):
+        engine.step()
+        stats = engine.stats()
+        if stats.num_waiting == 0 and stats.num_running == batch == stats.num_scheduled_tokens:
+            break
+    else:
+        raise RuntimeError(f"{batch} requests of {context} tokens were not all decoding after {prefill_steps} steps")
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step_s = (time.perf_counter() - t0) / steps
+    while engine.has_unfinished_requests():
+        engine.step()
+    return step_s
 
 
 def matmul_peak_gflops(threads: int | None, size: int = 2048, repeats: int = 10) -> float:
