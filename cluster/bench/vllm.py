@@ -24,7 +24,8 @@ VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 # Written last: a venv without it is what an interrupted or failed build left behind and is rebuilt.
 COMPLETE_MARKER = ".raylm-complete"
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_throughput.py"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+SCRIPT = BENCHMARKS / "vllm_throughput.py"
 # Start-up (model load, CPU kernel warm-up) plus 64 requests on 2 cores takes a few minutes; a hung
 # engine process must still end the benchmark.
 TIMEOUT_S = 3600
@@ -75,20 +76,27 @@ def _tail(text: str, lines: int = 40) -> str:
 def run_vllm(model_path: str, work: list[tuple[list[int], int]], num_threads: int | None) -> tuple[float, str]:
     """Seconds vllm takes to generate ``work`` (prompt token ids, output length) greedily with
     ignore_eos, all requests submitted at once after a warm-up; and the vllm version that ran."""
-    py = vllm_venv() / "bin" / "python"
     job = {
         "model": model_path,
         "prompts": [p for p, _ in work],
         "max_tokens": [n for _, n in work],
         "num_threads": num_threads,
     }
+    result = run_vllm_job(SCRIPT, job)
+    return result["seconds"], result["vllm_version"]
+
+
+def run_vllm_job(script: Path, job: dict) -> dict:
+    """``script`` (one of benchmarks/vllm_*.py) run with the vllm venv's python on ``job`` (written to a JSON file
+    it reads); its result, the last JSON object line of its stdout."""
+    py = vllm_venv() / "bin" / "python"
     # vllm's logs are captured (shown only on failure), so say why nothing prints for a while.
     print(f"  running {VLLM_PACKAGE} {VLLM_VERSION} (model load and compilation first: a minute or more)", flush=True)
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="raylm-vllm-job-") as f:
         json.dump(job, f)
         f.flush()
         try:
-            proc = subprocess.run([str(py), str(SCRIPT), f.name], capture_output=True, text=True, timeout=TIMEOUT_S)
+            proc = subprocess.run([str(py), str(script), f.name], capture_output=True, text=True, timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired as e:
             err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr or ""
             raise RuntimeError(f"vllm did not finish within {TIMEOUT_S} s; its stderr ended with:\n{_tail(err)}") from e
@@ -98,10 +106,9 @@ def run_vllm(model_path: str, work: list[tuple[list[int], int]], num_threads: in
     # the last JSON object line.
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     try:
-        result = json.loads(lines[-1])
+        return json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError) as e:
         raise RuntimeError(
             f"vllm printed no result line; its stdout ended with:\n{_tail(proc.stdout)}\n"
             f"and its stderr with:\n{_tail(proc.stderr)}"
         ) from e
-    return result["seconds"], result["vllm_version"]

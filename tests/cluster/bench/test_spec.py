@@ -15,5 +15,7 @@ def test_bench_spec_prints_a_row_per_workload_concurrency_and_proposer(servable_
     assert lines[0].startswith("spec: {'method': 'ngram', 'num_speculative_tokens': 4")
     rows = [line.split() for line in lines[1:]]
     cells = [("copy", "1:"), ("chat", "1:")]
-    assert [(r[0], r[2], r[3]) for r in rows] == [(*c, m) for c in cells for m in ("ngram", "draft_model")]
-    assert all(r[-1] == "100.0%" for r in rows if r[3] == "draft_model")  # the model as its own draft
+    assert [(r[0], r[1], r[3], r[4]) for r in rows] == [
+        ("raylm", *c, m) for c in cells for m in ("ngram", "draft_model")
+    ]
+    assert all(r[-1] == "100.0%" for r in rows if r[4] == "draft_model")  # the model as its own draft
