@@ -148,15 +148,22 @@ def test_tp2_greedy_matches_tp1_with_kv_heads_replicated(tiny_model_dir):
         e.shutdown()
 
 
-def test_tp2_with_a_draft_model_on_the_sampling_rank_matches_tp1(llama, reference):
-    """The draft (here the target itself, unsharded on rank 0) proposes beside the tp=2 target under async
-    scheduling: every proposal is accepted and the output is tp=1's without speculation."""
-    spec = {"method": "draft_model", "model": llama, "num_speculative_tokens": 3}
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_tp2_with_speculation_matches_tp1(llama, reference, method):
+    """Proposals verified by the tp=2 target under async scheduling give tp=1's output without speculation. The
+    draft (here the target itself, unsharded on rank 0) has every proposal accepted; n-gram's proposals (from the
+    scheduler, sent to both ranks) are made and verified."""
+    if method == "draft_model":
+        spec = {"method": "draft_model", "model": llama, "num_speculative_tokens": 3}
+    else:
+        spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
     e = RayEngine(config(llama, tensor_parallel_size=2, speculative_config=spec))
     try:
         assert run_to_completion(e) == reference
         stats = e.stats()
-        assert 0 < stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+        assert stats.spec_decode_num_draft_tokens > 0
+        if method == "draft_model":
+            assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
     finally:
         e.shutdown()
 
