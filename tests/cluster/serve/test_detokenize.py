@@ -122,3 +122,33 @@ def test_include_stop_keeps_the_stop_string_that_matched_first():
     m = StopStringMatcher(["wor", "o w", "xyz"], include_stop=True)
     assert feed_all(m, ["hel", "lo w", "orld"]) == "hello w"
     assert m.stopped
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_the_text_where_it_does_without_speculation(
+    tokenizer, default_model_dir
+):
+    """The serving layer cuts stop strings from each delta's tokens; with n-gram speculation a delta carries the
+    accepted run, and the stop string here falls inside one: the text is the one without speculation."""
+    from cluster import EngineConfig, SamplingParams
+    from cluster.engine.inprocess import InProcessEngine
+
+    sentence = "Paris is the capital of France, and the river Seine runs through the middle of it."
+    messages = [{"role": "user", "content": f"Repeat the following text exactly, word for word:\n\n{sentence}"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt = prompt["input_ids"] if hasattr(prompt, "keys") else prompt
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+
+    def serve(**kw) -> tuple[str, int]:
+        """The text a stream shows, and how many tokens the delta that hit the stop string carried."""
+        engine = InProcessEngine(EngineConfig(model=default_model_dir, device="cpu", **kw))
+        engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=48))
+        text, ts = "", TextStream(tokenizer, prompt, [" runs"])
+        while not ts.stopped:
+            (out,) = engine.step()
+            text += ts.add(out.new_token_ids)
+        return text, len(out.new_token_ids)
+
+    expected, _ = serve()
+    got, stop_delta = serve(speculative_config=spec)
+    assert got == expected == "Paris is the capital of France, and the river Seine"
+    assert stop_delta > 1  # the stop string came inside an accepted run
