@@ -15,9 +15,12 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels.moe import fused_moe, looped_moe, route
+
+REDUCE_RANKS = 2
 
 
 def _layer(experts: Callable[..., torch.Tensor], x, router, w13, w2, top_k: int) -> torch.Tensor:
@@ -37,9 +40,10 @@ def bench_moe(
         f"raylm bench moe: top-{top_k} of {num_experts} experts, hidden {hidden_size}, {intermediate_size} units "
         f"each, fp32 ({gb:.2f} GB of experts), {torch.get_num_threads()} threads"
     )
+    reduce_s = all_reduce_seconds(sizes, hidden_size, repeats)
     print(
         f"{'tokens':>7} {'experts hit':>11} {'fused ms':>9} {'loop ms':>9} {'fused us/tok':>12} "
-        f"{'loop us/tok':>11} {'speedup':>7} {'max |diff|':>10} {'all-reduce/step':>15}"
+        f"{'loop us/tok':>11} {'speedup':>7} {'max |diff|':>10} {'all-reduce/step':>15} {'gloo ms (tp=2)':>14}"
     )
     for tokens in sizes:
         x = torch.randn(tokens, hidden_size, generator=gen)
@@ -58,5 +62,46 @@ def bench_moe(
         reduce_kib = tokens * hidden_size * 4 / 1024
         print(
             f"{tokens:>7} {hit:>11} {fused * 1e3:>9.2f} {loop * 1e3:>9.2f} {fused / tokens * 1e6:>12.1f} "
-            f"{loop / tokens * 1e6:>11.1f} {loop / fused:>6.2f}x {diff:>10.1e} {reduce_kib:>11.0f} KiB"
+            f"{loop / tokens * 1e6:>11.1f} {loop / fused:>6.2f}x {diff:>10.1e} {reduce_kib:>11.0f} KiB "
+            f"{reduce_s[tokens] * 1e3:>14.3f}"
         )
+
+
+def all_reduce_seconds(sizes: tuple[int, ...], hidden_size: int, repeats: int) -> dict[int, float]:
+    """Median seconds of one all-reduce of [tokens, hidden] fp32 over gloo between two processes of this host,
+    per size: what each MoE layer of a tp=2 engine (experts sliced or expert parallel) adds to a step here."""
+    from cluster.engine.network import free_port
+
+    ctx = torch.multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    address = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
+    ranks = [
+        ctx.Process(target=_all_reduce_rank, args=(r, address, sizes, hidden_size, repeats, results))
+        for r in range(REDUCE_RANKS)
+    ]
+    for p in ranks:
+        p.start()
+    try:
+        return results.get(timeout=300)
+    finally:
+        for p in ranks:
+            p.join(timeout=30)
+
+
+def _all_reduce_rank(rank: int, address: str, sizes, hidden_size: int, repeats: int, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=REDUCE_RANKS)
+    medians = {}
+    for tokens in sizes:
+        buf = torch.ones(tokens, hidden_size)
+        dist.all_reduce(buf)  # warm-up: the pair's first message sets up the connection
+        times = []
+        for _ in range(max(repeats, 5)):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(buf)
+            times.append(time.perf_counter() - start)
+        medians[tokens] = statistics.median(times)
+    if rank == 0:
+        results.put(medians)
+    dist.destroy_process_group()
