@@ -7,8 +7,8 @@ JOB.json: {"model": HF model dir, "workloads": {name: [[token ids], ...]}, "conc
 engine, with the config or without speculation; every (workload, concurrency) cell runs as raylm's does
 (cluster/bench/spec.py run_cell): at least min_requests requests, c at a time, greedy, every request added and
 then the engine stepped until all finish, each request's TPOT taken from its first token to its last. The last
-line on stdout is the result, one JSON object: {"vllm_version", "cells": [[spec or null, workload, c, median
-TPOT s, output tok/s, acceptance]], "refused": the error text when the engine refused the config, else null};
+line on stdout is the result, one JSON object: {"vllm_version", "cells": [[workload, c, median TPOT s,
+output tok/s, acceptance]], "refused": the error text when the engine refused the config, else null};
 vllm's logs go to stderr.
 """
 
@@ -56,7 +56,7 @@ def spec_counts(engine) -> tuple[int, int]:
     return drafted, accepted
 
 
-def run_cells(llm, job: dict, spec: dict | None) -> list:
+def run_cells(llm, job: dict) -> list:
     engine = llm.llm_engine
     run_batch(engine, job["workloads"]["chat"][:1], 4, "warm-up")
     cells = []
@@ -70,7 +70,7 @@ def run_cells(llm, job: dict, spec: dict | None) -> list:
                 tpots, tokens, wall = tpots + t, tokens + n, wall + w
             after = spec_counts(engine)
             drafted, accepted = after[0] - before[0], after[1] - before[1]
-            cells.append([spec, name, c, statistics.median(tpots), tokens / wall, accepted / drafted if drafted else 0])
+            cells.append([name, c, statistics.median(tpots), tokens / wall, accepted / drafted if drafted else 0])
     return cells
 
 
@@ -99,7 +99,7 @@ def main(job_path: str) -> None:
             raise
         result = {"cells": [], "refused": f"{type(e).__name__}: {e}"}
     else:
-        result = {"cells": run_cells(llm, job, spec), "refused": None}
+        result = {"cells": run_cells(llm, job), "refused": None}
     print(json.dumps({"vllm_version": vllm.__version__, **result}), flush=True)
 
 

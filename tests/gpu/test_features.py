@@ -7,16 +7,11 @@ import torch
 
 from cluster import SamplingParams
 from tests.gpu.test_engine import cuda_engine, free, greedy, hf_greedy, run_and_free
+from tests.workers.test_families import FAMILIES
+from tests.workers.test_lora import run as run_with_adapters
 from tests.workers.test_model_runner import prompts
-from tests.workers.test_models import MIXTRAL, QWEN3_MOE
 from tests.workers.test_spec_decode import NGRAM, draft_config
 from tests.workers.test_spec_decode import run as run_keyed
-
-FAMILIES = {
-    "mistral (window 12)": ("mistral", dict(sliding_window=12)),
-    "qwen3_moe": ("qwen3_moe", QWEN3_MOE),
-    "mixtral": ("mixtral", MIXTRAL),
-}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -43,17 +38,11 @@ def test_lora_adapters_mixed_with_the_base_match_peft(lora_adapters):
         lora_modules=[f"{n}={p}" for n, p in paths.items()],
     )
     mixed = [(name, p) for p in lora_prompts for name in (None, "attn8", "all4")]
-    params = SamplingParams(temperature=0.0, max_tokens=len(expected[None][0]), ignore_eos=True)
     try:
-        for i, (name, p) in enumerate(mixed):
-            engine.add_request(str(i), p, params, lora_name=name)
-        got: dict[str, list[int]] = {str(i): [] for i in range(len(mixed))}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                got[o.request_id].extend(o.new_token_ids)
+        got = run_with_adapters(engine, mixed)
     finally:
         free(engine)
-    assert [got[str(i)] for i in range(len(mixed))] == [expected[n][lora_prompts.index(p)] for n, p in mixed]
+    assert got == [expected[n][lora_prompts.index(p)] for n, p in mixed]
 
 
 def test_speculation_gives_the_output_without_it(tiny_model_dir):
