@@ -1,5 +1,6 @@
 """raylm's native CPU ops (csrc/cpu_ops.cpp), built on first use for this machine: decode attention straight
-from the paged cache, and the Llama block's elementwise ops fused into one pass each.
+from the paged cache, the Llama block's elementwise ops fused into one pass each, and the products of few rows
+with many weights (a decode step's linear layers and MoE experts).
 
 torch's extension builder compiles them once per machine (about a minute; later processes load the cached
 library, and concurrent ones wait on the builder's lock). Where they cannot be built (no C++ compiler),
@@ -84,6 +85,13 @@ def load_cpu_ops() -> bool:
 
 def _native(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.device.type == "cpu" and load_cpu_ops()
+
+
+def small_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `torch.ops.raylm.small_mm(x, w)` (and `grouped_small_mm`) can take these operands."""
+    return (
+        _native(x) and w.dtype == torch.float32 and w.device.type == "cpu" and x.is_contiguous() and w.is_contiguous()
+    )
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionBackend, AttentionMetadata
-from kernels.cpu_ops import add_rms_norm
+from kernels.cpu_ops import add_rms_norm, small_mm_applies
 from workers.parallel import MissingLayer, tp_group
 
 if TYPE_CHECKING:
@@ -36,6 +36,11 @@ def check_shape(name: str, tensor: TensorSlice, expected: tuple[int, ...]) -> No
         raise ValueError(f"weight {name} has shape {list(shape)} in the checkpoint, expected {list(expected)}")
 
 
+# Rows up to which a CPU linear layer reads its plain weight with raylm's op (`small_mm`) rather than its packed
+# copy: at 1 to 8 rows oneDNN's fixed cost per call and its streaming of the weights made SmolLM2's decode step
+# 1.2x slower at 4 requests; at 16 rows the two are even, and past that oneDNN is faster.
+FEW_ROWS = 8
+
 # oneDNN chooses its blocked weight layout for a typical count of activation rows; the packed weight then serves
 # any count, from a decode step's few rows to a prefill's thousands.
 PACK_ROWS = 64
@@ -49,7 +54,11 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def linear(
     x: torch.Tensor, weight: torch.Tensor | None, packed: torch.Tensor | None, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x W^T + b, through the packed weight when there is one."""
+    """x W^T + b: at FEW_ROWS rows or fewer through raylm's CPU op, else through the packed weight when there
+    is one."""
+    if weight is not None and x.shape[0] <= FEW_ROWS and small_mm_applies(x, weight):
+        y = torch.ops.raylm.small_mm(x, weight)
+        return y if bias is None else y.add_(bias)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -64,14 +73,13 @@ def pack_for_cpu(model: nn.Module) -> None:
 
     F.linear hands its weight to MKL's sgemm, which repacks it on every call: for a decode step's tens of rows
     that repacking is a large part of the product. Prepacked, oneDNN ran SmolLM2's layer products 1.4x faster
-    at 64 rows and 1.2x at 2048, and its LM head 2x, still in fp32. The linear layers' plain weights are
-    dropped (the packed copy replaces them); the LM head keeps its plain weight, which is also the embedding
-    when the two are tied.
+    at 64 rows and 1.2x at 2048, and its LM head 2x, still in fp32. The plain weights stay beside the packed
+    copies, for steps of FEW_ROWS rows or fewer (`linear`): the model's matmul weights are held twice in host
+    memory, which a CPU deployment trades for the faster small steps (for SmolLM2, 0.42 GB more).
     """
     for module in model.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             module.packed = pack_weight(module.weight)
-            module.weight = None
     head = model.lm_head
     if not isinstance(head, MissingLayer):  # a pipeline stage before the last has no LM head
         head.packed_head = pack_weight(head.weight)
@@ -125,7 +133,7 @@ class ColumnParallelLinear(nn.Module):
         out = sum(s.size for s in shards.values())
         self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
         self.weight.weight_loader = self._load
-        self.packed: torch.Tensor | None = None  # set by pack_for_cpu, which drops self.weight
+        self.packed: torch.Tensor | None = None  # set by pack_for_cpu
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
         if bias:
             self.bias.weight_loader = self._load
@@ -154,7 +162,7 @@ class RowParallelLinear(nn.Module):
         self.input_size = input_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size // tp_size), requires_grad=False)
         self.weight.weight_loader = self._load_weight
-        self.packed: torch.Tensor | None = None  # set by pack_for_cpu, which drops self.weight
+        self.packed: torch.Tensor | None = None  # set by pack_for_cpu
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.output_size = output_size
         self.lora: LinearLora | None = None  # set by workers.lora.LoraManager when LoRA is enabled
@@ -208,7 +216,7 @@ class VocabParallelEmbedding(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Full-vocabulary fp32 logits on rank 0, None on the other ranks."""
         if self.packed_head is not None:
-            local = linear(hidden, None, self.packed_head).float()
+            local = linear(hidden, self.weight, self.packed_head).float()
         elif hidden.device.type == "cpu":
             # In vocabulary slices: each slice's weights stay in cache while every row uses them, which measured
             # 15-25% faster than one [rows x vocab] product on a 2-core CPU at 8-128 rows. On a GPU it would only

@@ -13,6 +13,9 @@
 #include <torch/types.h>
 
 #include <algorithm>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <vector>
 
@@ -208,6 +211,130 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
+
+// A GCC/Clang vector of kLanes floats: one register of the widest kind -march=native offers (AVX-512's 16
+// floats, else 8: one AVX register, or two NEON ones on Arm). The unaligned variant loads at any float offset.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vf __attribute__((vector_size(kLanes * 4)));
+typedef float vfu __attribute__((vector_size(kLanes * 4), aligned(4)));
+
+// The sum of a vector's lanes. A tile ends in NT * MT of these, so they are the ISA's shuffles: a loop over the
+// lanes compiles to a round trip through memory per lane.
+inline float hsum(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#elif defined(__AVX__)
+  const __m256 a = reinterpret_cast<__m256>(v);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+#else
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+#endif
+}
+
+// y[m, n] = dot(x[m], w[n]) for NT rows of w and MT rows of x: NT * MT accumulators of kLanes floats, so each
+// kLanes floats of the NT weight rows are loaded once for MT rows of x. The first tile of a block also asks
+// for the next block's weights (the NT rows right after these), a line per row per step: the weights stream
+// from memory at the pace they are used, where the hardware's prefetcher sees only short runs.
+template <int NT, int MT, bool kPrefetch>
+inline void dot_tile(const float* __restrict x, const float* __restrict w, int64_t K, float* __restrict y,
+                     int64_t ldy) {
+  vf acc[NT][MT] = {};
+  const int64_t KV = K / kLanes * kLanes;
+  for (int64_t k = 0; k < KV; k += kLanes) {
+    vf wv[NT];
+    for (int n = 0; n < NT; ++n) wv[n] = *reinterpret_cast<const vfu*>(w + n * K + k);
+    if (kPrefetch)
+      for (int n = 0; n < NT; ++n) __builtin_prefetch(w + (NT + n) * K + k);
+    for (int m = 0; m < MT; ++m) {
+      const vf xv = *reinterpret_cast<const vfu*>(x + m * K + k);
+      for (int n = 0; n < NT; ++n) acc[n][m] += wv[n] * xv;
+    }
+  }
+  for (int n = 0; n < NT; ++n)
+    for (int m = 0; m < MT; ++m) {
+      float s = hsum(acc[n][m]);
+      for (int64_t k = KV; k < K; ++k) s += w[n * K + k] * x[m * K + k];
+      y[m * ldy + n] = s;
+    }
+}
+
+// `rows` rows of x times NT rows of w: tiles of MT rows, then one tile of the rows left. Only the first tile
+// prefetches: the later ones find the weights in cache.
+template <int NT, int MT>
+inline void dot_rows(const float* x, int64_t rows, const float* w, int64_t K, float* y, int64_t N, bool prefetch) {
+  if constexpr (MT > 0) {
+    int64_t m = 0;
+    for (; m + MT <= rows; m += MT, prefetch = false) {
+      if (prefetch)
+        dot_tile<NT, MT, true>(x + m * K, w, K, y + m * N, N);
+      else
+        dot_tile<NT, MT, false>(x + m * K, w, K, y + m * N, N);
+    }
+    dot_rows<NT, MT - 1>(x + m * K, rows - m, w, K, y + m * N, N, prefetch);
+  }
+}
+
+// Rows per tile: 4 * 6 accumulators, 4 weight vectors and one of x fill AVX-512's 32 registers.
+constexpr int kTileRows = 6;
+
+// y [M, N] = each group's rows of x [M, K] times its own w[g] [N, K] transposed, group g holding rows
+// ends[g-1] .. ends[g]-1. For groups of few rows (a decode step's tokens per expert, or a decode step's few
+// requests): BLAS and oneDNN run such products at a fraction of the memory bandwidth (a 16-row group at
+// ~6 GB/s here), or pay a fixed cost per call that a small layer's product does not cover, while this reads
+// each weight row from memory once for all rows of its group. Threads split the output columns, so each reads
+// its share of every group's weights whatever the group sizes.
+at::Tensor rows_times_weights(const at::Tensor& x, const at::Tensor& w, const int32_t* ends, const char* op) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, op, ": float32 x and w");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && x.size(1) == w.size(2), op, ": x [M, K] and w [G, N, K] or [N, K]");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), op, ": contiguous x and w");
+  const int64_t M = x.size(0), K = x.size(1), G = w.size(0), N = w.size(1);
+  TORCH_CHECK(G == 0 || ends[G - 1] == M, op, ": the groups must end at x's rows");
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t NT = 4;
+  at::parallel_for(0, (N + NT - 1) / NT, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r0 = g == 0 ? 0 : ends[g - 1], rows = ends[g] - r0;
+      const float* xr = xp + r0 * K;
+      for (int64_t b = begin; b < end && rows > 0; ++b) {
+        const int64_t n = b * NT;
+        const float* wn = wp + (g * N + n) * K;
+        float* yr = yp + r0 * N + n;
+        if (n + NT <= N) {
+          dot_rows<NT, kTileRows>(xr, rows, wn, K, yr, N, true);
+        } else {
+          for (int64_t j = 0; n + j < N; ++j) dot_rows<1, kTileRows>(xr, rows, wn + j * K, K, yr + j, N, true);
+        }
+      }
+    }
+  });
+  return y;
+}
+
+// x [M, K] grouped by rows, offs [G] int32 (each group's end), w [G, N, K] -> [M, N]: the MoE experts' product.
+at::Tensor grouped_small_mm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offs) {
+  TORCH_CHECK(offs.scalar_type() == at::kInt && offs.is_contiguous() && offs.dim() == 1 && offs.numel() == w.size(0),
+              "grouped_small_mm: int32 offs [G] for w [G, N, K]");
+  return rows_times_weights(x, w, offs.data_ptr<int32_t>(), "grouped_small_mm");
+}
+
+// x [M, K], w [N, K] -> x w^T [M, N]: a linear layer's product at a decode step's few rows.
+at::Tensor small_mm(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2, "small_mm: w [N, K]");
+  const int32_t rows = static_cast<int32_t>(x.size(0));
+  return rows_times_weights(x, w.unsqueeze(0), &rows, "small_mm");
+}
+
 }  // namespace
 
 TORCH_LIBRARY(raylm, m) {
@@ -216,6 +343,8 @@ TORCH_LIBRARY(raylm, m) {
   m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.def("grouped_small_mm(Tensor x, Tensor w, Tensor offs) -> Tensor");
+  m.def("small_mm(Tensor x, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(raylm, CPU, m) {
@@ -223,4 +352,6 @@ TORCH_LIBRARY_IMPL(raylm, CPU, m) {
   m.impl("add_rms_norm", add_rms_norm);
   m.impl("silu_and_mul", silu_and_mul);
   m.impl("rotary_", rotary_);
+  m.impl("grouped_small_mm", grouped_small_mm);
+  m.impl("small_mm", small_mm);
 }

@@ -48,3 +48,22 @@ def test_rotary_rotates_a_strided_view_in_place_and_nothing_else(dtype):
     rotary_(qk, cos, sin)
     torch.testing.assert_close(qkv[:, : 12 * d].view(t, 12, d), expected, rtol=1e-6, atol=1e-6)
     assert torch.equal(qkv[:, 12 * d :], before[:, 12 * d :])  # v untouched
+
+
+@pytest.mark.parametrize(
+    "rows_per_group, n, k",
+    [
+        ([1, 0, 3, 13, 7], 48, 64),  # empty groups, rows past several tiles, a last tile of each size
+        ([2, 5, 0, 1], 37, 29),  # columns past the 4-row blocks, a K that no vector width divides
+        ([64], 8, 2048),  # one group of the most rows the MoE op hands it
+    ],
+)
+def test_grouped_small_mm_multiplies_each_group_by_its_weight(rows_per_group, n, k):
+    g = torch.Generator().manual_seed(len(rows_per_group))
+    counts = torch.tensor(rows_per_group, dtype=torch.int32)
+    offs = counts.cumsum(0, dtype=torch.int32)
+    x = torch.randn(int(offs[-1]), k, generator=g)
+    w = torch.randn(len(rows_per_group), n, k, generator=g)
+    assert load_cpu_ops()
+    expected = torch.cat([xg.double() @ wg.double().T for xg, wg in zip(x.split(rows_per_group), w)]).float()
+    torch.testing.assert_close(torch.ops.raylm.grouped_small_mm(x, w, offs), expected, rtol=1e-5, atol=1e-4)

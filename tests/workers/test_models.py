@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from kernels import AttentionMetadata, select_backend
-from workers.layers import ColumnParallelLinear, RowParallelLinear, pack_for_cpu
+from workers.layers import FEW_ROWS, ColumnParallelLinear, RowParallelLinear, linear, pack_for_cpu, pack_weight
 from workers.model_loader import load_model, read_model_spec
 
 BLOCK_SIZE = 4  # small, so every sequence spans several (shuffled) blocks
@@ -130,11 +131,23 @@ def assert_matches_reference(path: str, seqs: list[list[int]], atol: float, pack
     if packed:  # what a CPU worker runs: every matmul through oneDNN's prepacked weights
         pack_for_cpu(model)
         linears = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
-        assert linears and all(m.weight is None and m.packed is not None for m in linears)
+        assert linears and all(m.weight is not None and m.packed is not None for m in linears)
         assert model.lm_head.packed_head is not None
     ours, ref = run_paged(model, seqs), reference_logits(path, seqs)
     for o, r in zip(ours, ref):
         torch.testing.assert_close(o, r, rtol=1e-4, atol=atol)
+
+
+@pytest.mark.parametrize("rows", [1, FEW_ROWS, FEW_ROWS + 1, 300])
+def test_linear_gives_f_linear_at_every_row_count(rows):
+    """Few rows take raylm's op on the plain weight, more the packed copy: both are the same product."""
+    g = torch.Generator().manual_seed(rows)
+    weight, bias, x = (
+        torch.randn(75, 130, generator=g),
+        torch.randn(75, generator=g),
+        torch.randn(rows, 130, generator=g),
+    )
+    torch.testing.assert_close(linear(x, weight, pack_weight(weight), bias), F.linear(x, weight, bias))
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["F.linear", "packed"])
