@@ -138,7 +138,6 @@ class SchedulerActor:
         self.error: str | None = None
         self.loop_task: asyncio.Task | None = None
         self.step_timeout_s: float | None = None
-        self.async_scheduling = True
         self.driver = 0  # the index of the rank whose reply carries the sampled tokens
         self.depth = 2  # steps in flight at most
         self.lora_names: set[str] = set()  # the LoRA adapters every rank holds
@@ -147,17 +146,15 @@ class SchedulerActor:
         self,
         config: SchedulerConfig,
         step_timeout_s: float | None = None,
-        async_scheduling: bool = True,
         lora_names: tuple[str, ...] = (),
     ) -> None:
         if self.loop_task is None:
             self.lora_names = set(lora_names)
             self.step_timeout_s = step_timeout_s
-            self.async_scheduling = async_scheduling
             self.scheduler = Scheduler(config, eos_token_id=self.eos_token_id)
             pp = config.pipeline_parallel_size
             self.driver = len(self.workers) - len(self.workers) // pp  # the last stage's first rank samples
-            self.depth = max(2, pp) if async_scheduling else 1
+            self.depth = config.steps_in_flight
             self.loop_task = asyncio.create_task(self._run())
 
     # ---- the engine loop ----------------------------------------------------------

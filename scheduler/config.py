@@ -28,6 +28,9 @@ class SchedulerConfig:
     # in flight is not scheduled again (Scheduler's invariants say why); the scheduler sends each request's
     # samples to the ranks that do not sample (CachedRequestData.new_token_ids).
     pipeline_parallel_size: int
+    # The most steps the engine loop keeps in flight: max(2, P) with async scheduling, 1 in the serial loop. A
+    # pipelined step takes at most ceil(live requests / min(P, this)) requests (Scheduler's invariants say why).
+    steps_in_flight: int
     max_loras: int  # LoRA adapters one step may use (the ranks' resident slots); 0: LoRA off
     # Speculative decoding: up to this many proposed tokens per request and step (0: off). speculative_method
     # "ngram": from matches of the request's last prompt_lookup_max..prompt_lookup_min tokens (scheduler/ngram.py);

@@ -77,9 +77,10 @@ class Scheduler:
     - so a waiting or swapped request with a placeholder (preempted while its
       step was in flight) is not admitted either, and the invariant that
       admitted requests have no placeholders holds for P steps in flight;
-    - a step takes at most ceil(live requests / P) requests, so that the
-      running batch spreads over the steps in flight instead of one step
-      taking them all and the next finding none;
+    - a step takes at most ceil(live requests / min(P, steps in flight))
+      requests, so that the running batch spreads over the steps in flight
+      instead of one step taking them all and the next finding none (with
+      one step in flight, the serial loop, a step takes them all);
     - a token applied by ``update_from_output`` is kept in ``unsent`` and sent
       with the request's next step (``CachedRequestData.new_token_ids``) to the
       ranks that do not sample.
@@ -297,7 +298,8 @@ class Scheduler:
         self.spec_tokens = {}
         if self.pipelined:
             live = len(self.running) + len(self.waiting) + len(self.swapped)
-            self.step_cap = min(config.max_num_seqs, -(-live // config.pipeline_parallel_size))
+            spread = min(config.pipeline_parallel_size, config.steps_in_flight)
+            self.step_cap = min(config.max_num_seqs, -(-live // spread))
         budget = self._schedule_running(config.max_num_batched_tokens, num_scheduled, cached, preempted)
         new_data: list[NewRequestData] = []
         num_admitted = 0

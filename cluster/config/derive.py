@@ -78,6 +78,7 @@ def derive_scheduler_config(
         swap_cost_per_block=swap_cost_per_block,
         preemption_mode=engine.preemption_mode,
         pipeline_parallel_size=engine.pipeline_parallel_size,
+        steps_in_flight=max(2, engine.pipeline_parallel_size) if engine.async_scheduling else 1,
         max_loras=engine.max_loras if engine.enable_lora else 0,
         num_speculative_tokens=spec.get("num_speculative_tokens", 0),
         speculative_method=spec.get("method", "ngram"),

@@ -102,7 +102,6 @@ class RayEngine:
                 self.actor.start.remote(
                     derive_scheduler_config(config, self.num_blocks, self.max_model_len, num_host_blocks, swap_cost),
                     config.step_timeout_s,
-                    config.async_scheduling,
                     tuple(config.lora_paths),
                 )
             )

@@ -71,9 +71,8 @@ async def started_actor(async_scheduling: bool = True, hang_at: int | None = Non
     actor = SchedulerActor([], eos_token_id=None)
     rank = FakeRank(actor, hang_at)
     actor.workers = [rank]
-    await actor.start(
-        scheduler_config(64, block_size=4, max_num_seqs=8), step_timeout_s=0.5, async_scheduling=async_scheduling
-    )
+    config = scheduler_config(64, block_size=4, max_num_seqs=8, steps_in_flight=2 if async_scheduling else 1)
+    await actor.start(config, step_timeout_s=0.5)
     return actor, rank
 
 

@@ -16,6 +16,7 @@ TEST_DEFAULTS = dict(
     preemption_mode="auto",
     swap_cost_per_block=1.0,
     pipeline_parallel_size=1,
+    steps_in_flight=2,
     max_loras=0,
     num_speculative_tokens=0,
     speculative_method="ngram",

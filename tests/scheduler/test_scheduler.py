@@ -322,6 +322,19 @@ def test_max_num_seqs_caps_the_running_batch():
     assert sched.stats().num_waiting == 2
 
 
+@pytest.mark.parametrize("steps_in_flight, per_step", [(1, 6), (2, 3)])
+def test_pipelined_steps_split_the_batch_only_over_the_steps_in_flight(steps_in_flight, per_step):
+    """Two stages: with two steps in flight each takes half the requests, so both stages have work; with one
+    (the serial loop) a step that took half would leave the other half idle until the next."""
+    sched, worker = make(pipeline_parallel_size=2, steps_in_flight=steps_in_flight)
+    for i in range(6):
+        sched.add_request(f"r{i}", [i + 1, i + 2], params(max_tokens=4))
+    so, _ = step(sched, worker)
+    assert len(so.num_scheduled_tokens) == per_step
+    so, _ = step(sched, worker)
+    assert len(so.num_scheduled_tokens) == per_step
+
+
 def test_abort_waiting_running_and_preempted_requests_frees_blocks():
     sched, worker = make(num_blocks=10, block_size=4)
     for rid in "abc":
