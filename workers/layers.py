@@ -37,8 +37,8 @@ def check_shape(name: str, tensor: TensorSlice, expected: tuple[int, ...]) -> No
 
 
 # Rows up to which a CPU linear layer reads its plain weight with raylm's op (`small_mm`) rather than its packed
-# copy: at 1 to 8 rows oneDNN's fixed cost per call and its streaming of the weights made SmolLM2's decode step
-# 1.2x slower at 4 requests; at 16 rows the two are even, and past that oneDNN is faster.
+# copy: at 1 to 8 rows oneDNN's fixed cost per call and its slower streaming of the weights made SmolLM2's decode
+# step 1.2-1.3x slower; at 16 rows the two are even, and past that oneDNN is faster.
 FEW_ROWS = 8
 
 # oneDNN chooses its blocked weight layout for a typical count of activation rows; the packed weight then serves
