@@ -288,8 +288,9 @@ inline void dot_rows(const float* x, int64_t rows, const float* w, int64_t K, fl
   }
 }
 
-// Rows per tile: 4 * 6 accumulators, 4 weight vectors and one of x fill AVX-512's 32 registers.
-constexpr int kTileRows = 6;
+// Rows per tile: 4 * 6 accumulators, 4 weight vectors and one of x fill AVX-512's 32 registers; AVX2 has 16
+// (4 * 2 + 4 + 1 of them).
+constexpr int kTileRows = kLanes == 16 ? 6 : 2;
 
 // y [M, N] = each group's rows of x [M, K] times its own w[g] [N, K] transposed, group g holding rows
 // ends[g-1] .. ends[g]-1. For groups of few rows (a decode step's tokens per expert, or a decode step's few
