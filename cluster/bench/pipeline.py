@@ -51,10 +51,16 @@ def _run(engine, work: list[list[int]], output_len: int) -> float:
 
 
 def bench_pipeline(
-    model: str | None, num_requests: int = 64, input_len: int = 128, output_len: int = 256, seed: int = 0
+    model: str | None,
+    num_requests: int = 64,
+    input_len: int = 128,
+    output_len: int = 256,
+    seed: int = 0,
+    layer_partition: str | None = None,
 ) -> dict:
     """Each configuration runs the same workload (``num_requests`` random prompts of ``input_len`` tokens, each
-    decoding ``output_len`` greedily) on a fresh Ray engine whose every rank has one torch thread."""
+    decoding ``output_len`` greedily) on a fresh Ray engine whose every rank has one torch thread; the pp=2 ones
+    cut the layers by ``layer_partition`` when given (EngineConfig's, e.g. "19,11"), else evenly."""
     import ray
 
     from cluster.config import EngineConfig
@@ -67,7 +73,7 @@ def bench_pipeline(
     configs = [("pp=1, 2 in flight", 1, True), ("pp=2, 1 in flight", 2, False), ("pp=2, 2 in flight", 2, True)]
     print(
         f"raylm bench pipeline: {num_requests} requests, {input_len} in / {output_len} out, 1 thread per rank, "
-        f"load average {os.getloadavg()[0]:.1f} at start"
+        f"pp=2 layers {layer_partition or 'balanced by count'}, load average {os.getloadavg()[0]:.1f} at start"
     )
     results: dict = {}
     for name, pp, in_flight in configs:
@@ -75,6 +81,7 @@ def bench_pipeline(
             EngineConfig(
                 model=model,
                 pipeline_parallel_size=pp,
+                pp_layer_partition=layer_partition if pp > 1 else None,
                 num_threads=1,
                 async_scheduling=in_flight,
                 max_num_seqs=num_requests,

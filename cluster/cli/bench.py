@@ -285,11 +285,16 @@ def _pipeline(sub) -> None:
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
+    p.add_argument(
+        "--pp-layer-partition", default=None, help="the pp=2 runs' layers per stage, e.g. 19,11 (default: even)"
+    )
 
     def run(args: argparse.Namespace) -> None:
         from cluster.bench.pipeline import bench_pipeline
 
-        bench_pipeline(args.model, args.num_requests, args.input_len, args.output_len)
+        bench_pipeline(
+            args.model, args.num_requests, args.input_len, args.output_len, layer_partition=args.pp_layer_partition
+        )
 
     p.set_defaults(run=run)
 
