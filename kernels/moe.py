@@ -57,15 +57,15 @@ def _has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, max_rows: int) -> torch.Tensor:
-    """x [M, K] grouped by rows times w [G, N, K] per group (`max_rows` the largest group): raylm's Triton
-    kernel on CUDA (where it is installed), raylm's CPU op for small fp32 groups, torch's grouped_mm
-    elsewhere."""
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, small_groups: bool) -> torch.Tensor:
+    """x [M, K] grouped by rows times w [G, N, K] per group: raylm's Triton kernel on CUDA (where it is
+    installed), raylm's CPU op when every group has at most SMALL_GROUP_ROWS rows (`small_groups`) in fp32,
+    torch's grouped_mm elsewhere."""
     if x.is_cuda and _has_triton():
         from kernels.triton_moe import grouped_mm
 
         return grouped_mm(x, w, offs)
-    if max_rows <= SMALL_GROUP_ROWS and small_mm_applies(x, w):
+    if small_groups and small_mm_applies(x, w):
         return torch.ops.raylm.grouped_small_mm(x, w, offs)
     return F.grouped_mm(x, w.transpose(1, 2), offs=offs)
 
@@ -89,9 +89,10 @@ def fused_moe(
     if tokens.numel() == 0:
         return out
     offs = counts.cumsum(0, dtype=torch.int32)
-    max_rows = int(counts.max())
-    h = _grouped_mm(x.index_select(0, tokens), w13, offs, max_rows)
-    y = _grouped_mm(silu_and_mul(h), w2, offs, max_rows)
+    # Read on the host only where it decides something: on CUDA it would be one more sync per layer.
+    small_groups = not x.is_cuda and int(counts.max()) <= SMALL_GROUP_ROWS
+    h = _grouped_mm(x.index_select(0, tokens), w13, offs, small_groups)
+    y = _grouped_mm(silu_and_mul(h), w2, offs, small_groups)
     y *= weights.to(y.dtype).unsqueeze(1)
     return out.index_add_(0, tokens, y)
 
