@@ -16,11 +16,15 @@ from kernels.metadata import AttentionMetadata
 _PREFILL_ROWS = 64
 _MIN_ROWS = 16
 _KEYS_PER_STEP = 32
-# Decode-only steps with fewer (request, KV head) programs than this split each context into partitions of
-# _PARTITION keys, one program each, merged by a second kernel: otherwise a few long contexts would each be
-# read by one program while most of the GPU's SMs idle (flash-decoding).
+# Decode-only steps with fewer (request, KV head) programs than this split each context into partitions, one
+# program each, merged by a second kernel: otherwise a few contexts would each be read by one program while most
+# of the GPU's SMs idle (flash-decoding). A partition holds at least _MIN_PARTITION keys and there are at most
+# _MAX_SPLITS of them: a captured graph is sized for max_model_len, and every partition past a context still
+# costs its program and the merge a read, so partitions grow with the longest context past 64 x 128 keys.
+# (512-key partitions left a 300-key context to one program per KV head: 15 us a layer on an H200, docs/gpu.md.)
 _SPLIT_BELOW_PROGRAMS = 256
-_PARTITION = 512
+_MIN_PARTITION = 128
+_MAX_SPLITS = 64
 _MERGE_SPLITS_PER_STEP = 16
 
 
@@ -325,11 +329,13 @@ def _merge_splits_kernel(
     )
 
 
-def split_count(max_seq_len: int) -> int:
-    """Partitions a split decode uses: enough _PARTITION-key ones for the longest context, rounded up to a power
-    of two so that the scratch buffers come in a few sizes the caching allocator reuses (the partitions past a
-    context cost one store each)."""
-    return triton.next_power_of_2(triton.cdiv(max_seq_len, _PARTITION))
+def split_plan(max_seq_len: int) -> tuple[int, int]:
+    """(keys per partition, partitions) of a split decode whose longest context is `max_seq_len`. Both are powers
+    of two: the partition size is a constexpr (a few compiles as contexts grow), and the count comes in a few
+    sizes the caching allocator reuses for the scratch buffers (the partitions past a context cost one store
+    each)."""
+    partition = max(_MIN_PARTITION, triton.next_power_of_2(triton.cdiv(max_seq_len, _MAX_SPLITS)))
+    return partition, triton.next_power_of_2(triton.cdiv(max_seq_len, partition))
 
 
 class TritonBackend:
@@ -373,8 +379,9 @@ class TritonBackend:
         _, _, block_size, kv_heads, head_dim = kv_cache.shape
         group = q.shape[1] // kv_heads
         few_programs = md.seq_lens.shape[0] * kv_heads < _SPLIT_BELOW_PROGRAMS
-        if md.max_query_len == 1 and md.max_seq_len > _PARTITION and few_programs:
-            return self._split_decode(q, kv_cache, md, scale, split_count(md.max_seq_len), window or 0)
+        partition, num_splits = split_plan(md.max_seq_len)
+        if md.max_query_len == 1 and num_splits > 1 and few_programs:
+            return self._split_decode(q, kv_cache, md, scale, partition, num_splits, window or 0)
         # A decode-only step needs one token per tile; bigger tiles would only hold masked rows.
         rows = (
             max(_MIN_ROWS, triton.next_power_of_2(group))
@@ -420,6 +427,7 @@ class TritonBackend:
         kv_cache: torch.Tensor,
         md: AttentionMetadata,
         scale: float,
+        partition: int,
         num_splits: int,
         window: int,
     ) -> torch.Tensor:
@@ -455,7 +463,7 @@ class TritonBackend:
             BLOCK_SIZE=block_size,
             ROWS=max(_MIN_ROWS, triton.next_power_of_2(group)),
             KEYS=_KEYS_PER_STEP,
-            PARTITION=_PARTITION,
+            PARTITION=partition,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         )
         out = q.new_empty(q.shape)

@@ -27,7 +27,7 @@ CASES = {
     "decode_only": ([1] * 5, [1, 8, 9, 31, 70]),
     "mixed": ([1, 12, 1, 7, 21], [45, 12, 17, 30, 21]),
     "long_chunk_after_context": ([70], [100]),
-    # contexts over the 512-key partition: decode-only steps split each context and merge the partitions
+    # contexts over one 128-key partition: decode-only steps split each context and merge the partitions
     "split_decode": ([1] * 4, [1100, 513, 7, 1024]),
 }
 
@@ -68,25 +68,41 @@ def test_long_decodes_take_the_split_path_and_match_unsplit(monkeypatch):
     backend = TritonBackend()
     calls = []
     split = backend._split_decode
-    monkeypatch.setattr(backend, "_split_decode", lambda *a: calls.append(a[4]) or split(*a))
+    monkeypatch.setattr(backend, "_split_decode", lambda *a: calls.append(a[4:6]) or split(*a))
     out = backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(backend), SCALE)
-    assert calls == [4]  # cdiv(1100, 512) = 3 partitions, bucketed to 4 (the fourth is past every context)
+    assert calls == [(128, 16)]  # cdiv(1100, 128) = 9 partitions, bucketed to 16 (the last 7 past every context)
     monkeypatch.setattr(triton_attention, "_SPLIT_BELOW_PROGRAMS", 0)
     whole = backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(backend), SCALE)
-    assert calls == [4] and float((out - whole).abs().max()) <= 1e-5
+    assert calls == [(128, 16)] and float((out - whole).abs().max()) <= 1e-5
+
+
+def test_a_context_within_one_partition_is_not_split(monkeypatch):
+    batch = make_batch([1] * 2, [128, 40], block_size=16, kv_heads=1, group=2).to(DEVICE)
+    backend = TritonBackend()
+    monkeypatch.setattr(backend, "_split_decode", lambda *a: pytest.fail("split a context of one partition"))
+    backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(backend), SCALE)
 
 
 @pytest.mark.parametrize(
-    "max_seq_len,splits", [(513, 2), (1024, 2), (1025, 4), (2048, 4), (2049, 8), (9000, 32), (131072, 256)]
+    "max_seq_len,plan",
+    [
+        (129, (128, 2)),
+        (513, (128, 8)),
+        (1025, (128, 16)),
+        (8192, (128, 64)),
+        (8193, (256, 64)),
+        (9000, (256, 64)),
+        (131072, (2048, 64)),
+    ],
 )
-def test_split_count_is_bucketed_to_a_power_of_two(max_seq_len, splits):
-    from kernels.triton_attention import split_count
+def test_split_plan_keeps_partitions_of_128_keys_until_64_of_them_hold_the_context(max_seq_len, plan):
+    from kernels.triton_attention import split_plan
 
-    assert split_count(max_seq_len) == splits
+    assert split_plan(max_seq_len) == plan
 
 
 def test_more_partitions_than_the_merge_reads_at_once_match_the_torch_path():
-    # 9,000 keys: 18 partitions, bucketed to 32, merged 16 at a time (two steps of the running max).
+    # 9,000 keys: 36 partitions of 256, bucketed to 64, merged 16 at a time (four steps of the running max).
     batch = make_batch([1, 1], [9000, 700], block_size=32, kv_heads=1, group=2, head_dim=16)
     assert max_error_against_torch_path(batch) <= 1e-4
 
