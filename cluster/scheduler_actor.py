@@ -24,6 +24,7 @@ from scheduler import (
     SchedulerConfig,
     SchedulerOutput,
     SchedulerStats,
+    pack_outputs,
 )
 
 # New prompt tokens above which a step is ray.put once and the ref sent to every rank. Below that a
@@ -308,16 +309,18 @@ class SchedulerActor:
     async def list_loras(self) -> list[str]:
         return sorted(self.lora_names)
 
-    async def get_outputs(self, channel: str = "sync", received: int = 0) -> tuple[int, list[RequestOutput]]:
-        """The channel's next batch of deltas and its number, waiting until there is one. ``received`` is the
-        number of the last batch the caller got (0 at first): until then that batch is kept and sent again."""
+    async def get_outputs(self, channel: str = "sync", received: int = 0) -> tuple[int, list[tuple]]:
+        """The channel's next batch of deltas (packed: ``unpack_outputs`` gives the RequestOutputs) and its number,
+        waiting until there is one. ``received`` is the number of the last batch the caller got (0 at first):
+        until then that batch is kept and sent again."""
         outbox = self.outboxes[channel]
         while (batch := outbox.take(received)) is None:
             if self.error is not None:
                 raise RuntimeError(f"the engine is unhealthy: {self.error}")
             outbox.ready.clear()
             await outbox.ready.wait()
-        return batch
+        number, outputs = batch
+        return number, pack_outputs(outputs)
 
     async def abort(self, request_id: str) -> list[RequestOutput]:
         return self._abort(request_id)

@@ -8,6 +8,8 @@ from scheduler.outputs import (
     RequestOutput,
     SampledLogprobs,
     SchedulerOutput,
+    pack_outputs,
+    unpack_outputs,
 )
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import RequestError, SamplingParams, StructuredOutputsParams
@@ -28,4 +30,6 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerStats",
     "StructuredOutputsParams",
+    "pack_outputs",
+    "unpack_outputs",
 ]

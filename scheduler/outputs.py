@@ -10,7 +10,8 @@ step can be scheduled before the previous one's samples reach the scheduler.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 
 from scheduler.sampling_params import SamplingParams
 
@@ -159,3 +160,26 @@ class RequestOutput:
     queued_s: float | None = None  # on the final delta: arrival to first scheduling, None if it never ran
     prompt_logprobs: list[SampledLogprobs] | None = None
     embedding: list[float] | None = None
+
+
+# A delta that carries tokens and nothing else (nearly every one) crosses processes as (request_id, index,
+# new_token_ids): Ray's pickler makes a Python call for each object it meets, and a slotted dataclass pickles as
+# a dict of its twelve fields, which made the outputs' trip from the scheduler actor to a Serve replica the
+# largest CPU cost of both (docs/serving.md). The defaults are read from the class, so a field added later
+# travels in the full form whenever it is set.
+_PLAIN = 3
+_ALL_FIELDS = attrgetter(*(f.name for f in fields(RequestOutput)))
+_TAIL_FIELDS = attrgetter(*(f.name for f in fields(RequestOutput)[_PLAIN:]))
+_TAIL_DEFAULTS = tuple(f.default for f in fields(RequestOutput)[_PLAIN:])
+
+
+def pack_outputs(outputs: list[RequestOutput]) -> list[tuple]:
+    """The deltas as tuples for a trip between processes; unpack_outputs gives them back equal."""
+    return [
+        (o.request_id, o.index, o.new_token_ids) if _TAIL_FIELDS(o) == _TAIL_DEFAULTS else _ALL_FIELDS(o)
+        for o in outputs
+    ]
+
+
+def unpack_outputs(packed: list[tuple]) -> list[RequestOutput]:
+    return [RequestOutput(*t) for t in packed]

@@ -21,7 +21,7 @@ from cluster.engine.request_check import check_request
 from cluster.engine.startup import init_workers, start_workers
 from cluster.engine.streams import DeltaStreams
 from cluster.scheduler_actor import SchedulerActor
-from scheduler import RequestOutput, SamplingParams, SchedulerStats
+from scheduler import RequestOutput, SamplingParams, SchedulerStats, unpack_outputs
 from workers.model_loader import read_model_spec
 from workers.parallel import partition_layers
 
@@ -138,7 +138,8 @@ class RayEngine:
         """The deltas of add_request's requests that arrived since the last call (waits for at least one)."""
         if not self._unfinished:
             return []
-        self._received, outputs = ray.get(self.actor.get_outputs.remote("sync", self._received))
+        self._received, packed = ray.get(self.actor.get_outputs.remote("sync", self._received))
+        outputs = unpack_outputs(packed)
         for out in outputs:
             if out.finished and out.request_id in self._unfinished:
                 self._unfinished[out.request_id] -= 1

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import ray
 
-from scheduler import RequestError, RequestOutput, SamplingParams
+from scheduler import RequestError, RequestOutput, SamplingParams, unpack_outputs
 
 
 class EngineStopping(RuntimeError):
@@ -116,14 +116,14 @@ class DeltaStreams:
         while True:
             ref = self.actor.get_outputs.remote(self.channel, self.received)
             try:
-                self.received, outputs = await ref
+                self.received, packed = await ref
             except asyncio.CancelledError:
                 ray.cancel(ref)
                 raise
             except Exception as e:  # the actor died or the engine failed: nobody's deltas will come
                 self.end_callers(e)
                 return
-            for out in outputs:
+            for out in unpack_outputs(packed):
                 queue = self.queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.scheduler_actor import SchedulerActor, _Outbox
-from scheduler import RequestOutput, SamplingParams
+from scheduler import RequestOutput, SamplingParams, unpack_outputs
 from tests.scheduler.configs import scheduler_config
 from workers.no_work import NoWorkRunner
 
@@ -83,7 +83,8 @@ async def drive(async_scheduling: bool, hang_at: int | None = None) -> tuple[dic
     got: dict = {}
     received = 0
     while len([1 for _, reason in got.values() if reason]) < 3:
-        received, batch = await asyncio.wait_for(actor.get_outputs("sync", received), 5)
+        received, packed = await asyncio.wait_for(actor.get_outputs("sync", received), 5)
+        batch = unpack_outputs(packed)
         for d in batch:
             tokens, _ = got.get(d.request_id, ([], None))
             got[d.request_id] = (tokens + d.new_token_ids, d.finish_reason)
@@ -121,7 +122,8 @@ def test_a_request_arriving_mid_decode_joins_the_very_next_step_and_finishes_fir
         await actor.add_request("long", [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))
         finished, received, num_tokens, arrival_step = [], 0, 0, None
         while len(finished) < 2:
-            received, batch = await asyncio.wait_for(actor.get_outputs("sync", received), 5)
+            received, packed = await asyncio.wait_for(actor.get_outputs("sync", received), 5)
+            batch = unpack_outputs(packed)
             for d in batch:
                 if d.request_id == "long":
                     num_tokens += len(d.new_token_ids)
