@@ -44,15 +44,23 @@ def derive_worker_config(engine: EngineConfig, model_path: str, max_model_len: i
     )
 
 
+def steps_in_flight(engine: EngineConfig, on_gpu: bool) -> int:
+    """How many steps the engine loop keeps in flight: P (at least two) with async scheduling, else one."""
+    pp = engine.pipeline_parallel_size
+    overlap = engine.async_scheduling if engine.async_scheduling is not None else on_gpu or pp > 1
+    return max(2, pp) if overlap else 1
+
+
 def derive_scheduler_config(
     engine: EngineConfig,
     num_blocks: int,
     max_model_len: int,
     num_host_blocks: int = 0,
     swap_cost_per_block: float = 1.0,
+    on_gpu: bool = False,
 ) -> SchedulerConfig:
     """The scheduler's config, once the ranks have sized the pools and the model's length is known: the checks
-    that need those numbers are made here."""
+    that need those numbers are made here. ``on_gpu``: the ranks run on GPUs (async scheduling's default)."""
     if engine.preemption_mode == "swap" and num_host_blocks < 2:
         raise ValueError(
             f"preemption_mode='swap' needs a host tier, but swap_space={engine.swap_space:g} GiB holds "
@@ -78,7 +86,7 @@ def derive_scheduler_config(
         swap_cost_per_block=swap_cost_per_block,
         preemption_mode=engine.preemption_mode,
         pipeline_parallel_size=engine.pipeline_parallel_size,
-        steps_in_flight=max(2, engine.pipeline_parallel_size) if engine.async_scheduling else 1,
+        steps_in_flight=steps_in_flight(engine, on_gpu),
         max_loras=engine.max_loras if engine.enable_lora else 0,
         num_speculative_tokens=spec.get("num_speculative_tokens", 0),
         speculative_method=spec.get("method", "ngram"),

@@ -175,8 +175,12 @@ class EngineConfig(BaseModel):
         description="an engine step (every rank's reply) slower than this "
         "fails the engine's requests and turns /health red: a hung rank",
     )
-    async_scheduling: bool = Field(
-        True, description="schedule the next step while the ranks run one (off: one step in flight)"
+    async_scheduling: bool | None = Field(
+        None,
+        description="schedule the next step while the ranks run one (off: one step in flight); unset: on where "
+        "the ranks run on GPUs or the model is cut into pipeline stages, off for one stage on CPU, where a step "
+        "takes so long that the overlap gains little and a new request would wait a whole step more for its "
+        "prefill (docs/serving.md)",
     )
     speculative_config: str | None = Field(
         None,

@@ -47,7 +47,12 @@ class InProcessEngine:
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(
             derive_scheduler_config(
-                config, num_blocks, self.max_model_len, num_host_blocks, self.worker.swap_cost_per_block()
+                config,
+                num_blocks,
+                self.max_model_len,
+                num_host_blocks,
+                self.worker.swap_cost_per_block(),
+                on_gpu=str(self.device).startswith("cuda"),
             ),
             eos_token_id=self.spec.eos_token_id,
         )

@@ -100,7 +100,14 @@ class RayEngine:
             swap_cost = ray.get(self.workers[0].call.remote("swap_cost_per_block"))
             ray.get(
                 self.actor.start.remote(
-                    derive_scheduler_config(config, self.num_blocks, self.max_model_len, num_host_blocks, swap_cost),
+                    derive_scheduler_config(
+                        config,
+                        self.num_blocks,
+                        self.max_model_len,
+                        num_host_blocks,
+                        swap_cost,
+                        on_gpu=self.device == "cuda",
+                    ),
                     config.step_timeout_s,
                     tuple(config.lora_paths),
                 )

@@ -100,6 +100,23 @@ def test_checks_that_need_the_ranks_numbers_are_made_when_the_scheduler_is_confi
     ).enable_chunked_prefill
 
 
+@pytest.mark.parametrize(
+    "async_scheduling,pp,on_gpu,expected",
+    [
+        (None, 1, False, 1),  # one CPU stage: a new request would wait a whole step more
+        (None, 1, True, 2),
+        (None, 2, False, 2),  # a pipeline needs a step per stage in flight
+        (None, 3, False, 3),
+        (True, 1, False, 2),
+        (False, 1, True, 1),
+        (False, 2, False, 1),
+    ],
+)
+def test_steps_in_flight_default_to_async_on_gpus_and_pipelines_only(async_scheduling, pp, on_gpu, expected):
+    config = EngineConfig(device="cpu", async_scheduling=async_scheduling, pipeline_parallel_size=pp)
+    assert derive_scheduler_config(config, 9, 64, on_gpu=on_gpu).steps_in_flight == expected
+
+
 def test_auto_binding_leaves_threads_alone_where_replicas_may_share_a_node():
     """auto binds one engine's ranks per node; several replicas there would all bind to the same cores."""
     from cluster.config import AppArgs
