@@ -222,7 +222,8 @@ def _start_ray(
 ) -> None:
     """start_ray, a stop signal during it included, with our signal handlers in place again after."""
     try:
-        start_ray(args, address, host, port, grpc_port)
+        with signals.recording() as seen:
+            start_ray(args, address, host, port, grpc_port)
     except SystemExit as e:
         if e.code != signal.SIGTERM:
             raise
@@ -231,6 +232,10 @@ def _start_ray(
         raise KeyboardInterrupt from None
     finally:
         signals.install()  # over ray.init's (lifecycle.StopSignals says why)
+    if seen:  # a stop signal came, but its handler's exception was lost (StopSignals.recording)
+        if not signals.received:
+            signals.received.append(seen[-1])
+        raise KeyboardInterrupt
 
 
 def _stop(address: str | None, deployed: bool, own_ray: bool, signals: StopSignals) -> None:

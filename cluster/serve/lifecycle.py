@@ -13,6 +13,7 @@ docs/operations.md weighs this against a process group or a pid file.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -62,6 +63,26 @@ class StopSignals:
     def exit_status(self) -> int:
         """The shell's status for a process the last signal ended: 130 for SIGINT, 143 for SIGTERM."""
         return 128 + (self.received[-1] if self.received else signal.SIGINT)
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Yields a list that, once the block has run, holds the stop signals that came during it. A handler's
+        exception can be lost on its way: raised inside an at-fork callback or a finalizer, where Python prints
+        and ignores it (ray.init forks its daemons, and its own SIGTERM handler raises SystemExit). Python's C
+        handler also writes each signal's number to the wakeup fd, whatever becomes of the exception."""
+        seen: list[int] = []
+        read_end, write_end = os.pipe()
+        os.set_blocking(read_end, False)
+        os.set_blocking(write_end, False)
+        previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        try:
+            yield seen
+        finally:
+            signal.set_wakeup_fd(previous)
+            with contextlib.suppress(BlockingIOError):
+                seen += [s for s in os.read(read_end, 4096) if s in STOP_SIGNALS]
+            os.close(read_end)
+            os.close(write_end)
 
     @staticmethod
     def restore_defaults() -> None:
