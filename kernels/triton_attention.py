@@ -378,10 +378,10 @@ class TritonBackend:
         """`window`: each query attends to its last `window` positions only (itself included), or all when None."""
         _, _, block_size, kv_heads, head_dim = kv_cache.shape
         group = q.shape[1] // kv_heads
-        few_programs = md.seq_lens.shape[0] * kv_heads < _SPLIT_BELOW_PROGRAMS
-        partition, num_splits = split_plan(md.max_seq_len)
-        if md.max_query_len == 1 and num_splits > 1 and few_programs:
-            return self._split_decode(q, kv_cache, md, scale, partition, num_splits, window or 0)
+        if md.max_query_len == 1 and md.seq_lens.shape[0] * kv_heads < _SPLIT_BELOW_PROGRAMS:
+            partition, num_splits = split_plan(md.max_seq_len)
+            if num_splits > 1:
+                return self._split_decode(q, kv_cache, md, scale, partition, num_splits, window or 0)
         # A decode-only step needs one token per tile; bigger tiles would only hold masked rows.
         rows = (
             max(_MIN_ROWS, triton.next_power_of_2(group))
