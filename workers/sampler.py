@@ -265,11 +265,11 @@ class Sampler:
         raw_logprobs = None if metadata.max_num_logprobs is None else logits.log_softmax(-1)
         logits = self.process_logits(logits, metadata)
         if metadata.all_greedy:
-            sampled = logits.argmax(-1)
+            sampled = argmax(logits)
         else:
             sampled = _exponential_race(logits.softmax(-1), metadata.generators)
             if metadata.greedy is not None:
-                sampled = torch.where(metadata.greedy, logits.argmax(-1), sampled)
+                sampled = torch.where(metadata.greedy, argmax(logits), sampled)
         if raw_logprobs is None:
             return sampled, None
         return sampled, _logprobs_out(raw_logprobs, sampled, metadata)
@@ -296,7 +296,7 @@ class Sampler:
         logits = self.process_logits(logits, metadata)
         has_draft = draft_ids >= 0
         drafts = draft_ids.clamp_min(0).unsqueeze(1)
-        greedy_ids = logits.argmax(-1) if metadata.all_greedy or metadata.greedy is not None else None
+        greedy_ids = argmax(logits) if metadata.all_greedy or metadata.greedy is not None else None
         if metadata.all_greedy:
             candidates, accept = greedy_ids, has_draft & (greedy_ids == draft_ids)
         else:
@@ -384,6 +384,14 @@ def apply_top_k_top_p(logits: Tensor, metadata: SamplingMetadata) -> Tensor:
     return logits.scatter_(1, order, ascending)
 
 
+def argmax(x: Tensor) -> Tensor:
+    """Each row's index of its largest value (the first of equal ones; NaN counts as largest), as
+    ``x.argmax(-1)`` gives, but faster on CPU: for a decode step's [64, 49,152] logits torch's argmax took 2.4 ms
+    on two cores and ``max(-1)`` 0.9 ms (SmolLM2's step, 158 ms, spent 3% of it in argmax, more than in any
+    other op outside the matmuls and attention)."""
+    return x.max(-1).indices
+
+
 def _exponential_race(probs: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
     """argmax(probs / q) with q ~ Exp(1) samples from probs (the Gumbel-max trick).
 
@@ -395,7 +403,7 @@ def _exponential_race(probs: Tensor, generators: dict[int, torch.Generator]) -> 
         q[row].exponential_(generator=gen)
     # q == 0 would turn a masked token's 0/0 into NaN, which argmax would pick.
     q.clamp_min_(torch.finfo(q.dtype).tiny)
-    return probs.div_(q).argmax(-1)
+    return argmax(probs.div_(q))
 
 
 def _logprobs_out(raw_logprobs: Tensor, sampled: Tensor, metadata: SamplingMetadata) -> list[SampledLogprobs | None]:

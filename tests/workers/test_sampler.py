@@ -9,7 +9,7 @@ import torch
 
 from scheduler.outputs import SampledLogprobs
 from scheduler.sampling_params import SamplingParams
-from workers.sampler import PenaltyState, Sampler, SamplingMetadata
+from workers.sampler import PenaltyState, Sampler, SamplingMetadata, argmax
 
 V = 10
 # Distinct values, and top-p / min-p cut-offs used below sit far from any boundary.
@@ -81,6 +81,15 @@ def test_all_greedy_is_argmax():
     sampled, logprobs = Sampler()(logits.clone(), metadata)
     assert metadata.all_greedy and logprobs is None
     assert sampled.tolist() == logits.argmax(-1).tolist()
+
+
+def test_argmax_picks_as_torch_argmax_does_on_ties_nan_and_masked_rows():
+    x = torch.randn(5, 49152)
+    x[0, 7] = x[0, 40000] = 100.0  # a tie: the first
+    x[1, 3], x[1, 30000] = 100.0, float("nan")  # NaN counts as the largest
+    x[2] = float("-inf")  # every token masked
+    x[3, -1] = 100.0
+    assert argmax(x).tolist() == x.argmax(-1).tolist() == [7, 30000, 0, 49151, int(x[4].argmax())]
 
 
 def test_tiny_temperatures_take_the_greedy_path():
