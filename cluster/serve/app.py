@@ -7,6 +7,7 @@ import errno
 import os
 import signal
 import socket
+import sys
 import time
 import urllib.request
 from typing import Any
@@ -20,7 +21,7 @@ from ray.serve.exceptions import RayServeException
 from cluster.config import check_served_names, per_model_settings
 from cluster.engine.connect import connect, starts_local_ray
 from cluster.engine.placement import engine_bundles
-from cluster.serve.lifecycle import StopSignals, haproxy_dies_with_its_parent
+from cluster.serve.lifecycle import LocalRayLost, StopSignals, haproxy_dies_with_its_parent, while_local_ray_lives
 from cluster.serve.model_router import ModelRouter, RoutedLLMServer
 from cluster.serve.options import REPLICA_CPUS, AppArgs, deployment_options, uses_prefix_cache_router
 from cluster.serve.router import RouteServer
@@ -242,9 +243,17 @@ def _stop(address: str | None, deployed: bool, own_ray: bool, signals: StopSigna
     """stop_serving and end a Ray this process started, unless a stop signal interrupts: then stop at once,
     with the shell's status for that signal. Either way a further signal ends the process at once."""
     try:
-        stop_serving(address, deployed=deployed)
         if own_ray:
+            while_local_ray_lives(lambda: stop_serving(address, deployed=deployed))
             ray.shutdown()
+        else:
+            stop_serving(address, deployed=deployed)
+    except LocalRayLost as e:
+        print(f"raylm: {e}", flush=True)
+        sys.stderr.flush()
+        # Not SystemExit: at exit Ray's own shutdown would wait on the daemons that are gone; the kernel ends
+        # what is left of them (lifecycle.py).
+        os._exit(signals.exit_status())
     except KeyboardInterrupt:
         signals.restore_defaults()
         print(f"raylm: {signals.name()} again: stopping at once; streams in flight are cut", flush=True)

@@ -18,6 +18,8 @@ import hashlib
 import os
 import signal
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -89,6 +91,44 @@ class StopSignals:
         """One more signal ends the process at once (Ray's own processes end with it)."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
+
+
+class LocalRayLost(RuntimeError):
+    """The Ray this process started lost processes of its own while raylm stopped."""
+
+
+def while_local_ray_lives(stop: Callable[[], None], poll_s: float = 0.1) -> None:
+    """Run ``stop`` (Ray calls) to its end, unless a process of the local Ray exits meanwhile: then raise
+    LocalRayLost naming them, at once. A stop signal sent to raylm's whole process group (`kill -- -PGID`, a
+    supervisor's group stop) reaches Ray's daemons too, which share the group: the dashboard and the log monitor
+    exit within 50 ms, the raylet (and every worker with it, the replicas included) within ~10 s, and a drain's
+    Ray calls would wait 60 s for them before Ray ends the process. ``stop`` runs in a thread so that the main
+    thread watches, and still takes a second stop signal."""
+    import ray._private.worker
+
+    node = ray._private.worker._global_node
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            stop()
+        except BaseException as e:  # handed to the main thread
+            failed.append(e)
+
+    thread = threading.Thread(target=run, name="raylm-stop", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(poll_s)
+        dead = sorted({kind for kind, _ in node.dead_processes()}) if node else []
+        if dead and thread.is_alive():
+            raise LocalRayLost(
+                f"Ray's own {', '.join(dead)} exited while raylm stopped: the stop signal reached raylm's whole "
+                f"process group, which Ray's daemons share, and Ray goes down with them, so requests in flight "
+                f"are cut, not drained; to drain, signal raylm serve's process alone (systemd: KillMode=mixed, "
+                f"docs/operations.md)"
+            )
+    if failed:
+        raise failed[0]
 
 
 def haproxy_dies_with_its_parent() -> None:

@@ -282,6 +282,28 @@ def test_sigterm_mid_stream_drains_then_exits_0_leaving_nothing(restarted):
     assert_clean_output(server)
 
 
+def test_sigterm_to_its_whole_process_group_stops_at_once_saying_why(model, tmp_path):
+    """`kill -- -PGID` (or a supervisor's group stop) reaches Ray's daemons too: the drain cannot happen, and
+    raylm must say so and exit, not wait a minute on a Ray that is going down."""
+    server = RaylmServe(model, free_port(), tmp_path / "serve.log")
+    try:
+        server.wait_serving()
+        stream = Stream(server.url)
+        os.killpg(server.proc.pid, signal.SIGTERM)  # a session leader leads its process group: the pgid is its pid
+        status, stop_s = server.wait_exit(STOP_BOUND_S)
+        events = stream.end()
+        gone_s = server.wait_gone()
+        print(
+            f"SIGTERM to the process group: exit {status} after {stop_s:.1f} s, its last process {gone_s:.1f} s later"
+        )
+        assert status == 128 + signal.SIGTERM, server.output()[-3000:]
+        assert "exited while raylm stopped: the stop signal reached raylm's whole process group" in server.output()
+        assert "raylm: stopped" not in server.output()
+        assert events[-1] != "[DONE]", "a stream said it ended well though its engine went down"
+    finally:
+        server.kill_session()
+
+
 def _has_child(server: RaylmServe) -> bool:
     return len(tree(server.proc.pid)) > 1
 
