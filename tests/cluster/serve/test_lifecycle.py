@@ -95,6 +95,38 @@ def test_a_stop_signal_whose_exception_ray_start_lost_still_stops_it(monkeypatch
             signal.signal(sig, handler)
 
 
+def test_a_stop_watches_only_for_ray_processes_that_exit_during_it(monkeypatch):
+    """A daemon already dead when the stop begins is not the stop signal's doing: the stop runs to its end. One
+    that exits during it ends the wait at once, named."""
+    import ray._private.worker
+
+    from cluster.serve.lifecycle import LocalRayLost, while_local_ray_lives
+
+    already_dead = subprocess.Popen(["true"])
+    already_dead.wait()
+    daemon = subprocess.Popen(["sleep", "60"])
+
+    class Info:
+        def __init__(self, process):
+            self.process = process
+
+    class Node:  # what the stop reads of ray's Node: its processes by kind
+        all_processes = {"dashboard": [Info(already_dead)], "raylet": [Info(daemon)]}
+
+        def dead_processes(self):
+            return [(k, i.process) for k, v in self.all_processes.items() for i in v if i.process.poll() is not None]
+
+    monkeypatch.setattr(ray._private.worker, "_global_node", Node())
+    stopped = threading.Event()
+    while_local_ray_lives(lambda: stopped.wait(0.3) or stopped.set())
+    assert stopped.is_set()
+    t0 = time.monotonic()
+    threading.Timer(0.3, daemon.kill).start()
+    with pytest.raises(LocalRayLost, match="Ray's own raylet exited while raylm stopped"):
+        while_local_ray_lives(lambda: time.sleep(10))
+    assert time.monotonic() - t0 < 5
+
+
 def test_the_haproxy_launcher_dies_with_the_process_that_started_it(tmp_path, monkeypatch):
     """As Serve's HAProxyManager actor starts HAProxy, a parent starts the launcher (here for `sleep`), then is
     killed: the kernel kills what the launcher became."""
