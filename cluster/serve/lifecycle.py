@@ -77,9 +77,18 @@ class StopSignals:
         os.set_blocking(read_end, False)
         os.set_blocking(write_end, False)
         previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        previous_hook = sys.unraisablehook
+
+        def quiet_when_a_stop(unraisable) -> None:
+            # A handler's lost exception would print as a traceback; the wakeup fd has its signal.
+            if not isinstance(unraisable.exc_value, (KeyboardInterrupt, SystemExit)):
+                previous_hook(unraisable)
+
+        sys.unraisablehook = quiet_when_a_stop
         try:
             yield seen
         finally:
+            sys.unraisablehook = previous_hook
             signal.set_wakeup_fd(previous)
             with contextlib.suppress(BlockingIOError):
                 seen += [s for s in os.read(read_end, 4096) if s in STOP_SIGNALS]

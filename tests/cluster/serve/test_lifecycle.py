@@ -127,6 +127,26 @@ def test_a_stop_watches_only_for_ray_processes_that_exit_during_it(monkeypatch):
     assert time.monotonic() - t0 < 5
 
 
+def test_while_ray_starts_a_lost_stop_exception_is_not_reported_as_a_traceback(monkeypatch):
+    """Python reports an exception raised where it cannot propagate (an at-fork callback, a finalizer) through
+    sys.unraisablehook, as "Exception ignored ... Traceback": for a stop signal's, the recording says it instead."""
+    import types
+
+    from cluster.serve.lifecycle import StopSignals
+
+    reported: list[type] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: reported.append(u.exc_type))
+
+    def unraisable(exc: BaseException) -> types.SimpleNamespace:
+        return types.SimpleNamespace(exc_type=type(exc), exc_value=exc, exc_traceback=None, err_msg=None, object=None)
+
+    with StopSignals().recording():
+        for exc in (SystemExit(signal.SIGTERM), KeyboardInterrupt(), ValueError("not a stop")):
+            sys.unraisablehook(unraisable(exc))
+    sys.unraisablehook(unraisable(SystemExit(0)))
+    assert reported == [ValueError, SystemExit]
+
+
 def test_the_haproxy_launcher_dies_with_the_process_that_started_it(tmp_path, monkeypatch):
     """As Serve's HAProxyManager actor starts HAProxy, a parent starts the launcher (here for `sleep`), then is
     killed: the kernel kills what the launcher became."""
