@@ -243,11 +243,14 @@ def _stop(address: str | None, deployed: bool, own_ray: bool, signals: StopSigna
     """stop_serving and end a Ray this process started, unless a stop signal interrupts: then stop at once,
     with the shell's status for that signal. Either way a further signal ends the process at once."""
     try:
-        if own_ray:
+        if own_ray and deployed:
             while_local_ray_lives(lambda: stop_serving(address, deployed=deployed))
-            ray.shutdown()
         else:
+            # Nothing to drain; and a stop signal lost in an at-fork callback while ray.init ran can leave
+            # logging's lock held by this thread, which a thread of the watch would wait on forever (CI saw it).
             stop_serving(address, deployed=deployed)
+        if own_ray:
+            ray.shutdown()
     except LocalRayLost as e:
         print(f"raylm: {e}", flush=True)
         sys.stderr.flush()
