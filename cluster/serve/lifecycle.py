@@ -116,7 +116,10 @@ def while_local_ray_lives(stop: Callable[[], None], poll_s: float = 0.1) -> None
     import ray._private.worker
 
     node = ray._private.worker._global_node
-    dead_before = {id(process) for _, process in node.dead_processes()} if node else set()
+    if node is None:  # not a Ray this process started: nothing of it to watch
+        stop()
+        return
+    dead_before = {id(process) for _, process in node.dead_processes()}
     failed: list[BaseException] = []
 
     def run() -> None:
@@ -129,7 +132,7 @@ def while_local_ray_lives(stop: Callable[[], None], poll_s: float = 0.1) -> None
     thread.start()
     while thread.is_alive():
         thread.join(poll_s)
-        dead = sorted({kind for kind, p in node.dead_processes() if id(p) not in dead_before}) if node else []
+        dead = sorted({kind for kind, p in node.dead_processes() if id(p) not in dead_before})
         if dead and thread.is_alive():
             raise LocalRayLost(
                 f"Ray's own {', '.join(dead)} exited while raylm stopped: the stop signal reached raylm's whole "
