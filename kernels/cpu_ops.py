@@ -1,6 +1,6 @@
 """raylm's native CPU ops (csrc/cpu_ops.cpp), built on first use for this machine: decode attention straight
-from the paged cache, the Llama block's elementwise ops fused into one pass each, and the products of few rows
-with many weights (a decode step's linear layers and MoE experts).
+from the paged cache, the Llama block's elementwise ops fused into one pass each, the products of few rows
+with many weights (a decode step's linear layers and MoE experts), and the sampler's draw of a token per row.
 
 torch's extension builder compiles them once per machine (about a minute; later processes load the cached
 library, and concurrent ones wait on the builder's lock). Where they cannot be built (no C++ compiler),
@@ -118,3 +118,18 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     cos, sin = cos.view(x.shape[0], 1, -1), sin.view(x.shape[0], 1, -1)
     x1, x2 = x.chunk(2, dim=-1)
     x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+
+
+def sample_categorical(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row i of ``weights`` [S, V] (nonnegative, any total), the draw from the categorical distribution they
+    weight at ``uniforms[i]`` in [0, 1): the first token whose cumulative weight exceeds uniforms[i] times the
+    row's total, summed in float64. Always a token of positive weight (0 for a row with none)."""
+    if _native(weights) and weights.is_contiguous() and weights.dim() == 2:
+        return torch.ops.raylm.sample_categorical(weights, uniforms.to(torch.float64).contiguous())
+    cumulative = weights.cumsum(-1, dtype=torch.float64)
+    target = uniforms.to(cumulative).unsqueeze(1) * cumulative[:, -1:]
+    token = torch.searchsorted(cumulative, target, right=True).squeeze(1)
+    # Rounding may leave u * total equal to the total (no token passes it): the last token of positive weight.
+    positive = weights > 0
+    last = weights.shape[1] - 1 - positive.flip(-1).to(torch.uint8).argmax(-1)
+    return torch.where(token < weights.shape[1], token, last).where(positive.any(-1), 0)

@@ -1,11 +1,12 @@
-"""The fused elementwise CPU ops (kernels/cpu_ops.py) against the eager torch they replace, on the native path
-(fp32, built for this machine) and on the fallback every other dtype and device takes."""
+"""The fused elementwise CPU ops (kernels/cpu_ops.py) against the eager torch they replace, and the sampler's
+categorical draw against its definition, on the native path (fp32, built for this machine) and on the fallback
+every other dtype and device takes."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_ops import add_rms_norm, load_cpu_ops, rotary_, silu_and_mul
+from kernels.cpu_ops import add_rms_norm, load_cpu_ops, rotary_, sample_categorical, silu_and_mul
 
 DTYPES = [pytest.param(torch.float32, id="native"), pytest.param(torch.float64, id="fallback")]
 
@@ -67,3 +68,43 @@ def test_grouped_small_mm_multiplies_each_group_by_its_weight(rows_per_group, n,
     assert load_cpu_ops()
     expected = torch.cat([xg.double() @ wg.double().T for xg, wg in zip(x.split(rows_per_group), w)]).float()
     torch.testing.assert_close(torch.ops.raylm.grouped_small_mm(x, w, offs), expected, rtol=1e-5, atol=1e-4)
+
+
+LAST_UNIFORM = 1 - 2**-53  # the largest float64 below 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sample_categorical_inverts_each_rows_cumulative_weights(dtype):
+    """Weights 1, 2, 0, 3, 4 (total 10, not normalised): u picks the first token whose cumulative weight passes
+    10u, and the weightless token 2 never."""
+    uniforms = [0.0, 0.0999, 0.1001, 0.2999, 0.3001, 0.5999, 0.6001, 0.9, LAST_UNIFORM]
+    weights = torch.tensor([[1.0, 2.0, 0.0, 3.0, 4.0]] * len(uniforms), dtype=dtype)
+    drawn = sample_categorical(weights, torch.tensor(uniforms, dtype=torch.float64))
+    assert drawn.dtype == torch.int64
+    assert drawn.tolist() == [0, 0, 1, 1, 3, 3, 4, 4, 4]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sample_categorical_crosses_blocks_and_never_draws_a_weightless_token(dtype):
+    """1,000 tokens (several of the native op's blocks of 256) with weight at 5, 300 and 999 only; a row with
+    one token of weight, at both ends of [0, 1); a row with none (every token masked) gives token 0."""
+    weights = torch.zeros(7, 1000, dtype=dtype)
+    weights[:4, [5, 300, 999]] = torch.tensor([1.0, 1.0, 2.0], dtype=dtype)
+    weights[4:6, 700] = 1e-30
+    uniforms = torch.tensor([0.2, 0.3, 0.49, 0.51, 0.0, LAST_UNIFORM, 0.5], dtype=torch.float64)
+    assert sample_categorical(weights, uniforms).tolist() == [5, 300, 300, 999, 700, 700, 0]
+
+
+def test_sample_categorical_native_and_fallback_agree_on_softmax_rows():
+    """Rows as the sampler passes them (a softmax over 49,152 tokens, some masked), drawn natively and by the
+    float64 cumsum the fallback takes: the same token for every uniform, and always one of positive weight."""
+    assert load_cpu_ops()
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 49152, generator=g) * 4
+    logits[:, ::3] = float("-inf")
+    probs = logits.softmax(-1)
+    for _ in range(20):
+        uniforms = torch.rand(16, dtype=torch.float64, generator=g)
+        drawn = sample_categorical(probs, uniforms)
+        assert torch.equal(drawn, sample_categorical(probs.double(), uniforms))
+        assert bool((probs.gather(1, drawn.unsqueeze(1)) > 0).all())
