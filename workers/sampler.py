@@ -304,7 +304,8 @@ class Sampler:
             probs = logits.softmax(-1)
             p_draft = probs.gather(1, drafts).squeeze(1)
             accept = has_draft & (torch.rand_like(p_draft) < p_draft)
-            # The residual: p without the proposal (the race needs no normalising: argmax(p / q) is scale-free).
+            # The residual: p without the proposal, left unnormalised (the race's argmax(p / q) is scale-free; the
+            # inversion scales its uniform by the row's total).
             residual = probs.scatter_(1, drafts, torch.where(has_draft, 0.0, p_draft).unsqueeze(1))
             candidates = _draw(residual, metadata.generators)
             if metadata.greedy is not None:
