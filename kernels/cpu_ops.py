@@ -1,6 +1,7 @@
 """raylm's native CPU ops (csrc/cpu_ops.cpp), built on first use for this machine: decode attention straight
 from the paged cache, the Llama block's elementwise ops fused into one pass each, the products of few rows
-with many weights (a decode step's linear layers and MoE experts), and the sampler's draw of a token per row.
+with many weights (a decode step's linear layers and MoE experts), and the sampler's top-p cut and its draw of a
+token per row.
 
 torch's extension builder compiles them once per machine (about a minute; later processes load the cached
 library, and concurrent ones wait on the builder's lock). Where they cannot be built (no C++ compiler),
@@ -133,3 +134,18 @@ def sample_categorical(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.T
     positive = weights > 0
     last = weights.shape[1] - 1 - positive.flip(-1).to(torch.uint8).argmax(-1)
     return torch.where(token < weights.shape[1], token, last).where(positive.any(-1), 0)
+
+
+def top_p_mask_(logits: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Top-p in place: per row i of ``logits`` [S, V], -inf outside the smallest most-likely-first set of tokens
+    whose probability reaches ``top_p[i]`` (in (0, 1]). A token stays when the tokens ranked above it hold less
+    than top_p of the mass, so the most likely always stays. Native on CPU (a radix select; tokens tied at the cut
+    stay together); elsewhere a sort of each row (ties at the cut in the sort's order)."""
+    if _native(logits) and logits.is_contiguous() and logits.dim() == 2:
+        torch.ops.raylm.top_p_mask_(logits, top_p.to(torch.float32).contiguous())
+        return
+    ascending, order = logits.sort(dim=-1)
+    # Ascending, a token goes when the mass of the tokens less likely than it, itself included, fits in 1 - p.
+    drop = ascending.softmax(-1).cumsum(-1) <= 1 - top_p.unsqueeze(1)
+    drop[:, -1] = False
+    logits.scatter_(1, order, ascending.masked_fill_(drop, float("-inf")))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from kernels.cpu_ops import sample_categorical
+from kernels.cpu_ops import sample_categorical, top_p_mask_
 from scheduler.outputs import SampledLogprobs
 from scheduler.sampling_params import SamplingParams
 
@@ -365,25 +365,16 @@ def apply_min_p(logits: Tensor, min_p: Tensor) -> None:
 
 
 def apply_top_k_top_p(logits: Tensor, metadata: SamplingMetadata) -> Tensor:
-    if metadata.top_p is None:
-        if metadata.top_k is not None:
-            # topk(max_top_k) is much cheaper than a full sort when every row's k is small.
-            k = metadata.top_k.unsqueeze(1)
-            kth = logits.topk(metadata.max_top_k, dim=-1).values.gather(1, k.clamp(max=metadata.max_top_k) - 1)
-            kth.masked_fill_(k > metadata.max_top_k, float("-inf"))  # top-k off: keep everything
-            logits.masked_fill_(logits < kth, float("-inf"))
-        return logits
-    ascending, order = logits.sort(dim=-1)
+    """Top-k, then top-p on what top-k left (vLLM's order), in place."""
     if metadata.top_k is not None:
-        kth = ascending.gather(1, logits.size(1) - metadata.top_k.unsqueeze(1))
-        ascending.masked_fill_(ascending < kth, float("-inf"))
-    # A token goes when the mass of the tokens less likely than it, itself
-    # included, fits in 1 - p: what is left is the smallest set reaching p.
-    cumulative = ascending.softmax(-1).cumsum(-1)
-    drop = cumulative <= 1 - metadata.top_p.unsqueeze(1)
-    drop[:, -1] = False  # the most likely token always stays
-    ascending.masked_fill_(drop, float("-inf"))
-    return logits.scatter_(1, order, ascending)
+        # topk(max_top_k) is much cheaper than a full sort when every row's k is small.
+        k = metadata.top_k.unsqueeze(1)
+        kth = logits.topk(metadata.max_top_k, dim=-1).values.gather(1, k.clamp(max=metadata.max_top_k) - 1)
+        kth.masked_fill_(k > metadata.max_top_k, float("-inf"))  # top-k off: keep everything
+        logits.masked_fill_(logits < kth, float("-inf"))
+    if metadata.top_p is not None:
+        top_p_mask_(logits, metadata.top_p)
+    return logits
 
 
 def argmax(x: Tensor) -> Tensor:

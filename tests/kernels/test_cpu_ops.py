@@ -1,12 +1,12 @@
 """The fused elementwise CPU ops (kernels/cpu_ops.py) against the eager torch they replace, and the sampler's
-categorical draw against its definition, on the native path (fp32, built for this machine) and on the fallback
-every other dtype and device takes."""
+categorical draw and top-p cut against their definitions, on the native path (fp32, built for this machine) and on
+the fallback every other dtype and device takes."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_ops import add_rms_norm, load_cpu_ops, rotary_, sample_categorical, silu_and_mul
+from kernels.cpu_ops import add_rms_norm, load_cpu_ops, rotary_, sample_categorical, silu_and_mul, top_p_mask_
 
 DTYPES = [pytest.param(torch.float32, id="native"), pytest.param(torch.float64, id="fallback")]
 
@@ -108,3 +108,31 @@ def test_sample_categorical_native_and_fallback_agree_on_softmax_rows():
         drawn = sample_categorical(probs, uniforms)
         assert torch.equal(drawn, sample_categorical(probs.double(), uniforms))
         assert bool((probs.gather(1, drawn.unsqueeze(1)) > 0).all())
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 10.0])
+def test_top_p_mask_native_and_fallback_keep_the_same_tokens(scale):
+    """Vocabulary-sized rows from nearly flat to peaked, a seventh of each masked already: the radix select keeps
+    exactly the tokens the sort keeps, top_p 1 keeps every unmasked token and a tiny top_p the top one."""
+    g = torch.Generator().manual_seed(int(scale * 10))
+    logits = torch.randn(24, 49152, generator=g) * scale
+    logits[:, ::7] = float("-inf")
+    top_p = torch.rand(24, generator=g) * 0.98 + 0.01
+    top_p[0], top_p[1] = 1.0, 1e-8
+    native, fallback = logits.clone(), logits.double()
+    top_p_mask_(native, top_p)
+    top_p_mask_(fallback, top_p)
+    kept = native > float("-inf")
+    assert torch.equal(kept, fallback > float("-inf"))
+    assert torch.equal(native[kept], logits[kept])  # what stays is untouched
+    assert torch.equal(kept[0], logits[0] > float("-inf"))
+    assert kept[1].sum() == 1 and kept[1, logits[1].argmax()]
+
+
+def test_top_p_mask_native_keeps_ties_at_the_cut_together():
+    # Probabilities 0.45, 0.16, 0.16, 0.16, 0.06: top_p 0.5 cuts inside the tie, which stays whole; a row of only
+    # -inf (every token banned) is left as it is.
+    logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0], [float("-inf")] * 5])
+    top_p_mask_(logits, torch.tensor([0.5, 0.5]))
+    assert (logits[0] > float("-inf")).tolist() == [True, True, True, True, False]
+    assert torch.isneginf(logits[1]).all()

@@ -124,12 +124,12 @@ def test_greedy_rows_mixed_with_random_rows():
     assert len(seen[1]) > 1 and len(seen[3]) > 1
 
 
-@pytest.mark.parametrize("sort_path", [False, True], ids=["topk-only", "with-top-p-row"])
-def test_top_k_keeps_k_most_likely_per_row(sort_path):
+@pytest.mark.parametrize("with_top_p", [False, True], ids=["topk-only", "with-top-p-row"])
+def test_top_k_keeps_k_most_likely_per_row(with_top_p):
     rows = torch.stack([LOGITS, LOGITS.flip(0), LOGITS.roll(3), LOGITS])
     ks = [3, -1, 5, 2]  # the top-k-off row sits beside rows whose k is small
     params = [SamplingParams(top_k=k) for k in ks]
-    if sort_path:  # a top-p row in the batch sends top-k through the shared sort
+    if with_top_p:  # a top-p row in the batch: every row also takes the top-p cut, at top_p 1 for these
         rows = torch.cat([rows, LOGITS[None]])
         params.append(SamplingParams(top_p=0.7))
     probs = processed_probs(rows, params)
