@@ -738,10 +738,14 @@ def test_past_the_queue_a_request_is_refused_with_429_and_counted(url):
         try:
             deadline = time.monotonic() + WAIT_S
             while (
-                metrics(url).get(f"vllm:num_requests_running{{model_name={MODEL}}}"),
-                metrics(url).get(f"vllm:num_requests_waiting{{model_name={MODEL}}}"),
+                held := (
+                    metrics(url).get(f"vllm:num_requests_running{{model_name={MODEL}}}"),
+                    metrics(url).get(f"vllm:num_requests_waiting{{model_name={MODEL}}}"),
+                )
             ) != (MAX_NUM_SEQS, QUEUE_LEN):
-                assert time.monotonic() < deadline, "the held requests did not reach the engine"
+                assert time.monotonic() < deadline, (
+                    f"the held requests did not reach the engine: (running, waiting) {held}"
+                )
                 await asyncio.sleep(0.2)
             async with httpx.AsyncClient(timeout=WAIT_S) as client:
                 return await client.post(
