@@ -420,20 +420,22 @@ at::Tensor sample_categorical(const at::Tensor& weights, const at::Tensor& unifo
 // 1.6 ms a row (SmolLM2's 49,152 tokens: 105 ms of a 64-row decode step); here a radix select finds the cut in
 // a few passes. Probabilities are exp(logit - max) (the row's softmax times its total, which is never formed) and
 // nonnegative floats order as their bit patterns, so a histogram of the top bits, summed from the largest bucket
-// down, names the one bucket the cut falls in; only that bucket's values are sorted.
+// down, names the one bucket the cut falls in, a second histogram the part of it; only that part is sorted.
 constexpr int kCutShift = 19;  // 4,096 buckets: 8 exponent bits and 3 mantissa bits (a bucket spans a factor 1.09)
 constexpr int64_t kCutBuckets = int64_t{1} << (31 - kCutShift);
 
-inline int64_t cut_bucket(float e) {
+inline uint32_t float_bits(float e) {
   uint32_t bits;
   std::memcpy(&bits, &e, sizeof bits);
-  return std::min<int64_t>(bits >> kCutShift, kCutBuckets - 1);  // NaN's bits land in the top bucket
+  return bits;
+}
+
+inline int64_t cut_bucket(float e) {  // NaN's bits land in the top bucket
+  return std::min<int64_t>(float_bits(e) >> kCutShift, kCutBuckets - 1);
 }
 
 inline int64_t sub_bucket(float e) {  // the 12 bits after cut_bucket's
-  uint32_t bits;
-  std::memcpy(&bits, &e, sizeof bits);
-  return (bits >> (kCutShift - 12)) & (kCutBuckets - 1);
+  return (float_bits(e) >> (kCutShift - 12)) & (kCutBuckets - 1);
 }
 
 // Four histograms, element i in histogram i % 4: neighbouring tokens often share a bucket, and one histogram would
