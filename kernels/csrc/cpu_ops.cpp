@@ -32,33 +32,156 @@ extern "C" float expf(float) noexcept;
 
 namespace {
 
-// Eight independent partial sums: GCC turns the inner loop into one AVX FMA per 8 floats without
-// -ffast-math (a single accumulator would be a serial chain it may not reorder).
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+// A GCC/Clang vector of kLanes floats: one register of the widest kind -march=native offers (AVX-512's 16
+// floats, else 8: one AVX register, or two NEON ones on Arm). The unaligned variant loads at any float offset.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vf __attribute__((vector_size(kLanes * 4)));
+typedef float vfu __attribute__((vector_size(kLanes * 4), aligned(4)));
+
+inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+
+// The sum of a vector's lanes, by the ISA's shuffles: a loop over the lanes compiles to a round trip through
+// memory per lane, and a tile of dot_tile ends in NT * MT of these.
+inline float hsum(vf v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#elif defined(__AVX__)
+  const __m256 a = reinterpret_cast<__m256>(v);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+#else
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+#endif
+}
+
+// out[j] = hsum(v[j]) * scale for eight vectors. With AVX's 8 lanes, as one transpose by pairwise sums: ten
+// shuffles and adds for the eight, where eight hsums take thirty-two.
+inline void hsum8(const vf* v, float scale, float* out) {
+#if defined(__AVX__) && !defined(__AVX512F__)
+  const __m256* a = reinterpret_cast<const __m256*>(v);
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+  _mm256_storeu_ps(out, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+#else
+  for (int j = 0; j < 8; ++j) out[j] = hsum(v[j]) * scale;
+#endif
+}
+
+// The largest of x[0 : n]. std::max_element kept its running maximum in memory, a store and a load per key: a
+// fifth of paged_decode's time.
+inline float row_max(const float* x, int64_t n) {
+  float mx = -INFINITY;
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) lanes[j] += a[i + j] * b[i + j];
-  float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+  if (n >= kLanes) {
+    vf m = load(x);
+    for (i = kLanes; i + kLanes <= n; i += kLanes) {
+      const vf v = load(x + i);
+      m = m > v ? m : v;
+    }
+    for (int j = 0; j < kLanes; ++j) mx = std::max(mx, m[j]);
+  }
+  for (; i < n; ++i) mx = std::max(mx, x[i]);
+  return mx;
 }
 
-// Blocks sit at random places in the cache, so the hardware prefetcher cannot see the next one coming:
-// ask for the row a few tokens ahead (its D floats, a few cache lines) while this one is used.
-constexpr int64_t kAhead = 8;
-inline void prefetch_row(const float* row, int64_t D) {
-  for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(row + i);
+// Blocks sit at random places in the cache, so the hardware prefetcher cannot see the next one coming: while
+// one block's rows are used, ask for the next block's (D floats each, a few cache lines).
+inline void prefetch_rows(const float* row, int64_t rows, int64_t stride, int64_t D) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(row + r * stride + i, 0, 1);
 }
 
-inline void axpy(float p, const float* __restrict x, float* __restrict y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += p * x[i];
+// One (request, KV head)'s L keys or values from position t0 on, a block at a time: `visit(row, t, rows)` gets
+// the first row of `rows` consecutive positions in one block (`token_stride` floats apart), t counting from t0.
+// `prefetch`: ask for the next block while this one is used (the first pass over the rows; later ones find
+// them in cache).
+template <typename Visit>
+inline void walk_blocks(const float* cache, const int32_t* table, int64_t t0, int64_t L, int64_t block_size,
+                        int64_t block_stride, int64_t token_stride, int64_t D, bool prefetch, Visit visit) {
+  int64_t blk = t0 / block_size, off = t0 % block_size;
+  for (int64_t t = 0; t < L; ++blk, off = 0) {
+    const int64_t rows = std::min(block_size - off, L - t);
+    if (prefetch && t + rows < L)
+      prefetch_rows(cache + table[blk + 1] * block_stride, std::min(block_size, L - t - rows), token_stride, D);
+    visit(cache + table[blk] * block_stride + off * token_stride, t, rows);
+    t += rows;
+  }
+}
+
+// scores[g * L + r] = dot(q_g, row r) * scale for G query heads and `rows` rows of D floats, `stride` apart.
+// Eight rows at a time: each load of q serves eight products, and their sums reduce together.
+inline void score_rows(const float* q, int64_t G, int64_t D, const float* k, int64_t rows, int64_t stride,
+                       float scale, float* scores, int64_t L) {
+  const int64_t DV = D / kLanes * kLanes;
+  auto tail = [&](const float* qg, const float* row) {
+    float sum = 0.f;
+    for (int64_t c = DV; c < D; ++c) sum += qg[c] * row[c];
+    return sum * scale;
+  };
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8, k += 8 * stride)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      vf acc[8] = {};
+      for (int64_t c = 0; c < DV; c += kLanes) {
+        const vf qv = load(qg + c);
+        for (int j = 0; j < 8; ++j) acc[j] += qv * load(k + j * stride + c);
+      }
+      float* out = scores + g * L + r;
+      hsum8(acc, scale, out);
+      if (DV < D)
+        for (int j = 0; j < 8; ++j) out[j] += tail(qg, k + j * stride);
+    }
+  for (; r < rows; ++r, k += stride)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      vf acc = {};
+      for (int64_t c = 0; c < DV; c += kLanes) acc += load(qg + c) * load(k + c);
+      scores[g * L + r] = hsum(acc) * scale + tail(qg, k);
+    }
+}
+
+// out[0 : NV * kLanes] = sum over the L positions of p[t] * value row t: NV accumulators held in registers
+// across every row, where adding into memory would store each of them once per row.
+template <int NV>
+inline void weigh_values(const float* v, const int32_t* table, int64_t t0, int64_t L, int64_t block_size,
+                         int64_t block_stride, int64_t token_stride, int64_t D, bool prefetch, const float* p,
+                         float* out) {
+  vf acc[NV] = {};
+  walk_blocks(v, table, t0, L, block_size, block_stride, token_stride, D, prefetch,
+              [&](const float* row, int64_t t, int64_t rows) {
+                for (int64_t r = 0; r < rows; ++r, row += token_stride) {
+                  const vf w = vf{} + p[t + r];
+                  for (int i = 0; i < NV; ++i) acc[i] += w * load(row + i * kLanes);
+                }
+              });
+  for (int i = 0; i < NV; ++i) *reinterpret_cast<vfu*>(out + i * kLanes) = acc[i];
+}
+
+// out[0 : n] = sum over the L positions of p[t] * value row t, for the n < kLanes floats a row's vectors leave.
+inline void weigh_values_tail(const float* v, const int32_t* table, int64_t t0, int64_t L, int64_t block_size,
+                              int64_t block_stride, int64_t token_stride, int64_t D, int64_t n, const float* p,
+                              float* out) {
+  std::fill(out, out + n, 0.f);
+  walk_blocks(v, table, t0, L, block_size, block_stride, token_stride, D, false,
+              [&](const float* row, int64_t t, int64_t rows) {
+                for (int64_t r = 0; r < rows; ++r, row += token_stride)
+                  for (int64_t i = 0; i < n; ++i) out[i] += p[t + r] * row[i];
+              });
 }
 
 // q [n, heads, D], caches [num_blocks, block_size, kv_heads, D] (each contiguous), block_tables
-// [n, max_blocks] int32, seq_lens [n] int32 -> [n, heads, D]. Query heads h*G .. h*G+G-1 share KV
-// head h, so each (request, KV head) is one task that reads its keys and values once for G heads.
-// window > 0: the query (its context's last token) sees only the last `window` keys, itself included.
+// [n, max_blocks] int32, seq_lens [n] int32 -> [n, heads, D]. Query heads h*G .. h*G+G-1 share KV head h, so each (request, KV head) is one task that reads its keys and values
+// from memory once for G heads. window > 0: the query (its context's last token) sees only the last `window`
+// keys, itself included.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
@@ -80,42 +203,51 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   float* op = out.data_ptr<float>();
   const int64_t token_stride = kv_heads * D, block_stride = block_size * token_stride;
   const float s = static_cast<float>(scale);
+  constexpr int64_t kChunk = 8 * kLanes;  // the floats of a row one pass over the values sums, in 8 registers
 
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc(G * D);
+    std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       // Keys before t0 fell out of the window: never read. L counts the keys read, t0 + t their positions.
       const int64_t t0 = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0, L = lens[b] - t0;
       const float* qb = qp + (b * heads + h * G) * D;
       const int32_t* table = tables + b * max_blocks;
-      scores.assign(G * L, 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t p = t0 + t, ahead = p + kAhead;
-        const float* k = kp + table[p / block_size] * block_stride + (p % block_size) * token_stride + h * D;
-        if (t + kAhead < L)
-          prefetch_row(kp + table[ahead / block_size] * block_stride + (ahead % block_size) * token_stride + h * D, D);
-        for (int64_t g = 0; g < G; ++g) scores[g * L + t] = dot(qb + g * D, k, D) * s;
-      }
+      scores.resize(G * L);
+      walk_blocks(kp + h * D, table, t0, L, block_size, block_stride, token_stride, D, true,
+                  [&](const float* k, int64_t t, int64_t rows) {
+                    score_rows(qb, G, D, k, rows, token_stride, s, scores.data() + t, L);
+                  });
       for (int64_t g = 0; g < G; ++g) {
         float* row = scores.data() + g * L;
-        const float mx = *std::max_element(row, row + L);
-#pragma omp simd
-        for (int64_t t = 0; t < L; ++t) row[t] = expf(row[t] - mx);
+        // The sum in vector lanes: a plain loop is one dependent scalar add per key.
+        const float mx = row_max(row, L);
         float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) sum += row[t];
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < L; ++t) {
+          row[t] = expf(row[t] - mx);
+          sum += row[t];
+        }
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < L; ++t) row[t] *= inv;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t p = t0 + t, ahead = p + kAhead;
-        const float* v = vp + table[p / block_size] * block_stride + (p % block_size) * token_stride + h * D;
-        if (t + kAhead < L)
-          prefetch_row(vp + table[ahead / block_size] * block_stride + (ahead % block_size) * token_stride + h * D, D);
-        for (int64_t g = 0; g < G; ++g) axpy(scores[g * L + t], v, acc.data() + g * D, D);
+      float* ob = op + (b * heads + h * G) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float* p = scores.data() + g * L;
+        int64_t c = 0;
+        for (; c + kChunk <= D; c += kChunk)
+          weigh_values<8>(vp + h * D + c, table, t0, L, block_size, block_stride, token_stride, D, g == 0 && c == 0,
+                          p, ob + g * D + c);
+        for (; c + 4 * kLanes <= D; c += 4 * kLanes)
+          weigh_values<4>(vp + h * D + c, table, t0, L, block_size, block_stride, token_stride, D, g == 0 && c == 0,
+                          p, ob + g * D + c);
+        for (; c + kLanes <= D; c += kLanes)
+          weigh_values<1>(vp + h * D + c, table, t0, L, block_size, block_stride, token_stride, D, g == 0 && c == 0,
+                          p, ob + g * D + c);
+        if (c < D)
+          weigh_values_tail(vp + h * D + c, table, t0, L, block_size, block_stride, token_stride, D, D - c, p,
+                            ob + g * D + c);
       }
-      std::copy(acc.begin(), acc.end(), op + (b * heads + h * G) * D);
     }
   });
   return out;
@@ -214,33 +346,6 @@ void rotary_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
-
-// A GCC/Clang vector of kLanes floats: one register of the widest kind -march=native offers (AVX-512's 16
-// floats, else 8: one AVX register, or two NEON ones on Arm). The unaligned variant loads at any float offset.
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float vf __attribute__((vector_size(kLanes * 4)));
-typedef float vfu __attribute__((vector_size(kLanes * 4), aligned(4)));
-
-// The sum of a vector's lanes. A tile ends in NT * MT of these, so they are the ISA's shuffles: a loop over the
-// lanes compiles to a round trip through memory per lane.
-inline float hsum(vf v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
-#elif defined(__AVX__)
-  const __m256 a = reinterpret_cast<__m256>(v);
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-#else
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-#endif
-}
 
 // How far ahead a product asks for its weights (see dot_tile): enough to cover memory's latency even at one
 // row of x. Through SmolLM2's 30 layers at one row: 11 GB/s with the next four rows prefetched, 17 at 128 KB.

@@ -67,6 +67,20 @@ def test_native_kernel_attends_every_decode_in_one_call():
     torch.testing.assert_close(out, naive_attention(batch, SCALE), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [20, 72, 96, 128])
+@pytest.mark.parametrize("block_size", [5, 16])
+def test_native_kernel_takes_any_head_dim_and_block_size(head_dim, block_size):
+    # The kernel sums a head in chunks of vector registers and keys eight at a time: these head sizes leave a
+    # scalar tail (20), one vector (72), half a chunk (96) or two chunks (128); blocks of 5 split every eight.
+    q_lens, seq_lens = [1] * 6, [1, 8, 9, 23, 40, 131]
+    batch = make_batch(q_lens, seq_lens, block_size=block_size, kv_heads=2, group=3, head_dim=head_dim)
+    backend = TorchBackend()
+    assert backend._paged_decode is not None, "the native decode kernel did not build"
+    for window in (None, 7):
+        out = backend.paged_attention(batch.q, batch.kv_cache, batch.metadata(backend), SCALE, window)
+        torch.testing.assert_close(out, naive_attention(batch, SCALE, window), rtol=0, atol=1e-5)
+
+
 def test_decodes_of_a_cache_the_kernel_does_not_take_fall_back_to_sdpa():
     batch = make_batch([1, 1, 4], [9, 30, 12], block_size=8, kv_heads=2, group=2, dtype=torch.float64)
     backend = TorchBackend()
