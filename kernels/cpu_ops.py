@@ -4,12 +4,13 @@ with many weights (a decode step's linear layers and MoE experts), and the sampl
 token per row.
 
 torch's extension builder compiles them once per machine (about a minute; later processes load the cached
-library, and concurrent ones wait on the builder's lock). Where they cannot be built (no C++ compiler),
+library, and concurrent ones wait for the one building). Where they cannot be built (no C++ compiler),
 `load_cpu_ops` is False: attention takes SDPA for decodes and the fused ops below their torch equivalents.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -69,15 +70,22 @@ def load_cpu_ops() -> bool:
         from torch.utils.cpp_extension import load
 
         _ninja_on_path()
-        load(
-            name="raylm_cpu_ops",
-            sources=[str(SOURCE)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=_build_dir(),
-            is_python_module=False,
-            verbose=False,
-        )
+        build_dir = Path(_build_dir())
+        with open(build_dir / "build.flock", "w") as held:
+            # torch's builder marks a build with a `lock` file and waits while one exists; a build killed midway
+            # (Ctrl-C during the first start) leaves it, and every later start waited forever. This lock the
+            # kernel drops with its process, so while it is held no build runs, and a `lock` file is stale.
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            load(
+                name="raylm_cpu_ops",
+                sources=[str(SOURCE)],
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
         _loaded = True
     except Exception as e:
         logger.warning("raylm: the native CPU ops could not be built (%s: %s); using torch's", type(e).__name__, e)

@@ -2,17 +2,48 @@
 categorical draw and top-p cut against their definitions, on the native path (fp32, built for this machine) and on
 the fallback every other dtype and device takes."""
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_ops import add_rms_norm, load_cpu_ops, rotary_, sample_categorical, silu_and_mul, top_p_mask_
+from kernels.cpu_ops import (
+    _build_dir,
+    add_rms_norm,
+    load_cpu_ops,
+    rotary_,
+    sample_categorical,
+    silu_and_mul,
+    top_p_mask_,
+)
 
 DTYPES = [pytest.param(torch.float32, id="native"), pytest.param(torch.float64, id="fallback")]
 
 
 def test_the_native_ops_build_here():
     assert load_cpu_ops(), "the native CPU ops did not build (see the logged warning)"
+
+
+def test_a_build_killed_midway_does_not_stop_the_next_load(tmp_path):
+    # This machine's built library in a cache of its own, with the `lock` file a killed build leaves behind.
+    assert load_cpu_ops()
+    built = Path(_build_dir())
+    copy = tmp_path / built.relative_to(built.parents[1])
+    shutil.copytree(built, copy)
+    (copy / "lock").touch()
+    probe = "from kernels.cpu_ops import load_cpu_ops; print(load_cpu_ops())"
+    env = {**os.environ, "RAYLM_CACHE_DIR": str(tmp_path)}
+    timeout_s = 120  # a load of the built library takes seconds
+    try:
+        done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"loading the native ops waited on a stale lock file for {timeout_s} s")
+    assert done.stdout.strip() == "True", done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
