@@ -99,22 +99,26 @@ inline void prefetch_rows(const float* row, int64_t rows, int64_t stride, int64_
     for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(row + r * stride + i, 0, 1);
 }
 
-// One (request, KV head)'s L keys or values from position t0 on, a block at a time: `visit(row, t, rows)` gets
-// the first row of `rows` consecutive positions in one block (`token_stride` floats apart), t counting from t0.
-// `prefetch`: ask for the next block while this one is used (the first pass over the rows; later ones find
+// One (request, KV head)'s L keys or values from position t0 on, walked a block at a time: `visit(row, t, rows)`
+// gets the first row of `rows` consecutive positions in one block (`token_stride` floats apart), t counting from
+// t0. `prefetch`: ask for the next block while this one is used (the first pass over the rows; later passes find
 // them in cache).
-template <typename Visit>
-inline void walk_blocks(const float* cache, const int32_t* table, int64_t t0, int64_t L, int64_t block_size,
-                        int64_t block_stride, int64_t token_stride, int64_t D, bool prefetch, Visit visit) {
-  int64_t blk = t0 / block_size, off = t0 % block_size;
-  for (int64_t t = 0; t < L; ++blk, off = 0) {
-    const int64_t rows = std::min(block_size - off, L - t);
-    if (prefetch && t + rows < L)
-      prefetch_rows(cache + table[blk + 1] * block_stride, std::min(block_size, L - t - rows), token_stride, D);
-    visit(cache + table[blk] * block_stride + off * token_stride, t, rows);
-    t += rows;
+struct BlockWalk {
+  const int32_t* table;
+  int64_t t0, L, block_size, block_stride, token_stride, D;
+
+  template <typename Visit>
+  void operator()(const float* cache, bool prefetch, Visit visit) const {
+    int64_t blk = t0 / block_size, off = t0 % block_size;
+    for (int64_t t = 0; t < L; ++blk, off = 0) {
+      const int64_t rows = std::min(block_size - off, L - t);
+      if (prefetch && t + rows < L)
+        prefetch_rows(cache + table[blk + 1] * block_stride, std::min(block_size, L - t - rows), token_stride, D);
+      visit(cache + table[blk] * block_stride + off * token_stride, t, rows);
+      t += rows;
+    }
   }
-}
+};
 
 // scores[g * L + r] = dot(q_g, row r) * scale for G query heads and `rows` rows of D floats, `stride` apart.
 // Eight rows at a time: each load of q serves eight products, and their sums reduce together.
@@ -149,39 +153,34 @@ inline void score_rows(const float* q, int64_t G, int64_t D, const float* k, int
     }
 }
 
-// out[0 : NV * kLanes] = sum over the L positions of p[t] * value row t: NV accumulators held in registers
-// across every row, where adding into memory would store each of them once per row.
+// out[0 : NV * kLanes] = sum over the walk's positions of p[t] * value row t (from v, a row's first float of
+// the chunk): NV accumulators held in registers across every row, where adding into memory would store each of
+// them once per row.
 template <int NV>
-inline void weigh_values(const float* v, const int32_t* table, int64_t t0, int64_t L, int64_t block_size,
-                         int64_t block_stride, int64_t token_stride, int64_t D, bool prefetch, const float* p,
-                         float* out) {
+inline void weigh_values(const BlockWalk& walk, const float* v, bool prefetch, const float* p, float* out) {
   vf acc[NV] = {};
-  walk_blocks(v, table, t0, L, block_size, block_stride, token_stride, D, prefetch,
-              [&](const float* row, int64_t t, int64_t rows) {
-                for (int64_t r = 0; r < rows; ++r, row += token_stride) {
-                  const vf w = vf{} + p[t + r];
-                  for (int i = 0; i < NV; ++i) acc[i] += w * load(row + i * kLanes);
-                }
-              });
+  walk(v, prefetch, [&](const float* row, int64_t t, int64_t rows) {
+    for (int64_t r = 0; r < rows; ++r, row += walk.token_stride) {
+      const vf w = vf{} + p[t + r];
+      for (int i = 0; i < NV; ++i) acc[i] += w * load(row + i * kLanes);
+    }
+  });
   for (int i = 0; i < NV; ++i) *reinterpret_cast<vfu*>(out + i * kLanes) = acc[i];
 }
 
-// out[0 : n] = sum over the L positions of p[t] * value row t, for the n < kLanes floats a row's vectors leave.
-inline void weigh_values_tail(const float* v, const int32_t* table, int64_t t0, int64_t L, int64_t block_size,
-                              int64_t block_stride, int64_t token_stride, int64_t D, int64_t n, const float* p,
-                              float* out) {
+// The same for the n < kLanes floats a row's vectors leave.
+inline void weigh_values_tail(const BlockWalk& walk, const float* v, int64_t n, const float* p, float* out) {
   std::fill(out, out + n, 0.f);
-  walk_blocks(v, table, t0, L, block_size, block_stride, token_stride, D, false,
-              [&](const float* row, int64_t t, int64_t rows) {
-                for (int64_t r = 0; r < rows; ++r, row += token_stride)
-                  for (int64_t i = 0; i < n; ++i) out[i] += p[t + r] * row[i];
-              });
+  walk(v, false, [&](const float* row, int64_t t, int64_t rows) {
+    for (int64_t r = 0; r < rows; ++r, row += walk.token_stride)
+      for (int64_t i = 0; i < n; ++i) out[i] += p[t + r] * row[i];
+  });
 }
 
 // q [n, heads, D], caches [num_blocks, block_size, kv_heads, D] (each contiguous), block_tables
-// [n, max_blocks] int32, seq_lens [n] int32 -> [n, heads, D]. Query heads h*G .. h*G+G-1 share KV head h, so each (request, KV head) is one task that reads its keys and values
-// from memory once for G heads. window > 0: the query (its context's last token) sees only the last `window`
-// keys, itself included.
+// [n, max_blocks] int32, seq_lens [n] int32 -> [n, heads, D]. Query heads h*G .. h*G+G-1 share KV head h, so
+// each (request, KV head) is one task that reads its keys and values from memory once for G heads. window > 0:
+// the query (its context's last token) sees only the last `window` keys, itself included.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
@@ -203,7 +202,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   float* op = out.data_ptr<float>();
   const int64_t token_stride = kv_heads * D, block_stride = block_size * token_stride;
   const float s = static_cast<float>(scale);
-  constexpr int64_t kChunk = 8 * kLanes;  // the floats of a row one pass over the values sums, in 8 registers
 
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -212,17 +210,15 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       // Keys before t0 fell out of the window: never read. L counts the keys read, t0 + t their positions.
       const int64_t t0 = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0, L = lens[b] - t0;
       const float* qb = qp + (b * heads + h * G) * D;
-      const int32_t* table = tables + b * max_blocks;
+      const BlockWalk walk{tables + b * max_blocks, t0, L, block_size, block_stride, token_stride, D};
       scores.resize(G * L);
-      walk_blocks(kp + h * D, table, t0, L, block_size, block_stride, token_stride, D, true,
-                  [&](const float* k, int64_t t, int64_t rows) {
-                    score_rows(qb, G, D, k, rows, token_stride, s, scores.data() + t, L);
-                  });
+      walk(kp + h * D, true, [&](const float* k, int64_t t, int64_t rows) {
+        score_rows(qb, G, D, k, rows, token_stride, s, scores.data() + t, L);
+      });
       for (int64_t g = 0; g < G; ++g) {
         float* row = scores.data() + g * L;
-        // The sum in vector lanes: a plain loop is one dependent scalar add per key.
         const float mx = row_max(row, L);
-        float sum = 0.f;
+        float sum = 0.f;  // in vector lanes: a plain loop is one dependent scalar add per key
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < L; ++t) {
           row[t] = expf(row[t] - mx);
@@ -231,22 +227,18 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < L; ++t) row[t] *= inv;
       }
+      // Each query head's values in chunks of 8, 4 and 1 vectors, then the floats left; the first pass
+      // prefetches.
       float* ob = op + (b * heads + h * G) * D;
       for (int64_t g = 0; g < G; ++g) {
         const float* p = scores.data() + g * L;
+        const float* v = vp + h * D;
+        float* o = ob + g * D;
         int64_t c = 0;
-        for (; c + kChunk <= D; c += kChunk)
-          weigh_values<8>(vp + h * D + c, table, t0, L, block_size, block_stride, token_stride, D, g == 0 && c == 0,
-                          p, ob + g * D + c);
-        for (; c + 4 * kLanes <= D; c += 4 * kLanes)
-          weigh_values<4>(vp + h * D + c, table, t0, L, block_size, block_stride, token_stride, D, g == 0 && c == 0,
-                          p, ob + g * D + c);
-        for (; c + kLanes <= D; c += kLanes)
-          weigh_values<1>(vp + h * D + c, table, t0, L, block_size, block_stride, token_stride, D, g == 0 && c == 0,
-                          p, ob + g * D + c);
-        if (c < D)
-          weigh_values_tail(vp + h * D + c, table, t0, L, block_size, block_stride, token_stride, D, D - c, p,
-                            ob + g * D + c);
+        for (; c + 8 * kLanes <= D; c += 8 * kLanes) weigh_values<8>(walk, v + c, g == 0 && c == 0, p, o + c);
+        for (; c + 4 * kLanes <= D; c += 4 * kLanes) weigh_values<4>(walk, v + c, g == 0 && c == 0, p, o + c);
+        for (; c + kLanes <= D; c += kLanes) weigh_values<1>(walk, v + c, g == 0 && c == 0, p, o + c);
+        if (c < D) weigh_values_tail(walk, v + c, D - c, p, o + c);
       }
     }
   });
