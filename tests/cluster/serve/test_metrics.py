@@ -28,11 +28,14 @@ def stats(**host_tier: float) -> SchedulerStats:
     )
 
 
-def exported(replica: str, done) -> dict[str, float]:
-    """This replica's series on the node's export, under vLLM's names, once done(them) holds."""
+def exported(replica: str, report, done) -> dict[str, float]:
+    """This replica's series on the node's export, under vLLM's names, once done(them) holds. ``report()`` runs
+    before each read, as the replica reports once per period: Ray drops a gauge not set for two report periods,
+    and on a loaded machine the first export can come later than that."""
     port = node_metrics_port()
     deadline = time.monotonic() + WAIT_S
     while True:
+        report()
         text = render_node_metrics(port)
         got = {
             s.name: s.value
@@ -47,30 +50,33 @@ def exported(replica: str, done) -> dict[str, float]:
         time.sleep(0.2)
 
 
-def assert_exported(replica: str, want: dict[str, float]) -> None:
-    """Every series of ``want`` exported with its value (the wait fails naming what was there instead)."""
-    exported(replica, lambda m: all(m.get(name) == value for name, value in want.items()))
+def assert_exported(metrics: ServeMetrics, replica: str, s: SchedulerStats, want: dict[str, float]) -> None:
+    """Report ``s`` until every series of ``want`` is exported with its value (the wait fails naming what was
+    there instead). Reporting the same totals again adds nothing to the counters."""
+    exported(
+        replica, lambda: metrics.record_engine(s), lambda m: all(m.get(name) == value for name, value in want.items())
+    )
 
 
 def test_host_tier_series_carry_the_schedulers_stats(ray_session):
     replica = f"test-{uuid.uuid4().hex[:8]}"
     metrics = ServeMetrics("m", replica, {"block_size": "16"})
-    metrics.record_engine(
-        stats(
-            num_swapped=3,
-            host_cache_usage=0.25,
-            host_prefix_cache_hits=48,
-            num_blocks_swapped_out=7,
-            num_blocks_swapped_in=5,
-            spec_decode_num_drafts=3,
-            spec_decode_num_draft_tokens=12,
-            spec_decode_num_accepted_tokens=4,
-            spec_decode_num_accepted_tokens_per_pos=[4],
-        )
+    first = stats(
+        num_swapped=3,
+        host_cache_usage=0.25,
+        host_prefix_cache_hits=48,
+        num_blocks_swapped_out=7,
+        num_blocks_swapped_in=5,
+        spec_decode_num_drafts=3,
+        spec_decode_num_draft_tokens=12,
+        spec_decode_num_accepted_tokens=4,
+        spec_decode_num_accepted_tokens_per_pos=[4],
     )
     # Each series reaches the export on its own flush: wait for all of them, so a late one is not a failure.
     assert_exported(
+        metrics,
         replica,
+        first,
         {
             "vllm:num_requests_swapped": 3,
             "vllm:cpu_cache_usage_perc": 0.25,
@@ -84,17 +90,17 @@ def test_host_tier_series_carry_the_schedulers_stats(ray_session):
         },
     )
     # Totals are cumulative in the scheduler: a second report adds only the growth.
-    metrics.record_engine(
-        stats(
-            num_swapped=0,
-            host_cache_usage=0.0,
-            host_prefix_cache_hits=50,
-            num_blocks_swapped_out=7,
-            num_blocks_swapped_in=9,
-        )
+    second = stats(
+        num_swapped=0,
+        host_cache_usage=0.0,
+        host_prefix_cache_hits=50,
+        num_blocks_swapped_out=7,
+        num_blocks_swapped_in=9,
     )
     assert_exported(
+        metrics,
         replica,
+        second,
         {
             "vllm:cpu_prefix_cache_hits_total": 50,
             "raylm:kv_blocks_swapped_out_total": 7,
