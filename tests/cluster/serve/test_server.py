@@ -6,6 +6,7 @@ disconnects)."""
 import asyncio
 import contextlib
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 
@@ -72,6 +73,9 @@ def server(default_model_dir):
         api_key=KEY,
         min_replicas=1,
         max_replicas=2,
+        # Above the most requests any test here holds (the 429 test's MAX_NUM_SEQS + QUEUE_LEN): load never
+        # starts a second replica, which would take some of the requests a test means for one.
+        target_ongoing_requests=MAX_NUM_SEQS + QUEUE_LEN + 1,
         max_body_bytes=1 << 20,
         max_queue_len=QUEUE_LEN,
     )
@@ -632,7 +636,7 @@ def test_autoscaling_config_reaches_serve(server):
     config = details["applications"]["raylm"]["deployments"]["LLMServer"]["deployment_config"]
     auto = config["autoscaling_config"]
     assert (auto["min_replicas"], auto["max_replicas"]) == (1, 2)
-    assert auto["target_ongoing_requests"] == MAX_NUM_SEQS // 2
+    assert auto["target_ongoing_requests"] == MAX_NUM_SEQS + QUEUE_LEN + 1
     assert config["max_ongoing_requests"] == 2 * MAX_NUM_SEQS + QUEUE_LEN  # Admission refuses past its queue
 
 
@@ -727,6 +731,13 @@ async def _hold_streams(url: str, count: int) -> list[asyncio.Task]:
     return [asyncio.create_task(hold()) for _ in range(count)]
 
 
+def held_by_replica(m: dict[str, float]) -> dict[str, tuple[float | None, float | None]]:
+    """(running, waiting) of each replica with the engine gauges in the by-replica /metrics ``m``."""
+    gauges = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    replicas = {re.search(r"replica=([^,}]+)", k)[1] for k in m if k.startswith(gauges)}
+    return {r: tuple(m.get(f"{g}{{model_name={MODEL},replica={r}}}") for g in gauges) for r in replicas}
+
+
 def test_past_the_queue_a_request_is_refused_with_429_and_counted(url):
     """MAX_NUM_SEQS run and QUEUE_LEN wait in the engine; one more is a 429 with Retry-After at once, counted in
     raylm:requests_rejected_total; the held requests, once their clients go, leave no block, request or held
@@ -737,15 +748,11 @@ def test_past_the_queue_a_request_is_refused_with_429_and_counted(url):
         tasks = await _hold_streams(url, MAX_NUM_SEQS + QUEUE_LEN)
         try:
             deadline = time.monotonic() + WAIT_S
-            while (
-                held := (
-                    metrics(url).get(f"vllm:num_requests_running{{model_name={MODEL}}}"),
-                    metrics(url).get(f"vllm:num_requests_waiting{{model_name={MODEL}}}"),
-                )
-            ) != (MAX_NUM_SEQS, QUEUE_LEN):
-                assert time.monotonic() < deadline, (
-                    f"the held requests did not reach the engine: (running, waiting) {held}"
-                )
+            # Both gauges from one scrape, by replica: two scrapes may each see a different report of the
+            # replica's, and a sum may mix in another replica's.
+            while (MAX_NUM_SEQS, QUEUE_LEN) not in held_by_replica(m := metrics(url, by_replica=True)).values():
+                engine = {k: v for k, v in m.items() if k.startswith(("vllm:num_requests_", "vllm:kv_cache_usage"))}
+                assert time.monotonic() < deadline, f"the held requests did not reach the engine: {engine}"
                 await asyncio.sleep(0.2)
             async with httpx.AsyncClient(timeout=WAIT_S) as client:
                 return await client.post(
