@@ -167,7 +167,10 @@ def lost_host(head_ip: str, model: str, hosts_json: str) -> dict:
     when, what /health said, and when a completion was answered again and by which hosts' ranks."""
     hosts = json.loads(hosts_json)  # ip -> namespace
     args = AppArgs(
-        engine=EngineConfig(model=model, tensor_parallel_size=2, num_threads=2, block_size=8, kv_cache_bytes=1 << 22)
+        engine=EngineConfig(model=model, tensor_parallel_size=2, num_threads=2, block_size=8, kv_cache_bytes=1 << 22),
+        # Serve replaces the replica after three failed checks: at the default period (10 s), half the time
+        # the test takes.
+        health_check_period_s=2.0,
     )
     url = start(args, address=f"{head_ip}:6379", host="0.0.0.0", port=8000, timeout_s=180)
     before = _group_hosts(hosts)
