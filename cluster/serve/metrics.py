@@ -294,12 +294,21 @@ def node_metrics_port() -> int:
 def render_node_metrics(port: int) -> str:
     """The vLLM and raylm series Ray exports on this node, under vLLM's names, Ray's own labels dropped."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        text = r.read().decode()
+        return vllm_series(r.read().decode())
+
+
+# Lines of the export that belong to our series: their samples, and the HELP and TYPE comments naming them.
+OUR_LINES = tuple(f"{comment}{p}" for p in RAY_PREFIXES for comment in ("", "# HELP ", "# TYPE "))
+
+
+def vllm_series(export: str) -> str:
+    """Ray's node export ``export`` reduced to its vLLM and raylm series, renamed to vLLM's names. Ours are a few
+    dozen of its thousands of lines (Ray's own gRPC, task and Serve series): they are picked out before the
+    Prometheus parser runs, which costs a fifth of a second of the replica's CPU per scrape on the whole export."""
+    ours = "\n".join(line for line in export.splitlines() if line.startswith(OUR_LINES))
     lines = []
-    for family in text_string_to_metric_families(text):
-        prefix = next((p for p in RAY_PREFIXES if family.name.startswith(p)), None)
-        if prefix is None:
-            continue
+    for family in text_string_to_metric_families(ours):
+        prefix = next(p for p in RAY_PREFIXES if family.name.startswith(p))
         name = RAY_PREFIXES[prefix] + family.name[len(prefix) :]
         lines += [f"# HELP {name} {family.documentation}", f"# TYPE {name} {family.type}"]
         for s in family.samples:

@@ -7,7 +7,7 @@ import uuid
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.serve.metrics import ServeMetrics, node_metrics_port, render_node_metrics
+from cluster.serve.metrics import ServeMetrics, node_metrics_port, render_node_metrics, vllm_series
 from scheduler import SchedulerStats
 
 WAIT_S = 30.0  # Ray exports once per report period (1 s in the test session)
@@ -107,4 +107,37 @@ def test_host_tier_series_carry_the_schedulers_stats(ray_session):
             "raylm:kv_blocks_swapped_in_total": 9,
             "vllm:num_requests_swapped": 0,
         },
+    )
+
+
+RAY_EXPORT = """\
+# HELP ray_tasks Current number of tasks currently in a particular state.
+# TYPE ray_tasks gauge
+ray_tasks{Component="core_worker",SessionName="s",State="RUNNING"} 3.0
+# HELP ray_vllm_time_to_first_token_seconds Time to first token.
+# TYPE ray_vllm_time_to_first_token_seconds histogram
+ray_vllm_time_to_first_token_seconds_bucket{SessionName="s",le="0.1",model_name="m",replica="r1"} 2.0
+ray_vllm_time_to_first_token_seconds_bucket{SessionName="s",le="+Inf",model_name="m",replica="r1"} 3.0
+ray_vllm_time_to_first_token_seconds_count{SessionName="s",model_name="m",replica="r1"} 3.0
+ray_vllm_time_to_first_token_seconds_sum{SessionName="s",model_name="m",replica="r1"} 0.4
+# HELP ray_grpc_server_req_new_total gRPC requests (the vllm_ in a label is not a name of ours).
+# TYPE ray_grpc_server_req_new_total counter
+ray_grpc_server_req_new_total{Method="ray_vllm_x",SessionName="s"} 7.0
+# HELP ray_raylm_engine_steps_total Engine steps.
+# TYPE ray_raylm_engine_steps_total counter
+ray_raylm_engine_steps_total{NodeAddress="10.0.0.1",model_name="m",replica="r1"} 9.0
+"""
+
+
+def test_the_render_keeps_only_our_series_under_vllms_names_without_rays_labels():
+    assert vllm_series(RAY_EXPORT) == (
+        "# HELP vllm:time_to_first_token_seconds Time to first token.\n"
+        "# TYPE vllm:time_to_first_token_seconds histogram\n"
+        'vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m",replica="r1"} 2.0\n'
+        'vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="m",replica="r1"} 3.0\n'
+        'vllm:time_to_first_token_seconds_count{model_name="m",replica="r1"} 3.0\n'
+        'vllm:time_to_first_token_seconds_sum{model_name="m",replica="r1"} 0.4\n'
+        "# HELP raylm:engine_steps Engine steps.\n"
+        "# TYPE raylm:engine_steps counter\n"
+        'raylm:engine_steps_total{model_name="m",replica="r1"} 9.0\n'
     )
