@@ -606,7 +606,7 @@ def test_metrics_have_vllm_names_and_move_with_requests(client, url):
         url,
         lambda m: (
             m.get(key, 0) > before.get(key, 0)
-            and m[f"vllm:prefix_cache_queries_total{{model_name={MODEL}}}"]
+            and m.get(f"vllm:prefix_cache_queries_total{{model_name={MODEL}}}", 0)
             > before.get(f"vllm:prefix_cache_queries_total{{model_name={MODEL}}}", 0)
         ),
     )
