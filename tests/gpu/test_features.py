@@ -1,6 +1,7 @@
 """The features whose GPU code the CPU suite reaches only through Triton's interpreter or not at all, run on CUDA
 with the in-process executor: sliding windows and the mixture-of-experts families against transformers, the
-batched LoRA op against peft, and speculation (n-gram, a draft of the target itself) against no speculation."""
+batched LoRA op against peft, speculation (n-gram, a draft of the target itself) against no speculation, and
+pooled embeddings against transformers."""
 
 import pytest
 import torch
@@ -71,3 +72,33 @@ def test_speculation_gives_the_output_without_it(tiny_model_dir):
         assert stats.spec_decode_num_draft_tokens > 0, spec["method"]
         if spec["method"] == "draft_model":
             assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+
+
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_pooled_embeddings_match_transformers(tiny_model_dir, default_model_dir, pooling):
+    """The pooling path on CUDA (eager: a pooling step is never a captured decode): the final hidden states, pooled
+    over 16-token chunks of a 70-token prompt and normalised, against transformers' last hidden state on the GPU."""
+    from transformers import AutoModel
+
+    path = tiny_model_dir("llama")
+    rng = torch.Generator().manual_seed(3)
+    ids = [torch.randint(3, 256, (n,), generator=rng).tolist() for n in (1, 9, 70)]
+    engine = cuda_engine(
+        path, tokenizer=default_model_dir, dtype="float32", max_num_batched_tokens=32, long_prefill_token_threshold=16
+    )
+    try:
+        for i, prompt in enumerate(ids):
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=1, pooling=pooling))
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update((o.request_id, o) for o in engine.step() if o.finished)
+    finally:
+        free(engine)
+    model = AutoModel.from_pretrained(path, dtype=torch.float32).to("cuda").eval()
+    for i, prompt in enumerate(ids):
+        with torch.inference_mode():
+            hidden = model(torch.tensor([prompt], device="cuda")).last_hidden_state[0].cpu()
+        want = torch.nn.functional.normalize(hidden[-1] if pooling == "last" else hidden.mean(0), dim=0)
+        out = outs[str(i)]
+        assert out.finish_reason == "stop" and out.new_token_ids == []
+        assert torch.tensor(out.embedding) == pytest.approx(want, abs=1e-4)
