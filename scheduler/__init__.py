@@ -8,6 +8,7 @@ from scheduler.outputs import (
     RequestOutput,
     SampledLogprobs,
     SchedulerOutput,
+    merge_deltas,
     pack_outputs,
     unpack_outputs,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerStats",
     "StructuredOutputsParams",
+    "merge_deltas",
     "pack_outputs",
     "unpack_outputs",
 ]

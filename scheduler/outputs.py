@@ -6,6 +6,9 @@ and how many tokens were computed before this step. Workers keep the rest,
 including the tokens they sample: each rank appends a step's samples itself
 (vLLM v1's rule), so no sampled token travels back from the scheduler, and a
 step can be scheduled before the previous one's samples reach the scheduler.
+
+Every type here is built by keyword (``kw_only``): they are wide, and a record built by position takes a field
+added or moved later silently into the wrong slot.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from operator import attrgetter
 from scheduler.sampling_params import SamplingParams
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class NewRequestData:
     """A request the workers have not seen: everything they need to hold it."""
 
@@ -28,7 +31,7 @@ class NewRequestData:
     lora_name: str | None = None  # the LoRA adapter it runs with; None: the base model
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class CachedRequestData:
     """Requests the workers already hold, as parallel lists (no per-request objects on the hot path).
 
@@ -52,7 +55,7 @@ class CachedRequestData:
         return len(self.req_ids)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class SchedulerOutput:
     """One step's plan, broadcast identically to every tensor-parallel rank.
 
@@ -97,7 +100,7 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class SampledLogprobs:
     """Logprobs of one sampled (or prompt) token: its own, and the top-k alternatives (most likely first).
     ``rank`` (1 = most likely) is filled for prompt tokens, which vLLM's format reports."""
@@ -108,7 +111,7 @@ class SampledLogprobs:
     rank: int | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class ModelRunnerOutput:
     """What rank 0 returns for one step: one sampled token per request that sampled.
 
@@ -136,7 +139,7 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class RequestOutput:
     """One delta streamed back to a caller: the tokens a request gained this step.
 
@@ -165,12 +168,15 @@ class RequestOutput:
 # A delta that carries tokens and nothing else (nearly every one) crosses processes as (request_id, index,
 # new_token_ids): Ray's pickler makes a Python call for each object it meets, and a slotted dataclass pickles as
 # a dict of its twelve fields, which made the outputs' trip from the scheduler actor to a Serve replica the
-# largest CPU cost of both (docs/serving.md). The defaults are read from the class, so a field added later
-# travels in the full form whenever it is set.
-_PLAIN = 3
-_ALL_FIELDS = attrgetter(*(f.name for f in fields(RequestOutput)))
-_TAIL_FIELDS = attrgetter(*(f.name for f in fields(RequestOutput)[_PLAIN:]))
-_TAIL_DEFAULTS = tuple(f.default for f in fields(RequestOutput)[_PLAIN:])
+# largest CPU cost of both (docs/serving.md). The names and defaults are read from the class, so a field added
+# later travels in the full form whenever it is set.
+_NAMES = tuple(f.name for f in fields(RequestOutput))
+_DEFAULTS = {f.name: f.default for f in fields(RequestOutput)}
+_PLAIN = ("request_id", "index", "new_token_ids")
+_TAIL = tuple(name for name in _NAMES if name not in _PLAIN)
+_ALL_FIELDS = attrgetter(*_NAMES)
+_TAIL_FIELDS = attrgetter(*_TAIL)
+_TAIL_DEFAULTS = tuple(_DEFAULTS[name] for name in _TAIL)
 
 
 def pack_outputs(outputs: list[RequestOutput]) -> list[tuple]:
@@ -182,4 +188,33 @@ def pack_outputs(outputs: list[RequestOutput]) -> list[tuple]:
 
 
 def unpack_outputs(packed: list[tuple]) -> list[RequestOutput]:
-    return [RequestOutput(*t) for t in packed]
+    return [
+        RequestOutput(request_id=t[0], index=t[1], new_token_ids=t[2])
+        if len(t) == len(_PLAIN)
+        else RequestOutput(**dict(zip(_NAMES, t)))
+        for t in packed
+    ]
+
+
+def merge_deltas(deltas: list[RequestOutput]) -> list[RequestOutput]:
+    """Fold the queued deltas of each sample into one, so a consumer that lags costs one object per sample."""
+    if len(deltas) == 1:
+        return deltas
+    by_index: dict[int, list[RequestOutput]] = {}
+    for d in deltas:
+        by_index.setdefault(d.index, []).append(d)
+    return [group[0] if len(group) == 1 else _fold(group) for group in by_index.values()]
+
+
+def _fold(group: list[RequestOutput]) -> RequestOutput:
+    """A sample's consecutive deltas as one: the tokens and their logprobs concatenated, every other field the
+    value of the latest delta that set it (prompt logprobs ride on an early delta, the final fields on the
+    last), so a field added later is kept with no rule here."""
+    merged = {
+        name: next((v for d in reversed(group) if (v := getattr(d, name)) != default), default)
+        for name, default in _DEFAULTS.items()
+    }
+    merged["new_token_ids"] = [t for d in group for t in d.new_token_ids]
+    if any(d.new_logprobs for d in group):
+        merged["new_logprobs"] = [lp for d in group for lp in d.new_logprobs or []]
+    return RequestOutput(**merged)

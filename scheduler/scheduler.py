@@ -230,11 +230,11 @@ class Scheduler:
         if siblings is not None and all(s.is_finished for s in siblings):
             del self.children[caller_id]
         return RequestOutput(
-            caller_id,
-            request.index,
-            [],
-            True,
-            FINISH_REASONS[status],
+            request_id=caller_id,
+            index=request.index,
+            new_token_ids=[],
+            finished=True,
+            finish_reason=FINISH_REASONS[status],
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             error=error,
@@ -319,16 +319,16 @@ class Scheduler:
         self.last_num_scheduled_tokens = total
         self.last_num_admitted = num_admitted
         return SchedulerOutput(
-            new_data,
-            cached,
-            num_scheduled,
-            total,
-            finished,
-            {r.request_id for r in preempted},
-            self.num_steps,
-            swap_out,
-            swap_in,
-            self.spec_tokens,
+            scheduled_new_reqs=new_data,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=finished,
+            preempted_req_ids={r.request_id for r in preempted},
+            step_id=self.num_steps,
+            blocks_to_swap_out=swap_out,
+            blocks_to_swap_in=swap_in,
+            scheduled_spec_decode_tokens=self.spec_tokens,
         )
 
     def _add_placeholders(self, num_scheduled: dict[str, int]) -> dict[str, Request]:
@@ -525,12 +525,12 @@ class Scheduler:
         else:
             new_data.append(
                 NewRequestData(
-                    req_id,
-                    request.all_token_ids.copy(),
-                    request.sampling_params,
-                    block_ids,
-                    num_hit_tokens,
-                    request.lora_name,
+                    req_id=req_id,
+                    prompt_token_ids=request.all_token_ids.copy(),
+                    sampling_params=request.sampling_params,
+                    block_ids=block_ids,
+                    num_computed_tokens=num_hit_tokens,
+                    lora_name=request.lora_name,
                 )
             )
         request.status = RequestStatus.RUNNING
@@ -618,7 +618,10 @@ class Scheduler:
                 if self.pipelined:
                     self.unsent.setdefault(req_id, []).append(token)
                 out = RequestOutput(
-                    request.parent_id or req_id, request.index, [token], False, None, None if entry is None else [entry]
+                    request_id=request.parent_id or req_id,
+                    index=request.index,
+                    new_token_ids=[token],
+                    new_logprobs=None if entry is None else [entry],
                 )
                 append_out(out)
                 if deferred and req_id in deferred:
@@ -687,7 +690,9 @@ class Scheduler:
         if status is None:
             if self.deferred and req_id in self.deferred:
                 self._release_deferred(request)
-            out = RequestOutput(request.parent_id or req_id, request.index, tokens, False, None, entries)
+            out = RequestOutput(
+                request_id=request.parent_id or req_id, index=request.index, new_token_ids=tokens, new_logprobs=entries
+            )
         else:
             if request.status == RequestStatus.RUNNING:
                 self.kv.cache_computed_blocks(request)

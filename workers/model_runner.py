@@ -313,7 +313,7 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
         self.update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], []) if self.is_driver else None
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.is_driver else None
         inputs = self.prepare_inputs(so)
         states = inputs.sampling_states
         rows_of = states
@@ -329,7 +329,9 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden, inputs.prompt_spans) if inputs.prompt_spans else None
         pooled = self._pool(hidden, inputs.pool_spans) if inputs.pool_spans and self.is_driver else None
         if not states:
-            return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs, pooled=pooled) if self.is_driver else None
+            if not self.is_driver:
+                return None
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs, pooled=pooled)
         sampled = logprobs = accepted_logprobs = None
         num_drafts = inputs.num_drafts
         if self.is_driver:
@@ -360,14 +362,14 @@ class ModelRunner:
             return None
         drafts = self.draft.propose(states, self.token_ids, self.block_table) if self.draft is not None else None
         return ModelRunnerOutput(
-            [s.req_id for s in states],
-            token_ids,
-            logprobs,
-            prompt_logprobs,
-            num_accepted,
-            accepted_logprobs,
-            pooled,
-            drafts,
+            req_ids=[s.req_id for s in states],
+            sampled_token_ids=token_ids,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            num_accepted_tokens=num_accepted,
+            accepted_logprobs=accepted_logprobs,
+            pooled=pooled,
+            draft_token_ids=drafts,
         )
 
     def _share(self, sampled: torch.Tensor | None, num_sampled: int) -> torch.Tensor:
@@ -416,7 +418,10 @@ class ModelRunner:
         for state, _, count, _ in spans:
             k = state.sampling_params.prompt_logprobs
             out[state.req_id] = [
-                SampledLogprobs(chosen_l[j], ids_l[j][:k], values_l[j][:k], ranks_l[j]) for j in range(i, i + count)
+                SampledLogprobs(
+                    logprob=chosen_l[j], top_token_ids=ids_l[j][:k], top_logprobs=values_l[j][:k], rank=ranks_l[j]
+                )
+                for j in range(i, i + count)
             ]
             i += count
         return out

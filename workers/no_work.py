@@ -46,4 +46,4 @@ class NoWorkRunner:
                 req_ids.append(req_id)
                 sampled.append(self.first + request_tokens % self.span)
                 num_tokens[req_id] = request_tokens + 1
-        return ModelRunnerOutput(req_ids, sampled) if self.is_driver else None
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled) if self.is_driver else None

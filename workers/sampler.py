@@ -418,6 +418,8 @@ def _logprobs_out(raw_logprobs: Tensor, sampled: Tensor, metadata: SamplingMetad
     # One transfer per tensor; per-row Python only touches plain lists.
     chosen_list, values_list, ids_list = chosen.tolist(), top_values.tolist(), top_ids.tolist()
     return [
-        None if k is None else SampledLogprobs(chosen_list[i], ids_list[i][:k], values_list[i][:k])
+        None
+        if k is None
+        else SampledLogprobs(logprob=chosen_list[i], top_token_ids=ids_list[i][:k], top_logprobs=values_list[i][:k])
         for i, k in enumerate(metadata.num_logprobs)
     ]

@@ -27,7 +27,15 @@ def tiny_llama(path: str, max_len: int = 256) -> str:
 def _empty_step(step_id: int):
     from scheduler import CachedRequestData, SchedulerOutput
 
-    return SchedulerOutput([], CachedRequestData(), {}, 0, set(), set(), step_id)
+    return SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData(),
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+        finished_req_ids=set(),
+        preempted_req_ids=set(),
+        step_id=step_id,
+    )
 
 
 class _RoundTrips:

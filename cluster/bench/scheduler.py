@@ -34,7 +34,7 @@ def _decode_step_times(num_requests: int, prompt_len: int, block_size: int, step
             for rid, n in so.num_scheduled_tokens.items()
             if sched.requests[rid].num_computed_tokens == sched.requests[rid].num_tokens
         ]
-        out = ModelRunnerOutput(sampled, [rng.randrange(1, 49152) for _ in sampled])
+        out = ModelRunnerOutput(req_ids=sampled, sampled_token_ids=[rng.randrange(1, 49152) for _ in sampled])
         t2 = time.perf_counter()
         sched.update_from_output(so, out)
         t3 = time.perf_counter()

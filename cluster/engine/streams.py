@@ -7,38 +7,11 @@ from collections.abc import AsyncIterator
 
 import ray
 
-from scheduler import RequestError, RequestOutput, SamplingParams, unpack_outputs
+from scheduler import RequestError, RequestOutput, SamplingParams, merge_deltas, unpack_outputs
 
 
 class EngineStopping(RuntimeError):
     """The engine's owner is stopping it: a request still running was ended before it finished."""
-
-
-def merge_deltas(deltas: list[RequestOutput]) -> list[RequestOutput]:
-    """Fold the queued deltas of each sample into one, so a consumer that lags costs one object per sample."""
-    if len(deltas) == 1:
-        return deltas
-    by_index: dict[int, list[RequestOutput]] = {}
-    for d in deltas:
-        by_index.setdefault(d.index, []).append(d)
-    return [group[0] if len(group) == 1 else _fold(group) for group in by_index.values()]
-
-
-def _fold(group: list[RequestOutput]) -> RequestOutput:
-    last = group[-1]
-    logprobs = [lp for d in group for lp in d.new_logprobs or []] if any(d.new_logprobs for d in group) else None
-    return RequestOutput(
-        last.request_id,
-        last.index,
-        [t for d in group for t in d.new_token_ids],
-        last.finished,
-        last.finish_reason,
-        logprobs,
-        last.num_prompt_tokens,
-        last.num_cached_tokens,
-        last.error,
-        last.queued_s,
-    )
 
 
 class DeltaStreams:

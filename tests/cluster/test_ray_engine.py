@@ -15,8 +15,7 @@ from cluster.config import EngineConfig
 from cluster.engine.inprocess import InProcessEngine
 from cluster.engine.interface import Engine
 from cluster.engine.ray_client import RayEngine
-from cluster.engine.streams import merge_deltas
-from scheduler import RequestError, RequestOutput, SampledLogprobs, SamplingParams
+from scheduler import RequestError, SamplingParams
 from tests.cluster.conftest import SESSION_CPUS
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -427,18 +426,3 @@ def test_a_binding_naming_cores_the_node_lacks_is_refused_at_start_and_cleans_up
         bounded(lambda: RayEngine(config(llama, cpu_omp_threads_bind="0-4095")), "the refusal", 60)
     table = ray.util.placement_group_table()
     assert {table[pg]["state"] for pg in set(table) - before} == {"REMOVED"}
-
-
-def test_merge_deltas_folds_each_sample_in_order():
-    lp = [SampledLogprobs(-float(i), [i], [-float(i)]) for i in range(4)]
-    deltas = [
-        RequestOutput("r", 0, [1], new_logprobs=[lp[0]]),
-        RequestOutput("r", 1, [7]),
-        RequestOutput("r", 0, [2, 3], new_logprobs=lp[1:3]),
-        RequestOutput("r", 0, [4], finished=True, finish_reason="length", new_logprobs=[lp[3]]),
-    ]
-    first, second = merge_deltas(deltas)
-    assert (first.index, first.new_token_ids, first.finished, first.finish_reason) == (0, [1, 2, 3, 4], True, "length")
-    assert first.new_logprobs == lp
-    assert second.new_token_ids == [7] and second.new_logprobs is None and not second.finished
-    assert merge_deltas(deltas[:1]) == deltas[:1]

@@ -16,7 +16,7 @@ from workers.no_work import NoWorkRunner
 
 
 def delta(token: int) -> RequestOutput:
-    return RequestOutput("r", 0, [token])
+    return RequestOutput(request_id="r", index=0, new_token_ids=[token])
 
 
 def test_nothing_to_send_until_a_delta_arrives():

@@ -124,7 +124,9 @@ class FakeWorker:
                 sampled.append(token)
                 num_accepted.append(accepted)
         drafts = {rid: self._draft(rid, self.states[rid]) for rid in req_ids} if self.draft_k else None
-        return ModelRunnerOutput(req_ids, sampled, num_accepted_tokens=num_accepted, draft_token_ids=drafts)
+        return ModelRunnerOutput(
+            req_ids=req_ids, sampled_token_ids=sampled, num_accepted_tokens=num_accepted, draft_token_ids=drafts
+        )
 
     def _swap(self, so: SchedulerOutput) -> None:
         assert len({h for _, h in so.blocks_to_swap_out}) == len(so.blocks_to_swap_out), "two copies to a host block"

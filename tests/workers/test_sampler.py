@@ -309,7 +309,9 @@ def test_logprobs_come_from_raw_logits():
     ]
     sampled, out = Sampler()(logits.clone(), build(params, outputs=[[1, 2], [], []]))
     assert out[1] is None
-    assert out[2] == SampledLogprobs(pytest.approx(raw[2, sampled[2]].item(), abs=1e-6), [], [])
+    assert out[2] == SampledLogprobs(
+        logprob=pytest.approx(raw[2, sampled[2]].item(), abs=1e-6), top_token_ids=[], top_logprobs=[]
+    )
     first = out[0]
     assert first.logprob == pytest.approx(raw[0, sampled[0]].item(), abs=1e-6)
     assert first.top_token_ids == raw[0].argsort(descending=True)[:3].tolist()
