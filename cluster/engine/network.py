@@ -16,6 +16,25 @@ def free_port(host: str = "") -> int:
         return s.getsockname()[1]
 
 
+def free_port_range(count: int, tries: int = 100) -> range:
+    """``count`` consecutive TCP ports nothing is bound to now on any interface (the caveat of free_port holds for
+    each)."""
+    for _ in range(tries):
+        ports = range(first := free_port(), first + count)
+        if ports[-1] < 1 << 16 and all(_bindable(port) for port in ports[1:]):
+            return ports
+    raise RuntimeError(f"no {count} consecutive free TCP ports found in {tries} tries")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
 def interface_of(ip: str) -> str | None:
     """The network interface whose (primary) IPv4 address is ``ip`` on this host, or None."""
     for _, name in socket.if_nameindex():

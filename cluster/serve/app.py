@@ -21,6 +21,7 @@ from ray.serve.exceptions import RayServeException
 from cluster.config import check_served_names, per_model_settings
 from cluster.engine.connect import connect, starts_local_ray
 from cluster.engine.placement import engine_bundles
+from cluster.serve.ingress import side_ports
 from cluster.serve.lifecycle import LocalRayLost, StopSignals, haproxy_dies_with_its_parent, while_local_ray_lives
 from cluster.serve.model_router import ModelRouter, RoutedLLMServer
 from cluster.serve.options import REPLICA_CPUS, AppArgs, deployment_options, uses_prefix_cache_router
@@ -103,6 +104,7 @@ def start_ray(args: AppArgs | list[AppArgs], address: str | None, host: str, por
         # Nothing of ours can hold the ports yet: a taken one is another process's, and HAProxy would only find
         # out once Ray and Serve are up, as a Ray traceback. (A cluster joined may hold them with its own Serve.)
         check_ports_free(host, {"--port": port, "--grpc-port": grpc_port})
+        check_ports_free("0.0.0.0", side_ports())  # HAProxy binds them on every interface
         # Serve keeps a stopping replica reachable for 30 s so that an external load balancer can deregister it;
         # a Ray of our own has none, only Serve's HAProxy on this node, which a config reload updates at once.
         # Without this, every scale-down and `raylm serve`'s Ctrl-C waits 30 s even when idle. Set before Ray

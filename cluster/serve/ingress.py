@@ -22,7 +22,7 @@ their value.
 
 import os
 
-from cluster.engine.network import free_port
+from cluster.engine.network import free_port_range
 
 FAST_INGRESS_ENV = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
@@ -32,11 +32,37 @@ FAST_INGRESS_ENV = {
     # Ray's default (8 MiB) would size every HAProxy buffer for the largest body.
     "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
     "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE": str(256 << 10),
+    # Serve's Python proxy binds with SO_REUSEPORT unless this is 0 (HAProxy already does without): SIDE_PORT_ENV
+    # says why it must not.
+    "SERVE_SOCKET_REUSE_PORT_ENABLED": "0",
 }
-# HAProxy also listens on two fixed ports of every interface (its Prometheus metrics, 9101, and stats page,
-# 8404), so a second Serve on one host (another `raylm serve --port`, a test session beside a server) failed
-# to start its HAProxy; each Ray started here takes free ones instead.
-HAPROXY_PORT_ENV = ("RAY_SERVE_HAPROXY_METRICS_PORT", "RAY_SERVE_HAPROXY_STATS_PORT")
+# Serve listens on more ports than --port and --grpc-port, each fixed unless its variable says otherwise: HAProxy's
+# Prometheus metrics (9101) and stats page (8404), and the Python proxy HAProxy falls back to while no replica of
+# the app is up (8500, and 9500 for gRPC). Two Serves on one host (two `raylm serve`, a test session beside a
+# server) failed on HAProxy's, and shared the fallback's: that proxy binds with SO_REUSEPORT, so the second one's
+# joined the first's socket and the kernel spread each HAProxy's fallback traffic over both instances; the second
+# server answered as the first through its start-up and whenever its replica was down. So each process that starts
+# Serve takes free ports of its own, and the proxy's HTTP binds without SO_REUSEPORT, so a taken one fails instead.
+SIDE_PORT_ENV = (
+    "RAY_SERVE_HAPROXY_METRICS_PORT",
+    "RAY_SERVE_HAPROXY_STATS_PORT",
+    "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT",
+    "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT",
+)
+# Each replica serves HTTP and gRPC on a port of its own, which HAProxy forwards to, taken from a range (by default
+# 30000-31000 and 40000-41000, the same for every Serve). Serve's gRPC servers bind with SO_REUSEPORT whatever it
+# asks (it passes gRPC the option as a string, which gRPC ignores), so the first replica of a second Serve on the
+# host shared the first one's gRPC port, 40000. So each Serve started here takes ranges of its own, of this many
+# ports: the replicas of every deployment at once, with their replacements.
+REPLICA_PORTS = 64
+REPLICA_PORT_ENV = {  # the first port of each range, and the end (exclusive)
+    "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT",
+}
+# "PID NAME...": the ports use_fast_ingress picked, and in which process. A `raylm serve` started by a process that
+# picked them (a test session, a benchmark) inherits them with its environment, and must pick its own: they are
+# the parent's Serve's, not an operator's settings.
+PICKED_ENV = "RAYLM_PICKED_SERVE_PORTS"
 
 
 def use_fast_ingress() -> None:
@@ -44,6 +70,27 @@ def use_fast_ingress() -> None:
     before anything imports ``ray.serve`` (the module doc says why)."""
     for name, value in FAST_INGRESS_ENV.items():
         os.environ.setdefault(name, value)
-    for name in HAPROXY_PORT_ENV:
-        if name not in os.environ:
-            os.environ[name] = str(free_port())
+    pid, *inherited = os.environ.get(PICKED_ENV, "").split() or [""]
+    if pid == str(os.getpid()):  # picked already: this process's Ray may listen on them
+        return
+    picked = [name for name in (*REPLICA_PORT_ENV, *SIDE_PORT_ENV) if name in inherited or name not in os.environ]
+    pick_ports(picked)
+    os.environ[PICKED_ENV] = " ".join([str(os.getpid()), *picked])
+
+
+def pick_ports(names: list[str]) -> None:
+    """Set each variable of ``names`` (of REPLICA_PORT_ENV, then SIDE_PORT_ENV) to free ports, none inside a range
+    picked here: a replica of this Serve could take it first."""
+    taken: set[int] = set()
+    for name in names:
+        while taken & set(ports := free_port_range(REPLICA_PORTS if name in REPLICA_PORT_ENV else 1)):
+            pass
+        taken.update(ports)
+        os.environ[name] = str(ports[0])
+        if name in REPLICA_PORT_ENV:
+            os.environ[REPLICA_PORT_ENV[name]] = str(ports[-1] + 1)
+
+
+def side_ports() -> dict[str, int]:
+    """The ports of SIDE_PORT_ENV this process's Serve will listen on, by their variable."""
+    return {f"${name}": int(os.environ[name]) for name in SIDE_PORT_ENV if name in os.environ}

@@ -75,6 +75,18 @@ def test_a_port_another_process_holds_is_refused_before_ray_starts_naming_its_fl
             _start_until_ray_starts(monkeypatch, None, **{flag: busy})
 
 
+def test_an_internal_port_another_process_holds_is_refused_before_ray_starts_naming_its_variable(monkeypatch):
+    # An operator's choice (use_fast_ingress picks free ones otherwise): Serve's fallback proxy would fail later.
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        busy = held.getsockname()[1]
+        monkeypatch.setenv("RAY_SERVE_FALLBACK_PROXY_HTTP_PORT", str(busy))
+        with pytest.raises(
+            ValueError,
+            match=rf"^\$RAY_SERVE_FALLBACK_PROXY_HTTP_PORT {busy}: cannot listen on 0.0.0.0:{busy}: Address already in use",
+        ):
+            _start_until_ray_starts(monkeypatch, None)
+
+
 def test_joining_a_cluster_leaves_the_ports_to_it(monkeypatch):
     # The cluster's own Serve may hold them already: a redeploy joins it.
     with socket.create_server(("127.0.0.1", 0)) as held:

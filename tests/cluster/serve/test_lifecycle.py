@@ -1,15 +1,13 @@
 """`raylm serve` stopped and restarted the way process managers do it: a real `python -m cluster.cli serve` with a
 Ray of its own (a tiny random Llama with a long context, so a stream runs until stopped) killed with SIGKILL
-mid-stream and started again on the same port, stopped with SIGTERM mid-stream, and stopped during start-up.
-
-What a server leaves behind is read from its session: each is started as a session leader, and every process
-it starts (Ray's daemons and workers, HAProxy) inherits the session whatever its parent becomes once
-re-parented, so an orphan is found without knowing its name."""
+mid-stream and started again on the same port, stopped with SIGTERM mid-stream, and stopped during start-up
+(what it leaves behind is read from its session: raylm_serve.py)."""
 
 import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,30 +19,23 @@ import pytest
 
 from cluster.engine.network import free_port
 from cluster.serve.drain import CODE
-from cluster.serve.ingress import HAPROXY_PORT_ENV
 from cluster.serve.lifecycle import write_launcher
+from tests.cluster.serve.raylm_serve import RaylmServe, session
 
 DRAIN_TIMEOUT_S = 4.0
 STOP_BOUND_S = DRAIN_TIMEOUT_S + 15  # SIGTERM to exit (issue 24's target)
-START_BOUND_S = 600  # a cold start: Ray, Serve, the replica and its engine, on a loaded 2-core machine
-# How long a killed server's processes may take to end. HAProxy and Ray's workers end within seconds; Ray's two
-# agents first try to tell a GCS that has gone that their raylet died, and give up ~50 s later.
-GONE_BOUND_S = 120
 MAX_MODEL_LEN = 16384
-REPO = Path(__file__).resolve().parents[3]
 
 
-def session(sid: int) -> dict[int, str]:
-    """The live processes of session ``sid`` (zombies hold nothing), with their command lines."""
-    found = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            state, _ppid, _pgrp, session_id = stat.read_text().rpartition(")")[2].split()[:4]
-            if int(session_id) == sid and state != "Z":
-                found[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:  # it has gone
-            pass
-    return found
+def long_context_server(model: str, port: int, log: Path) -> RaylmServe:
+    """A server whose streams run until stopped, and whose drain is short."""
+    return RaylmServe(
+        model,
+        port,
+        log,
+        *("--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-bytes", str(64 << 20), "--num-threads", "1"),
+        *("--drain-timeout-s", f"{DRAIN_TIMEOUT_S:g}"),
+    )
 
 
 def tree(pid: int) -> set[int]:
@@ -169,79 +160,6 @@ def test_the_haproxy_launcher_dies_with_the_process_that_started_it(tmp_path, mo
         time.sleep(0.05)
 
 
-class RaylmServe:
-    """`python -m cluster.cli serve` of this checkout in a session of its own, its output kept in a file."""
-
-    def __init__(self, model: str, port: int, log: Path) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = log
-        # Each Ray picks its own HAProxy side ports (cluster/serve/ingress.py): not this test session's.
-        env = {k: v for k, v in os.environ.items() if k not in HAPROXY_PORT_ENV}
-        cmd = [
-            sys.executable,
-            "-m",
-            "cluster.cli",
-            "serve",
-            "--model",
-            model,
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-            "--kv-cache-bytes",
-            str(64 << 20),
-            "--num-threads",
-            "1",
-            "--drain-timeout-s",
-            f"{DRAIN_TIMEOUT_S:g}",
-            "--port",
-            str(port),
-            "--grpc-port",
-            str(free_port()),
-        ]
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO, env=env
-            )
-        self.sid = self.proc.pid
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_until(self, ready, what: str, timeout_s: float = START_BOUND_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not ready():
-            assert self.proc.poll() is None, (
-                f"raylm serve exited ({self.proc.returncode}) before {what}:\n{self.output()[-3000:]}"
-            )
-            assert time.monotonic() < deadline, f"raylm serve: not {what} after {timeout_s} s:\n{self.output()[-3000:]}"
-            time.sleep(0.2)
-
-    def wait_serving(self) -> None:
-        self.wait_until(lambda: "raylm: serving" in self.output(), "serving")
-
-    def wait_exit(self, timeout_s: float) -> tuple[int, float]:
-        """Its exit status and how long it took from now."""
-        t0 = time.monotonic()
-        try:
-            return self.proc.wait(timeout_s), time.monotonic() - t0
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"raylm serve still running {timeout_s} s on:\n{self.output()[-3000:]}")
-
-    def wait_gone(self, timeout_s: float = GONE_BOUND_S) -> float:
-        """Once raylm serve itself has exited: how long until nothing of its session is left."""
-        t0 = time.monotonic()
-        while left := session(self.sid):
-            assert time.monotonic() - t0 < timeout_s, f"left {timeout_s} s after raylm serve ended: {left}"
-            time.sleep(0.5)
-        return time.monotonic() - t0
-
-    def kill_session(self) -> None:
-        """Teardown: whatever is left (only after a failure)."""
-        for pid in session(self.sid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self.proc.wait()
-
-
 class Stream:
     """A long completion stream in a thread: its `data:` events, or how its connection broke."""
 
@@ -286,7 +204,7 @@ def restarted(model, tmp_path_factory):
     it took to be gone, the new one serving, its cold start)."""
     port = free_port()
     logs = tmp_path_factory.mktemp("raylm-serve")
-    killed = RaylmServe(model, port, logs / "killed.log")
+    killed = long_context_server(model, port, logs / "killed.log")
     servers = [killed]
     try:
         killed.wait_serving()
@@ -296,7 +214,7 @@ def restarted(model, tmp_path_factory):
         killed.proc.kill()
         killed.wait_exit(10)
         t0 = time.monotonic()
-        again = RaylmServe(model, port, logs / "again.log")
+        again = long_context_server(model, port, logs / "again.log")
         servers.append(again)
         again.wait_serving()
         cold_start = time.monotonic() - t0
@@ -337,7 +255,7 @@ def test_sigterm_mid_stream_drains_then_exits_0_leaving_nothing(restarted):
 def test_sigterm_to_its_whole_process_group_stops_at_once_saying_why(model, tmp_path):
     """`kill -- -PGID` (or a supervisor's group stop) reaches Ray's daemons too: the drain cannot happen, and
     raylm must say so and exit, not wait a minute on a Ray that is going down."""
-    server = RaylmServe(model, free_port(), tmp_path / "serve.log")
+    server = long_context_server(model, free_port(), tmp_path / "serve.log")
     try:
         server.wait_serving()
         stream = Stream(server.url)
@@ -375,7 +293,7 @@ def _replica_loading(server: RaylmServe) -> bool:
     ids=["ray-starting", "replica-loading-twice"],
 )
 def test_a_stop_signal_during_start_up_stops_it_leaving_nothing(model, tmp_path, when, signals, status, said):
-    server = RaylmServe(model, free_port(), tmp_path / "serve.log")
+    server = long_context_server(model, free_port(), tmp_path / "serve.log")
     try:
         server.wait_until(lambda: when(server), when.__name__)
         for sig in signals:
@@ -392,3 +310,16 @@ def test_a_stop_signal_during_start_up_stops_it_leaving_nothing(model, tmp_path,
         assert_clean_output(server)
     finally:
         server.kill_session()
+
+
+def test_a_port_already_taken_is_refused_at_start_in_one_line_leaving_nothing(model, tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        server = RaylmServe(model, port, tmp_path / "serve.log")
+        status, _ = server.wait_exit(STOP_BOUND_S * 10)  # the imports, on a loaded machine
+    server.wait_gone()
+    said = [line for line in server.output().splitlines() if line.strip()]
+    assert status == 2 and said[-1].startswith(f"raylm: error: --port {port}: cannot listen on 127.0.0.1:{port}: "), (
+        said
+    )
+    assert not any(line.startswith("raylm: error") for line in said[:-1]) and "Traceback" not in server.output()
