@@ -32,6 +32,7 @@ from cluster.model_files import (
 from cluster.raylm_pb2 import GenerateRequest, GenerateResponse
 from cluster.serve import grpc_replies
 from cluster.serve.admission import Admission
+from cluster.serve.drain import CODE as DRAIN_CODE
 from cluster.serve.drain import Drain
 from cluster.serve.embeddings import embed, embedding_prompts
 from cluster.serve.formats import ChatFormat, CompletionFormat, Format, collect, stream_sse
@@ -374,6 +375,10 @@ class LLMServer:
 
     @app.get("/health")
     async def health(self) -> Response:
+        """200 while this replica serves its model; 503 while it drains, or if its engine is down. Serve starts the
+        replica's HTTP server only once the model is loaded, so nothing answers 200 before it serves."""
+        if self.drain.is_stopping():
+            return json_response(APIError(503, "this replica is shutting down", code=DRAIN_CODE).body(), 503)
         try:
             await asyncio.to_thread(self.engine.check_health)
         except Exception as e:  # RayEngine.check_health's reason says what is wrong; the code says it is unhealthy

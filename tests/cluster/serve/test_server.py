@@ -763,3 +763,18 @@ def test_past_the_queue_a_request_is_refused_with_429_and_counted(url):
         assert r.headers["Retry-After"] == "1" and r.json()["error"]["code"] == "queue_full"
         wait_metrics(url, lambda m: m.get(rejected, 0) == before + 1)  # noqa: B023 (waited on here)
         wait_drained(url)
+
+
+@pytest.mark.parametrize(("stopping", "status"), [(False, 200), (True, 503)])
+def test_health_is_503_while_the_replica_drains(stopping, status):
+    # A load balancer trusting /health stops sending to a replica that refuses new requests (drain.py).
+    from types import SimpleNamespace
+
+    from cluster.serve.drain import CODE
+    from cluster.serve.server import LLMServer
+
+    replica = SimpleNamespace(
+        drain=SimpleNamespace(is_stopping=lambda: stopping), engine=SimpleNamespace(check_health=dict)
+    )
+    response = asyncio.run(LLMServer.func_or_class.health(replica))
+    assert response.status_code == status and (CODE in response.body.decode()) == stopping
