@@ -16,13 +16,14 @@ from kernels import AttentionBackend, select_backend
 from workers.layers import ROPE_TYPES, RopeConfig, load_replicated
 from workers.model_spec import ModelSpec, MoeSpec
 from workers.models import MODEL_REGISTRY
+from workers.quantization import WeightQuantization, read_quantization, read_weight
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 # Keys of real MoE checkpoints' config.json that their transformers config class does not list as its own
 # (older spellings, and fields this loader reads itself); any other unlisted key is refused by name.
 KNOWN_MOE_CONFIG_KEYS = frozenset(
     {"num_experts", "torch_dtype", "rope_theta", "rope_scaling", "head_dim", "max_window_layers", "layer_types"}
-    | {"is_matryoshka", "matryoshka_dimensions"}
+    | {"is_matryoshka", "matryoshka_dimensions", "quantization_config"}
 )
 
 
@@ -161,6 +162,7 @@ def read_model_spec(path: str | Path, tp_size: int = 1, expert_parallel: bool = 
         dtype=getattr(torch, cfg.dtype) if isinstance(cfg.dtype, str) else cfg.dtype,
         layer_windows=_layer_windows(cfg),
         moe=_moe_spec(root, architecture, cfg),
+        quantization=read_quantization(root),
         **_bias_flags(architecture, cfg),
         **_matryoshka(cfg),
     )
@@ -197,25 +199,30 @@ def _checkpoint_names(model: nn.Module) -> dict[str, tuple[str, Any]]:
     return names
 
 
-def load_weights(model: nn.Module, path: str | Path) -> None:
+def load_weights(model: nn.Module, path: str | Path, quantization: WeightQuantization | None = None) -> None:
     """Copy this rank's slice of every checkpoint tensor the model uses into its parameters,
-    reading no more of each tensor than that slice. Tensors the model has no use for (rotary
-    inv_freq, a tied lm_head) are skipped; a missing or mis-shaped one is a ValueError."""
+    reading no more of each tensor than that slice (a quantized weight: that slice and its scales, dequantized).
+    Tensors the model has no use for (rotary inv_freq, a tied lm_head, activation scales) are skipped; a missing
+    or mis-shaped one, or one stored quantized where `quantization` does not say so, is a ValueError."""
     params = dict(model.named_parameters())
     wanted = _checkpoint_names(model)
-    missing = set(wanted)
-    for file in _checkpoint_files(Path(path)):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for ckpt_name in f.keys():
-                if ckpt_name not in wanted:
-                    continue
-                name, shard = wanted[ckpt_name]
-                param = params[name]
-                loader = getattr(param, "weight_loader", load_replicated)
-                loader(param, f.get_slice(ckpt_name), ckpt_name, shard)
-                missing.discard(ckpt_name)
-    if missing:
-        raise ValueError(f"weights missing from the checkpoint at {path}: {sorted(missing)}")
+    with contextlib.ExitStack() as files:
+        # A weight and its scale may lie in different files of a sharded checkpoint.
+        where = {}
+        for file in _checkpoint_files(Path(path)):
+            f = files.enter_context(safe_open(file, framework="pt", device="cpu"))
+            where.update(dict.fromkeys(f.keys(), f))
+        missing = sorted(set(wanted) - set(where))
+        if missing:
+            raise ValueError(f"weights missing from the checkpoint at {path}: {missing}")
+
+        def lookup(name: str) -> Any:
+            return where[name].get_slice(name) if name in where else None
+
+        for ckpt_name, (name, shard) in wanted.items():
+            param = params[name]
+            loader = getattr(param, "weight_loader", load_replicated)
+            loader(param, read_weight(quantization, ckpt_name, lookup), ckpt_name, shard)
 
 
 @contextlib.contextmanager
@@ -246,5 +253,5 @@ def load_model(
     backend = attn_backend if attn_backend is not None else select_backend("auto", device, dtype=dtype)
     with _default_dtype(dtype), device:
         model = MODEL_REGISTRY[spec.architecture](spec, backend, tp_rank, tp_size, expert_parallel)
-    load_weights(model, path)
+    load_weights(model, path, spec.quantization)
     return model.eval()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from workers.layers import RopeConfig
+from workers.quantization import WeightQuantization
 
 
 @dataclass(slots=True, frozen=True)
@@ -35,7 +36,8 @@ class ModelSpec:
     sliding window (a query sees its last that many positions, itself included) or None (all of
     them); empty when no layer has one. `moe` is None for a dense model. `is_matryoshka`: its embeddings keep
     their meaning when shortened to their first d dimensions (config.json's `is_matryoshka`, or its
-    `matryoshka_dimensions`, which then lists the only widths allowed), as vLLM reads it."""
+    `matryoshka_dimensions`, which then lists the only widths allowed), as vLLM reads it. `quantization`: how
+    the checkpoint's weights are quantized (None: plain); the model holds them dequantized all the same."""
 
     architecture: str
     num_layers: int
@@ -61,6 +63,7 @@ class ModelSpec:
     moe: MoeSpec | None = None
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] = ()
+    quantization: WeightQuantization | None = None
 
     def window(self, layer: int) -> int | None:
         return self.layer_windows[layer] if self.layer_windows else None

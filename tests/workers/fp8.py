@@ -1,0 +1,161 @@
+"""FP8 checkpoints made from a float one, quantized the way published checkpoints are (scale = the tile's largest
+magnitude / 448, the stored weight = weight / scale in float8_e4m3fn), for the loader's tests; and, run as a
+script, the quality of each scheme against the float model:
+
+    python -m tests.workers.fp8 MODEL_DIR [SCHEME ...]
+
+prints, per scheme, the greedy agreement with the float model over a few prompts and the mean absolute error of
+its logits (teacher-forced on the float model's own continuations)."""
+
+import json
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A way to store a checkpoint's linear weights: `tile` (rows, cols) per scale, None for the whole weight and
+    0 for a whole dimension (per channel: (1, 0)); the scale tensor's name and whether it is kept [out, 1] (per
+    channel) or a 0-d scalar (per tensor)."""
+
+    config: dict[str, Any]
+    tile: tuple[int, int] | None
+    scale_name: str = "weight_scale"
+
+
+def _ct(strategy: str, block: list[int] | None = None) -> dict[str, Any]:
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "block_structure": block}
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": None}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": group}}
+
+
+SCHEMES = {
+    "fp8 per tensor (static activations)": Scheme({"quant_method": "fp8", "activation_scheme": "static"}, None),
+    "compressed-tensors per channel": Scheme({**_ct("channel"), "ignore": ["lm_head"]}, (1, 0)),
+    "fp8 blocks 32x32": Scheme(
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]},
+        (32, 32),
+        "weight_scale_inv",
+    ),
+    # 64 and 128 rows split into 48 + 16 and 48 + 48 + 32: ragged edge tiles, and tensor-parallel halves that
+    # cut tiles.
+    "compressed-tensors blocks 48x48 (ragged)": Scheme({**_ct("block", [48, 48]), "ignore": ["lm_head"]}, (48, 48)),
+}
+# The tiles Qwen3-FP8 and DeepSeek-V3 use, for a real model's shapes (the script's, not the tests').
+PUBLISHED_BLOCKS = {
+    "fp8 blocks 128x128": Scheme(
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+        (128, 128),
+        "weight_scale_inv",
+    )
+}
+
+
+def is_quantized(name: str, tensor: torch.Tensor) -> bool:
+    """What published FP8 checkpoints quantize: every linear layer's weight but the LM head's."""
+    return name.endswith(".weight") and tensor.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name
+
+
+def quantize(weight: torch.Tensor, tile: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(float8 weight, float32 scales [ceil(out / rows), ceil(in / cols)], the float64 weight they stand for)."""
+    rows, cols = weight.shape
+    tr, tc = tile
+    grid = (-(-rows // tr), -(-cols // tc))
+    padded = torch.zeros(grid[0] * tr, grid[1] * tc, dtype=torch.float64)
+    padded[:rows, :cols] = weight
+    amax = padded.view(grid[0], tr, grid[1], tc).abs().amax(dim=(1, 3))
+    scales = (amax.clamp(min=1e-12) / FP8_MAX).float()
+    per_element = scales.double().repeat_interleave(tr, 0).repeat_interleave(tc, 1)[:rows, :cols]
+    stored = (weight.double() / per_element).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return stored, scales, stored.double() * per_element
+
+
+def write_fp8_checkpoint(src: str, dst: Path, scheme: Scheme) -> dict[str, torch.Tensor]:
+    """The float checkpoint at `src` (one safetensors file) quantized by `scheme` into `dst`, with its
+    quantization_config; returns the float64 weights the new checkpoint stands for."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for extra in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (Path(src) / extra).is_file():
+            shutil.copy(Path(src) / extra, dst / extra)
+    config = json.loads((Path(src) / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": scheme.config}))
+    stored, real = {}, {}
+    for name, weight in load_file(Path(src) / "model.safetensors").items():
+        if not is_quantized(name, weight):
+            stored[name], real[name] = weight, weight.double()
+            continue
+        tile = scheme.tile or weight.shape
+        tile = tuple(size if t == 0 else t for t, size in zip(tile, weight.shape))
+        stored[name], scales, real[name] = quantize(weight, tile)
+        layer = name.removesuffix(".weight")
+        stored[f"{layer}.{scheme.scale_name}"] = scales.reshape(()) if scheme.tile is None else scales
+        if scheme.config.get("activation_scheme") == "static":  # read by W8A8 engines, not by raylm: skipped
+            stored[f"{layer}.input_scale"] = torch.tensor(0.02)
+    save_file(stored, dst / "model.safetensors")
+    return real
+
+
+def _logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    from tests.workers.test_models import run_paged
+
+    return run_paged(model, [tokens], ({0: len(tokens)},))[0]
+
+
+def quality(float_dir: str, fp8_dir: str, prompts: list[list[int]], new_tokens: int) -> tuple[int, float, list]:
+    """(prompts whose greedy continuation equals the float model's, mean |logit error| over the prompts and the
+    float model's continuations, the first diverging step of each prompt or None)."""
+    from kernels import select_backend
+    from workers.model_loader import load_model
+
+    backend = select_backend("torch", torch.device("cpu"))
+    plain, fp8 = load_model(float_dir, attn_backend=backend), load_model(fp8_dir, attn_backend=backend)
+    agree, errors, divergence = 0, [], []
+    for prompt in prompts:
+        ours, theirs = list(prompt), list(prompt)
+        for _ in range(new_tokens):
+            theirs.append(int(_logits(plain, theirs)[-1].argmax()))
+            ours.append(int(_logits(fp8, ours)[-1].argmax()))
+        errors.append((_logits(fp8, theirs) - _logits(plain, theirs)).abs().mean().item())
+        diverged = [i for i in range(new_tokens) if ours[len(prompt) + i] != theirs[len(prompt) + i]]
+        divergence.append(diverged[0] if diverged else None)
+        agree += not diverged
+    return agree, sum(errors) / len(errors), divergence
+
+
+def main(model_dir: str, names: list[str]) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Water boils at a temperature of",
+        "Once upon a time, in a small village,",
+        "The three primary colors are",
+        "To make a cup of tea, first",
+        "The largest planet in the solar system is",
+        "import numpy as np\nx = np.arange(10)\nprint(",
+    ]
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    schemes = {**SCHEMES, **PUBLISHED_BLOCKS}
+    for name in names or list(schemes):
+        with tempfile.TemporaryDirectory() as dst:
+            write_fp8_checkpoint(model_dir, Path(dst), schemes[name])
+            agree, error, divergence = quality(model_dir, dst, prompts, 16)
+        print(
+            f"{name}: greedy {agree}/{len(prompts)} prompts equal over 16 tokens (first divergence {divergence}), "
+            f"mean |logit error| {error:.4f}"
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,216 @@
+"""FP8 checkpoints made by the tests (tests/workers/fp8.py) through the real loader: their logits against a float64
+model of the weights they stand for, tensor-parallel ranks' slices against the whole, and the checkpoints and
+methods that are refused."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kernels import select_backend
+from tests.workers.fp8 import SCHEMES, write_fp8_checkpoint
+from tests.workers.test_models import QWEN3_MOE, random_seqs, run_paged
+from workers.model_loader import load_model, read_model_spec
+
+MODELS = {"llama": ("llama", {}), "qwen3_moe": ("qwen3_moe", QWEN3_MOE)}
+# Every scheme on the dense model; the experts (stacked per layer from per-expert tensors) in ragged tiles.
+CASES = [*(("llama", s) for s in SCHEMES), ("qwen3_moe", "compressed-tensors blocks 48x48 (ragged)")]
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tiny_model_dir, tmp_path_factory):
+    """`fp8_checkpoint(model, scheme)` -> (float dir, FP8 dir, the float64 weights it stands for), made once."""
+    made = {}
+
+    def make(model: str, scheme: str):
+        if (model, scheme) not in made:
+            model_type, overrides = MODELS[model]
+            src = tiny_model_dir(model_type, None, **overrides)
+            dst = tmp_path_factory.mktemp("fp8")
+            made[model, scheme] = src, dst, write_fp8_checkpoint(src, dst, SCHEMES[scheme])
+        return made[model, scheme]
+
+    return make
+
+
+def float64_logits(src: str, weights: dict[str, torch.Tensor], seqs: list[list[int]], tmp: Path) -> list[torch.Tensor]:
+    """transformers' model of `src` in float64 holding `weights` (written as a checkpoint, for transformers to map
+    per-expert tensors onto its fused experts as it does a published one's)."""
+    from transformers import AutoModelForCausalLM
+
+    (tmp / "config.json").write_text((Path(src) / "config.json").read_text())
+    save_file(weights, tmp / "model.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float64, experts_implementation="eager")
+    with torch.inference_mode():
+        return [model(torch.tensor([s])).logits[0] for s in seqs]
+
+
+@pytest.mark.parametrize("model, scheme", CASES)
+def test_fp8_checkpoint_matches_float64_reference(fp8_checkpoint, model, scheme, tmp_path):
+    src, dst, weights = fp8_checkpoint(model, scheme)
+    spec = read_model_spec(dst)
+    assert spec.quantization is not None and spec.quantization.scheme("lm_head") is None
+    seqs = random_seqs(spec.vocab_size)
+    ours = run_paged(load_model(dst, attn_backend=select_backend("torch", torch.device("cpu"))), seqs)
+    for o, r in zip(ours, float64_logits(src, weights, seqs, tmp_path)):
+        torch.testing.assert_close(o.double(), r, rtol=1e-4, atol=1e-4)
+    # The quantization is coarse enough to tell: the FP8 model is not the float one.
+    plain = run_paged(load_model(src, attn_backend=select_backend("torch", torch.device("cpu"))), seqs)
+    assert max((o - p).abs().max().item() for o, p in zip(ours, plain)) > 1e-3
+
+
+def test_fp8_weights_dequantize_in_the_compute_dtype(fp8_checkpoint):
+    _, dst, weights = fp8_checkpoint("llama", "fp8 blocks 32x32")
+    model = load_model(dst, dtype=torch.bfloat16)
+    w = model.state_dict()["model.layers.0.mlp.down_proj.weight"]
+    assert w.dtype == torch.bfloat16
+    torch.testing.assert_close(w, weights["model.layers.0.mlp.down_proj.weight"].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_tensor_parallel_slices_cut_tiles_exactly(fp8_checkpoint, model):
+    # 48x48 tiles: a rank's half of 64 k_proj rows (1 KV head of 16 dims each), of 128 MLP units or of an expert's
+    # 32 units starts or ends inside a tile, whose scale it must still take.
+    _, dst, _ = fp8_checkpoint(model, "compressed-tensors blocks 48x48 (ragged)")
+    full = load_model(dst).state_dict()
+    ranks = [load_model(dst, tp_rank=r, tp_size=2).state_dict() for r in (0, 1)]
+    qkv, o = "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.o_proj.weight"
+    q, k, v = full[qkv].split([64, 32, 32])
+    for r, sd in enumerate(ranks):
+        rows = slice(16 * r, 16 * r + 16)
+        assert torch.equal(sd[qkv], torch.cat([q[32 * r : 32 * r + 32], k[rows], v[rows]]))
+        assert torch.equal(sd[o], full[o][:, 32 * r : 32 * r + 32])
+    if model == "llama":
+        gate_up, down = "model.layers.1.mlp.gate_up_proj.weight", "model.layers.1.mlp.down_proj.weight"
+        gate, up = full[gate_up].chunk(2)
+        for r, sd in enumerate(ranks):
+            units = slice(64 * r, 64 * r + 64)
+            assert torch.equal(sd[gate_up], torch.cat([gate[units], up[units]]))
+            assert torch.equal(sd[down], full[down][:, units])
+    else:
+        w13, w2 = "model.layers.1.mlp.w13", "model.layers.1.mlp.w2"
+        gate, up = full[w13].chunk(2, dim=1)
+        for r, sd in enumerate(ranks):
+            units = slice(16 * r, 16 * r + 16)
+            assert torch.equal(sd[w13], torch.cat([gate[:, units], up[:, units]], dim=1))
+            assert torch.equal(sd[w2], full[w2][:, :, units])
+        for r in (0, 1):  # expert parallel: whole experts, each read through its own scales
+            ep = load_model(dst, tp_rank=r, tp_size=2, expert_parallel=True).state_dict()
+            assert torch.equal(ep[w13], full[w13][4 * r : 4 * r + 4]) and torch.equal(
+                ep[w2], full[w2][4 * r : 4 * r + 4]
+            )
+
+
+def _with_config(src: str, dst: Path, quantization_config: dict | None, edit=None) -> Path:
+    dst.mkdir(exist_ok=True)
+    config = json.loads((Path(src) / "config.json").read_text())
+    config.pop("quantization_config", None)
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (dst / "config.json").write_text(json.dumps(config))
+    tensors = load_file(Path(src) / "model.safetensors")
+    if edit is not None:
+        edit(tensors)
+    save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True}
+BNB = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+INT8_W8A8 = {
+    "quant_method": "compressed-tensors",
+    "format": "int-quantized",
+    "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}
+    },
+}
+NVFP4 = {
+    "quant_method": "compressed-tensors",
+    "format": "nvfp4-pack-quantized",
+    "config_groups": {
+        "group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group"}}
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "config, named",
+    [
+        (GPTQ, "'gptq'"),
+        (AWQ, "'awq'"),
+        (BNB, "'bitsandbytes'"),
+        ({"quant_method": "mxfp4"}, "'mxfp4'"),
+        ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "'modelopt'"),
+        ({"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}, "'fbgemm_fp8'"),
+        (INT8_W8A8, r"'compressed-tensors' with int 8-bit weights"),
+        (NVFP4, r"'compressed-tensors' with float 4-bit weights"),
+        (
+            {**SCHEMES["compressed-tensors per channel"].config, "format": "pack-quantized"},
+            "'compressed-tensors' with format 'pack-quantized'",
+        ),
+    ],
+)
+def test_unsupported_methods_are_refused_by_name(tiny_model_dir, tmp_path, config, named):
+    path = _with_config(tiny_model_dir("qwen3_moe", None, **QWEN3_MOE), tmp_path, config)
+    with pytest.raises(ValueError, match=rf"quantization method {named}.*supported: \['fp8', 'compressed-tensors"):
+        read_model_spec(path)
+
+
+def test_a_quantize_config_file_is_refused(tiny_model_dir, tmp_path):
+    path = _with_config(tiny_model_dir("llama"), tmp_path, None)
+    (path / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 128}))
+    with pytest.raises(ValueError, match=r"quantization method 'gptq' \(quantize_config.json\) is not supported"):
+        read_model_spec(path)
+
+
+def test_missing_or_misshaped_scale_is_named(fp8_checkpoint, tmp_path):
+    src, dst, _ = fp8_checkpoint("llama", "fp8 blocks 32x32")
+    scale = "model.layers.1.self_attn.k_proj.weight_scale_inv"
+    config = json.loads((dst / "config.json").read_text())["quantization_config"]
+    missing = _with_config(str(dst), tmp_path / "missing", config, lambda t: t.pop(scale))
+    with pytest.raises(ValueError, match=rf"scale tensor {scale} is missing.*k_proj.weight is float8"):
+        load_model(missing)
+
+    def transpose(tensors):
+        tensors[scale] = tensors[scale].T.contiguous()  # k_proj is [32, 64]: its tiles are [1, 2], not [2, 1]
+
+    misshaped = _with_config(str(dst), tmp_path / "misshaped", config, transpose)
+    with pytest.raises(ValueError, match=rf"scale tensor {scale} has shape \[2, 1\].*expected \[1, 2\]"):
+        load_model(misshaped)
+
+
+def test_float8_weights_without_their_config_are_refused(fp8_checkpoint, tmp_path):
+    # The bug this closes: float8 weights read as if plain, without their scales.
+    _, dst, _ = fp8_checkpoint("llama", "compressed-tensors per channel")
+    with pytest.raises(ValueError, match=r"weight model.layers.0.*is stored as F8_E4M3, but config.json has no"):
+        load_model(_with_config(str(dst), tmp_path / "no-config", None))
+    # A layer the config leaves unquantized (ignored) but stored in float8 is refused just the same.
+    config = {**SCHEMES["compressed-tensors per channel"].config, "ignore": ["lm_head", "re:.*mlp.down_proj$"]}
+    with pytest.raises(ValueError, match=r"weight model.layers.0.mlp.down_proj.weight is stored as F8_E4M3"):
+        load_model(_with_config(str(dst), tmp_path / "ignored", config))
+
+
+def test_ignored_layers_load_as_plain_ones(fp8_checkpoint, tmp_path):
+    _, dst, weights = fp8_checkpoint("llama", "fp8 blocks 32x32")
+    config = {**SCHEMES["fp8 blocks 32x32"].config, "modules_to_not_convert": ["model.layers.*.mlp.down_proj"]}
+
+    def unquantize_down_proj(tensors):
+        for name in [n for n in tensors if "down_proj" in n]:
+            tensors.pop(name)
+        tensors.update({n: w.float() for n, w in weights.items() if "down_proj" in n})
+
+    path = _with_config(str(dst), tmp_path, config, unquantize_down_proj)
+    quantization = read_model_spec(path).quantization
+    assert quantization.scheme("model.layers.1.mlp.down_proj") is None
+    assert quantization.scheme("model.layers.1.mlp.up_proj") is not None
+    loaded = load_model(path).state_dict()
+    down, up = "model.layers.1.mlp.down_proj.weight", "model.layers.1.mlp.up_proj.weight"
+    assert torch.equal(loaded[down], weights[down].float())
+    torch.testing.assert_close(loaded["model.layers.1.mlp.gate_up_proj.weight"][128:], weights[up].float())
+    ct = {**SCHEMES["compressed-tensors per channel"].config, "ignore": ["lm_head", "re:.*mlp.gate$"]}
+    ct_quantization = read_model_spec(_with_config(str(dst), tmp_path / "ct", ct)).quantization
+    assert ct_quantization.scheme("model.layers.0.mlp.gate") is None
+    assert ct_quantization.scheme("model.layers.0.mlp.gate_proj").strategy == "channel"

@@ -1,0 +1,243 @@
+"""Quantized checkpoints: a Hugging Face `quantization_config` resolved per layer, and FP8 weights read through
+their scales.
+
+Two forms of FP8 weights load: `quant_method: fp8` (transformers' fine-grained FP8 and vLLM's: per tensor with
+`weight_scale`, or per `weight_block_size` tile with `weight_scale_inv`, as Qwen3-FP8 and DeepSeek-V3 publish)
+and compressed-tensors' float 8-bit weights (`weight_scale` per tensor, per output channel or per
+`block_structure` tile). Either way a weight is float8_e4m3fn and its real value is the stored value times its
+scale: `weight_scale_inv` is multiplied too, despite its name (it is the inverse of the factor the weight was
+multiplied by when quantized). Every other method is refused by name: a quantized weight is never read as if it
+were a plain one.
+
+The weights are dequantized at load, on every device, into the model's compute dtype: the model holds bf16 (or
+fp32) weights, the memory of the unquantized model, and runs at its speed; activations are not quantized
+(`input_scale` and a static activation scheme are not used), so the products are those of the dequantized
+weights. FP8 products on CUDA (scaled matmuls reading the FP8 weights, half the bytes a decode step reads) are
+future work.
+"""
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from workers.layers import TensorSlice
+
+SUPPORTED_METHODS = ("fp8", "compressed-tensors (float 8-bit weights)")
+PLAIN_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes a plain weight may be stored in
+FP8_DTYPE = "F8_E4M3"
+STRATEGIES = ("tensor", "channel", "block")
+# Files that older tools write beside config.json instead of a quantization_config: their method, named.
+QUANT_CONFIG_FILES = {"quantize_config.json": "gptq", "hf_quant_config.json": "modelopt"}
+
+
+@dataclass(slots=True, frozen=True)
+class Fp8Scheme:
+    """How a quantized layer's weight [out, in] is stored: float8_e4m3fn with the scale tensor
+    `<layer>.<scale_name>`, one scale for the whole weight (`tensor`), one per output row (`channel`) or one per
+    `block` [rows, cols] tile (`block`; the last tiles of a dimension the block does not divide are smaller)."""
+
+    strategy: str
+    scale_name: str
+    block: tuple[int, int] | None = None
+
+    def scale_grid(self, name: str, scale: torch.Tensor, out: int, cols: int) -> tuple[torch.Tensor, tuple[int, int]]:
+        """The scales as a float32 grid [ceil(out / rows), ceil(in / cols)] and the tile [rows, cols] each covers;
+        ValueError naming the scale tensor when its shape is not the one this scheme gives a [out, in] weight."""
+        if self.strategy == "tensor":
+            expected, tile, ok = "one element", (out, cols), scale.numel() == 1
+        elif self.strategy == "channel":
+            expected, tile = f"[{out}] or [{out}, 1]", (1, cols)
+            ok = tuple(scale.shape) in ((out,), (out, 1))
+        else:
+            tile = self.block
+            grid = (-(-out // tile[0]), -(-cols // tile[1]))
+            expected, ok = str(list(grid)), tuple(scale.shape) == grid
+        if not ok:
+            raise ValueError(
+                f"scale tensor {name} has shape {list(scale.shape)} in the checkpoint, expected {expected} "
+                f"({self.strategy} scales of a [{out}, {cols}] weight)"
+            )
+        return scale.to(torch.float32).reshape(-(-out // tile[0]), -(-cols // tile[1])), tile
+
+
+@dataclass(slots=True, frozen=True)
+class WeightQuantization:
+    """A checkpoint's quantization_config, resolved: a linear layer takes the scheme of the first of `groups`
+    whose targets it matches ("Linear": every linear layer; a layer's name; "re:" and a regex matched from its
+    start), unless a pattern of `ignore` (regexes, searched in the layer's name) names it: then its weight is a
+    plain one. `method` is the config's quant_method, for messages."""
+
+    method: str
+    groups: tuple[tuple[tuple[str, ...], Fp8Scheme], ...]
+    ignore: tuple[str, ...] = ()
+
+    def scheme(self, layer: str) -> Fp8Scheme | None:
+        if any(re.search(pattern, layer) for pattern in self.ignore):
+            return None
+        for targets, scheme in self.groups:
+            if any(_targets(t, layer) for t in targets):
+                return scheme
+        return None
+
+
+def _targets(target: str, layer: str) -> bool:
+    if target == "Linear":
+        return True
+    if target.startswith("re:"):
+        return re.match(target[3:], layer) is not None
+    return target == layer
+
+
+@dataclass(slots=True)
+class DequantizedSlice:
+    """A float8 weight [out, in] read as a TensorSlice: each read of a range of rows and columns (what a
+    tensor-parallel rank takes) returns those elements times their own scales, in float32. The scales are indexed
+    per element, so a slice that cuts a tile gets that tile's scale on its part of it: weight and scales are always
+    sliced together."""
+
+    weight: TensorSlice
+    grid: torch.Tensor
+    tile: tuple[int, int]
+
+    def get_shape(self) -> list[int]:
+        return self.weight.get_shape()
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        out, cols = self.get_shape()
+        index = index if isinstance(index, tuple) else (index,)
+        rows, columns = (*index, slice(None))[:2]
+        r0, r1, c0, c1 = *_bounds(rows, out), *_bounds(columns, cols)
+        tile_rows, tile_cols = self.tile
+        w = self.weight[r0:r1, c0:c1].to(torch.float32)
+        scales = self.grid[torch.arange(r0, r1) // tile_rows]
+        for j in range(c0 // tile_cols, -(-c1 // tile_cols)):  # one column of tiles at a time: no full-size copy
+            lo, hi = max(c0, j * tile_cols) - c0, min(c1, (j + 1) * tile_cols) - c0
+            w[:, lo:hi] *= scales[:, j : j + 1]
+        return w
+
+
+def _bounds(index: Any, size: int) -> tuple[int, int]:
+    if not isinstance(index, slice) or index.step not in (None, 1):
+        raise TypeError(f"a quantized weight is read by contiguous ranges of rows and columns, not {index!r}")
+    start, stop, _ = index.indices(size)
+    return start, max(start, stop)
+
+
+def read_weight(
+    quantization: WeightQuantization | None, name: str, lookup: Callable[[str], TensorSlice | None]
+) -> TensorSlice:
+    """Checkpoint tensor `name` as the loaders read it: a quantized layer's weight through its scale (found by
+    `lookup`, which gives a tensor of the checkpoint or None), any other tensor as stored. ValueError naming the
+    tensor when it is stored in a dtype the config does not account for, or its scale is missing or mis-shaped."""
+    tensor = lookup(name)
+    dtype = tensor.get_dtype()
+    layer, _, leaf = name.rpartition(".")
+    is_linear = leaf == "weight" and len(tensor.get_shape()) == 2 and not layer.endswith("embed_tokens")
+    scheme = quantization.scheme(layer) if quantization is not None and is_linear else None
+    if scheme is None:
+        if dtype not in PLAIN_DTYPES:
+            where = "config.json has no quantization_config" if quantization is None else "its quantization_config"
+            raise ValueError(
+                f"weight {name} is stored as {dtype}, but {where} quantizes no such layer: raylm reads a quantized "
+                "weight only with its scales, as the config describes them"
+            )
+        return tensor
+    if dtype != FP8_DTYPE:
+        raise ValueError(
+            f"weight {name} is stored as {dtype}, but quantization_config ({quantization.method}) says {layer} is "
+            f"quantized: expected {FP8_DTYPE} (float8_e4m3fn)"
+        )
+    scale_name = f"{layer}.{scheme.scale_name}"
+    scale = lookup(scale_name)
+    if scale is None:
+        raise ValueError(
+            f"scale tensor {scale_name} is missing from the checkpoint: {name} is float8 ({quantization.method}, "
+            f"{scheme.strategy} scales) and cannot be read without it"
+        )
+    grid, tile = scheme.scale_grid(scale_name, scale[...], *tensor.get_shape())
+    return DequantizedSlice(tensor, grid, tile)
+
+
+def read_quantization(root: Path) -> WeightQuantization | None:
+    """The weight quantization of the checkpoint in directory `root` (its config.json's quantization_config), None
+    for a plain checkpoint; ValueError naming the method (and listing the supported ones) for anything else."""
+    config = json.loads((root / "config.json").read_text())
+    for file, method in QUANT_CONFIG_FILES.items():
+        if (root / file).is_file() and "quantization_config" not in config:
+            _refuse(method, f" ({file})")
+    quant = config.get("quantization_config")
+    if quant is None:
+        return None
+    method = quant.get("quant_method")
+    if method == "fp8":
+        return _fp8(quant)
+    if method == "compressed-tensors":
+        return _compressed_tensors(quant)
+    _refuse(method)
+
+
+def _refuse(method: Any, detail: str = "") -> NoReturn:
+    raise ValueError(
+        f"quantization method {method!r}{detail} is not supported; supported: {list(SUPPORTED_METHODS)}. "
+        "A quantized checkpoint is never loaded as if its weights were plain ones"
+    )
+
+
+def _block(value: Any, what: str) -> tuple[int, int]:
+    if not (isinstance(value, list | tuple) and len(value) == 2 and all(isinstance(v, int) and v > 0 for v in value)):
+        raise ValueError(f"quantization_config {what}={value!r} must be two positive integers [rows, cols]")
+    return tuple(value)
+
+
+def _fp8(quant: dict[str, Any]) -> WeightQuantization:
+    """transformers' and vLLM's `fp8`: every linear layer but lm_head and those `modules_to_not_convert` or
+    `ignored_layers` name (as transformers matches them: a substring of the layer's name, "*" for layer numbers)."""
+    activations = quant.get("activation_scheme", "dynamic")
+    if activations not in ("dynamic", "static"):
+        raise ValueError(f"fp8 activation_scheme {activations!r} is not supported; supported: ['dynamic', 'static']")
+    if quant.get("fmt", "e4m3") != "e4m3":
+        _refuse("fp8", f" with fmt={quant['fmt']!r}")
+    block = quant.get("weight_block_size")
+    if block is None:
+        scheme = Fp8Scheme("tensor", "weight_scale")
+    else:
+        scheme = Fp8Scheme("block", "weight_scale_inv", _block(block, "weight_block_size"))
+    skipped = ["lm_head", *(quant.get("modules_to_not_convert") or ()), *(quant.get("ignored_layers") or ())]
+    ignore = tuple(re.escape(m).replace(r"\*", r"\d+") for m in skipped)
+    return WeightQuantization("fp8", ((("Linear",), scheme),), ignore)
+
+
+def _compressed_tensors(quant: dict[str, Any]) -> WeightQuantization:
+    """compressed-tensors: each of `config_groups` names its target layers and how their weights are quantized;
+    only float 8-bit weights (float-quantized or naive-quantized, symmetric) are read. `ignore` lists layer names
+    and "re:" regexes."""
+    sparsity = (quant.get("sparsity_config") or {}).get("format", "dense")
+    if sparsity != "dense":
+        _refuse("compressed-tensors", f" with sparsity format {sparsity!r}")
+    groups = []
+    for group_name, group in (quant.get("config_groups") or {}).items():
+        weights = group.get("weights") or {}
+        kind = f"{weights.get('type')} {weights.get('num_bits')}-bit weights"
+        if (weights.get("type"), weights.get("num_bits")) != ("float", 8):
+            _refuse("compressed-tensors", f" with {kind} (group {group_name!r})")
+        strategy = weights.get("strategy")
+        if strategy not in STRATEGIES:
+            _refuse(
+                "compressed-tensors", f" with {kind} and strategy {strategy!r}; strategies read: {list(STRATEGIES)}"
+            )
+        if weights.get("symmetric") is False:
+            _refuse("compressed-tensors", f" with asymmetric {kind} (zero points)")
+        fmt = group.get("format") or quant.get("format")
+        if fmt not in ("float-quantized", "naive-quantized"):
+            _refuse("compressed-tensors", f" with format {fmt!r}")
+        block = _block(weights.get("block_structure"), "block_structure") if strategy == "block" else None
+        groups.append((tuple(group.get("targets") or ()), Fp8Scheme(strategy, "weight_scale", block)))
+    if not groups:
+        raise ValueError("compressed-tensors quantization_config has no config_groups: nothing says how it is stored")
+    ignore = tuple(f"^(?:{p[3:]})" if p.startswith("re:") else f"^{re.escape(p)}$" for p in quant.get("ignore") or ())
+    return WeightQuantization("compressed-tensors", tuple(groups), ignore)
