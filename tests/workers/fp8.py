@@ -110,50 +110,58 @@ def _logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
     return run_paged(model, [tokens], ({0: len(tokens)},))[0]
 
 
-def quality(float_dir: str, fp8_dir: str, prompts: list[list[int]], new_tokens: int) -> tuple[int, float, list]:
+def quality(float_dir: str, fp8_dir: str, prompts: list[list[int]], new_tokens: int) -> tuple[int, float, float, list]:
     """(prompts whose greedy continuation equals the float model's, mean |logit error| over the prompts and the
-    float model's continuations, the first diverging step of each prompt or None)."""
+    float model's continuations, the float model's mean |logit| there, the first diverging step of each prompt or
+    None)."""
     from kernels import select_backend
     from workers.model_loader import load_model
 
     backend = select_backend("torch", torch.device("cpu"))
     plain, fp8 = load_model(float_dir, attn_backend=backend), load_model(fp8_dir, attn_backend=backend)
-    agree, errors, divergence = 0, [], []
+    agree, errors, sizes, divergence = 0, [], [], []
     for prompt in prompts:
         ours, theirs = list(prompt), list(prompt)
         for _ in range(new_tokens):
             theirs.append(int(_logits(plain, theirs)[-1].argmax()))
             ours.append(int(_logits(fp8, ours)[-1].argmax()))
-        errors.append((_logits(fp8, theirs) - _logits(plain, theirs)).abs().mean().item())
+        reference = _logits(plain, theirs)
+        errors.append((_logits(fp8, theirs) - reference).abs().mean().item())
+        sizes.append(reference.abs().mean().item())
         diverged = [i for i in range(new_tokens) if ours[len(prompt) + i] != theirs[len(prompt) + i]]
         divergence.append(diverged[0] if diverged else None)
         agree += not diverged
-    return agree, sum(errors) / len(errors), divergence
+    return agree, sum(errors) / len(errors), sum(sizes) / len(sizes), divergence
+
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Water boils at a temperature of",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "To make a cup of tea, first",
+    "The largest planet in the solar system is",
+    "import numpy as np\nx = np.arange(10)\nprint(",
+]
 
 
 def main(model_dir: str, names: list[str]) -> None:
-    from transformers import AutoTokenizer
+    """The quality report of the module docstring; a model without a tokenizer gets 8 random 6-token prompts."""
+    prompts = [torch.randint(100, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(8)]
+    if (Path(model_dir) / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    texts = [
-        "The capital of France is",
-        "def fibonacci(n):",
-        "Water boils at a temperature of",
-        "Once upon a time, in a small village,",
-        "The three primary colors are",
-        "To make a cup of tea, first",
-        "The largest planet in the solar system is",
-        "import numpy as np\nx = np.arange(10)\nprint(",
-    ]
-    prompts = [tokenizer(t)["input_ids"] for t in texts]
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        prompts = [tokenizer(t)["input_ids"] for t in PROMPTS]
     schemes = {**SCHEMES, **PUBLISHED_BLOCKS}
     for name in names or list(schemes):
         with tempfile.TemporaryDirectory() as dst:
             write_fp8_checkpoint(model_dir, Path(dst), schemes[name])
-            agree, error, divergence = quality(model_dir, dst, prompts, 16)
+            agree, error, size, divergence = quality(model_dir, dst, prompts, 16)
         print(
             f"{name}: greedy {agree}/{len(prompts)} prompts equal over 16 tokens (first divergence {divergence}), "
-            f"mean |logit error| {error:.4f}"
+            f"mean |logit error| {error:.4f} (mean |logit| {size:.2f})"
         )
 
 
