@@ -13,6 +13,7 @@ _EXPORTS = {
     "EmbeddingOutput": "cluster.llm",
     "EngineConfig": "cluster.config",
     "SamplingParams": "scheduler",
+    "EngineRequest": "scheduler",
 }
 
 __all__ = list(_EXPORTS)

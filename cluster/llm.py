@@ -17,7 +17,7 @@ from cluster.model_files import (
     pooling_type,
     serves_embeddings,
 )
-from scheduler import RequestError, SampledLogprobs, SamplingParams
+from scheduler import EngineRequest, RequestError, SampledLogprobs, SamplingParams
 from workers.structured_output import closed_schema
 
 
@@ -182,7 +182,13 @@ class LLM:
                 submitted += 1  # before the call: aborting a request the engine never took is a no-op
                 try:
                     finals = engine.add_request(
-                        r.request_id, r.prompt_token_ids, p, priority[i] if priority else 0, lora_name=loras[i]
+                        EngineRequest(
+                            request_id=r.request_id,
+                            prompt_token_ids=r.prompt_token_ids,
+                            sampling_params=p,
+                            priority=priority[i] if priority else 0,
+                            lora_name=loras[i],
+                        )
                     )
                 except RequestError as e:
                     where = f"request {i} (prompts[{i}], params[{i}])"

@@ -7,6 +7,7 @@ torch, never the rest of cluster/). engine/ray_client.py places it and the worke
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import defaultdict, deque
@@ -16,10 +17,10 @@ import ray
 
 from cluster.worker_actor import LORA_READS
 from scheduler import (
+    EngineRequest,
     ModelRunnerOutput,
     RequestError,
     RequestOutput,
-    SamplingParams,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
@@ -232,50 +233,22 @@ class SchedulerActor:
 
     # ---- requests in and out ------------------------------------------------------
 
-    def _admit(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int,
-        channel: str,
-        cache_salt: str | None,
-        lora_name: str | None = None,
-    ) -> list[RequestOutput]:
+    async def add_request(self, request: EngineRequest, channel: str = "sync") -> list[RequestOutput]:
+        """Queue a (checked) request whose deltas go to ``channel``'s outbox (``get_outputs``); returns any
+        immediate finals. Its adapter must be loaded (it waits for a slot, never for a load)."""
         if self.error is not None:
             raise RuntimeError(f"the engine is unhealthy and takes no new requests: {self.error}")
+        lora_name = request.lora_name
         if lora_name is not None and lora_name not in self.lora_names:
             raise RequestError(
                 "model", lora_name, f"no LoRA adapter of this name is loaded (loaded: {sorted(self.lora_names)})"
             )
-        finals = self.scheduler.add_request(
-            request_id,
-            prompt_token_ids,
-            params,
-            priority=priority,
-            arrival_time=time.monotonic(),
-            cache_salt=cache_salt,
-            lora_name=lora_name,
-        )
-        if len(finals) < params.n:
-            self.streams[request_id] = _Stream(channel, params.n - len(finals))
+        finals = self.scheduler.add_request(dataclasses.replace(request, arrival_time=time.monotonic()))
+        n = request.sampling_params.n
+        if len(finals) < n:
+            self.streams[request.request_id] = _Stream(channel, n - len(finals))
             self.wake.set()
         return finals
-
-    async def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        channel: str = "sync",
-        cache_salt: str | None = None,
-        lora_name: str | None = None,
-    ) -> list[RequestOutput]:
-        """Queue a request whose deltas go to ``channel``'s outbox (``get_outputs``); returns any immediate finals.
-        ``cache_salt`` keeps its prompt's cached blocks apart from those of other salts (tenants); ``lora_name``
-        names a loaded LoRA adapter (None: the base model)."""
-        return self._admit(request_id, prompt_token_ids, params, priority, channel, cache_salt, lora_name)
 
     # ---- LoRA adapters at run time ---------------------------------------------------
 

@@ -12,12 +12,13 @@ from scheduler.outputs import (
     pack_outputs,
     unpack_outputs,
 )
-from scheduler.request import Request, RequestStatus
+from scheduler.request import EngineRequest, Request, RequestStatus
 from scheduler.sampling_params import RequestError, SamplingParams, StructuredOutputsParams
 from scheduler.scheduler import Scheduler
 
 __all__ = [
     "CachedRequestData",
+    "EngineRequest",
     "ModelRunnerOutput",
     "NewRequestData",
     "Request",

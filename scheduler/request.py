@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import dataclass, field
 
 from scheduler.block_hash import BlockHash, hash_block_tokens
 from scheduler.sampling_params import SamplingParams
@@ -33,6 +34,26 @@ FINISH_REASONS = {
 }
 
 
+@dataclass(slots=True, kw_only=True)
+class EngineRequest:
+    """A request as the engine takes it, built once by its caller and passed whole from the engine client through
+    the scheduler actor to ``Scheduler.add_request``, which makes its ``Request``s of it.
+
+    Invariants: the engine's check (cluster/engine/request_check.check_request) returns a checked copy before it is
+    scheduled, never editing the caller's; ``arrival_time`` is stamped by the engine on its own clock when the
+    request reaches it (monotonic clocks differ between processes, so a caller in another one leaves it unset). A field added here
+    reaches the scheduler without any signature between changing.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0
+    cache_salt: str | None = None  # keeps its prompt's cached blocks apart from other salts' (tenants)
+    lora_name: str | None = None  # the loaded LoRA adapter it runs with; None: the base model
+    arrival_time: float | None = None
+
+
 class Request:
     """One sequence: its tokens, how far the KV cache has computed them, and its block hashes.
 
@@ -48,7 +69,8 @@ class Request:
       O(block_size) per filled block, never O(context).
 
     A request with ``n > 1`` is a parent only: the scheduler fans it out into
-    children (``index`` 0..n-1, ``parent_id`` set) that each produce one sample.
+    children (``index`` 0..n-1, ``parent_id`` set) that each produce one sample,
+    each built from a copy of the EngineRequest with its own id and params.
     """
 
     __slots__ = (
@@ -81,19 +103,14 @@ class Request:
 
     def __init__(
         self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams | None = None,
+        request: EngineRequest,
         *,
         eos_token_id: int | None = None,
-        priority: int = 0,
-        arrival_time: float | None = None,
         block_size: int = 16,
-        cache_salt: str | None = None,
-        lora_name: str | None = None,
         parent_id: str | None = None,
         index: int = 0,
     ) -> None:
+        request_id, prompt_token_ids, priority = request.request_id, request.prompt_token_ids, request.priority
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id={request_id!r} is invalid: must be a non-empty string")
         if not isinstance(prompt_token_ids, (list, tuple)):
@@ -106,23 +123,23 @@ class Request:
                 raise ValueError(f"prompt_token_ids contains {t!r}: token ids must be integers in [0, 2**63)")
         if not isinstance(priority, int):
             raise ValueError(f"priority={priority!r} is invalid: must be an integer")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt={cache_salt!r} is invalid: must be a string or None")
+        if request.cache_salt is not None and not isinstance(request.cache_salt, str):
+            raise ValueError(f"cache_salt={request.cache_salt!r} is invalid: must be a string or None")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)
-        self.sampling_params = sampling_params or SamplingParams()
+        self.sampling_params = request.sampling_params or SamplingParams()
         self.eos_token_id = eos_token_id
         self.priority = priority
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.arrival_time = time.monotonic() if request.arrival_time is None else request.arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit length at first scheduling
         self.queued_s: float | None = None  # arrival to first scheduling (vllm:request_queue_time_seconds)
         self.block_size = block_size
-        self.cache_salt = cache_salt
-        self.lora_name = lora_name
+        self.cache_salt = request.cache_salt
+        self.lora_name = request.lora_name
         self.block_hashes: list[BlockHash] = []
         self.parent_id = parent_id
         self.index = index

@@ -16,7 +16,7 @@ from scheduler.outputs import (
     RequestOutput,
     SchedulerOutput,
 )
-from scheduler.request import FINISH_REASONS, Request, RequestStatus
+from scheduler.request import FINISH_REASONS, EngineRequest, Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 from scheduler.speculation import Speculation
 from scheduler.waiting_queue import WAITING_QUEUES
@@ -118,49 +118,30 @@ class Scheduler:
 
     # ---- requests in and out -------------------------------------------------
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
-        *,
-        priority: int = 0,
-        arrival_time: float | None = None,
-        cache_salt: str | None = None,
-        lora_name: str | None = None,
-    ) -> list[RequestOutput]:
-        """Queue a request (``lora_name``: the LoRA adapter it runs with; None: the base model); returns the final
-        outputs of any child that can never run.
+    def add_request(self, request: EngineRequest) -> list[RequestOutput]:
+        """Queue a request; returns the final outputs of any child that can never run.
 
         ``n > 1`` fans out into n children; children 1..n-1 are deferred until
         child 0 has computed the prompt, so that they reuse its blocks through the
         prefix cache instead of computing the same prompt n times.
         """
-        params = params or SamplingParams()
+        request_id, params = request.request_id, request.sampling_params
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
         if request_id in self.children or any(child_id in self.requests for child_id in child_ids):
             raise ValueError(f"request_id={request_id!r} is invalid: a request with this id is still running")
-        children = []
-        for i, req_id in enumerate(child_ids):
-            child_params = params
-            if n > 1:
-                child_params = _child_params(params, i)
-            children.append(
-                Request(
-                    req_id,
-                    prompt_token_ids,
-                    child_params,
-                    eos_token_id=self.eos_token_id,
-                    priority=priority,
-                    arrival_time=arrival_time,
-                    block_size=self.block_size,
-                    cache_salt=cache_salt,
-                    lora_name=lora_name,
-                    parent_id=request_id if n > 1 else None,
-                    index=i,
-                )
+        children = [
+            Request(
+                request
+                if n == 1
+                else dataclasses.replace(request, request_id=req_id, sampling_params=_child_params(params, i)),
+                eos_token_id=self.eos_token_id,
+                block_size=self.block_size,
+                parent_id=request_id if n > 1 else None,
+                index=i,
             )
+            for i, req_id in enumerate(child_ids)
+        ]
         self.children[request_id] = children
         for child in children:
             self.requests[child.request_id] = child

@@ -10,13 +10,13 @@ import time
 
 
 def _engine_embeddings(engine, work: list[list[int]]) -> tuple[list[list[float]], float]:
-    from scheduler import SamplingParams
+    from scheduler import EngineRequest, SamplingParams
 
     params = SamplingParams(max_tokens=1, pooling="last")
     vectors: dict[str, list[float]] = {}
     start = time.perf_counter()
     for i, prompt in enumerate(work):
-        engine.add_request(str(i), prompt, params)
+        engine.add_request(EngineRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=params))
     while engine.has_unfinished_requests():
         vectors.update((o.request_id, o.embedding) for o in engine.step() if o.finished)
     return [vectors[str(i)] for i in range(len(work))], time.perf_counter() - start

@@ -7,12 +7,14 @@ import time
 
 def _decode_steps_per_s(engine, num_requests: int, max_tokens: int) -> float:
     """Engine steps per second while ``num_requests`` requests decode ``max_tokens`` tokens each, together."""
-    from scheduler import SamplingParams
+    from scheduler import EngineRequest, SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     steps0, t0 = engine.stats().num_steps, time.perf_counter()
     for i in range(num_requests):
-        engine.add_request(f"r{i}", [1, 2, 3, 4, 5, 6, 7, 8], params)
+        engine.add_request(
+            EngineRequest(request_id=f"r{i}", prompt_token_ids=[1, 2, 3, 4, 5, 6, 7, 8], sampling_params=params)
+        )
     while engine.has_unfinished_requests():
         engine.step()
     return (engine.stats().num_steps - steps0) / (time.perf_counter() - t0)

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from cluster.config import EngineConfig
 from cluster.llm import LLM
-from scheduler import SamplingParams
+from scheduler import EngineRequest, SamplingParams
 from workers.lora import LORA_TARGETS, target_shapes
 from workers.model_loader import read_model_spec
 from workers.model_spec import ModelSpec
@@ -120,7 +120,9 @@ def bench_lora(
 async def _stream(
     engine, request_id: str, prompt: list[int], params: SamplingParams, times: list[float], lora: str | None = None
 ) -> None:
-    async for _ in engine.generate(request_id, prompt, params, lora_name=lora):
+    async for _ in engine.generate(
+        EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params, lora_name=lora)
+    ):
         times.append(time.perf_counter())
 
 

@@ -39,12 +39,12 @@ def _probe_link(actor, num_tokens: int, repeats: int) -> float | None:
 
 
 def _run(engine, work: list[list[int]], output_len: int) -> float:
-    from scheduler import SamplingParams
+    from scheduler import EngineRequest, SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
     for i, prompt in enumerate(work):
-        engine.add_request(f"r{i}", prompt, params)
+        engine.add_request(EngineRequest(request_id=f"r{i}", prompt_token_ids=prompt, sampling_params=params))
     while engine.has_unfinished_requests():
         engine.step()
     return time.perf_counter() - start

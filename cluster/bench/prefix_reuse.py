@@ -7,7 +7,7 @@ import random
 import statistics
 import time
 
-from scheduler import SamplingParams
+from scheduler import EngineRequest, SamplingParams
 
 # What each run changes; the device pool and the workload stay the same.
 RUNS = (
@@ -50,7 +50,7 @@ def run_one(engine, request_id: str, prompt: list[int], max_tokens: int) -> tupl
     t0 = time.perf_counter()
     tokens: list[int] = []
     first = None
-    pending = engine.add_request(request_id, prompt, params)
+    pending = engine.add_request(EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=params))
     while not pending or not pending[-1].finished:
         pending = engine.step()
         for out in pending:

@@ -8,7 +8,7 @@ import statistics
 import time
 
 from cluster.config import EngineConfig, derive_scheduler_config
-from scheduler import ModelRunnerOutput, SamplingParams, Scheduler
+from scheduler import EngineRequest, ModelRunnerOutput, SamplingParams, Scheduler
 from scheduler.block_pool import BlockPool
 
 
@@ -22,7 +22,13 @@ def _decode_step_times(num_requests: int, prompt_len: int, block_size: int, step
     rng = random.Random(0)
     params = SamplingParams(max_tokens=4096, ignore_eos=True)
     for i in range(num_requests):
-        sched.add_request(f"req-{i}", [rng.randrange(1, 49152) for _ in range(prompt_len)], params)
+        sched.add_request(
+            EngineRequest(
+                request_id=f"req-{i}",
+                prompt_token_ids=[rng.randrange(1, 49152) for _ in range(prompt_len)],
+                sampling_params=params,
+            )
+        )
 
     def one_step() -> float:
         t0 = time.perf_counter()

@@ -9,7 +9,7 @@ import statistics
 import time
 from pathlib import Path
 
-from scheduler import SamplingParams
+from scheduler import EngineRequest, SamplingParams
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 MIN_REQUESTS = 4
@@ -56,7 +56,7 @@ def run_batch(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> tu
     counts: dict[str, int] = {}
     ends: dict[str, float] = {}
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", prompt, params)
+        engine.add_request(EngineRequest(request_id=f"{tag}-{i}", prompt_token_ids=prompt, sampling_params=params))
     while engine.has_unfinished_requests():
         for out in engine.step():
             now = time.perf_counter()

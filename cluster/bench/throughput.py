@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import time
 
-from scheduler import SamplingParams
+from scheduler import EngineRequest, SamplingParams
 
 
 def throughput_workload(
@@ -126,9 +126,11 @@ def decode_step_seconds(engine, batch: int, context: int, steps: int, rng: rando
     prefill_steps = -(-batch * context // (engine.config.max_num_batched_tokens - batch)) + 1
     for i in range(batch):
         engine.add_request(
-            f"decode-{batch}-{i}",
-            [rng.randrange(100, engine.spec.vocab_size) for _ in range(context)],
-            SamplingParams(temperature=0.0, max_tokens=prefill_steps + steps + 10, ignore_eos=True),
+            EngineRequest(
+                request_id=f"decode-{batch}-{i}",
+                prompt_token_ids=[rng.randrange(100, engine.spec.vocab_size) for _ in range(context)],
+                sampling_params=SamplingParams(temperature=0.0, max_tokens=prefill_steps + steps + 10, ignore_eos=True),
+            )
         )
     for _ in range(prefill_steps + 1):
         engine.step()

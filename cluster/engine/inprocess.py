@@ -3,12 +3,13 @@ machines without Ray: nothing here imports it)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from cluster.config import EngineConfig, derive_scheduler_config, derive_worker_config
 from cluster.engine.interface import check_draft_model, resolve_max_model_len
 from cluster.engine.request_check import check_lora, check_request
-from scheduler import RequestOutput, SamplingParams, Scheduler, SchedulerStats
+from scheduler import EngineRequest, RequestOutput, Scheduler, SchedulerStats
 from workers.model_loader import read_model_spec
 from workers.worker import Worker
 
@@ -57,26 +58,10 @@ class InProcessEngine:
             eos_token_id=self.spec.eos_token_id,
         )
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        lora_name: str | None = None,
-    ) -> list[RequestOutput]:
-        params = check_request(prompt_token_ids, params, self.spec, self.max_model_len)
-        check_lora(lora_name, self.lora_names())
-        return self.scheduler.add_request(
-            request_id,
-            prompt_token_ids,
-            params,
-            priority=priority,
-            arrival_time=time.monotonic(),
-            cache_salt=cache_salt,
-            lora_name=lora_name,
-        )
+    def add_request(self, request: EngineRequest) -> list[RequestOutput]:
+        request = check_request(request, self.spec, self.max_model_len)
+        check_lora(request.lora_name, self.lora_names())
+        return self.scheduler.add_request(dataclasses.replace(request, arrival_time=time.monotonic()))
 
     def lora_names(self) -> set[str]:
         lora = getattr(self.worker.runner, "lora", None)

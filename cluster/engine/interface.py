@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from cluster.config import EngineConfig
-from scheduler import RequestOutput, SamplingParams, SchedulerStats
+from scheduler import EngineRequest, RequestOutput, SchedulerStats
 from workers.model_loader import ModelSpec
 
 
@@ -23,15 +23,7 @@ class Engine(Protocol):
     num_blocks: int
     device: str
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        lora_name: str | None = None,
-    ) -> list[RequestOutput]: ...
+    def add_request(self, request: EngineRequest) -> list[RequestOutput]: ...
 
     def lora_names(self) -> set[str]: ...
 

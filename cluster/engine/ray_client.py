@@ -21,7 +21,7 @@ from cluster.engine.request_check import check_request
 from cluster.engine.startup import init_workers, start_workers
 from cluster.engine.streams import DeltaStreams
 from cluster.scheduler_actor import SchedulerActor
-from scheduler import RequestOutput, SamplingParams, SchedulerStats, unpack_outputs
+from scheduler import EngineRequest, RequestOutput, SchedulerStats, unpack_outputs
 from workers.model_loader import read_model_spec
 from workers.parallel import partition_layers
 
@@ -122,23 +122,11 @@ class RayEngine:
 
     # ---- synchronous interface (interface.Engine) ------------------------------------------
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        lora_name: str | None = None,
-    ) -> list[RequestOutput]:
-        params = check_request(prompt_token_ids, params, self.spec, self.max_model_len)
-        finals = ray.get(
-            self.actor.add_request.remote(
-                request_id, list(prompt_token_ids), params, priority, "sync", cache_salt, lora_name
-            )
-        )
-        if len(finals) < params.n:
-            self._unfinished[request_id] = params.n - len(finals)
+    def add_request(self, request: EngineRequest) -> list[RequestOutput]:
+        request = check_request(request, self.spec, self.max_model_len)
+        finals = ray.get(self.actor.add_request.remote(request, "sync"))
+        if len(finals) < request.sampling_params.n:
+            self._unfinished[request.request_id] = request.sampling_params.n - len(finals)
         return finals
 
     def step(self) -> list[RequestOutput]:
@@ -175,19 +163,10 @@ class RayEngine:
 
     # ---- the Serve app's: async streams, health, routing ------------------------------------
 
-    def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        lora_name: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """The request's deltas as they come; leaving the loop early (or being cancelled) aborts it. The request
         is checked here, before the stream exists: a RequestError is raised by this call."""
-        params = check_request(prompt_token_ids, params, self.spec, self.max_model_len)
-        return self.streams.stream(request_id, prompt_token_ids, params, priority, cache_salt, lora_name)
+        return self.streams.stream(check_request(request, self.spec, self.max_model_len))
 
     def end_callers(self, error: BaseException) -> int:
         """End every ``generate`` still running by raising ``error`` in it (DeltaStreams.end_callers)."""

@@ -1,5 +1,5 @@
-"""The one check of a request, at the engine boundary: both executors run it once in add_request (and
-RayEngine in generate), before anything is scheduled, so that one bad request never fails a step the
+"""The one check of a request, at the engine boundary: both executors run it once on the EngineRequest their
+caller made, in add_request (and RayEngine in generate), before anything is scheduled, so that one bad request never fails a step the
 others share. Every refusal is a RequestError naming the field, its value and the rule; the server turns
 it into a 400 whose ``param`` is that field, offline it is the ValueError the caller sees."""
 
@@ -7,21 +7,21 @@ from __future__ import annotations
 
 import dataclasses
 
-from scheduler import RequestError, SamplingParams, StructuredOutputsParams
+from scheduler import EngineRequest, RequestError, SamplingParams, StructuredOutputsParams
 from workers.model_loader import ModelSpec
 from workers.structured_output import compile_grammar
 
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def check_request(
-    prompt_token_ids: list[int], params: SamplingParams, spec: ModelSpec, max_model_len: int
-) -> SamplingParams:
-    """The params the engine runs (stop_token_ids with the model's extra EOS ids), or RequestError. What
-    SamplingParams checks alone it checked when it was built; here is what needs the model."""
+def check_request(request: EngineRequest, spec: ModelSpec, max_model_len: int) -> EngineRequest:
+    """The request as the engine runs it (a copy: its params' stop_token_ids with the model's extra EOS ids, its
+    constraint compiled), or RequestError. What SamplingParams checks alone it checked when it was built; here is
+    what needs the model."""
+    params = request.sampling_params
     if not isinstance(params, SamplingParams):
         raise RequestError("params", params, "must be a SamplingParams")
-    check_prompt(prompt_token_ids, spec.vocab_size, max_model_len)
+    check_prompt(request.prompt_token_ids, spec.vocab_size, max_model_len)
     for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
         if (bad := next((t for t in ids if t >= spec.vocab_size), None)) is not None:
             raise RequestError(name, bad, f"token id outside the vocabulary [0, {spec.vocab_size})")
@@ -32,7 +32,7 @@ def check_request(
         params = dataclasses.replace(
             params, structured_outputs=dataclasses.replace(params.structured_outputs, compiled=compiled)
         )
-    return with_eos_stop_token_ids(params, spec)
+    return dataclasses.replace(request, sampling_params=with_eos_stop_token_ids(params, spec))
 
 
 def check_lora(lora_name: str | None, loaded: set[str]) -> None:

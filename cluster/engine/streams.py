@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import ray
 
-from scheduler import RequestError, RequestOutput, SamplingParams, merge_deltas, unpack_outputs
+from scheduler import EngineRequest, RequestError, RequestOutput, merge_deltas, unpack_outputs
 
 
 class EngineStopping(RuntimeError):
@@ -31,26 +31,17 @@ class DeltaStreams:
         self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self.pump: asyncio.Task | None = None
 
-    async def stream(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int,
-        cache_salt: str | None,
-        lora_name: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """The request's deltas as they come (``params`` checked); leaving early or being cancelled aborts it."""
+    async def stream(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """The (checked) request's deltas as they come; leaving early or being cancelled aborts it."""
+        request_id = request.request_id
         if request_id in self.queues:  # checked here: its queue would take the running caller's deltas
             raise RequestError("request_id", request_id, "a request with this id is still running")
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.queues[request_id] = queue
-        remaining = params.n
+        remaining = request.sampling_params.n
         try:
             self._ensure_pump()
-            finals = await self.actor.add_request.remote(
-                request_id, list(prompt_token_ids), params, priority, self.channel, cache_salt, lora_name
-            )
+            finals = await self.actor.add_request.remote(request, self.channel)
             for out in finals:
                 remaining -= 1
                 yield out

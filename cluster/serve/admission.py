@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from cluster.serve.protocol.parsing import APIError
-from scheduler import RequestOutput, SamplingParams
+from scheduler import EngineRequest, RequestOutput
 
 
 class Admission:
@@ -34,15 +34,7 @@ class Admission:
         """Refuse every request from now on with ``error``; the ones held run on."""
         self.closed = error
 
-    def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        cache_salt: str | None = None,
-        lora_name: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """The engine's stream, or a 429 raised before any stream exists (not an async generator on purpose:
         the refusal must come from the call, not from the first delta)."""
         if self.closed is not None:
@@ -55,7 +47,7 @@ class Admission:
                 f"max_queue_len waiting): retry later",
                 code="queue_full",
             )
-        stream = self.engine.generate(request_id, prompt_token_ids, params, priority, cache_salt, lora_name)  # checks
+        stream = self.engine.generate(request)  # checks it
         self.held += 1
         return self._held(stream)
 

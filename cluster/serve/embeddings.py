@@ -14,7 +14,7 @@ from cluster.serve.prompts import prompt_ids
 from cluster.serve.protocol.output import new_id
 from cluster.serve.protocol.parsing import APIError, bad_request
 from cluster.serve.served_models import ServedModels
-from scheduler import RequestError, SamplingParams
+from scheduler import EngineRequest, RequestError, SamplingParams
 
 
 def embedding_prompts(tokenizer: Any, inputs: list, max_seq_len: int, max_model_len: int) -> list[list[int]]:
@@ -45,7 +45,11 @@ async def embed(
     """One input's embedding; the engine's refusal a 400 naming the input (or a 404 for an adapter gone)."""
     arrival = time.monotonic()
     try:
-        stream = admission.generate(new_id("embd"), prompt, params, lora_name=lora_name)
+        stream = admission.generate(
+            EngineRequest(
+                request_id=new_id("embd"), prompt_token_ids=prompt, sampling_params=params, lora_name=lora_name
+            )
+        )
         async with aclosing(stream):
             async for out in stream:
                 if out.finished:

@@ -14,7 +14,7 @@ from cluster.serve.metrics import ServeMetrics
 from cluster.serve.protocol.output import PromptTokensDetails, Usage, new_id
 from cluster.serve.protocol.parsing import APIError
 from cluster.serve.protocol.sampling import SamplingFields
-from scheduler import RequestError, RequestOutput, SampledLogprobs, SamplingParams
+from scheduler import EngineRequest, RequestError, RequestOutput, SampledLogprobs, SamplingParams
 
 
 @dataclass(slots=True)
@@ -94,7 +94,16 @@ class Generation:
         self.deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
         self.num_cached_tokens = 0
         self.queued_s: float | None = None  # the scheduler's, from the first sample that finishes
-        self.stream = engine.generate(new_id("req"), prompt_ids, params, req.priority, req.cache_salt, lora_name)
+        self.stream = engine.generate(
+            EngineRequest(
+                request_id=new_id("req"),
+                prompt_token_ids=prompt_ids,
+                sampling_params=params,
+                priority=req.priority,
+                cache_salt=req.cache_salt,
+                lora_name=lora_name,
+            )
+        )
         self.first: RequestOutput | None = None
 
     async def start(self) -> Generation:

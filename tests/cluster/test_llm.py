@@ -16,7 +16,7 @@ import torch
 from cluster import LLM, EngineConfig, SamplingParams
 from cluster.config import GIB
 from cluster.engine.inprocess import InProcessEngine
-from scheduler import RequestError, StructuredOutputsParams
+from scheduler import EngineRequest, RequestError, StructuredOutputsParams
 
 NEW_TOKENS = 32
 BASE = (
@@ -176,7 +176,9 @@ def test_tiny_random_models_match_transformers(tiny_model_dir, model_type, extra
     expected = hf_greedy(path, ids, 16, ignore_eos=True)
     engine = InProcessEngine(EngineConfig(model=path, block_size=8, max_num_batched_tokens=64))
     for i, p in enumerate(ids):
-        engine.add_request(str(i), p, greedy(16, ignore_eos=True))
+        engine.add_request(
+            EngineRequest(request_id=str(i), prompt_token_ids=p, sampling_params=greedy(16, ignore_eos=True))
+        )
     got = {str(i): [] for i in range(len(ids))}
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -272,7 +274,9 @@ def test_generate_failing_part_way_leaves_nothing_running(tiny_model_dir, defaul
     del engine.step
     assert steps == 3 and not engine.has_unfinished_requests() and engine.stats().kv_cache_usage == 0
 
-    engine.add_request("not-generate's", prompts[0], greedy(4))
+    engine.add_request(
+        EngineRequest(request_id="not-generate's", prompt_token_ids=prompts[0], sampling_params=greedy(4))
+    )
     outs = llm.generate(prompts, greedy(8, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [8] * 4
     assert not engine.has_unfinished_requests()
@@ -455,7 +459,7 @@ def test_pooled_embeddings_match_transformers_across_chunks_and_preemption(tiny_
     params = SamplingParams(max_tokens=1, pooling=pooling)
     outs, mid_prefill = {}, []
     for i, prompt in enumerate([ids[2], *ids]):  # the first run puts the long prompt in the prefix cache
-        engine.add_request(str(i), prompt, params)
+        engine.add_request(EngineRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=params))
     while engine.has_unfinished_requests():
         for r in list(engine.scheduler.running):
             if 0 < r.num_computed_tokens < len(r.prompt_token_ids) and not r.num_preemptions and r.request_id == "3":

@@ -8,7 +8,7 @@ import torch
 
 from cluster.config import EngineConfig
 from cluster.engine.ray_client import RayEngine
-from scheduler import SamplingParams
+from scheduler import EngineRequest, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -63,7 +63,13 @@ def pipelined(model: str, tp: int, pp: int, blocks: int, most_layers: int, **kw)
 def run(engine: RayEngine) -> dict[str, list[list[int]]]:
     """Every prompt with n=2 greedy samples, through the synchronous interface; each request's samples by index."""
     for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+        engine.add_request(
+            EngineRequest(
+                request_id=str(i),
+                prompt_token_ids=p,
+                sampling_params=SamplingParams(n=2, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+            )
+        )
     got = {str(i): [[], []] for i in range(len(PROMPTS))}
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -95,7 +101,13 @@ def test_pipeline_greedy_matches_transformers(model, expected, tp, pp, partition
 def a_stage_1_rank_killed_mid_stream_fails_the_engine(engine: RayEngine) -> None:
     """Rank 2 (stage 1's first, the driver) dies while a request streams: the request ends with an error, and
     the health check names the stage and the rank."""
-    finals = engine.add_request("long", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    finals = engine.add_request(
+        EngineRequest(
+            request_id="long",
+            prompt_token_ids=PROMPTS[0],
+            sampling_params=SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True),
+        )
+    )
     assert not finals  # it fits the 14-block cache: not refused at once
     first: list = []
     while not first:
@@ -147,7 +159,13 @@ def test_a_mixture_of_experts_model_splits_into_stages(tiny_model_dir):
     engine = RayEngine(EngineConfig(model=path, pipeline_parallel_size=2, block_size=BLOCK_SIZE, max_model_len=128))
     try:
         for i, p in enumerate(PROMPTS[:3]):
-            engine.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
+            engine.add_request(
+                EngineRequest(
+                    request_id=str(i),
+                    prompt_token_ids=p,
+                    sampling_params=SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                )
+            )
         got = {str(i): [] for i in range(3)}
         while engine.has_unfinished_requests():
             for o in engine.step():

@@ -15,7 +15,7 @@ from cluster.config import EngineConfig
 from cluster.engine.inprocess import InProcessEngine
 from cluster.engine.interface import Engine
 from cluster.engine.ray_client import RayEngine
-from scheduler import RequestError, SamplingParams
+from scheduler import EngineRequest, RequestError, SamplingParams
 from tests.cluster.conftest import SESSION_CPUS
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -40,7 +40,7 @@ def config(model: str, **kw) -> EngineConfig:
 def run_to_completion(engine, prompts=PROMPTS, max_tokens=12) -> list[list[int]]:
     """Greedy outputs through the synchronous interface (what the offline LLM drives)."""
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, greedy(max_tokens))
+        engine.add_request(EngineRequest(request_id=str(i), prompt_token_ids=p, sampling_params=greedy(max_tokens)))
     got = {str(i): [] for i in range(len(prompts))}
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -115,18 +115,28 @@ def test_tp2_lora_adapters_match_peft_mixed_with_the_base(engine, lora_adapters)
     requests run; with one slot, the requests of the adapter not resident wait for it."""
     _, paths, prompts, expected = lora_adapters
     with pytest.raises(RequestError, match="'all4'"):
-        engine.add_request("nope", prompts[0], greedy(4), lora_name="all4")
+        engine.add_request(
+            EngineRequest(request_id="nope", prompt_token_ids=prompts[0], sampling_params=greedy(4), lora_name="all4")
+        )
     mixed = [(name, p) for p in prompts for name in (None, "attn8", "all4")]
     for i, (name, prompt) in enumerate(mixed):  # the base's and attn8's requests run while all4 loads
         if name != "all4":
-            engine.add_request(f"lora{i}", prompt, greedy(12), lora_name=name)
+            engine.add_request(
+                EngineRequest(
+                    request_id=f"lora{i}", prompt_token_ids=prompt, sampling_params=greedy(12), lora_name=name
+                )
+            )
     engine.add_lora("all4", paths["all4"])
     try:
         with pytest.raises(ValueError, match="'all4'.*already loaded"):
             engine.add_lora("all4", paths["all4"])
         for i, (name, prompt) in enumerate(mixed):
             if name == "all4":
-                engine.add_request(f"lora{i}", prompt, greedy(12), lora_name=name)
+                engine.add_request(
+                    EngineRequest(
+                        request_id=f"lora{i}", prompt_token_ids=prompt, sampling_params=greedy(12), lora_name=name
+                    )
+                )
         got = {f"lora{i}": [] for i in range(len(mixed))}
         while engine.has_unfinished_requests():
             for o in bounded(engine.step, "a LoRA step"):
@@ -169,7 +179,12 @@ def test_tp2_with_speculation_matches_tp1(llama, reference, method):
 
 def test_streaming_yields_each_token_as_it_is_sampled(engine, reference):
     async def consume():
-        return [d async for d in engine.generate("stream", PROMPTS[1], greedy(8))]
+        return [
+            d
+            async for d in engine.generate(
+                EngineRequest(request_id="stream", prompt_token_ids=PROMPTS[1], sampling_params=greedy(8))
+            )
+        ]
 
     deltas = asyncio.run(asyncio.wait_for(consume(), WAIT_S))
     assert [len(d.new_token_ids) for d in deltas] == [1] * 8
@@ -182,7 +197,12 @@ def test_streaming_n_samples_reports_every_index(engine):
     params = SamplingParams(n=3, seed=5, max_tokens=4, ignore_eos=True)
 
     async def consume():
-        return [d async for d in engine.generate("n3", PROMPTS[0], params)]
+        return [
+            d
+            async for d in engine.generate(
+                EngineRequest(request_id="n3", prompt_token_ids=PROMPTS[0], sampling_params=params)
+            )
+        ]
 
     deltas = asyncio.run(asyncio.wait_for(consume(), WAIT_S))
     for index in range(3):
@@ -194,7 +214,9 @@ def test_dropping_a_stream_mid_way_aborts_it_and_frees_its_blocks(engine):
     steps_before = engine.stats().num_steps
 
     async def take_three_then_drop():
-        stream = engine.generate("dropped", PROMPTS[3], greedy(150))
+        stream = engine.generate(
+            EngineRequest(request_id="dropped", prompt_token_ids=PROMPTS[3], sampling_params=greedy(150))
+        )
         got = [await anext(stream) for _ in range(3)]
         await stream.aclose()
         return got
@@ -212,7 +234,9 @@ def test_cancelling_a_consumer_aborts_its_request(engine):
         first = asyncio.Event()
 
         async def consume():
-            async for _ in engine.generate("cancelled", PROMPTS[2], greedy(150)):
+            async for _ in engine.generate(
+                EngineRequest(request_id="cancelled", prompt_token_ids=PROMPTS[2], sampling_params=greedy(150))
+            ):
                 first.set()
 
         task = asyncio.create_task(consume())
@@ -228,10 +252,16 @@ def test_cancelling_a_consumer_aborts_its_request(engine):
 
 def test_a_second_generate_with_a_running_id_is_refused_and_the_first_runs_on(engine, reference):
     async def both() -> list:
-        first = engine.generate("twice", PROMPTS[1], greedy(8))
+        first = engine.generate(
+            EngineRequest(request_id="twice", prompt_token_ids=PROMPTS[1], sampling_params=greedy(8))
+        )
         deltas = [await anext(first)]
         with pytest.raises(ValueError, match="'twice' is invalid: a request with this id is still running"):
-            await anext(engine.generate("twice", PROMPTS[2], greedy(8)))
+            await anext(
+                engine.generate(
+                    EngineRequest(request_id="twice", prompt_token_ids=PROMPTS[2], sampling_params=greedy(8))
+                )
+            )
         return deltas + [d async for d in first]
 
     deltas = asyncio.run(asyncio.wait_for(both(), WAIT_S))
@@ -247,7 +277,9 @@ def test_a_new_request_joins_the_running_batch_while_others_decode(engine):
 
         async def consume(rid, prompt, params, on_token=None):
             n = 0
-            async for d in engine.generate(rid, prompt, params):
+            async for d in engine.generate(
+                EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=params)
+            ):
                 n += len(d.new_token_ids)
                 deltas.append((rid, d.finished))
                 if on_token:
@@ -277,7 +309,7 @@ def run_mixed(engine, stop: int) -> dict:
     ]
     got: dict = {}
     for i, (prompt, params) in enumerate(batch):
-        engine.add_request(f"m{i}", prompt, params)
+        engine.add_request(EngineRequest(request_id=f"m{i}", prompt_token_ids=prompt, sampling_params=params))
     while engine.has_unfinished_requests():
         for o in engine.step():
             tokens, _, logprobs = got.get((o.request_id, o.index), ([], None, []))
@@ -311,10 +343,15 @@ def test_async_scheduling_gives_the_serial_loops_outputs_token_for_token(engine,
 
 def test_bad_prompt_is_refused_before_it_reaches_the_engine(engine):
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        engine.add_request("bad", [1, 2, 10**6], greedy(4))
+        engine.add_request(EngineRequest(request_id="bad", prompt_token_ids=[1, 2, 10**6], sampling_params=greedy(4)))
 
     async def consume():
-        return [d async for d in engine.generate("bad", [], greedy(4))]
+        return [
+            d
+            async for d in engine.generate(
+                EngineRequest(request_id="bad", prompt_token_ids=[], sampling_params=greedy(4))
+            )
+        ]
 
     with pytest.raises(RequestError, match="prompt=\\[\\] is invalid: it must have at least one token"):
         asyncio.run(consume())
@@ -336,7 +373,7 @@ def test_scheduler_actor_process_never_imports_torch(engine):
 def test_dead_worker_fails_in_flight_requests_and_health_then_a_new_engine_works(llama, reference, dead_rank):
     e = RayEngine(config(llama, tensor_parallel_size=2))
     try:
-        e.add_request("sync", PROMPTS[0], greedy(200))
+        e.add_request(EngineRequest(request_id="sync", prompt_token_ids=PROMPTS[0], sampling_params=greedy(200)))
 
         async def kill_mid_generation():
             streams = [e.generate(f"s{i}", p, greedy(200)) for i, p in enumerate(PROMPTS[1:3])]
@@ -362,7 +399,7 @@ def test_dead_worker_fails_in_flight_requests_and_health_then_a_new_engine_works
         with pytest.raises(RuntimeError, match="unhealthy"):
             e.check_health()
         with pytest.raises(RuntimeError, match="unhealthy"):
-            e.add_request("late", PROMPTS[0], greedy(4))
+            e.add_request(EngineRequest(request_id="late", prompt_token_ids=PROMPTS[0], sampling_params=greedy(4)))
     finally:
         e.shutdown()
     fresh = RayEngine(config(llama, tensor_parallel_size=2))

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from cluster.scheduler_actor import SchedulerActor, _Outbox
-from scheduler import RequestOutput, SamplingParams, unpack_outputs
+from scheduler import EngineRequest, RequestOutput, SamplingParams, unpack_outputs
 from tests.scheduler.configs import scheduler_config
 from workers.no_work import NoWorkRunner
 
@@ -79,7 +79,13 @@ async def started_actor(async_scheduling: bool = True, hang_at: int | None = Non
 async def drive(async_scheduling: bool, hang_at: int | None = None) -> tuple[dict, SchedulerActor, FakeRank]:
     actor, rank = await started_actor(async_scheduling, hang_at)
     for i, n in enumerate((3, 9, 14)):
-        await actor.add_request(f"r{i}", list(range(1, 4 + 5 * i)), SamplingParams(max_tokens=n, ignore_eos=True))
+        await actor.add_request(
+            EngineRequest(
+                request_id=f"r{i}",
+                prompt_token_ids=list(range(1, 4 + 5 * i)),
+                sampling_params=SamplingParams(max_tokens=n, ignore_eos=True),
+            )
+        )
     got: dict = {}
     received = 0
     while len([1 for _, reason in got.values() if reason]) < 3:
@@ -119,7 +125,13 @@ def test_a_hung_step_fails_every_request_and_leaves_no_step_behind(async_schedul
 def test_a_request_arriving_mid_decode_joins_the_very_next_step_and_finishes_first():
     async def scenario():
         actor, rank = await started_actor()
-        await actor.add_request("long", [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))
+        await actor.add_request(
+            EngineRequest(
+                request_id="long",
+                prompt_token_ids=[1, 2, 3],
+                sampling_params=SamplingParams(max_tokens=40, ignore_eos=True),
+            )
+        )
         finished, received, num_tokens, arrival_step = [], 0, 0, None
         while len(finished) < 2:
             received, packed = await asyncio.wait_for(actor.get_outputs("sync", received), 5)
@@ -131,7 +143,13 @@ def test_a_request_arriving_mid_decode_joins_the_very_next_step_and_finishes_fir
                     finished.append(d.request_id)
             if arrival_step is None and num_tokens >= 4:
                 arrival_step = actor.scheduler.num_steps
-                await actor.add_request("late", [4, 5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True))
+                await actor.add_request(
+                    EngineRequest(
+                        request_id="late",
+                        prompt_token_ids=[4, 5, 6, 7, 8],
+                        sampling_params=SamplingParams(max_tokens=3, ignore_eos=True),
+                    )
+                )
         actor.loop_task.cancel()
         return rank.first_steps, arrival_step, finished
 

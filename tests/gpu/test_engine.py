@@ -6,7 +6,7 @@ import gc
 import pytest
 import torch
 
-from cluster import EngineConfig, SamplingParams
+from cluster import EngineConfig, EngineRequest, SamplingParams
 from cluster.engine.inprocess import InProcessEngine
 from tests.workers.test_model_runner import prompts, run
 
@@ -134,7 +134,7 @@ def test_a_decode_step_makes_no_hidden_host_sync(default_model_dir):
         SamplingParams(temperature=0.7, top_p=0.9, top_k=20, repetition_penalty=1.2, max_tokens=6, ignore_eos=True)
     ] * 4
     for i, p in enumerate(prompts(4)):
-        engine.add_request(str(i), p, params[i])
+        engine.add_request(EngineRequest(request_id=str(i), prompt_token_ids=p, sampling_params=params[i]))
     engine.step()  # prefill
     runner = engine.worker.runner
     to_host, reads = runner._to_host, []

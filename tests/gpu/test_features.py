@@ -6,7 +6,7 @@ pooled embeddings against transformers."""
 import pytest
 import torch
 
-from cluster import SamplingParams
+from cluster import EngineRequest, SamplingParams
 from tests.gpu.test_engine import cuda_engine, free, greedy, hf_greedy, run_and_free
 from tests.workers.test_families import FAMILIES
 from tests.workers.test_lora import run as run_with_adapters
@@ -88,7 +88,13 @@ def test_pooled_embeddings_match_transformers(tiny_model_dir, default_model_dir,
     )
     try:
         for i, prompt in enumerate(ids):
-            engine.add_request(str(i), prompt, SamplingParams(max_tokens=1, pooling=pooling))
+            engine.add_request(
+                EngineRequest(
+                    request_id=str(i),
+                    prompt_token_ids=prompt,
+                    sampling_params=SamplingParams(max_tokens=1, pooling=pooling),
+                )
+            )
         outs = {}
         while engine.has_unfinished_requests():
             outs.update((o.request_id, o) for o in engine.step() if o.finished)

@@ -4,7 +4,7 @@ order, and appends its own samples, as the ranks do."""
 
 from collections import deque
 
-from scheduler import RequestStatus, SchedulerOutput
+from scheduler import EngineRequest, RequestStatus, SchedulerOutput
 from tests.scheduler.fake_worker import FakeWorker
 from tests.scheduler.test_host_tier import make as make_tiered
 from tests.scheduler.test_scheduler import EOS, make, params, run_all
@@ -48,7 +48,7 @@ class Pipeline:
 def serial(prompts: dict[str, list[int]], **kw) -> dict[tuple[str, int], list]:
     sched, worker = make(num_blocks=64)
     for rid, prompt in prompts.items():
-        sched.add_request(rid, prompt, params(**kw))
+        sched.add_request(EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=params(**kw)))
     return run_all(sched, worker)
 
 
@@ -56,7 +56,7 @@ def test_the_second_plan_computes_each_sampled_position_before_the_first_is_appl
     sched, worker = make()
     prompts = {"a": [1, 2, 3, 4, 5, 6], "b": [7, 8, 9]}
     for rid, prompt in prompts.items():
-        sched.add_request(rid, prompt, params(max_tokens=6))
+        sched.add_request(EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=params(max_tokens=6)))
     pipe = Pipeline(sched, worker)
     pipe.send()
     second = pipe.send()
@@ -72,7 +72,7 @@ def test_the_second_plan_computes_each_sampled_position_before_the_first_is_appl
 
 def test_a_request_is_not_scheduled_past_max_tokens():
     sched, worker = make()
-    sched.add_request("a", [1, 2, 3], params(max_tokens=2))
+    sched.add_request(EngineRequest(request_id="a", prompt_token_ids=[1, 2, 3], sampling_params=params(max_tokens=2)))
     pipe = Pipeline(sched, worker)
     pipe.send()
     pipe.send()  # samples the second and last token
@@ -86,7 +86,11 @@ def test_a_request_is_not_scheduled_past_max_tokens():
 def test_a_token_sampled_after_eos_in_flight_is_dropped():
     sched, _ = make()
     worker = FakeWorker(4, 64, eos_token_id=EOS, eos_every=6)  # the token at length 6 is EOS
-    sched.add_request("a", [1, 2, 3, 4, 5, 6], params(max_tokens=8, ignore_eos=False))
+    sched.add_request(
+        EngineRequest(
+            request_id="a", prompt_token_ids=[1, 2, 3, 4, 5, 6], sampling_params=params(max_tokens=8, ignore_eos=False)
+        )
+    )
     pipe = Pipeline(sched, worker)
     pipe.send()
     pipe.send()  # wasted: it samples past the EOS it cannot know of yet
@@ -97,13 +101,15 @@ def test_a_token_sampled_after_eos_in_flight_is_dropped():
 
 def test_a_stale_step_never_touches_a_new_request_reusing_the_id():
     sched, worker = make()
-    sched.add_request("a", [1, 2, 3, 4], params(max_tokens=10))
+    sched.add_request(
+        EngineRequest(request_id="a", prompt_token_ids=[1, 2, 3, 4], sampling_params=params(max_tokens=10))
+    )
     pipe = Pipeline(sched, worker)
     pipe.send()
     pipe.send()  # both steps sample the old "a"
     old = sched.requests["a"]
     sched.abort("a")
-    sched.add_request("a", [9, 8, 7], params(max_tokens=3))
+    sched.add_request(EngineRequest(request_id="a", prompt_token_ids=[9, 8, 7], sampling_params=params(max_tokens=3)))
     pipe.apply()
     so = pipe.send()
     assert [n.req_id for n in so.scheduled_new_reqs] == ["a"] and so.finished_req_ids == {"a"}
@@ -119,7 +125,9 @@ def test_a_request_preempted_with_a_step_in_flight_keeps_its_token_and_resumes()
     for swap in (False, True):  # 4 usable blocks: a and b fill them after their prefills
         sched, worker = make_tiered(num_blocks=5, preemption_mode="swap") if swap else make(num_blocks=5)
         for rid, prompt in prompts.items():
-            sched.add_request(rid, prompt, params(max_tokens=6))
+            sched.add_request(
+                EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=params(max_tokens=6))
+            )
         pipe = Pipeline(sched, worker)
         pipe.send()
         pipe.send()  # position 7 fits both second blocks: both sample again
@@ -135,13 +143,21 @@ def test_a_request_preempted_with_a_step_in_flight_keeps_its_token_and_resumes()
 
 def test_a_block_is_cached_as_soon_as_its_last_token_is_known():
     sched, worker = make()
-    sched.add_request("a", [1, 2, 3, 4, 5, 6, 7], params(max_tokens=4))
+    sched.add_request(
+        EngineRequest(request_id="a", prompt_token_ids=[1, 2, 3, 4, 5, 6, 7], sampling_params=params(max_tokens=4))
+    )
     pipe = Pipeline(sched, worker)
     pipe.send()
     pipe.send()  # computes position 7, whose token step 1 sampled
     pipe.apply()  # that token completes block 1's ids, and its position is scheduled: cached now, not a step later
     assert sched.kv.num_cached_blocks["a"] == 2
-    sched.add_request("b", worker.states["a"].token_ids[:8] + [5], params(max_tokens=1))
+    sched.add_request(
+        EngineRequest(
+            request_id="b",
+            prompt_token_ids=worker.states["a"].token_ids[:8] + [5],
+            sampling_params=params(max_tokens=1),
+        )
+    )
     pipe.send()
     assert sched.requests["b"].num_cached_tokens == 8  # both blocks; the fake checks they hold a's tokens
     pipe.apply()

@@ -3,7 +3,7 @@ import pytest
 from scheduler.block_hash import hash_block_tokens
 from scheduler.block_pool import BlockPool
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.request import Request
+from scheduler.request import EngineRequest, Request
 
 
 def free_ids(pool: BlockPool) -> list[int]:
@@ -75,13 +75,13 @@ def test_hash_chain_depends_on_prefix_and_salt():
 
 
 def test_request_extends_block_hashes_incrementally_for_full_blocks_only():
-    r = Request("r", list(range(10)), block_size=4)
+    r = Request(EngineRequest(request_id="r", prompt_token_ids=list(range(10))), block_size=4)
     assert len(r.block_hashes) == 2  # 10 tokens: two full blocks, the third is open
     r.append_output_token(10)
     assert len(r.block_hashes) == 2
     r.append_output_token(11)
     assert len(r.block_hashes) == 3
-    whole = Request("w", list(range(12)), block_size=4)
+    whole = Request(EngineRequest(request_id="w", prompt_token_ids=list(range(12))), block_size=4)
     assert whole.block_hashes == r.block_hashes  # incremental == from scratch
 
 
@@ -98,9 +98,9 @@ def compute(kv: KVCacheManager, req: Request, n: int) -> None:
 
 def test_prefix_hits_across_requests_sharing_a_prompt():
     kv = make_manager()
-    a = Request("a", list(range(10)), block_size=4)
+    a = Request(EngineRequest(request_id="a", prompt_token_ids=list(range(10))), block_size=4)
     compute(kv, a, 10)
-    b = Request("b", list(range(8)) + [50, 51, 52], block_size=4)
+    b = Request(EngineRequest(request_id="b", prompt_token_ids=list(range(8)) + [50, 51, 52]), block_size=4)
     hits, n = kv.get_computed_blocks(b)
     assert n == 8 and hits == kv.req_to_blocks["a"][:2]
     assert kv.allocate_slots(b, 3, n, hits) is not None
@@ -117,7 +117,7 @@ def test_prefix_hits_across_requests_sharing_a_prompt():
 
 def test_manager_frees_a_requests_blocks_tail_first():
     kv = make_manager(num_blocks=6, block_size=4)
-    a = Request("a", list(range(12)), block_size=4)
+    a = Request(EngineRequest(request_id="a", prompt_token_ids=list(range(12))), block_size=4)
     assert [b.block_id for b in kv.allocate_slots(a, 12)] == [1, 2, 3]
     kv.free(a)
     # The prompt head goes last, so it outlives the tail in the prefix cache.
@@ -126,34 +126,34 @@ def test_manager_frees_a_requests_blocks_tail_first():
 
 def test_no_hit_for_equal_blocks_after_different_prefixes():
     kv = make_manager()
-    a = Request("a", [1, 1, 1, 1, 5, 6, 7, 8, 0], block_size=4)
+    a = Request(EngineRequest(request_id="a", prompt_token_ids=[1, 1, 1, 1, 5, 6, 7, 8, 0]), block_size=4)
     compute(kv, a, 9)
-    b = Request("b", [2, 2, 2, 2, 5, 6, 7, 8, 0], block_size=4)
+    b = Request(EngineRequest(request_id="b", prompt_token_ids=[2, 2, 2, 2, 5, 6, 7, 8, 0]), block_size=4)
     assert kv.get_computed_blocks(b) == ([], 0)
 
 
 def test_hit_is_capped_so_the_last_token_is_computed():
     kv = make_manager()
-    a = Request("a", list(range(8)), block_size=4)
+    a = Request(EngineRequest(request_id="a", prompt_token_ids=list(range(8))), block_size=4)
     compute(kv, a, 8)
-    same = Request("same", list(range(8)), block_size=4)
+    same = Request(EngineRequest(request_id="same", prompt_token_ids=list(range(8))), block_size=4)
     hits, n = kv.get_computed_blocks(same)
     assert n == 4 and len(hits) == 1
 
 
 def test_blocks_are_cached_only_once_computed():
     kv = make_manager()
-    a = Request("a", list(range(8)), block_size=4)
+    a = Request(EngineRequest(request_id="a", prompt_token_ids=list(range(8))), block_size=4)
     assert kv.allocate_slots(a, 8) is not None  # scheduled, not yet computed
-    b = Request("b", list(range(8)) + [9], block_size=4)
+    b = Request(EngineRequest(request_id="b", prompt_token_ids=list(range(8)) + [9]), block_size=4)
     assert kv.get_computed_blocks(b) == ([], 0)
 
 
 def test_allocate_returns_none_without_side_effects_when_full():
     kv = make_manager(num_blocks=4, block_size=4)
-    a = Request("a", list(range(12)), block_size=4)
+    a = Request(EngineRequest(request_id="a", prompt_token_ids=list(range(12))), block_size=4)
     assert len(kv.allocate_slots(a, 12)) == 3
-    b = Request("b", [1, 2], block_size=4)
+    b = Request(EngineRequest(request_id="b", prompt_token_ids=[1, 2]), block_size=4)
     assert kv.allocate_slots(b, 2) is None
     assert kv.block_pool.num_free_blocks == 0
     assert kv.req_to_blocks["b"] == []

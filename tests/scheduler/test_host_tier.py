@@ -2,7 +2,7 @@
 
 import pytest
 
-from scheduler import RequestStatus, Scheduler
+from scheduler import EngineRequest, RequestStatus, Scheduler
 from tests.scheduler.configs import scheduler_config
 from tests.scheduler.fake_worker import FakeWorker
 from tests.scheduler.test_scheduler import EOS, params, run_all, step
@@ -24,7 +24,9 @@ def test_swapped_request_resumes_with_its_kv_and_before_waiting_requests():
     # 9 usable blocks of 4 tokens; three 8-token prompts growing 8 tokens each cannot all fit.
     sched, worker = make(preemption_mode="swap")
     for rid in "abc":
-        sched.add_request(rid, [ord(rid)] * 8, params(max_tokens=8))
+        sched.add_request(
+            EngineRequest(request_id=rid, prompt_token_ids=[ord(rid)] * 8, sampling_params=params(max_tokens=8))
+        )
     c = sched.requests["c"]
     got: dict = {}
     while not sched.swapped:
@@ -35,7 +37,7 @@ def test_swapped_request_resumes_with_its_kv_and_before_waiting_requests():
     host_ids = {b.block_id for b in sched.kv.req_to_host_blocks["c"]}
     assert kept > 8 and len(host_ids) == -(-kept // 4) and "c" not in sched.kv.req_to_blocks
     assert host_ids <= {h for _, h in so.blocks_to_swap_out}  # its KV went out this step; its progress stayed
-    sched.add_request("d", [5] * 4, params(max_tokens=2))
+    sched.add_request(EngineRequest(request_id="d", prompt_token_ids=[5] * 4, sampling_params=params(max_tokens=2)))
     while sched.swapped:
         so, outs = step(sched, worker)
         collect(got, outs)
@@ -51,14 +53,16 @@ def test_swapped_request_resumes_with_its_kv_and_before_waiting_requests():
 
     roomy, roomy_worker = make(num_blocks=64, num_host_blocks=0)
     for rid, prompt, n in (("a", [97] * 8, 8), ("b", [98] * 8, 8), ("c", [99] * 8, 8), ("d", [5] * 4, 2)):
-        roomy.add_request(rid, prompt, params(max_tokens=n))
+        roomy.add_request(EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=params(max_tokens=n)))
     assert got == {rid: tokens for (rid, _), (tokens, _) in run_all(roomy, roomy_worker).items()}
 
 
 def test_host_tier_of_zero_never_swaps():
     sched, worker = make(num_host_blocks=0)
     for rid in "abc":
-        sched.add_request(rid, [ord(rid)] * 8, params(max_tokens=8))
+        sched.add_request(
+            EngineRequest(request_id=rid, prompt_token_ids=[ord(rid)] * 8, sampling_params=params(max_tokens=8))
+        )
     preempted = 0
     while sched.has_unfinished_requests():
         so, _ = step(sched, worker)
@@ -71,7 +75,9 @@ def test_host_tier_of_zero_never_swaps():
 def test_auto_mode_swaps_only_when_copying_costs_less_than_recomputing(swap_cost, swapped):
     sched, worker = make(preemption_mode="auto", swap_cost_per_block=swap_cost, enable_prefix_caching=False)
     for rid in "abc":
-        sched.add_request(rid, [ord(rid)] * 8, params(max_tokens=8))
+        sched.add_request(
+            EngineRequest(request_id=rid, prompt_token_ids=[ord(rid)] * 8, sampling_params=params(max_tokens=8))
+        )
     while not sched.num_preemptions:
         step(sched, worker)
     assert bool(sched.swapped) == swapped
@@ -81,7 +87,9 @@ def test_auto_mode_swaps_only_when_copying_costs_less_than_recomputing(swap_cost
 def test_full_host_tier_falls_back_to_recompute():
     sched, worker = make(num_host_blocks=2, preemption_mode="swap")  # one usable host block: c needs three
     for rid in "abc":
-        sched.add_request(rid, [ord(rid)] * 8, params(max_tokens=8))
+        sched.add_request(
+            EngineRequest(request_id=rid, prompt_token_ids=[ord(rid)] * 8, sampling_params=params(max_tokens=8))
+        )
     while not sched.num_preemptions:
         step(sched, worker)
     assert not sched.swapped and sched.requests["c"].status == RequestStatus.PREEMPTED
@@ -92,7 +100,9 @@ def test_full_host_tier_falls_back_to_recompute():
 def test_abort_of_a_swapped_request_frees_its_host_blocks():
     sched, worker = make(preemption_mode="swap")
     for rid in "abc":
-        sched.add_request(rid, [ord(rid)] * 8, params(max_tokens=8))
+        sched.add_request(
+            EngineRequest(request_id=rid, prompt_token_ids=[ord(rid)] * 8, sampling_params=params(max_tokens=8))
+        )
     while not sched.swapped:
         step(sched, worker)
     (out,) = sched.abort("c")
@@ -104,13 +114,19 @@ def test_abort_of_a_swapped_request_frees_its_host_blocks():
 def test_evicted_prefix_comes_back_from_the_host_tier():
     sched, worker = make(num_blocks=8, num_host_blocks=16)  # 7 usable device blocks
     doc = list(range(10, 22))  # three full blocks
-    sched.add_request("first", doc + [1], params(max_tokens=2))
+    sched.add_request(
+        EngineRequest(request_id="first", prompt_token_ids=doc + [1], sampling_params=params(max_tokens=2))
+    )
     run_all(sched, worker)
     for i in range(3):  # others pass through and evict the document's blocks from the device
-        sched.add_request(f"other{i}", [30 + i] * 20, params(max_tokens=2))
+        sched.add_request(
+            EngineRequest(request_id=f"other{i}", prompt_token_ids=[30 + i] * 20, sampling_params=params(max_tokens=2))
+        )
         run_all(sched, worker)
     hashes = sched.kv.block_pool.cached_blocks
-    sched.add_request("again", doc + [2], params(max_tokens=2))
+    sched.add_request(
+        EngineRequest(request_id="again", prompt_token_ids=doc + [2], sampling_params=params(max_tokens=2))
+    )
     again = sched.requests["again"]
     assert not any(h in hashes for h in again.block_hashes[:3])  # gone from the device pool
     so, outs = step(sched, worker)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler import Request, RequestStatus, SamplingParams, Scheduler
+from scheduler import EngineRequest, Request, RequestStatus, SamplingParams, Scheduler
 from tests.scheduler.configs import scheduler_config
 from tests.scheduler.fake_worker import FakeState, FakeWorker
 
@@ -121,32 +121,38 @@ def test_sampling_params_accept_the_edges_of_their_ranges():
 
 def test_child_seeds_wrap_within_the_generator_seed_range():
     sched, _ = make()
-    sched.add_request("p", [1, 2, 3], params(n=3, seed=2**64 - 2))
+    sched.add_request(
+        EngineRequest(request_id="p", prompt_token_ids=[1, 2, 3], sampling_params=params(n=3, seed=2**64 - 2))
+    )
     assert [sched.requests[f"p#{i}"].sampling_params.seed for i in range(3)] == [2**64 - 2, 2**64 - 1, 0]
-    sched.add_request("q", [1, 2, 3], params(n=2, seed=-1))  # -1 is the generator of 2**64 - 1
+    sched.add_request(
+        EngineRequest(request_id="q", prompt_token_ids=[1, 2, 3], sampling_params=params(n=2, seed=-1))
+    )  # -1 is the generator of 2**64 - 1
     assert [sched.requests[f"q#{i}"].sampling_params.seed for i in range(2)] == [2**64 - 1, 0]
 
 
 def test_bad_requests_raise_value_errors_and_leave_the_scheduler_usable():
     sched, worker = make()
     with pytest.raises(ValueError, match="prompt_token_ids"):
-        sched.add_request("empty", [])
+        sched.add_request(EngineRequest(request_id="empty", prompt_token_ids=[]))
     with pytest.raises(ValueError, match="-3"):
-        sched.add_request("neg", [1, -3])
+        sched.add_request(EngineRequest(request_id="neg", prompt_token_ids=[1, -3]))
     with pytest.raises(ValueError, match="priority"):
-        sched.add_request("prio", [1], priority="high")
+        sched.add_request(EngineRequest(request_id="prio", prompt_token_ids=[1], priority="high"))
     with pytest.raises(ValueError, match=str(2**63)):  # block hashing packs ids as int64
-        sched.add_request("huge", [1, 2**63], params())
+        sched.add_request(EngineRequest(request_id="huge", prompt_token_ids=[1, 2**63], sampling_params=params()))
     with pytest.raises(ValueError, match="True"):
-        sched.add_request("bool", [1, True], params())
+        sched.add_request(EngineRequest(request_id="bool", prompt_token_ids=[1, True], sampling_params=params()))
     with pytest.raises(ValueError, match="prompt_token_ids is a str"):
-        sched.add_request("text", "hello", params())
+        sched.add_request(EngineRequest(request_id="text", prompt_token_ids="hello", sampling_params=params()))
     with pytest.raises(ValueError, match="cache_salt=5"):
-        sched.add_request("salt", [1], params(), cache_salt=5)
+        sched.add_request(
+            EngineRequest(request_id="salt", prompt_token_ids=[1], sampling_params=params(), cache_salt=5)
+        )
     assert not sched.has_unfinished_requests() and sched.children == {}
-    sched.add_request("ok", [1, 2, 3], params())
+    sched.add_request(EngineRequest(request_id="ok", prompt_token_ids=[1, 2, 3], sampling_params=params()))
     with pytest.raises(ValueError, match="'ok'"):
-        sched.add_request("ok", [4], params())
+        sched.add_request(EngineRequest(request_id="ok", prompt_token_ids=[4], sampling_params=params()))
     assert sched.abort("nobody") == []
     got = run_all(sched, worker)
     assert got == {("ok", 0): [got[("ok", 0)][0], "length"]} and len(got[("ok", 0)][0]) == 5
@@ -154,7 +160,9 @@ def test_bad_requests_raise_value_errors_and_leave_the_scheduler_usable():
 
 def test_new_requests_travel_once_then_only_diffs():
     sched, worker = make(block_size=4)
-    sched.add_request("a", [1, 2, 3, 4, 5, 6], params(max_tokens=6))
+    sched.add_request(
+        EngineRequest(request_id="a", prompt_token_ids=[1, 2, 3, 4, 5, 6], sampling_params=params(max_tokens=6))
+    )
     so, _ = step(sched, worker)
     assert [n.req_id for n in so.scheduled_new_reqs] == ["a"] and so.scheduled_cached_reqs.num_reqs == 0
     assert so.scheduled_new_reqs[0].block_ids == [1, 2]
@@ -174,9 +182,11 @@ def test_new_requests_travel_once_then_only_diffs():
 def test_prefix_hits_across_requests_in_the_scheduler():
     sched, worker = make(block_size=4)
     prompt = list(range(100, 113))  # 13 tokens: 3 full blocks
-    sched.add_request("a", prompt, params(max_tokens=3))
+    sched.add_request(EngineRequest(request_id="a", prompt_token_ids=prompt, sampling_params=params(max_tokens=3)))
     step(sched, worker)
-    sched.add_request("b", prompt[:12] + [7, 7], params(max_tokens=3))
+    sched.add_request(
+        EngineRequest(request_id="b", prompt_token_ids=prompt[:12] + [7, 7], sampling_params=params(max_tokens=3))
+    )
     so, _ = step(sched, worker)
     (new,) = so.scheduled_new_reqs
     assert new.num_computed_tokens == 12 and so.num_scheduled_tokens["b"] == 2
@@ -193,11 +203,15 @@ def test_prefix_stats_count_a_request_that_waits_for_memory_once():
     # 6 usable blocks of 4 tokens.
     sched, worker = make(num_blocks=7, block_size=4)
     prompt = list(range(100, 109))  # 9 tokens: 2 full blocks get cached
-    sched.add_request("a", prompt, params(max_tokens=1))
+    sched.add_request(EngineRequest(request_id="a", prompt_token_ids=prompt, sampling_params=params(max_tokens=1)))
     step(sched, worker)
     # "hog" takes 4 of the 6 blocks for 3 steps; "b" needs its 2 cached (free) blocks plus one more.
-    sched.add_request("hog", list(range(200, 213)), params(max_tokens=3))
-    sched.add_request("b", prompt[:8] + [7, 7, 7], params(max_tokens=1))
+    sched.add_request(
+        EngineRequest(request_id="hog", prompt_token_ids=list(range(200, 213)), sampling_params=params(max_tokens=3))
+    )
+    sched.add_request(
+        EngineRequest(request_id="b", prompt_token_ids=prompt[:8] + [7, 7, 7], sampling_params=params(max_tokens=1))
+    )
     waited = 0
     while True:
         so, outs = step(sched, worker)
@@ -212,9 +226,9 @@ def test_prefix_stats_count_a_request_that_waits_for_memory_once():
 def test_prefix_caching_off_never_hits():
     sched, worker = make(block_size=4, enable_prefix_caching=False)
     prompt = list(range(13))
-    sched.add_request("a", prompt, params(max_tokens=2))
+    sched.add_request(EngineRequest(request_id="a", prompt_token_ids=prompt, sampling_params=params(max_tokens=2)))
     run_all(sched, worker)
-    sched.add_request("b", prompt, params(max_tokens=2))
+    sched.add_request(EngineRequest(request_id="b", prompt_token_ids=prompt, sampling_params=params(max_tokens=2)))
     so, _ = step(sched, worker)
     assert so.scheduled_new_reqs[0].num_computed_tokens == 0
 
@@ -223,7 +237,9 @@ def test_fcfs_preempts_the_last_running_request_and_it_resumes():
     # 9 usable blocks of 4 tokens; three 8-token prompts growing 8 tokens each cannot all fit.
     sched, worker = make(num_blocks=10, block_size=4)
     for rid in "abc":
-        sched.add_request(rid, [ord(rid)] * 8, params(max_tokens=8))
+        sched.add_request(
+            EngineRequest(request_id=rid, prompt_token_ids=[ord(rid)] * 8, sampling_params=params(max_tokens=8))
+        )
     preempted_order = []
     got = {}
     for _ in range(200):
@@ -240,9 +256,33 @@ def test_fcfs_preempts_the_last_running_request_and_it_resumes():
 
 def test_priority_policy_preempts_the_lowest_priority_even_if_earlier():
     sched, worker = make(num_blocks=10, block_size=4, policy="priority")
-    sched.add_request("low", [1] * 8, params(max_tokens=8), priority=5, arrival_time=0.0)
-    sched.add_request("high", [2] * 8, params(max_tokens=8), priority=0, arrival_time=1.0)
-    sched.add_request("mid", [3] * 8, params(max_tokens=8), priority=1, arrival_time=2.0)
+    sched.add_request(
+        EngineRequest(
+            request_id="low",
+            prompt_token_ids=[1] * 8,
+            sampling_params=params(max_tokens=8),
+            priority=5,
+            arrival_time=0.0,
+        )
+    )
+    sched.add_request(
+        EngineRequest(
+            request_id="high",
+            prompt_token_ids=[2] * 8,
+            sampling_params=params(max_tokens=8),
+            priority=0,
+            arrival_time=1.0,
+        )
+    )
+    sched.add_request(
+        EngineRequest(
+            request_id="mid",
+            prompt_token_ids=[3] * 8,
+            sampling_params=params(max_tokens=8),
+            priority=1,
+            arrival_time=2.0,
+        )
+    )
     first, _ = step(sched, worker)
     assert [n.req_id for n in first.scheduled_new_reqs] == ["high", "mid", "low"]  # priority order
     preempted = []
@@ -255,10 +295,16 @@ def test_priority_policy_preempts_the_lowest_priority_even_if_earlier():
 def test_priority_victim_already_scheduled_this_step_is_taken_back():
     # "low" runs first in the batch; the others join later, so the priority victim is running[0], not running[-1].
     sched, worker = make(num_blocks=7, block_size=4, policy="priority")
-    sched.add_request("low", [1] * 6, params(max_tokens=8), priority=5)
+    sched.add_request(
+        EngineRequest(request_id="low", prompt_token_ids=[1] * 6, sampling_params=params(max_tokens=8), priority=5)
+    )
     step(sched, worker)
-    sched.add_request("high", [2] * 12, params(max_tokens=8), priority=0)
-    sched.add_request("mid", [3] * 2, params(max_tokens=8), priority=1)
+    sched.add_request(
+        EngineRequest(request_id="high", prompt_token_ids=[2] * 12, sampling_params=params(max_tokens=8), priority=0)
+    )
+    sched.add_request(
+        EngineRequest(request_id="mid", prompt_token_ids=[3] * 2, sampling_params=params(max_tokens=8), priority=1)
+    )
     step(sched, worker)
     low = sched.requests["low"]
     assert [r.request_id for r in sched.running] == ["low", "high", "mid"]
@@ -274,7 +320,11 @@ def test_priority_victim_already_scheduled_this_step_is_taken_back():
     got = {rid: tokens for (rid, _), (tokens, _) in run_all(sched, worker).items()}
     roomy, roomy_worker = make(num_blocks=64, block_size=4, policy="priority")
     for rid, prompt, priority in (("low", [1] * 6, 5), ("high", [2] * 12, 0), ("mid", [3] * 2, 1)):
-        roomy.add_request(rid, prompt, params(max_tokens=8), priority=priority)
+        roomy.add_request(
+            EngineRequest(
+                request_id=rid, prompt_token_ids=prompt, sampling_params=params(max_tokens=8), priority=priority
+            )
+        )
     expected = {rid: tokens for (rid, _), (tokens, _) in run_all(roomy, roomy_worker).items()}
     assert {rid: len(t) for rid, t in got.items()} == {"low": 6, "high": 6, "mid": 6}  # 2 of each came before
     assert all(got[rid] == expected[rid][2:] for rid in got)
@@ -285,17 +335,21 @@ def test_preempted_request_resumes_with_its_tokens_and_finishes_identically():
     for blocks in (64, 10):
         sched, worker = make(num_blocks=blocks, block_size=4)
         for rid in "abc":
-            sched.add_request(rid, [ord(rid)] * 8, params(max_tokens=8))
+            sched.add_request(
+                EngineRequest(request_id=rid, prompt_token_ids=[ord(rid)] * 8, sampling_params=params(max_tokens=8))
+            )
         base[blocks] = run_all(sched, worker)
     assert base[10] == base[64]  # the fake worker's tokens depend only on each request's history
 
 
 def test_chunked_prefill_splits_a_long_prompt_while_decodes_keep_running():
     sched, worker = make(num_blocks=128, block_size=4, max_num_batched_tokens=32, long_prefill_token_threshold=20)
-    sched.add_request("d1", [1, 2, 3], params(max_tokens=50))
-    sched.add_request("d2", [4, 5, 6], params(max_tokens=50))
+    sched.add_request(EngineRequest(request_id="d1", prompt_token_ids=[1, 2, 3], sampling_params=params(max_tokens=50)))
+    sched.add_request(EngineRequest(request_id="d2", prompt_token_ids=[4, 5, 6], sampling_params=params(max_tokens=50)))
     step(sched, worker)
-    sched.add_request("long", list(range(300, 400)), params(max_tokens=2))
+    sched.add_request(
+        EngineRequest(request_id="long", prompt_token_ids=list(range(300, 400)), sampling_params=params(max_tokens=2))
+    )
     chunks = []
     while True:
         so, _ = step(sched, worker)
@@ -308,7 +362,9 @@ def test_chunked_prefill_splits_a_long_prompt_while_decodes_keep_running():
 
 def test_token_budget_limits_a_prefill_chunk():
     sched, worker = make(num_blocks=128, block_size=4, max_num_batched_tokens=16)
-    sched.add_request("long", list(range(40)), params(max_tokens=1))
+    sched.add_request(
+        EngineRequest(request_id="long", prompt_token_ids=list(range(40)), sampling_params=params(max_tokens=1))
+    )
     so, _ = step(sched, worker)
     assert so.num_scheduled_tokens == {"long": 16}
 
@@ -316,7 +372,9 @@ def test_token_budget_limits_a_prefill_chunk():
 def test_max_num_seqs_caps_the_running_batch():
     sched, worker = make(max_num_seqs=2)
     for i in range(4):
-        sched.add_request(f"r{i}", [i + 1], params(max_tokens=3))
+        sched.add_request(
+            EngineRequest(request_id=f"r{i}", prompt_token_ids=[i + 1], sampling_params=params(max_tokens=3))
+        )
     so, _ = step(sched, worker)
     assert sorted(so.num_scheduled_tokens) == ["r0", "r1"]
     assert sched.stats().num_waiting == 2
@@ -328,7 +386,9 @@ def test_pipelined_steps_split_the_batch_only_over_the_steps_in_flight(steps_in_
     (the serial loop) a step that took half would leave the other half idle until the next."""
     sched, worker = make(pipeline_parallel_size=2, steps_in_flight=steps_in_flight)
     for i in range(6):
-        sched.add_request(f"r{i}", [i + 1, i + 2], params(max_tokens=4))
+        sched.add_request(
+            EngineRequest(request_id=f"r{i}", prompt_token_ids=[i + 1, i + 2], sampling_params=params(max_tokens=4))
+        )
     so, _ = step(sched, worker)
     assert len(so.num_scheduled_tokens) == per_step
     so, _ = step(sched, worker)
@@ -338,8 +398,10 @@ def test_pipelined_steps_split_the_batch_only_over_the_steps_in_flight(steps_in_
 def test_abort_waiting_running_and_preempted_requests_frees_blocks():
     sched, worker = make(num_blocks=10, block_size=4)
     for rid in "abc":
-        sched.add_request(rid, [ord(rid)] * 8, params(max_tokens=8))
-    sched.add_request("w", [5] * 30, params(max_tokens=2))
+        sched.add_request(
+            EngineRequest(request_id=rid, prompt_token_ids=[ord(rid)] * 8, sampling_params=params(max_tokens=8))
+        )
+    sched.add_request(EngineRequest(request_id="w", prompt_token_ids=[5] * 30, sampling_params=params(max_tokens=2)))
     preempted = set()
     while not preempted:
         so, _ = step(sched, worker)
@@ -361,12 +423,18 @@ def test_abort_waiting_running_and_preempted_requests_frees_blocks():
 
 def test_infeasible_requests_finish_at_once_with_a_reason():
     sched, worker = make(num_blocks=5, block_size=4, max_model_len=64)
-    (out,) = sched.add_request("too_long", list(range(64)), params())
+    (out,) = sched.add_request(
+        EngineRequest(request_id="too_long", prompt_token_ids=list(range(64)), sampling_params=params())
+    )
     assert out.finished and out.finish_reason == "error" and "max_model_len=64" in out.error
-    (out,) = sched.add_request("too_big", list(range(10)), params(max_tokens=20))
+    (out,) = sched.add_request(
+        EngineRequest(request_id="too_big", prompt_token_ids=list(range(10)), sampling_params=params(max_tokens=20))
+    )
     assert "KV blocks" in out.error and out.request_id == "too_big"
     assert not sched.has_unfinished_requests()
-    sched.add_request("fits", list(range(10)), params(max_tokens=6))
+    sched.add_request(
+        EngineRequest(request_id="fits", prompt_token_ids=list(range(10)), sampling_params=params(max_tokens=6))
+    )
     assert run_all(sched, worker)[("fits", 0)][1] == "length"
 
 
@@ -381,20 +449,30 @@ def test_infeasible_requests_finish_at_once_with_a_reason():
 def test_stop_rules(kw, expect_len, reason):
     sched = Scheduler(scheduler_config(64, block_size=4), eos_token_id=EOS)
     worker = FakeWorker(4, 64, eos_token_id=EOS, eos_every=10)
-    sched.add_request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=8, **kw))
+    sched.add_request(
+        EngineRequest(
+            request_id="r", prompt_token_ids=[1, 2, 3, 4, 5], sampling_params=SamplingParams(max_tokens=8, **kw)
+        )
+    )
     tokens, why = run_all(sched, worker)[("r", 0)]
     assert len(tokens) == expect_len and why == reason
 
 
 def test_stop_token_ids_and_max_model_len():
     sched, worker = make(max_model_len=9)
-    sched.add_request("r", [1, 2, 3, 4, 5], params(max_tokens=50))
+    sched.add_request(
+        EngineRequest(request_id="r", prompt_token_ids=[1, 2, 3, 4, 5], sampling_params=params(max_tokens=50))
+    )
     tokens, why = run_all(sched, worker)[("r", 0)]
     assert len(tokens) == 4 and why == "length"
     # The fake model's third token for "s" (history of 4 tokens) becomes a stop token.
     third = FakeWorker(4, 64).next_token("s", FakeState([0] * 4, [], 0))
     sched, worker = make()
-    sched.add_request("s", [1, 2], params(max_tokens=5, stop_token_ids=[third]))
+    sched.add_request(
+        EngineRequest(
+            request_id="s", prompt_token_ids=[1, 2], sampling_params=params(max_tokens=5, stop_token_ids=[third])
+        )
+    )
     tokens, why = run_all(sched, worker)[("s", 0)]
     assert why == "stop" and tokens[-1] == third and len(tokens) == 3
 
@@ -402,7 +480,9 @@ def test_stop_token_ids_and_max_model_len():
 def test_n_children_share_the_prompt_blocks_and_finish_separately():
     sched, worker = make(block_size=4)
     prompt = list(range(200, 217))  # 17 tokens: 4 full blocks
-    sched.add_request("p", prompt, params(max_tokens=3, n=3, seed=1))
+    sched.add_request(
+        EngineRequest(request_id="p", prompt_token_ids=prompt, sampling_params=params(max_tokens=3, n=3, seed=1))
+    )
     so, _ = step(sched, worker)
     assert [n.req_id for n in so.scheduled_new_reqs] == ["p#0"]  # siblings wait for the prompt
     so, _ = step(sched, worker)
@@ -424,11 +504,18 @@ def test_n_children_share_the_prompt_blocks_and_finish_separately():
 
 def test_abort_of_a_parent_spares_an_unrelated_request_reusing_a_finished_child_id():
     sched, worker = make(block_size=4)
-    sched.add_request("p", [1, 2, 3], params(n=2, max_tokens=2))
+    sched.add_request(
+        EngineRequest(request_id="p", prompt_token_ids=[1, 2, 3], sampling_params=params(n=2, max_tokens=2))
+    )
     step(sched, worker)  # p#0 computes the prompt; p#1 is released
     _, outs = step(sched, worker)
     assert [(o.index, o.finished) for o in outs] == [(0, True), (1, False)]  # p#0 done, p#1 still running
-    assert sched.add_request("p#0", [4, 5], params(max_tokens=3)) == []  # an unrelated caller's id
+    assert (
+        sched.add_request(
+            EngineRequest(request_id="p#0", prompt_token_ids=[4, 5], sampling_params=params(max_tokens=3))
+        )
+        == []
+    )  # an unrelated caller's id
     (out,) = sched.abort("p")
     assert (out.request_id, out.index, out.finish_reason) == ("p", 1, "abort")
     assert sched.requests["p#0"].status == RequestStatus.WAITING and "p" not in sched.children
@@ -439,7 +526,7 @@ def test_abort_of_a_parent_spares_an_unrelated_request_reusing_a_finished_child_
 
 def test_abort_of_a_parent_aborts_deferred_children():
     sched, worker = make(block_size=4)
-    sched.add_request("p", list(range(17)), params(n=2))
+    sched.add_request(EngineRequest(request_id="p", prompt_token_ids=list(range(17)), sampling_params=params(n=2)))
     outs = sched.abort("p")
     assert sorted((o.index, o.finish_reason) for o in outs) == [(0, "abort"), (1, "abort")]
     assert not sched.has_unfinished_requests()
@@ -447,8 +534,8 @@ def test_abort_of_a_parent_aborts_deferred_children():
 
 def test_stats_count_running_waiting_and_usage():
     sched, worker = make(num_blocks=11, block_size=4, max_num_seqs=1)
-    sched.add_request("a", [1] * 8, params(max_tokens=4))
-    sched.add_request("b", [2] * 8, params(max_tokens=4))
+    sched.add_request(EngineRequest(request_id="a", prompt_token_ids=[1] * 8, sampling_params=params(max_tokens=4)))
+    sched.add_request(EngineRequest(request_id="b", prompt_token_ids=[2] * 8, sampling_params=params(max_tokens=4)))
     step(sched, worker)
     st = sched.stats()
     assert (st.num_running, st.num_waiting, st.num_steps, st.num_admitted) == (1, 1, 1, 1)
@@ -458,19 +545,33 @@ def test_stats_count_running_waiting_and_usage():
 
 def test_adapter_is_part_of_the_prefix_cache_key():
     prompt = list(range(1, 13))
-    salted = Request("a", prompt, block_size=4, cache_salt="t")
-    assert salted.block_hashes == Request("b", prompt, block_size=4, cache_salt="t").block_hashes
-    under = [Request(str(i), prompt, block_size=4, lora_name=name).block_hashes for i, name in enumerate("xxy")]
+    salted = Request(EngineRequest(request_id="a", prompt_token_ids=prompt, cache_salt="t"), block_size=4)
+    assert (
+        salted.block_hashes
+        == Request(EngineRequest(request_id="b", prompt_token_ids=prompt, cache_salt="t"), block_size=4).block_hashes
+    )
+    under = [
+        Request(EngineRequest(request_id=str(i), prompt_token_ids=prompt, lora_name=name), block_size=4).block_hashes
+        for i, name in enumerate("xxy")
+    ]
     assert under[0] == under[1]
     assert not set(under[0]) & set(under[2])
-    assert not set(under[0]) & set(Request("c", prompt, block_size=4).block_hashes)
+    assert not set(under[0]) & set(
+        Request(EngineRequest(request_id="c", prompt_token_ids=prompt), block_size=4).block_hashes
+    )
 
 
 def test_requests_of_an_adapter_beyond_max_loras_wait_for_a_slot():
     sched, worker = make(max_loras=1)
-    sched.add_request("x1", [1, 2, 3], params(), lora_name="x")
-    sched.add_request("y1", [1, 2, 3], params(), lora_name="y")
-    sched.add_request("x2", [4, 5, 6], params(), lora_name="x")
+    sched.add_request(
+        EngineRequest(request_id="x1", prompt_token_ids=[1, 2, 3], sampling_params=params(), lora_name="x")
+    )
+    sched.add_request(
+        EngineRequest(request_id="y1", prompt_token_ids=[1, 2, 3], sampling_params=params(), lora_name="y")
+    )
+    sched.add_request(
+        EngineRequest(request_id="x2", prompt_token_ids=[4, 5, 6], sampling_params=params(), lora_name="x")
+    )
     so, _ = step(sched, worker)
     assert [n.req_id for n in so.scheduled_new_reqs] == ["x1"]  # y1 waits for x's slot; x2 waits behind it
     assert [n.lora_name for n in so.scheduled_new_reqs] == ["x"]

@@ -33,7 +33,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler import RequestStatus, SamplingParams, Scheduler
+from scheduler import EngineRequest, RequestStatus, SamplingParams, Scheduler
 from scheduler.block_pool import BlockPool
 from tests.scheduler.configs import scheduler_config
 from tests.scheduler.fake_worker import FakeState, FakeWorker
@@ -276,10 +276,14 @@ def test_random_histories_keep_the_pool_consistent(
         ids = {rid} if n == 1 else {f"{rid}#{i}" for i in range(n)}
         if rid in live or ids & live_request_ids():
             with pytest.raises(ValueError, match="request_id"):
-                sched.add_request(rid, prompt, params, priority=priority)
+                sched.add_request(
+                    EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=params, priority=priority)
+                )
             return
         live[rid], n_of[rid], shape[rid] = set(range(n)), n, (len(prompt), max_tokens)
-        outs = sched.add_request(rid, prompt, params, priority=priority)
+        outs = sched.add_request(
+            EngineRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=params, priority=priority)
+        )
         admitted.extend(sched.children.get(rid, ()))
         total = min(len(prompt) + max_tokens, MAX_MODEL_LEN)
         infeasible = len(prompt) >= MAX_MODEL_LEN or -(-total // BLOCK) > NUM_BLOCKS - 1

@@ -1,11 +1,13 @@
 """The waiting queue of each policy: the order requests leave it, where a put-back request goes, and the victim."""
 
-from scheduler import Request
+from scheduler import EngineRequest, Request
 from scheduler.waiting_queue import FcfsQueue, PriorityQueue
 
 
 def request(rid: str, priority: int = 0, arrival_time: float = 0.0) -> Request:
-    return Request(rid, [1, 2, 3], priority=priority, arrival_time=arrival_time)
+    return Request(
+        EngineRequest(request_id=rid, prompt_token_ids=[1, 2, 3], priority=priority, arrival_time=arrival_time)
+    )
 
 
 def drain(queue) -> list[str]:

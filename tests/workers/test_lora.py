@@ -11,7 +11,7 @@ import torch
 
 from cluster.config import EngineConfig
 from cluster.engine.inprocess import InProcessEngine
-from scheduler import SamplingParams
+from scheduler import EngineRequest, SamplingParams
 from tests.workers.adapters import NEW_TOKENS
 
 
@@ -34,7 +34,12 @@ def run(engine: InProcessEngine, runs: list[tuple[str | None, list[int]]]) -> li
     ids = [f"r{next(COUNTER)}" for _ in runs]
     for rid, (name, prompt) in zip(ids, runs):
         engine.add_request(
-            rid, prompt, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True), lora_name=name
+            EngineRequest(
+                request_id=rid,
+                prompt_token_ids=prompt,
+                sampling_params=SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                lora_name=name,
+            )
         )
     got = {rid: [] for rid in ids}
     while engine.has_unfinished_requests():
@@ -84,7 +89,14 @@ def test_more_adapters_than_slots_all_finish_and_load_at_run_time(lora_adapters)
         engine.add_lora("attn8", paths["attn8"])
     mixed = [(n, prompts[i % len(prompts)]) for i, n in enumerate(["attn8", "all4", None, "all4", "attn8"])]
     assert run(engine, mixed) == [expected[n][prompts.index(p)] for n, p in mixed]
-    engine.add_request("busy", prompts[0], SamplingParams(max_tokens=4), lora_name="attn8")
+    engine.add_request(
+        EngineRequest(
+            request_id="busy",
+            prompt_token_ids=prompts[0],
+            sampling_params=SamplingParams(max_tokens=4),
+            lora_name="attn8",
+        )
+    )
     with pytest.raises(ValueError, match="'attn8'.*running"):
         engine.remove_lora("attn8")
     engine.abort("busy")

@@ -7,12 +7,12 @@ import torch
 
 from cluster import EngineConfig, SamplingParams
 from cluster.engine.inprocess import InProcessEngine
-from scheduler import StructuredOutputsParams
+from scheduler import EngineRequest, StructuredOutputsParams
 
 
 def run(engine: InProcessEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
     for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), p, sp)
+        engine.add_request(EngineRequest(request_id=str(i), prompt_token_ids=p, sampling_params=sp))
     got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     while engine.has_unfinished_requests():
         for o in engine.step():
@@ -100,7 +100,7 @@ def test_the_runner_appends_its_own_samples_and_feeds_its_matcher_from_them(defa
     params = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=StructuredOutputsParams(choice=choices))
     expected = run(engine(default_model_dir), [prompt], [params])[0]
     eng = engine(default_model_dir)
-    eng.add_request("0", prompt, params)
+    eng.add_request(EngineRequest(request_id="0", prompt_token_ids=prompt, sampling_params=params))
     sched, runner = eng.scheduler, eng.worker.runner
     pending, got = deque(), []
     while sched.has_unfinished_requests():

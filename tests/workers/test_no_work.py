@@ -1,7 +1,7 @@
 """The no-work runner (benchmarking only) keeps the scheduler's contract: it samples exactly when the
 scheduler expects a token, through chunked prefill, preemption and resumption, and stays deterministic."""
 
-from scheduler import SamplingParams, Scheduler
+from scheduler import EngineRequest, SamplingParams, Scheduler
 from tests.scheduler.configs import scheduler_config
 from workers.no_work import NoWorkRunner
 
@@ -23,7 +23,13 @@ def run(num_blocks: int, prompts: dict[str, list[int]], max_tokens: int, chunk: 
     )
     runner = NoWorkRunner(VOCAB)
     for rid, prompt in prompts.items():
-        sched.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        sched.add_request(
+            EngineRequest(
+                request_id=rid,
+                prompt_token_ids=prompt,
+                sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            )
+        )
     tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
     finished = {}
     for _ in range(1000):
@@ -60,7 +66,9 @@ def test_only_rank_0_returns_tokens():
         ),
         eos_token_id=0,
     )
-    sched.add_request("a", [5, 6, 7], SamplingParams(max_tokens=2))
+    sched.add_request(
+        EngineRequest(request_id="a", prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(max_tokens=2))
+    )
     so = sched.schedule()
     assert NoWorkRunner(VOCAB, is_driver=False).execute_model(so) is None
     out = NoWorkRunner(VOCAB).execute_model(so)

@@ -8,7 +8,7 @@ import torch
 
 from cluster import EngineConfig, SamplingParams
 from cluster.engine.inprocess import InProcessEngine
-from scheduler import StructuredOutputsParams
+from scheduler import EngineRequest, StructuredOutputsParams
 from tests.workers.test_models import TINY_MODELS
 from workers.sampler import Sampler, SamplingMetadata
 
@@ -17,7 +17,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 
 def run(engine: InProcessEngine, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
     for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), p, sp)
+        engine.add_request(EngineRequest(request_id=str(i), prompt_token_ids=p, sampling_params=sp))
     got: dict = {}
     while engine.has_unfinished_requests():
         for o in engine.step():

@@ -129,7 +129,7 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_text_where_it_does_withou
 ):
     """The serving layer cuts stop strings from each delta's tokens; with n-gram speculation a delta carries the
     accepted run, and the stop string here falls inside one: the text is the one without speculation."""
-    from cluster import EngineConfig, SamplingParams
+    from cluster import EngineConfig, EngineRequest, SamplingParams
     from cluster.engine.inprocess import InProcessEngine
 
     sentence = "Paris is the capital of France, and the river Seine runs through the middle of it."
@@ -141,7 +141,11 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_text_where_it_does_withou
     def serve(**kw) -> tuple[str, int]:
         """The text a stream shows, and how many tokens the delta that hit the stop string carried."""
         engine = InProcessEngine(EngineConfig(model=default_model_dir, device="cpu", **kw))
-        engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=48))
+        engine.add_request(
+            EngineRequest(
+                request_id="r", prompt_token_ids=prompt, sampling_params=SamplingParams(temperature=0.0, max_tokens=48)
+            )
+        )
         text, ts = "", TextStream(tokenizer, prompt, [" runs"])
         while not ts.stopped:
             (out,) = engine.step()

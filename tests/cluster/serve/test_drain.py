@@ -23,6 +23,7 @@ from cluster.serve.admission import Admission
 from cluster.serve.app import APP_NAME
 from cluster.serve.drain import CODE, MARGIN_S, Drain
 from cluster.serve.protocol.parsing import APIError
+from scheduler import EngineRequest
 from tests.cluster.serve.test_server import serving, stop_serve
 
 DRAIN_TIMEOUT_S = 4.0
@@ -186,7 +187,7 @@ class _Engine:
     def __init__(self) -> None:
         self.queues: list[asyncio.Queue] = []
 
-    async def generate(self, *args):
+    async def generate(self, request):
         queue = asyncio.Queue()
         self.queues.append(queue)
         while True:
@@ -205,13 +206,13 @@ def test_drain_refuses_new_requests_and_ends_held_ones_only_at_the_deadline():
     async def run() -> None:
         engine = _Engine()
         admission = Admission(engine, 8, lambda: None)
-        held = admission.generate("a", [1], None)
+        held = admission.generate(EngineRequest(request_id="a", prompt_token_ids=[1]))
         consumer = asyncio.create_task(anext(held))
         drain = Drain(admission, 0.5, is_stopping=lambda: True)
         watching = asyncio.create_task(drain.watch())
         await asyncio.sleep(0.1)
         with pytest.raises(APIError) as refused:
-            admission.generate("b", [1], None)
+            admission.generate(EngineRequest(request_id="b", prompt_token_ids=[1]))
         assert (refused.value.status, refused.value.code) == (503, CODE)
         assert not consumer.done(), "a held request was ended before the deadline"
         assert await asyncio.wait_for(watching, 5) == 1

@@ -15,7 +15,7 @@ from cluster.serve.router import (
     choose,
     request_block_hashes,
 )
-from scheduler.request import Request
+from scheduler.request import EngineRequest, Request
 
 
 def test_the_longest_hit_wins_and_ties_go_to_the_least_loaded():
@@ -63,15 +63,23 @@ def test_body_hashes_are_the_schedulers_including_the_chat_template(tokenizer):
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     hashes = request_block_hashes(tokenizer, body, 16)
     assert len(hashes) == len(ids) // 16 > 4
-    assert hashes == Request("r", list(ids), block_size=16).block_hashes
+    assert hashes == Request(EngineRequest(request_id="r", prompt_token_ids=list(ids)), block_size=16).block_hashes
     prompt = {"prompt": "Count: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20"}
     assert (
         request_block_hashes(tokenizer, json.dumps(prompt).encode(), 16)
-        == Request("r", tokenizer.encode(prompt["prompt"]), block_size=16).block_hashes
+        == Request(
+            EngineRequest(request_id="r", prompt_token_ids=tokenizer.encode(prompt["prompt"])), block_size=16
+        ).block_hashes
     )
     # A model other than the base names a LoRA adapter: its blocks are the adapter's, as the scheduler keys them.
     under = request_block_hashes(tokenizer, json.dumps({**prompt, "model": "sql"}).encode(), 16, "base")
-    assert under == Request("r", tokenizer.encode(prompt["prompt"]), block_size=16, lora_name="sql").block_hashes
+    assert (
+        under
+        == Request(
+            EngineRequest(request_id="r", prompt_token_ids=tokenizer.encode(prompt["prompt"]), lora_name="sql"),
+            block_size=16,
+        ).block_hashes
+    )
     assert not set(under) & set(
         request_block_hashes(tokenizer, json.dumps({**prompt, "model": "base"}).encode(), 16, "base")
     )
