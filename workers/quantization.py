@@ -115,7 +115,7 @@ class DequantizedSlice:
         tile_rows, tile_cols = self.tile
         w = self.weight[r0:r1, c0:c1].to(torch.float32)
         scales = self.grid[torch.arange(r0, r1) // tile_rows]
-        for j in range(c0 // tile_cols, -(-c1 // tile_cols)):  # one column of tiles at a time: no full-size copy
+        for j in range(c0 // tile_cols, -(-c1 // tile_cols)):  # a column of tiles at a time: scales never expanded
             lo, hi = max(c0, j * tile_cols) - c0, min(c1, (j + 1) * tile_cols) - c0
             w[:, lo:hi] *= scales[:, j : j + 1]
         return w
@@ -141,10 +141,14 @@ def read_weight(
     scheme = quantization.scheme(layer) if quantization is not None and is_linear else None
     if scheme is None:
         if dtype not in PLAIN_DTYPES:
-            where = "config.json has no quantization_config" if quantization is None else "its quantization_config"
+            why = (
+                "config.json has no quantization_config"
+                if quantization is None
+                else f"quantization_config ({quantization.method}) leaves {layer} unquantized"
+            )
             raise ValueError(
-                f"weight {name} is stored as {dtype}, but {where} quantizes no such layer: raylm reads a quantized "
-                "weight only with its scales, as the config describes them"
+                f"weight {name} is stored as {dtype}, but {why}: raylm reads a quantized weight only with its "
+                "scales, as the config describes them"
             )
         return tensor
     if dtype != FP8_DTYPE:
