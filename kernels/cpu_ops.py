@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -77,6 +78,9 @@ def load_cpu_ops() -> bool:
             # kernel drops with its process, so while it is held no build runs, and a `lock` file is stale.
             fcntl.flock(held, fcntl.LOCK_EX)
             (build_dir / "lock").unlink(missing_ok=True)
+            if not (build_dir / "raylm_cpu_ops.so").exists():  # else a load of seconds: nothing to say
+                # a first start is otherwise silent for the build's ~25 s (longer on a loaded machine)
+                print(f"raylm: building the native CPU ops for this machine, once, into {build_dir}", file=sys.stderr)
             load(
                 name="raylm_cpu_ops",
                 sources=[str(SOURCE)],

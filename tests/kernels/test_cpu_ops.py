@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.cpp_extension
 
+from kernels import cpu_ops
 from kernels.cpu_ops import (
     _build_dir,
     add_rms_norm,
@@ -44,6 +46,19 @@ def test_a_build_killed_midway_does_not_stop_the_next_load(tmp_path):
     except subprocess.TimeoutExpired:
         pytest.fail(f"loading the native ops waited on a stale lock file for {timeout_s} s")
     assert done.stdout.strip() == "True", done.stderr[-2000:]
+
+
+def test_a_first_build_says_so_and_a_load_of_the_built_library_does_not(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("RAYLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kwargs: None)  # what it builds is not the point
+    said = []
+    monkeypatch.setattr(cpu_ops, "_loaded", False)
+    for _ in range(2):
+        monkeypatch.setattr(cpu_ops, "_tried", False)
+        assert cpu_ops.load_cpu_ops()
+        said.append("raylm: building the native CPU ops" in capsys.readouterr().err)
+        (Path(_build_dir()) / "raylm_cpu_ops.so").touch()  # as the build leaves it
+    assert said == [True, False]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
