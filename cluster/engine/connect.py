@@ -18,6 +18,9 @@ LOCAL_RAY_ENV = {
     # The dashboard agent's reporter lists every process's CPU and memory (psutil) each 5 s for the dashboard,
     # which a local Ray here does not start. raylm's /metrics come from the metrics export, which this leaves be.
     "REPORTER_UPDATE_INTERVAL_MS": "60000",
+    # Ray turns token authentication on for a new local cluster by default, and warns on every start that it did,
+    # telling the user how to opt out; naming its default keeps it on, without the warning.
+    "RAY_AUTH_MODE": "token",
 }
 
 

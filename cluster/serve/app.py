@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import signal
 import socket
@@ -14,7 +15,7 @@ from typing import Any
 
 import ray
 from ray import serve
-from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
+from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY, SERVE_LOGGER_NAME
 from ray.serve.context import _get_global_client
 from ray.serve.exceptions import RayServeException
 
@@ -92,10 +93,28 @@ def start(
         http_options={"host": host, "port": port},
         grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
     )
-    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+    with without_serve_reconnect_line():
+        serve.run(build_app(args), name=APP_NAME, route_prefix="/")
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     wait_healthy(url, timeout_s)
     return url
+
+
+@contextlib.contextmanager
+def without_serve_reconnect_line():
+    """serve.run connects to the Serve that serve.start has just started (or that check_serve_ports found on the
+    ports asked for), and logs that its "New http_options/controller_options will not be applied": options it was
+    never given, on every start, where nothing is wrong."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Connecting to existing Serve app")
+
+    serve_logger = logging.getLogger(SERVE_LOGGER_NAME)
+    serve_logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        serve_logger.removeFilter(keep)
 
 
 def start_ray(args: AppArgs | list[AppArgs], address: str | None, host: str, port: int, grpc_port: int) -> None:

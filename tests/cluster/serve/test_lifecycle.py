@@ -23,7 +23,9 @@ from cluster.serve.lifecycle import write_launcher
 from tests.cluster.serve.raylm_serve import RaylmServe, session
 
 DRAIN_TIMEOUT_S = 4.0
-STOP_BOUND_S = DRAIN_TIMEOUT_S + 15  # SIGTERM to exit (issue 24's target)
+# SIGTERM to exit: a generous wait, not a target (issue 24's is drain_timeout_s + 15 s, printed, not asserted: a
+# loaded machine misses it); the stop's events are what the tests assert.
+STOP_BOUND_S = 180
 MAX_MODEL_LEN = 16384
 
 
@@ -111,11 +113,13 @@ def test_a_stop_watches_only_for_ray_processes_that_exit_during_it(monkeypatch):
     stopped = threading.Event()
     while_local_ray_lives(lambda: stopped.wait(0.3) or stopped.set())
     assert stopped.is_set()
-    t0 = time.monotonic()
+    released = threading.Event()  # a stop that ends only when released: LocalRayLost means the watch ended it
     threading.Timer(0.3, daemon.kill).start()
-    with pytest.raises(LocalRayLost, match="Ray's own raylet exited while raylm stopped"):
-        while_local_ray_lives(lambda: time.sleep(10))
-    assert time.monotonic() - t0 < 5
+    try:
+        with pytest.raises(LocalRayLost, match="Ray's own raylet exited while raylm stopped"):
+            while_local_ray_lives(lambda: released.wait(120))
+    finally:
+        released.set()
 
 
 def test_while_ray_starts_a_lost_stop_exception_is_not_reported_as_a_traceback(monkeypatch):
@@ -189,8 +193,10 @@ class Stream:
 
 
 def assert_clean_output(server: RaylmServe) -> None:
+    """No traceback, and none of the lines that ask a user to act on a normal start and stop."""
     output = server.output()
     assert "Traceback" not in output and "SIGTERM received" not in output, output[-3000:]
+    assert "Token authentication is enabled" not in output and "will not be applied" not in output, output[-3000:]
 
 
 @pytest.fixture(scope="module")
