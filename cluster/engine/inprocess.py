@@ -3,23 +3,24 @@ machines without Ray: nothing here imports it)."""
 
 from __future__ import annotations
 
-import dataclasses
-import time
+import asyncio
 
 from cluster.config import EngineConfig, derive_scheduler_config, derive_worker_config
+from cluster.engine.core import EngineCore
 from cluster.engine.interface import check_draft_model, resolve_max_model_len
-from cluster.engine.request_check import check_lora, check_request
-from scheduler import EngineRequest, RequestOutput, Scheduler, SchedulerStats
+from cluster.engine.request_check import check_request
+from scheduler import EngineRequest, ModelRunnerOutput, RequestOutput, Scheduler, SchedulerOutput, SchedulerStats
 from workers.model_loader import read_model_spec
 from workers.worker import Worker
 
 
 class InProcessEngine:
-    """Scheduler and a single worker in one process, stepped by the caller.
+    """The engine core (cluster/engine/core.py) and a single worker in one process, stepped by the caller.
 
-    The same step the Ray engine runs (schedule → execute → update), without
-    actors: what tests and `--executor inprocess` use to debug the model path.
-    Implements interface.Engine.
+    The same core and step loop the Ray engine's scheduler actor runs, one step
+    in flight, its worker called directly: what tests and `--executor inprocess`
+    use to debug the model path. ``scheduler`` is the core's. Implements
+    interface.Engine.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -57,36 +58,43 @@ class InProcessEngine:
             ),
             eos_token_id=self.spec.eos_token_id,
         )
+        lora = getattr(self.worker.runner, "lora", None)
+        self.core = EngineCore(
+            self.scheduler, self._execute, lora_names=tuple(lora.adapters) if lora is not None else ()
+        )
+        self.loop = asyncio.new_event_loop()  # where step() runs the core's loop, one step at a time
+
+    async def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.worker.execute_model(scheduler_output)
 
     def add_request(self, request: EngineRequest) -> list[RequestOutput]:
-        request = check_request(request, self.spec, self.max_model_len)
-        check_lora(request.lora_name, self.lora_names())
-        return self.scheduler.add_request(dataclasses.replace(request, arrival_time=time.monotonic()))
+        return self.core.add_request(check_request(request, self.spec, self.max_model_len), "sync")
 
     def lora_names(self) -> set[str]:
-        lora = getattr(self.worker.runner, "lora", None)
-        return set(lora.adapters) if lora is not None else set()
+        return set(self.core.lora_names)
 
     def add_lora(self, name: str, path: str) -> None:
         """Load adapter `name` from `path` (ValueError naming it: already loaded, LoRA off, or a mismatch)."""
+        self.core.check_new_adapter(name)
         self.worker.add_lora(name, path)
+        self.core.lora_names.add(name)
 
     def remove_lora(self, name: str) -> None:
         """Unload adapter `name` (ValueError naming it: absent, or a live request still runs with it)."""
-        if self.scheduler.lora_in_use(name):
-            raise ValueError(f"LoRA adapter {name!r}: requests running with it have not finished")
+        self.core.release_adapter(name)
         self.worker.remove_lora(name)
 
     def step(self) -> list[RequestOutput]:
-        so = self.scheduler.schedule()
+        """One step of the core's loop, and the deltas it made; a step that fails ends its requests with an
+        "error" delta, and the engine goes on taking requests (one process: no rank can disagree)."""
         try:
-            out = self.worker.execute_model(so)
+            self.loop.run_until_complete(self.core.run(max_steps=1))
         except Exception as e:  # the step's requests cannot go on; everyone hears why
-            return self.scheduler.fail_all(f"engine step failed: {type(e).__name__}: {e}")
-        return self.scheduler.update_from_output(so, out)
+            self.core.fail_all(f"engine step failed: {type(e).__name__}: {e}")
+        return self.core.take_outputs("sync")
 
     def abort(self, request_id: str) -> list[RequestOutput]:
-        return self.scheduler.abort(request_id)
+        return self.core.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -98,3 +106,4 @@ class InProcessEngine:
         """Drop the model and KV cache now rather than at garbage collection (a process building several
         engines, like the benchmarks, would otherwise hold two at once)."""
         self.worker = None
+        self.loop.close()

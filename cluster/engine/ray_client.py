@@ -13,6 +13,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import EngineConfig, derive_scheduler_config
+from cluster.engine.adapters import EngineAdapters
 from cluster.engine.connect import connect
 from cluster.engine.health import diagnose
 from cluster.engine.interface import check_draft_model, resolve_max_model_len
@@ -93,6 +94,7 @@ class RayEngine:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle),
             ).remote(self.workers, self.spec.eos_token_id)
             owned.append(self.actor)
+            self.adapters = EngineAdapters(self.actor)
             self.streams = DeltaStreams(self.actor, f"async-{os.getpid()}-{id(self)}")
             self.num_blocks, num_host_blocks, self.rank_nodes = init_workers(
                 self.workers, config.num_threads, self.device, config.placement_timeout_s, config.cpu_omp_threads_bind
@@ -153,13 +155,13 @@ class RayEngine:
         return ray.get(self.actor.stats.remote())
 
     def lora_names(self) -> set[str]:
-        return set(ray.get(self.actor.list_loras.remote()))
+        return set(ray.get(self.adapters.lora_names()))
 
     def add_lora(self, name: str, path: str) -> None:
-        ray.get(self.actor.add_lora.remote(name, path))
+        ray.get(self.adapters.add_lora(name, path))
 
     def remove_lora(self, name: str) -> None:
-        ray.get(self.actor.remove_lora.remote(name))
+        ray.get(self.adapters.remove_lora(name))
 
     # ---- the Serve app's: async streams, health, routing ------------------------------------
 

@@ -35,12 +35,6 @@ def check_request(request: EngineRequest, spec: ModelSpec, max_model_len: int) -
     return dataclasses.replace(request, sampling_params=with_eos_stop_token_ids(params, spec))
 
 
-def check_lora(lora_name: str | None, loaded: set[str]) -> None:
-    """A request's adapter must be loaded (it waits for a slot, never for a load)."""
-    if lora_name is not None and lora_name not in loaded:
-        raise RequestError("model", lora_name, f"no LoRA adapter of this name is loaded (loaded: {sorted(loaded)})")
-
-
 def check_dimensions(dimensions: int, spec: ModelSpec) -> None:
     """An embedding is shortened only where the model was trained for it (matryoshka, vLLM's rule); its own
     width is always served."""

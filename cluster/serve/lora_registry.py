@@ -20,6 +20,8 @@ import ray
 from ray import serve
 from ray.serve.config import DeploymentActorConfig
 
+from cluster.engine.adapters import EngineAdapters
+
 NAME = "lora_registry"
 
 
@@ -50,24 +52,24 @@ def _refusal(e: BaseException) -> str:
 @ray.remote
 class LoraRegistry:
     """``adapters``: every adapter of the deployment (name -> path), those of ``lora_modules`` first; ``engines``:
-    each live replica's engine (its scheduler actor), every one holding exactly ``adapters``. One change at a time
-    (``lock``), each reaching every engine or, when one refuses, none (the others are put back); an engine whose
-    actor died leaves. State lives here only: a registry the controller restarts knows the start-up adapters."""
+    each live replica's engine (its client's EngineAdapters), every one holding exactly ``adapters``. One change at
+    a time (``lock``), each reaching every engine or, when one refuses, none (the others are put back); an engine
+    whose actor died leaves. State lives here only: a registry the controller restarts knows the start-up adapters."""
 
     def __init__(self, adapters: dict[str, str]) -> None:
         self.adapters = dict(adapters)
-        self.engines: dict[str, Any] = {}
+        self.engines: dict[str, EngineAdapters] = {}
         self.lock = asyncio.Lock()
 
-    async def join(self, replica: str, engine: Any) -> dict[str, str]:
+    async def join(self, replica: str, engine: EngineAdapters) -> dict[str, str]:
         """A replica's engine, which holds the start-up adapters: made to hold exactly ``adapters`` (some may have
         been unloaded, others loaded, at run time); from now on every change reaches it."""
         async with self.lock:
-            held = set(await engine.list_loras.remote())
+            held = set(await engine.lora_names())
             for name in held - self.adapters.keys():
-                await engine.remove_lora.remote(name)
+                await engine.remove_lora(name)
             for name in self.adapters.keys() - held:
-                await engine.add_lora.remote(name, self.adapters[name])
+                await engine.add_lora(name, self.adapters[name])
             self.engines[replica] = engine
             return dict(self.adapters)
 
@@ -103,7 +105,7 @@ class LoraRegistry:
         the first refusal."""
         replicas = list(self.engines) if replicas is None else replicas
         results = await asyncio.gather(
-            *(getattr(self.engines[r], method).remote(*args) for r in replicas), return_exceptions=True
+            *(getattr(self.engines[r], method)(*args) for r in replicas), return_exceptions=True
         )
         done, refusal = [], None
         for replica, result in zip(replicas, results):

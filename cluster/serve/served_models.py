@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from cluster.engine.adapters import EngineAdapters
 from cluster.serve.lora_registry import registry
 from cluster.serve.protocol.models import ModelCard
 from cluster.serve.protocol.parsing import APIError, bad_request
@@ -30,11 +31,11 @@ class ServedModels:
         self.created = created
         self.lora_registry: Any = None
 
-    async def join(self, replica_id: str, engine_actor: Any) -> None:
+    async def join(self, replica_id: str, adapters: EngineAdapters) -> None:
         """Register this replica's engine with the deployment's registry, which brings it every adapter loaded
         at run time so far; before the replica serves."""
         self.lora_registry = await registry()
-        self.lora_paths = await self.lora_registry.join.remote(replica_id, engine_actor)
+        self.lora_paths = await self.lora_registry.join.remote(replica_id, adapters)
 
     async def names(self) -> dict[str, str]:
         """The deployment's adapters now: loads and unloads through other replicas included."""

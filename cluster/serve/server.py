@@ -124,7 +124,7 @@ class LLMServer:
         # (less block 0, the scheduler's null block). Longer ones are refused here with a 400 naming max_tokens.
         self.max_seq_len = min(self.engine.max_model_len, (self.engine.num_blocks - 1) * cfg.block_size)
         if cfg.enable_lora:  # before serving: the engine then holds every adapter loaded at run time so far
-            await self.served.join(serve.get_replica_context().replica_id.unique_id, self.engine.actor)
+            await self.served.join(serve.get_replica_context().replica_id.unique_id, self.engine.adapters)
 
     async def _publish_engine_stats(self) -> None:
         """The engine's gauges and totals into Ray's metrics, each period (a gauge not set for two of Ray's

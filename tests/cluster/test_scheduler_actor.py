@@ -1,48 +1,16 @@
-"""The scheduler actor's outbox: a batch of deltas is kept until its caller acknowledges it, so a call that
-returns to a caller who is gone (a pump cancelled too late) loses nothing and a received batch never repeats.
-And its engine loop, run on asyncio with ranks that answer from the no-work runner: two steps in flight with
-async scheduling, one without, the same tokens either way, a request arriving mid-decode joining the very next
-step, and a hung step failing every request."""
+"""The scheduler actor: the engine core's loop run on asyncio with ranks that answer from the no-work runner:
+two steps in flight with async scheduling, one without, the same tokens either way, a request arriving mid-decode
+joining the very next step, and a hung step failing every request."""
 
 import asyncio
 from types import SimpleNamespace
 
 import pytest
 
-from cluster.scheduler_actor import SchedulerActor, _Outbox
-from scheduler import EngineRequest, RequestOutput, SamplingParams, unpack_outputs
+from cluster.scheduler_actor import SchedulerActor
+from scheduler import EngineRequest, SamplingParams, unpack_outputs
 from tests.scheduler.configs import scheduler_config
 from workers.no_work import NoWorkRunner
-
-
-def delta(token: int) -> RequestOutput:
-    return RequestOutput(request_id="r", index=0, new_token_ids=[token])
-
-
-def test_nothing_to_send_until_a_delta_arrives():
-    assert _Outbox().take(0) is None
-
-
-def test_an_acknowledged_batch_is_not_sent_again():
-    box = _Outbox()
-    box.pending.append(delta(1))
-    number, batch = box.take(0)
-    assert (number, [d.new_token_ids for d in batch]) == (1, [[1]])
-    assert box.take(number) is None
-    box.pending.append(delta(2))
-    assert [d.new_token_ids for d in box.take(number)[1]] == [[2]]
-
-
-def test_a_batch_whose_caller_vanished_is_sent_again_with_what_came_since():
-    box = _Outbox()
-    box.pending.append(delta(1))
-    box.take(0)  # taken by a call whose caller is gone: nobody acknowledges batch 1
-    box.pending.append(delta(2))
-    number, batch = box.take(0)
-    assert number == 2 and [d.new_token_ids for d in batch] == [[1], [2]]
-    number, batch = box.take(0)  # lost again: still everything, in order
-    assert number == 3 and [d.new_token_ids for d in batch] == [[1], [2]]
-    assert box.take(number) is None
 
 
 class FakeRank:
@@ -58,7 +26,7 @@ class FakeRank:
         self.execute_model = SimpleNamespace(remote=self.remote)
 
     def remote(self, scheduler_output) -> asyncio.Future:
-        self.max_in_flight = max(self.max_in_flight, len(self.actor.scheduler.in_flight))
+        self.max_in_flight = max(self.max_in_flight, len(self.actor.core.scheduler.in_flight))
         for new in scheduler_output.scheduled_new_reqs:
             self.first_steps[new.req_id] = scheduler_output.step_id
         future = asyncio.get_running_loop().create_future()
@@ -103,7 +71,7 @@ def test_async_scheduling_keeps_two_steps_in_flight_and_gives_the_serial_tokens(
     pipelined, actor, rank = asyncio.run(drive(True))
     assert (serial_rank.max_in_flight, rank.max_in_flight) == (1, 2)
     assert pipelined == serial and [len(t) for t, _ in serial.values()] == [3, 9, 14]
-    assert actor.scheduler.in_flight == {}
+    assert actor.core.scheduler.in_flight == {}
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -118,7 +86,7 @@ def test_a_hung_step_fails_every_request_and_leaves_no_step_behind(async_schedul
 
     got, actor = asyncio.run(scenario())
     assert [got[r][1] for r in ("r0", "r1", "r2")] == ["length", "error", "error"]  # r0 ended before step 4
-    assert "step 4 got no reply" in actor.error
+    assert "step 4 got no reply" in actor.core.error
     assert loop_errors == []  # no future left with an exception nobody retrieved
 
 
@@ -142,7 +110,7 @@ def test_a_request_arriving_mid_decode_joins_the_very_next_step_and_finishes_fir
                 if d.finished:
                     finished.append(d.request_id)
             if arrival_step is None and num_tokens >= 4:
-                arrival_step = actor.scheduler.num_steps
+                arrival_step = actor.core.scheduler.num_steps
                 await actor.add_request(
                     EngineRequest(
                         request_id="late",

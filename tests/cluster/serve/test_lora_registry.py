@@ -1,10 +1,12 @@
-"""The registry of a deployment's LoRA adapters (cluster/serve/lora_registry.py) with engines that keep a set of
-names the way the scheduler actor does (refusing a taken or absent name, an unknown path, or an adapter in use):
-a change reaches every engine or none, a replica joining late is brought up to date, a dead one leaves."""
+"""The registry of a deployment's LoRA adapters (cluster/serve/lora_registry.py), reaching each engine through its
+client's EngineAdapters, with engines that keep a set of names the way the scheduler actor does (refusing a taken
+or absent name, an unknown path, or an adapter in use): a change reaches every engine or none, a replica joining
+late is brought up to date, a dead one leaves."""
 
 import pytest
 import ray
 
+from cluster.engine.adapters import EngineAdapters
 from cluster.serve.lora_registry import LoraRegistry
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -32,8 +34,8 @@ class Engine:
 def test_changes_reach_every_engine_or_none_and_late_replicas_catch_up():
     registry = LoraRegistry.options(num_cpus=0).remote({"sql": "/sql"})
     one, two = Engine.remote(["sql"]), Engine.remote(["sql"], in_use={"chat"})
-    assert ray.get(registry.join.remote("one", one)) == {"sql": "/sql"}
-    ray.get(registry.join.remote("two", two))
+    assert ray.get(registry.join.remote("one", EngineAdapters(one))) == {"sql": "/sql"}
+    ray.get(registry.join.remote("two", EngineAdapters(two)))
     assert ray.get(registry.load.remote("chat", "/chat")) is None
     assert ray.get([e.list_loras.remote() for e in (one, two)]) == [["chat", "sql"]] * 2
     assert "'chat'" in ray.get(registry.load.remote("chat", "/chat"))  # taken
@@ -45,7 +47,7 @@ def test_changes_reach_every_engine_or_none_and_late_replicas_catch_up():
     assert "not loaded" in ray.get(registry.unload.remote("sql"))
     # A replica started now, its engine holding the start-up adapters, joins holding exactly the registry's.
     late = Engine.remote(["sql"])
-    assert ray.get(registry.join.remote("late", late)) == {"chat": "/chat"}
+    assert ray.get(registry.join.remote("late", EngineAdapters(late))) == {"chat": "/chat"}
     assert ray.get(late.list_loras.remote()) == ["chat"]
     ray.kill(two)  # its replica died: it leaves, and the others still change
     assert ray.get(registry.load.remote("new", "/new")) is None
