@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
 
 import ray
 
@@ -18,9 +21,6 @@ LOCAL_RAY_ENV = {
     # The dashboard agent's reporter lists every process's CPU and memory (psutil) each 5 s for the dashboard,
     # which a local Ray here does not start. raylm's /metrics come from the metrics export, which this leaves be.
     "REPORTER_UPDATE_INTERVAL_MS": "60000",
-    # Ray turns token authentication on for a new local cluster by default, and warns on every start that it did,
-    # telling the user how to opt out; naming its default keeps it on, without the warning.
-    "RAY_AUTH_MODE": "token",
 }
 
 
@@ -39,8 +39,28 @@ def connect(address: str | None, min_cpus: float, timeout_s: float = 60.0) -> No
     os.environ.setdefault("RAY_worker_niceness", "0")
     for name, value in LOCAL_RAY_ENV.items():
         os.environ.setdefault(name, value)
-    # Logical CPUs only count reservations; the engine sets thread counts from the real cores.
-    ray.init(num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)), include_dashboard=False)
+    # Ray turns token authentication on for a new local cluster and warns on every start that it did, telling the
+    # user how to opt out. (Naming the mode in RAY_AUTH_MODE instead would skip the refresh of the config Ray
+    # cached at import, and this process would then be refused by its own GCS.)
+    with without_log_lines("ray._private.authentication.authentication_token_setup", "Token authentication is enabled"):
+        # Logical CPUs only count reservations; the engine sets thread counts from the real cores.
+        ray.init(num_cpus=max(os.cpu_count() or 1, int(min_cpus + 0.999)), include_dashboard=False)
+
+
+@contextlib.contextmanager
+def without_log_lines(logger_name: str, prefix: str) -> Iterator[None]:
+    """Drop, meanwhile, the records of logger ``logger_name`` whose message starts with ``prefix``: a library's line
+    that would ask the user to act where nothing is wrong."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(prefix)
+
+    logger = logging.getLogger(logger_name)
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def starts_local_ray(address: str | None) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 import signal
 import socket
@@ -20,7 +19,7 @@ from ray.serve.context import _get_global_client
 from ray.serve.exceptions import RayServeException
 
 from cluster.config import check_served_names, per_model_settings
-from cluster.engine.connect import connect, starts_local_ray
+from cluster.engine.connect import connect, starts_local_ray, without_log_lines
 from cluster.engine.placement import engine_bundles
 from cluster.serve.ingress import side_ports
 from cluster.serve.lifecycle import LocalRayLost, StopSignals, haproxy_dies_with_its_parent, while_local_ray_lives
@@ -93,28 +92,13 @@ def start(
         http_options={"host": host, "port": port},
         grpc_options={"port": grpc_port, "grpc_servicer_functions": [GRPC_SERVICER]},
     )
-    with without_serve_reconnect_line():
+    # serve.run connects to the Serve just started (or that check_serve_ports found on these ports) and says its
+    # "New http_options/controller_options will not be applied": options it was never given, on every start.
+    with without_log_lines(SERVE_LOGGER_NAME, "Connecting to existing Serve app"):
         serve.run(build_app(args), name=APP_NAME, route_prefix="/")
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     wait_healthy(url, timeout_s)
     return url
-
-
-@contextlib.contextmanager
-def without_serve_reconnect_line():
-    """serve.run connects to the Serve that serve.start has just started (or that check_serve_ports found on the
-    ports asked for), and logs that its "New http_options/controller_options will not be applied": options it was
-    never given, on every start, where nothing is wrong."""
-
-    def keep(record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Connecting to existing Serve app")
-
-    serve_logger = logging.getLogger(SERVE_LOGGER_NAME)
-    serve_logger.addFilter(keep)
-    try:
-        yield
-    finally:
-        serve_logger.removeFilter(keep)
 
 
 def start_ray(args: AppArgs | list[AppArgs], address: str | None, host: str, port: int, grpc_port: int) -> None:
