@@ -376,7 +376,10 @@ def test_dead_worker_fails_in_flight_requests_and_health_then_a_new_engine_works
         e.add_request(EngineRequest(request_id="sync", prompt_token_ids=PROMPTS[0], sampling_params=greedy(200)))
 
         async def kill_mid_generation():
-            streams = [e.generate(f"s{i}", p, greedy(200)) for i, p in enumerate(PROMPTS[1:3])]
+            streams = [
+                e.generate(EngineRequest(request_id=f"s{i}", prompt_token_ids=p, sampling_params=greedy(200)))
+                for i, p in enumerate(PROMPTS[1:3])
+            ]
             for s in streams:
                 assert not (await anext(s)).finished
             ray.kill(e.workers[dead_rank])
