@@ -7,22 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cluster.config import EngineConfig
+from cluster.config import EngineConfig, chat_template_text
 
 # generation_config.json's sampling fields (SamplingParams names them alike): the defaults --generation-config auto
 # applies to a request that leaves them unset, as vLLM does. max_new_tokens is not one: a request's length is the
 # room its context leaves unless it asks for less.
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-def chat_template_text(chat_template: str) -> str:
-    """`--chat-template`'s template: the file it names, or the value itself when it is a template (vLLM's rule)."""
-    path = Path(chat_template).expanduser()
-    if path.is_file():
-        return path.read_text()
-    if "{{" in chat_template or "{%" in chat_template:
-        return chat_template
-    raise ValueError(f"chat_template={chat_template!r} is neither a file nor a Jinja template")
 
 
 def load_tokenizer(config: EngineConfig, model_path: str):

@@ -7,11 +7,16 @@ produced from them (derive.py) and carry no defaults or checks of their own. A f
 has the setting, so its flag is vLLM's too; ``flags`` in a field's extra lists other spellings it accepts.
 """
 
+import importlib
+
 from cluster.config.app import AppArgs, LaunchConfig, check_served_names, per_model_settings
 from cluster.config.choices import DEFAULT_MODEL_NAME, GIB, SCHEDULING_POLICIES
-from cluster.config.derive import derive_scheduler_config, derive_worker_config
-from cluster.config.engine import EngineConfig
+from cluster.config.engine import EngineConfig, chat_template_text
 from cluster.config.speculative import parse_speculative_config
+
+# The parts' configs import the parts (workers.worker: torch): loaded when asked for, so that the settings, the
+# CLI's parser and `raylm --help` load no model stack.
+_DERIVED = ("derive_scheduler_config", "derive_worker_config")
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -20,9 +25,16 @@ __all__ = [
     "AppArgs",
     "EngineConfig",
     "LaunchConfig",
+    "chat_template_text",
     "check_served_names",
     "derive_scheduler_config",
     "derive_worker_config",
     "parse_speculative_config",
     "per_model_settings",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _DERIVED:
+        raise AttributeError(f"module 'cluster.config' has no attribute {name!r}")
+    return getattr(importlib.import_module("cluster.config.derive"), name)

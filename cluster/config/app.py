@@ -20,7 +20,7 @@ class AppArgs(BaseModel):
     flood gets fast refusals, not minutes of queueing (cluster/serve/admission.py).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
 
     engine: EngineConfig = Field(default_factory=EngineConfig)
     served_model_name: str | None = Field(
@@ -135,7 +135,7 @@ def check_served_names(apps: list[AppArgs]) -> None:
 class LaunchConfig(BaseModel):
     """Where `raylm serve` runs: the Ray it joins and the ports its HTTP and gRPC ingress listen on."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
 
     address: str | None = Field(None, description="Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
     host: str = Field("127.0.0.1", description="HTTP address (0.0.0.0 to listen on every interface)")

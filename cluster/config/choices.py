@@ -7,6 +7,11 @@ GIB = 1 << 30
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 DEVICES = ("auto", "cpu", "cuda")
+# The settings name these without importing the layers that run them (torch): workers.worker.DTYPES maps each
+# name to its torch dtype and kernels.BACKENDS is the attention backends' list (tests/cluster/test_config.py
+# checks that they agree).
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 REQUEST_ROUTERS = ("prefix_cache", "serve")
 POOLING_TYPES = ("auto", "last", "mean")

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from cluster.config.choices import (
+    ATTENTION_BACKENDS,
     DEVICES,
+    DTYPES,
     GIB,
     MAX_SPECULATIVE_TOKENS,
     PLACEMENT_STRATEGIES,
@@ -18,8 +21,16 @@ from cluster.config.choices import (
     SCHEDULING_POLICIES,
 )
 from cluster.config.speculative import parse_speculative_config
-from kernels import BACKENDS
-from workers.worker import DTYPES, wants_cuda
+
+
+def chat_template_text(chat_template: str) -> str:
+    """`--chat-template`'s template: the file it names, or the value itself when it is a template (vLLM's rule)."""
+    path = Path(chat_template).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in chat_template or "{%" in chat_template:
+        return chat_template
+    raise ValueError(f"chat_template={chat_template!r} is neither a file nor a Jinja template")
 
 
 def _flags(*names: str) -> dict[str, Any]:
@@ -34,9 +45,11 @@ class EngineConfig(BaseModel):
     unset are resolved here where both the scheduler and the ranks must agree on them: ``block_size=None``
     becomes 256 where flash-attn will serve the KV cache (its page size) and 16 elsewhere; on a Ray cluster
     whose head has no GPU, "auto" devices decide for the head's view (16: the ranks then use Triton).
+    Checks that ask the machine (host memory, cores, GPU, flash-attn) import the layer that knows it when they
+    run, so importing the settings loads no torch.
     """
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, defer_build=True)
 
     model: str | None = Field(
         None,
@@ -59,7 +72,7 @@ class EngineConfig(BaseModel):
     device: Literal[DEVICES] = Field(  # type: ignore[valid-type]
         "auto", description="auto: CUDA when the cluster has GPUs, else CPU"
     )
-    attention_backend: Literal[BACKENDS] = Field(  # type: ignore[valid-type]
+    attention_backend: Literal[ATTENTION_BACKENDS] = Field(  # type: ignore[valid-type]
         "auto", description="auto: flash_attn on CUDA when installed, else triton on CUDA, torch on CPU"
     )
     tensor_parallel_size: int = Field(1, ge=1, description="ranks each layer is split over", **_flags("-tp"))
@@ -282,6 +295,8 @@ class EngineConfig(BaseModel):
     @field_validator("swap_space")
     @classmethod
     def _swap_space_fits(cls, swap_space: float) -> float:
+        if not swap_space:
+            return swap_space
         from workers.cache_engine import check_swap_space
 
         try:
@@ -311,15 +326,15 @@ class EngineConfig(BaseModel):
         if block_size is not None:
             return block_size
         from kernels import default_block_size
+        from workers.worker import DTYPES as TORCH_DTYPES
+        from workers.worker import wants_cuda
 
         device = "cuda" if wants_cuda(info.data["device"]) else "cpu"
-        return default_block_size(info.data["attention_backend"], device, DTYPES.get(info.data["dtype"]))
+        return default_block_size(info.data["attention_backend"], device, TORCH_DTYPES.get(info.data["dtype"]))
 
     @field_validator("generation_config")
     @classmethod
     def _generation_config_source(cls, value: str) -> str:
-        from pathlib import Path
-
         if value not in ("auto", "vllm") and not (Path(value) / "generation_config.json").is_file():
             raise ValueError(
                 f"generation_config={value!r} is neither auto, vllm nor a directory holding a generation_config.json"
@@ -330,8 +345,6 @@ class EngineConfig(BaseModel):
     @classmethod
     def _chat_template_readable(cls, value: str | None) -> str | None:
         if value is not None:
-            from cluster.model_files import chat_template_text
-
             chat_template_text(value)
         return value
 

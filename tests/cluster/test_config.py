@@ -1,11 +1,22 @@
-"""EngineConfig's resolution of what is left unset: the block size both the scheduler and the ranks use."""
+"""EngineConfig's resolution of what is left unset: the block size both the scheduler and the ranks use; the
+settings import no model stack and no module of theirs sits in an import circle."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import kernels
 from cluster import EngineConfig
 from cluster.config import derive_scheduler_config, derive_worker_config
+from cluster.config.choices import ATTENTION_BACKENDS, DTYPES
 from kernels import flash_attention
+from workers import worker
+
+CLUSTER = Path(__file__).resolve().parents[2] / "cluster"
 
 FLASH_STAND_INS = (lambda *args, **kwargs: None, lambda *args, **kwargs: None)
 
@@ -150,3 +161,53 @@ def test_a_draft_model_reaches_the_sampling_rank_and_is_refused_with_pipeline_st
     assert derive_scheduler_config(config, 64, 256).speculative_method == "draft_model"
     with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
         EngineConfig(pipeline_parallel_size=2, speculative_config=spec)
+
+
+def test_the_settings_and_the_cli_parser_import_no_model_stack():
+    """`raylm --help` and a config's checks run where torch and Ray are slow to import or absent."""
+    code = (
+        "import sys, cluster.config, cluster.cli; cluster.cli.build_parser(); "
+        "print(sorted({m.partition('.')[0] for m in sys.modules} & {'torch', 'transformers', 'workers', 'kernels', "
+        "'ray', 'fastapi'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_settings_name_the_dtypes_and_attention_backends_the_layers_run():
+    assert tuple(worker.DTYPES) == DTYPES
+    assert kernels.BACKENDS == ATTENTION_BACKENDS
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The modules of `modules` that `path` imports anywhere in it (a function's imports count too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            found.add(name)
+    return found - {""}
+
+
+def test_no_module_of_the_settings_is_in_an_import_circle():
+    """A circle through cluster/config would have to be held off by imports hidden in functions."""
+    paths = {
+        ".".join(p.relative_to(CLUSTER.parent).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in CLUSTER.rglob("*.py")
+    }
+    graph = {name: _imports(path, set(paths)) - {name} for name, path in paths.items()}
+    for start in (name for name in graph if name.startswith("cluster.config")):
+        seen, frontier = set(), set(graph[start])
+        while frontier:
+            name = frontier.pop()
+            assert name != start, f"{start} imports itself through the modules it imports"
+            if name not in seen:
+                seen.add(name)
+                frontier |= graph[name]
