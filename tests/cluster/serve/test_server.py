@@ -23,6 +23,8 @@ from cluster import raylm_pb2, raylm_pb2_grpc
 from cluster.config import EngineConfig
 from cluster.engine.network import free_port
 from cluster.serve import AppArgs, start
+from cluster.serve.app import check_ports_free
+from cluster.serve.ingress import side_ports
 
 pytestmark = pytest.mark.usefixtures("ray_session")
 
@@ -41,7 +43,10 @@ def stop_serve(timeout_s: float = 90.0) -> None:
     """serve.shutdown, then wait until every Serve actor (controller, proxies, replicas) is gone. On a loaded
     machine they outlive shutdown's own 30 s wait: the next module's serve.start would join the dying controller
     (ActorDiedError), and its replicas get the ports a new controller hands out first (HTTP 30000, gRPC 40000),
-    which a lingering replica of this module still listens on, so some requests would reach the old app."""
+    which a lingering replica of this module still listens on, so some requests would reach the old app.
+    A dead actor's process may still hold its sockets a moment longer: the next Serve of this Ray reuses its
+    side ports (HAProxy's, the fallback proxy's), which bind without SO_REUSEPORT (cluster/serve/ingress.py), so
+    wait until they are free too."""
     serve.shutdown()
     deadline = time.monotonic() + timeout_s
     while left := [
@@ -49,6 +54,13 @@ def stop_serve(timeout_s: float = 90.0) -> None:
     ]:
         assert time.monotonic() < deadline, f"Serve actors still alive {timeout_s} s after serve.shutdown: {left}"
         time.sleep(0.5)
+    while True:
+        try:
+            check_ports_free("0.0.0.0", side_ports())
+            return
+        except ValueError as e:
+            assert time.monotonic() < deadline, f"{timeout_s} s after serve.shutdown: {e}"
+            time.sleep(0.5)
 
 
 @contextlib.contextmanager
