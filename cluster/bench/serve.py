@@ -308,7 +308,9 @@ def bench_serve(
     def drive(name: str, server_url: str, meter: CpuMeter | None = None) -> dict:
         if client == "vllm":
             model_name = served_model(server_url, api_key)
-            return run_vllm_client(name, server_url, model_name, model_path, work_args, seed, meter, api_key)
+            row = run_vllm_client(name, server_url, model_name, model_path, work_args, seed, meter, api_key)
+            print_row(row)
+            return row
         return run_workload(name, server_url, work, api_key, seed, meter)
 
     if not compare:

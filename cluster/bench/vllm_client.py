@@ -52,8 +52,7 @@ def run_vllm_client(
     meter: CpuMeter | None,
     api_key: str | None = None,
 ) -> dict:
-    """Run `vllm bench serve` against ``url``; print and return its row in `raylm bench serve`'s form."""
-    from cluster.bench.serve import print_row
+    """Run `vllm bench serve` against ``url``; return its row in `raylm bench serve`'s form."""
     from cluster.bench.vllm import vllm_venv
 
     py = vllm_venv() / "bin" / "python"
@@ -67,7 +66,6 @@ def run_vllm_client(
         data = json.loads(result.read_text())
     row = row_from_result(name, data)
     row["cpu"] = cpu_report(cpu, data["total_output_tokens"]) if meter else None
-    print_row(row)
     return row
 
 
