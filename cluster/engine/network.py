@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import fcntl
+import random
 import socket
 import struct
+from pathlib import Path
 
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
@@ -16,14 +18,32 @@ def free_port(host: str = "") -> int:
         return s.getsockname()[1]
 
 
-def free_port_range(count: int, tries: int = 100) -> range:
-    """``count`` consecutive TCP ports nothing is bound to now on any interface (the caveat of free_port holds for
-    each)."""
+# Where free_port_range looks: below the kernel's ephemeral range, from which every outgoing connection and every
+# port-0 bind (Ray's own listeners, free_port) takes its local port. A port picked in that range at start and
+# listened on only later (Serve's fallback proxy, each time a Serve starts in the same Ray) was found taken by one
+# of those in between, minutes at a time.
+LISTEN_PORTS_LOW = 10000
+
+
+def ephemeral_ports_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux reports it; 32768 is its default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port_range(count: int, tries: int = 200) -> range:
+    """``count`` consecutive TCP ports nothing is bound to now on any interface, outside the ephemeral range
+    (LISTEN_PORTS_LOW says why; another process may still take one before use, as with free_port)."""
+    high = ephemeral_ports_low() - count
     for _ in range(tries):
-        ports = range(first := free_port(), first + count)
-        if ports[-1] < 1 << 16 and all(_bindable(port) for port in ports[1:]):
+        ports = range(first := random.randrange(LISTEN_PORTS_LOW, high), first + count)
+        if all(_bindable(port) for port in ports):
             return ports
-    raise RuntimeError(f"no {count} consecutive free TCP ports found in {tries} tries")
+    raise RuntimeError(
+        f"no {count} consecutive free TCP ports found in {LISTEN_PORTS_LOW}-{high + count} in {tries} tries"
+    )
 
 
 def _bindable(port: int) -> bool:

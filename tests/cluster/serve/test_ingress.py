@@ -9,6 +9,7 @@ import time
 import httpx2 as httpx
 import pytest
 
+from cluster.engine import network
 from cluster.engine.network import free_port
 from cluster.serve import ingress
 from tests.cluster.serve.raylm_serve import START_BOUND_S, RaylmServe, listening_ports, session
@@ -31,6 +32,8 @@ def test_each_process_picks_its_own_ports_and_keeps_an_operators(monkeypatch):
     assert os.environ[fallback] != "18500" and os.environ[stats] == "18404"
     assert len(set(singles)) == len(singles) and all(len(r) == ingress.REPLICA_PORTS for r in ranges)
     assert not set(ranges[0]) & set(ranges[1]) and not set(singles) & {*ranges[0], *ranges[1]}
+    # Outside the kernel's ephemeral range: an outgoing connection cannot hold one when Serve comes to listen.
+    assert max(*singles, *ranges[0], *ranges[1]) < network.ephemeral_ports_low()
     picked = {name: os.environ[name] for name in (*ingress.SIDE_PORT_ENV, *ingress.REPLICA_PORT_ENV)}
     ingress.use_fast_ingress()  # again in the process that picked them: its Ray may already listen on them
     assert {name: os.environ[name] for name in picked} == picked
