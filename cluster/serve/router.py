@@ -58,7 +58,8 @@ from cluster.model_files import load_tokenizer
 from cluster.serve.options import AppArgs
 from cluster.serve.prompts import body_prompt_ids
 from scheduler.block_hash import BlockHash
-from scheduler.request import Request as EngineRequest
+from scheduler.request import EngineRequest
+from scheduler.request import Request as SchedulerRequest  # fastapi names its own Request
 
 HASHES_KWARG = "block_hashes"
 DIGEST_BLOCKS = 16384  # 256 KiB of hashes per replica per period: the prefixes of a few thousand requests
@@ -85,9 +86,9 @@ def request_block_hashes(
         model = data.get("model")
         lora_name = model if base_model is not None and model not in (None, base_model) else None
         request = EngineRequest(
-            "route", ids, block_size=block_size, cache_salt=data.get("cache_salt"), lora_name=lora_name
+            request_id="route", prompt_token_ids=ids, cache_salt=data.get("cache_salt"), lora_name=lora_name
         )
-        return request.block_hashes
+        return SchedulerRequest(request, block_size=block_size).block_hashes
     except Exception:  # anything the body's validation, its template or its ids raise: the replica says what
         return []
 
