@@ -571,7 +571,6 @@ class Scheduler:
         logprobs = runner_output.logprobs
         max_model_len = self.config.max_model_len
         finished = RequestStatus.FINISHED_STOPPED
-        deferred = self.deferred
         for i, (req_id, token) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             request = step[req_id]
             request.num_output_placeholders -= 1
@@ -584,7 +583,7 @@ class Scheduler:
                 continue  # aborted, or stopped by an earlier step's token: this one is past its end
             request.append_output_token(token)
             num_outputs = len(request.output_token_ids)
-            entry = logprobs[i] if logprobs is not None else None
+            new_logprobs = None if logprobs is None or logprobs[i] is None else [logprobs[i]]
             params = request.sampling_params
             if (
                 token != request.eos_token_id
@@ -598,21 +597,19 @@ class Scheduler:
             if status is None:
                 if self.pipelined:
                     self.unsent.setdefault(req_id, []).append(token)
+                rid = request.parent_id or req_id
                 out = RequestOutput(
-                    request_id=request.parent_id or req_id,
-                    index=request.index,
-                    new_token_ids=[token],
-                    new_logprobs=None if entry is None else [entry],
+                    request_id=rid, index=request.index, new_token_ids=[token], new_logprobs=new_logprobs
                 )
                 append_out(out)
-                if deferred and req_id in deferred:
+                if self.deferred and req_id in self.deferred:
                     self._release_deferred(request)
             else:
                 if request.status == RequestStatus.RUNNING:
                     cache_blocks(request)  # before its blocks are freed, so a later prompt can reuse them
                 out = self._finish(request, status)
                 out.new_token_ids = [token]
-                out.new_logprobs = None if entry is None else [entry]
+                out.new_logprobs = new_logprobs
                 append_out(out)
             if params.prompt_logprobs is not None and num_outputs == 1:
                 out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
