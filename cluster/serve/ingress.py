@@ -32,9 +32,6 @@ FAST_INGRESS_ENV = {
     # Ray's default (8 MiB) would size every HAProxy buffer for the largest body.
     "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
     "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE": str(256 << 10),
-    # Serve's Python proxy binds with SO_REUSEPORT unless this is 0 (HAProxy already does without): SIDE_PORT_ENV
-    # says why it must not.
-    "SERVE_SOCKET_REUSE_PORT_ENABLED": "0",
 }
 # Serve listens on more ports than --port and --grpc-port, each fixed unless its variable says otherwise: HAProxy's
 # Prometheus metrics (9101) and stats page (8404), and the Python proxy HAProxy falls back to while no replica of
@@ -42,7 +39,10 @@ FAST_INGRESS_ENV = {
 # server) failed on HAProxy's, and shared the fallback's: that proxy binds with SO_REUSEPORT, so the second one's
 # joined the first's socket and the kernel spread each HAProxy's fallback traffic over both instances; the second
 # server answered as the first through its start-up and whenever its replica was down. So each process that starts
-# Serve takes free ports of its own, and the proxy's HTTP binds without SO_REUSEPORT, so a taken one fails instead.
+# Serve takes free ports of its own, and a local Ray is not started while one is taken (app.py check_ports_free).
+# The fallback proxy keeps SO_REUSEPORT: Serve turns off SO_REUSEADDR with it (SERVE_SOCKET_REUSE_PORT_ENABLED=0),
+# and then the next Serve on the node cannot bind the port for a minute after shutdown, while HAProxy's health
+# checks of the old proxy sit in TIME_WAIT (a test's second Serve on a cluster failed so).
 SIDE_PORT_ENV = (
     "RAY_SERVE_HAPROXY_METRICS_PORT",
     "RAY_SERVE_HAPROXY_STATS_PORT",

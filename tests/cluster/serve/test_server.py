@@ -45,8 +45,8 @@ def stop_serve(timeout_s: float = 90.0) -> None:
     (ActorDiedError), and its replicas get the ports a new controller hands out first (HTTP 30000, gRPC 40000),
     which a lingering replica of this module still listens on, so some requests would reach the old app.
     A dead actor's process may still hold its sockets a moment longer: the next Serve of this Ray reuses its
-    side ports (HAProxy's, the fallback proxy's), which bind without SO_REUSEPORT (cluster/serve/ingress.py), so
-    wait until they are free too."""
+    side ports (HAProxy's, the fallback proxy's), and HAProxy's bind without SO_REUSEPORT, so wait until they
+    are free too."""
     serve.shutdown()
     deadline = time.monotonic() + timeout_s
     while left := [
