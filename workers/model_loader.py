@@ -133,10 +133,13 @@ def _matryoshka(cfg: PretrainedConfig) -> dict[str, Any]:
     }
 
 
-def read_model_spec(path: str | Path, tp_size: int = 1, expert_parallel: bool = False) -> ModelSpec:
-    """The spec of the model at `path`; ValueError naming the problem when the directory,
-    its config, its architecture or its split over `tp_size` ranks (whole experts per rank
-    with `expert_parallel`) is not usable."""
+def read_model_spec(
+    path: str | Path, tp_size: int = 1, expert_parallel: bool = False, quantization: str | None = None
+) -> ModelSpec:
+    """The spec of the model at `path`, its weights quantized at load by method `quantization` (`--quantization`)
+    when the checkpoint is plain; ValueError naming the problem when the directory, its config, its architecture,
+    its quantization or its split over `tp_size` ranks (whole experts per rank with `expert_parallel`) is not
+    usable."""
     root = _config_dir(path)
     architecture = _architecture(root)
     cfg = AutoConfig.from_pretrained(root)
@@ -162,7 +165,7 @@ def read_model_spec(path: str | Path, tp_size: int = 1, expert_parallel: bool = 
         dtype=getattr(torch, cfg.dtype) if isinstance(cfg.dtype, str) else cfg.dtype,
         layer_windows=_layer_windows(cfg),
         moe=_moe_spec(root, architecture, cfg),
-        quantization=read_quantization(root),
+        quantization=read_quantization(root, quantization),
         **_bias_flags(architecture, cfg),
         **_matryoshka(cfg),
     )
@@ -244,11 +247,12 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     expert_parallel: bool = False,
+    quantization: str | None = None,
 ) -> nn.Module:
     """Build the model class config.json names and load rank `tp_rank`'s shard of its weights
-    (its whole experts with `expert_parallel`, else its slice of every expert).
-    `attn_backend` defaults to `select_backend("auto", device, dtype=dtype)`."""
-    spec = read_model_spec(path, tp_size, expert_parallel)
+    (its whole experts with `expert_parallel`, else its slice of every expert), quantized at load by method
+    `quantization` (read_model_spec). `attn_backend` defaults to `select_backend("auto", device, dtype=dtype)`."""
+    spec = read_model_spec(path, tp_size, expert_parallel, quantization)
     device = torch.device(device)
     backend = attn_backend if attn_backend is not None else select_backend("auto", device, dtype=dtype)
     with _default_dtype(dtype), device:

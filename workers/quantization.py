@@ -9,11 +9,16 @@ scale: `weight_scale_inv` is multiplied too, despite its name (it is the inverse
 multiplied by when quantized). Every other method is refused by name: a quantized weight is never read as if it
 were a plain one.
 
+`--quantization fp8` (vLLM's flag) quantizes a plain checkpoint at load as vLLM's dynamic FP8 does, per output
+channel: each row of each linear weight (not the embeddings, the LM head or the norms) becomes float8_e4m3fn with
+a float32 scale, its largest magnitude / 448. On a checkpoint that is already `fp8` the flag changes nothing; on
+one quantized by another method it is refused, naming both.
+
 The weights are dequantized at load, on every device, into the model's compute dtype: the model holds bf16 (or
-fp32) weights, the memory of the unquantized model, and runs at its speed; activations are not quantized
-(`input_scale` and a static activation scheme are not used), so the products are those of the dequantized
-weights. FP8 products on CUDA (scaled matmuls reading the FP8 weights, half the bytes a decode step reads) are
-future work.
+fp32) weights, the memory of the unquantized model, and runs at its speed (on CPU, FP8's numerics at bf16's memory
+and speed); activations are not quantized (`input_scale` and a static activation scheme are not used), so the
+products are those of the dequantized weights. FP8 products on CUDA (W8A8 scaled matmuls reading the FP8 weights,
+half the bytes a decode step reads) are not built: untested on a GPU.
 """
 
 import json
@@ -28,6 +33,8 @@ import torch
 from workers.layers import TensorSlice
 
 SUPPORTED_METHODS = ("fp8", "compressed-tensors (float 8-bit weights)")
+AT_LOAD_METHODS = ("fp8",)  # --quantization's values: cluster.config.choices.QUANTIZATIONS
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 PLAIN_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes a plain weight may be stored in
 FP8_DTYPE = "F8_E4M3"
 STRATEGIES = ("tensor", "channel", "block")
@@ -70,11 +77,13 @@ class WeightQuantization:
     """A checkpoint's quantization_config, resolved: a linear layer takes the scheme of the first of `groups`
     whose targets it matches ("Linear": every linear layer; a layer's name; "re:" and a regex matched from its
     start), unless a pattern of `ignore` (regexes, searched in the layer's name) names it: then its weight is a
-    plain one. `method` is the config's quant_method, for messages."""
+    plain one. `method` is the config's quant_method, for messages. `at_load`: the checkpoint is a plain one, and
+    the layers with a scheme are quantized per output channel as they load (`--quantization fp8`)."""
 
     method: str
     groups: tuple[tuple[tuple[str, ...], Fp8Scheme], ...]
     ignore: tuple[str, ...] = ()
+    at_load: bool = False
 
     def scheme(self, layer: str) -> Fp8Scheme | None:
         if any(re.search(pattern, layer) for pattern in self.ignore):
@@ -108,10 +117,7 @@ class DequantizedSlice:
         return self.weight.get_shape()
 
     def __getitem__(self, index: Any) -> torch.Tensor:
-        out, cols = self.get_shape()
-        index = index if isinstance(index, tuple) else (index,)
-        rows, columns = (*index, slice(None))[:2]
-        r0, r1, c0, c1 = *_bounds(rows, out), *_bounds(columns, cols)
+        r0, r1, c0, c1 = _ranges(index, self.get_shape())
         tile_rows, tile_cols = self.tile
         w = self.weight[r0:r1, c0:c1].to(torch.float32)
         scales = self.grid[torch.arange(r0, r1) // tile_rows]
@@ -119,6 +125,41 @@ class DequantizedSlice:
             lo, hi = max(c0, j * tile_cols) - c0, min(c1, (j + 1) * tile_cols) - c0
             w[:, lo:hi] *= scales[:, j : j + 1]
         return w
+
+
+@dataclass(slots=True)
+class QuantizedAtLoad:
+    """A plain weight [out, in] read as `--quantization fp8` stores it: each row float8_e4m3fn times a float32
+    scale of its own (the row's largest magnitude / 448), returned dequantized in float32. A read of some columns
+    quantizes its rows whole, so a tensor-parallel rank's slice holds exactly what the whole weight holds there."""
+
+    weight: TensorSlice
+
+    def get_shape(self) -> list[int]:
+        return self.weight.get_shape()
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        r0, r1, c0, c1 = _ranges(index, self.get_shape())
+        return dequantize_rows(*quantize_rows(self.weight[r0:r1]))[:, c0:c1]
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scales [out, 1]): each row scaled so that its largest magnitude is FP8's
+    largest value, 448. Divisions are made in float64, so the FP8 values do not depend on the input's dtype."""
+    scale = (weight.abs().amax(dim=1, keepdim=True).double().clamp(min=1e-12) / FP8_MAX).float()
+    stored = (weight.double() / scale.double()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return stored, scale
+
+
+def dequantize_rows(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return stored.to(torch.float32) * scale
+
+
+def _ranges(index: Any, shape: list[int]) -> tuple[int, int, int, int]:
+    """Rows [r0, r1) and columns [c0, c1) that `index` (a slice of rows, optionally a slice of columns) reads."""
+    index = index if isinstance(index, tuple) else (index,)
+    rows, columns = (*index, slice(None))[:2]
+    return *_bounds(rows, shape[0]), *_bounds(columns, shape[1])
 
 
 def _bounds(index: Any, size: int) -> tuple[int, int]:
@@ -139,18 +180,18 @@ def read_weight(
     layer, _, leaf = name.rpartition(".")
     is_linear = leaf == "weight" and len(tensor.get_shape()) == 2 and not layer.endswith("embed_tokens")
     scheme = quantization.scheme(layer) if quantization is not None and is_linear else None
-    if scheme is None:
+    if scheme is None or quantization.at_load:
         if dtype not in PLAIN_DTYPES:
             why = (
                 "config.json has no quantization_config"
-                if quantization is None
+                if quantization is None or quantization.at_load
                 else f"quantization_config ({quantization.method}) leaves {layer} unquantized"
             )
             raise ValueError(
                 f"weight {name} is stored as {dtype}, but {why}: raylm reads a quantized weight only with its "
                 "scales, as the config describes them"
             )
-        return tensor
+        return tensor if scheme is None else QuantizedAtLoad(tensor)
     if dtype != FP8_DTYPE:
         raise ValueError(
             f"weight {name} is stored as {dtype}, but quantization_config ({quantization.method}) says {layer} is "
@@ -167,9 +208,30 @@ def read_weight(
     return DequantizedSlice(tensor, grid, tile)
 
 
-def read_quantization(root: Path) -> WeightQuantization | None:
+def read_quantization(root: Path, requested: str | None = None) -> WeightQuantization | None:
     """The weight quantization of the checkpoint in directory `root` (its config.json's quantization_config), None
-    for a plain checkpoint; ValueError naming the method (and listing the supported ones) for anything else."""
+    for a plain checkpoint; ValueError naming the method (and listing the supported ones) for anything else.
+    `requested` (`--quantization`): a plain checkpoint is quantized at load by that method; a quantized one must
+    already be quantized by it."""
+    checkpoint = _checkpoint_quantization(root)
+    if requested is None:
+        return checkpoint
+    if requested not in AT_LOAD_METHODS:
+        _refuse(requested, " (--quantization)", AT_LOAD_METHODS)
+    if checkpoint is None:
+        # The LM head and MoE routers stay plain, as vLLM leaves them.
+        ignore = ("lm_head", r"\.gate$")
+        return WeightQuantization(requested, ((("Linear",), Fp8Scheme("channel", "")),), ignore, at_load=True)
+    if checkpoint.method != requested:
+        raise ValueError(
+            f"--quantization {requested} was asked for, but the checkpoint's quantization_config is "
+            f"{checkpoint.method}: serve it without --quantization (its own quantization is read), or quantize an "
+            "unquantized checkpoint"
+        )
+    return checkpoint
+
+
+def _checkpoint_quantization(root: Path) -> WeightQuantization | None:
     config = json.loads((root / "config.json").read_text())
     for file, method in QUANT_CONFIG_FILES.items():
         if (root / file).is_file() and "quantization_config" not in config:
@@ -185,9 +247,9 @@ def read_quantization(root: Path) -> WeightQuantization | None:
     _refuse(method)
 
 
-def _refuse(method: Any, detail: str = "") -> NoReturn:
+def _refuse(method: Any, detail: str = "", supported: tuple[str, ...] = SUPPORTED_METHODS) -> NoReturn:
     raise ValueError(
-        f"quantization method {method!r}{detail} is not supported; supported: {list(SUPPORTED_METHODS)}. "
+        f"quantization method {method!r}{detail} is not supported; supported: {list(supported)}. "
         "A quantized checkpoint is never loaded as if its weights were plain ones"
     )
 

@@ -88,6 +88,7 @@ class WorkerConfig:
     tokenizer: str | None  # for structured outputs' token masks (rank 0); None: the model's directory
     tokenizer_revision: str | None
     dtype: str  # a DTYPES name, or "auto" (see resolve_dtype)
+    quantization: str | None  # --quantization: a plain checkpoint's weights quantized at load by this method
     device: str  # "cpu", "cuda" or "auto" (the GPU Ray assigned, else CPU)
     block_size: int
     max_model_len: int
@@ -200,7 +201,7 @@ class Worker:
         cfg = self.config
         tp = cfg.tensor_parallel_size
         model_dir = resolve_model(cfg.model, cfg.revision, cfg.download_dir)
-        self.spec = read_model_spec(model_dir, tp, cfg.enable_expert_parallel)
+        self.spec = read_model_spec(model_dir, tp, cfg.enable_expert_parallel, cfg.quantization)
         if cfg.no_work:
             self.runner = NoWorkRunner(self.spec.vocab_size, is_driver=self.is_driver)
             return
@@ -215,6 +216,7 @@ class Worker:
             tp_rank=self.tp_rank,
             tp_size=tp,
             expert_parallel=cfg.enable_expert_parallel,
+            quantization=cfg.quantization,
         )
         lora = None
         if cfg.max_loras:  # before packing: the slots take their sizes from the plain weights

@@ -12,6 +12,8 @@ DEVICES = ("auto", "cpu", "cuda")
 # checks that they agree).
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+# --quantization's methods, as vLLM names them (workers.quantization.AT_LOAD_METHODS).
+QUANTIZATIONS = ("fp8",)
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 REQUEST_ROUTERS = ("prefix_cache", "serve")
 POOLING_TYPES = ("auto", "last", "mean")

@@ -17,6 +17,7 @@ def derive_worker_config(engine: EngineConfig, model_path: str, max_model_len: i
         revision=engine.revision,
         download_dir=engine.download_dir,
         dtype=engine.dtype,
+        quantization=engine.quantization,
         device=engine.device,
         block_size=engine.block_size,
         max_model_len=max_model_len,

@@ -17,6 +17,7 @@ from cluster.config.choices import (
     PLACEMENT_STRATEGIES,
     POOLING_TYPES,
     PREEMPTION_MODES,
+    QUANTIZATIONS,
     RUNNERS,
     SCHEDULING_POLICIES,
 )
@@ -68,6 +69,14 @@ class EngineConfig(BaseModel):
     )
     dtype: Literal[("auto", *DTYPES)] = Field(  # type: ignore[valid-type]
         "auto", description="auto: float32 on CPU, the checkpoint's half dtype on CUDA"
+    )
+    quantization: Literal[QUANTIZATIONS] | None = Field(  # type: ignore[valid-type]
+        None,
+        description="fp8: a plain (bf16/fp16/fp32) checkpoint's linear weights quantized at load to float8_e4m3fn "
+        "per output channel, as vLLM's --quantization fp8; then dequantized to --dtype, on CPU and (untested) CUDA "
+        "alike: FP8's numerics at the unquantized model's memory and speed. A checkpoint quantized by another "
+        "method is refused; default: the checkpoint's own quantization_config",
+        **_flags("-q"),
     )
     device: Literal[DEVICES] = Field(  # type: ignore[valid-type]
         "auto", description="auto: CUDA when the cluster has GPUs, else CPU"

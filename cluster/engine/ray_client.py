@@ -64,7 +64,9 @@ class RayEngine:
     ) -> None:
         self.config = config
         self.model_path = config.resolved_model()
-        self.spec = read_model_spec(self.model_path, config.tensor_parallel_size, config.enable_expert_parallel)
+        self.spec = read_model_spec(
+            self.model_path, config.tensor_parallel_size, config.enable_expert_parallel, config.quantization
+        )
         # Refused here, before Ray is joined or any weight loads.
         partition_layers(self.spec.num_layers, config.pipeline_parallel_size, config.layer_partition)
         self.max_model_len = resolve_max_model_len(config, self.spec)

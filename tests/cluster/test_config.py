@@ -12,9 +12,9 @@ import torch
 import kernels
 from cluster import EngineConfig
 from cluster.config import derive_scheduler_config, derive_worker_config
-from cluster.config.choices import ATTENTION_BACKENDS, DTYPES
+from cluster.config.choices import ATTENTION_BACKENDS, DTYPES, QUANTIZATIONS
 from kernels import flash_attention
-from workers import worker
+from workers import quantization, worker
 
 CLUSTER = Path(__file__).resolve().parents[2] / "cluster"
 
@@ -72,7 +72,9 @@ def test_unset_block_size_on_cpu_is_16_and_dtype_auto_passes_to_the_ranks():
 
 def test_the_ranks_get_every_setting_they_need_from_the_engine_config():
     """WorkerConfig has no defaults: a field EngineConfig forgot to pass would fail here, not on a rank."""
-    config = EngineConfig(model="org/name", revision="v1", download_dir="/d", device="cpu", seed=3, num_threads=2)
+    config = EngineConfig(
+        model="org/name", revision="v1", download_dir="/d", device="cpu", seed=3, num_threads=2, quantization="fp8"
+    )
     worker = derive_worker_config(config, "/local/copy", 64)
     assert (worker.model, worker.revision, worker.download_dir, worker.seed, worker.num_threads) == (
         "org/name",
@@ -81,6 +83,7 @@ def test_the_ranks_get_every_setting_they_need_from_the_engine_config():
         3,
         2,
     )
+    assert worker.quantization == "fp8"
     assert derive_worker_config(EngineConfig(device="cpu"), "/default/converted", 64).model == "/default/converted"
 
 
@@ -174,9 +177,10 @@ def test_the_settings_and_the_cli_parser_import_no_model_stack():
     assert out.stdout.strip() == "[]"
 
 
-def test_the_settings_name_the_dtypes_and_attention_backends_the_layers_run():
+def test_the_settings_name_the_dtypes_attention_backends_and_quantizations_the_layers_run():
     assert tuple(worker.DTYPES) == DTYPES
     assert kernels.BACKENDS == ATTENTION_BACKENDS
+    assert quantization.AT_LOAD_METHODS == QUANTIZATIONS
 
 
 def _imports(path: Path, modules: set[str]) -> set[str]:

@@ -216,3 +216,45 @@ def test_ignored_layers_load_as_plain_ones(fp8_checkpoint, tmp_path):
     ct_quantization = read_model_spec(_with_config(str(dst), tmp_path / "ct", ct)).quantization
     assert ct_quantization.scheme("model.layers.0.mlp.gate") is None
     assert ct_quantization.scheme("model.layers.0.mlp.gate_proj").strategy == "channel"
+
+
+def test_quantization_fp8_quantizes_a_plain_checkpoint_per_channel(fp8_checkpoint, tmp_path):
+    # --quantization fp8 stores what a per-channel FP8 checkpoint made from the same weights stores.
+    src, per_channel, weights = fp8_checkpoint("llama", "compressed-tensors per channel")
+    spec = read_model_spec(src, quantization="fp8")
+    assert spec.quantization.at_load and spec.quantization.scheme("lm_head") is None
+    assert spec.quantization.scheme("model.layers.0.mlp.gate") is None  # a MoE router
+    model = load_model(src, quantization="fp8", attn_backend=select_backend("torch", torch.device("cpu")))
+    expected = load_model(per_channel).state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    seqs = random_seqs(spec.vocab_size)
+    for o, r in zip(run_paged(model, seqs), float64_logits(src, weights, seqs, tmp_path)):
+        torch.testing.assert_close(o.double(), r, rtol=1e-4, atol=1e-4)
+
+
+def test_quantization_fp8_slices_whole_rows_under_tensor_parallel(tiny_model_dir):
+    src = tiny_model_dir("llama")
+    full = load_model(src, quantization="fp8").state_dict()
+    assert not torch.equal(
+        full["model.layers.0.mlp.down_proj.weight"], load_model(src).state_dict()["model.layers.0.mlp.down_proj.weight"]
+    )
+    o, down = "model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight"
+    gate_up = "model.layers.1.mlp.gate_up_proj.weight"
+    gate, up = full[gate_up].chunk(2)
+    for r in (0, 1):
+        sd = load_model(src, tp_rank=r, tp_size=2, quantization="fp8").state_dict()
+        # Row-parallel halves hold the whole rows' quantization, not one of their own.
+        assert torch.equal(sd[o], full[o][:, 32 * r : 32 * r + 32])
+        assert torch.equal(sd[down], full[down][:, 64 * r : 64 * r + 64])
+        assert torch.equal(sd[gate_up], torch.cat([gate[64 * r : 64 * r + 64], up[64 * r : 64 * r + 64]]))
+
+
+def test_quantization_fp8_on_a_quantized_checkpoint(fp8_checkpoint, tiny_model_dir):
+    _, fp8, _ = fp8_checkpoint("llama", "fp8 blocks 32x32")
+    assert read_model_spec(fp8, quantization="fp8").quantization == read_model_spec(fp8).quantization
+    _, ct, _ = fp8_checkpoint("llama", "compressed-tensors per channel")
+    with pytest.raises(ValueError, match=r"--quantization fp8 .* quantization_config is compressed-tensors"):
+        read_model_spec(ct, quantization="fp8")
+    with pytest.raises(ValueError, match=r"quantization method 'gptq' \(--quantization\) .* supported: \['fp8'\]"):
+        read_model_spec(tiny_model_dir("llama"), quantization="gptq")
