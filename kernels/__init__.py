@@ -25,7 +25,7 @@ DEFAULT_BLOCK_SIZE = 16
 def default_block_size(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> int:
     """The KV block size for backend `name` on `device` when none is configured: flash-attn's smallest
     page (256 tokens) where it is named, or where "auto" would choose it (flash-attn installed and usable
-    for `dtype` on CUDA); else 16, which keeps prefix-cache hits fine-grained."""
+    for `dtype`, the KV cache's, on CUDA); else 16, which keeps prefix-cache hits fine-grained."""
     from kernels.flash_attention import PAGE_BLOCK_MULTIPLE
 
     if name == "flash_attn":
@@ -41,8 +41,8 @@ def select_backend(
 ) -> AttentionBackend:
     """The backend called `name` for `device`.
 
-    "auto" is flash_attn when it imports on CUDA (and `block_size` and `dtype`, when given, meet
-    its paged-KV constraints: fp32 does not), else triton on CUDA (when installed), else torch. An
+    "auto" is flash_attn when it imports on CUDA (and `block_size` and `dtype`, the KV cache's, when given,
+    meet its paged-KV constraints: fp32 and FP8 pages do not), else triton on CUDA (when installed), else torch. An
     unknown name, or a backend that cannot run on `device`, raises ValueError naming it. flash_attn
     itself falls back to triton, with a warning, for caches it cannot page.
     """

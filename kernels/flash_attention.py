@@ -103,12 +103,28 @@ class FlashAttnBackend:
             cu_seqlens_k=F.pad(md.seq_lens.cumsum(0, dtype=torch.int32), (1, 0)), fallback=self.fallback.plan(md)
         )
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        self.fallback.store_kv(k, v, kv_cache, slot_mapping)
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
+        self.fallback.store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale)
 
     def paged_attention(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float, window: int | None = None
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
+        """The scales reach the fallback only: flash-attn itself never pages an FP8 cache (unusable_reason)."""
         # flash-attn's window counts keys left of the query, the query itself not included: (-1, -1) is none.
         window_size = (-1, -1) if window is None else (window - 1, 0)
         reason = unusable_reason(kv_cache.shape[2], kv_cache.dtype, kv_cache.shape[-1])
@@ -116,7 +132,7 @@ class FlashAttnBackend:
             # The default warnings filter shows this once per process, not once per layer.
             warnings.warn(f"flash_attn cannot serve this KV cache ({reason}); using {self.fallback.name}", stacklevel=2)
             return self.fallback.paged_attention(
-                q, kv_cache, dataclasses.replace(md, plan=md.plan.fallback), scale, window
+                q, kv_cache, dataclasses.replace(md, plan=md.plan.fallback), scale, window, k_scale, v_scale
             )
         if md.max_query_len == 1:
             out = self.kvcache_func(

@@ -19,6 +19,10 @@ class AttentionBackend(Protocol):
     itself included, as Hugging Face's sliding-window mask does; None: its whole context.
     `graph_capturable`: a decode step's `plan`, `store_kv` and `paged_attention` read only device
     tensors and make no host sync, so a CUDA graph captured once replays them on new inputs.
+    An FP8 cache (float8_e4m3fn, `--kv-cache-dtype fp8`) holds keys / `k_scale` and values / `v_scale`,
+    saturated at FP8's largest value (448), and is read back times the scales; a cache of any other dtype
+    holds the values as they are and ignores the scales. A backend not in cluster.config.choices'
+    FP8_KV_BACKENDS reads no FP8 cache.
     """
 
     name: str
@@ -27,11 +31,24 @@ class AttentionBackend(Protocol):
     def plan(self, md: AttentionMetadata) -> Any: ...
 
     def store_kv(
-        self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None: ...
 
     def paged_attention(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float, window: int | None = None
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor: ...
 
 

@@ -4,7 +4,9 @@ A step's requests are cut into a few groups of similar shape. Each group gathers
 KV blocks into one padded batch and makes one `scaled_dot_product_attention` call, whose CPU
 flash kernel is fused, multi-threaded and handles GQA without repeating KV heads. On a CPU with
 an fp32 cache, single-token queries (decodes) skip the gather: the native kernel of
-cpu_ops.py reads their keys and values in place, all of them in one call.
+cpu_ops.py reads their keys and values in place, all of them in one call. An FP8 cache is gathered as
+it is stored and dequantized into the queries' dtype before the SDPA call: half the bytes of a bf16
+cache, read at its speed or slower (the conversion is one more pass over the gathered blocks).
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ import torch.nn.functional as F
 
 from kernels.cpu_ops import load_cpu_ops
 from kernels.metadata import AttentionMetadata
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
 
 # What one more group call (a few gathers and an SDPA launch, ~70 us on one core) is worth in
 # padded query x key pairs: about 150 padded decode keys, or a thousand padded prefill pairs.
@@ -97,13 +102,33 @@ class TorchBackend:
             ]
         return groups
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
         _, _, _, kv_heads, head_dim = kv_cache.shape
-        kv_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-        kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+        for i, (x, x_scale) in enumerate(((k, k_scale), (v, v_scale))):
+            pages = kv_cache[i].view(-1, kv_heads, head_dim)
+            if kv_cache.dtype == FP8:
+                # index_copy_ has no float8 kernel on CPU: the bytes are copied.
+                x = (x.float() / x_scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
+                pages = pages.view(torch.uint8)
+            pages.index_copy_(0, slot_mapping, x)
 
     def paged_attention(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float, window: int | None = None
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """`window`: each query attends to its last `window` positions only (itself included), or all when None."""
         out = q.new_empty(q.shape)
@@ -123,6 +148,8 @@ class TorchBackend:
                     continue
                 group = group.fallback()
             k, v = self._gather_kv(kv_cache, group)
+            if kv_cache.dtype == FP8:
+                k, v = k.to(q.dtype).mul_(k_scale), v.to(q.dtype).mul_(v_scale)
             out.index_copy_(0, group.out_tokens, _attend(q, k, v, group, scale, window))
         return out
 

@@ -1,5 +1,8 @@
 """Triton kernels for CUDA: KV store by slot, and paged attention over block tables with GQA.
 
+An FP8 cache (float8_e4m3fn) is written as the values / their scale, saturated, and read back times the scale
+into the queries' dtype before each product (a compile-time branch: other caches pay nothing for it).
+
 The tests run them on CPU tensors under TRITON_INTERPRET=1, which triton reads when `@triton.jit`
 decorates, i.e. when this module is imported.
 """
@@ -26,6 +29,7 @@ _SPLIT_BELOW_PROGRAMS = 256
 _MIN_PARTITION = 128
 _MAX_SPLITS = 64
 _MERGE_SPLITS_PER_STEP = 16
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 @triton.jit
@@ -47,16 +51,23 @@ def _fold_keys(
     d,
     d_ok,
     qk_scale,
+    k_scale,
+    v_scale,
     BLOCK_SIZE: tl.constexpr,
     PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """The keys and values at positions `pos` (where `pos_ok`) folded into each row's running softmax (max
-    `m`, sum `denom`, weighted values `acc`, base 2), scores outside `visible` [rows, keys] masked."""
+    `m`, sum `denom`, weighted values `acc`, base 2), scores outside `visible` [rows, keys] masked; FP8 pages are
+    dequantized by `k_scale` and `v_scale` into the queries' dtype first."""
     block = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=pos_ok, other=0)
     offset = block.to(tl.int64) * stride_block + (pos % BLOCK_SIZE) * stride_slot + kv_head * stride_head
     kv_ok = pos_ok[:, None] & d_ok[None, :]
     k = tl.load(k_cache_ptr + offset[:, None] + d[None, :], mask=kv_ok, other=0.0)
     v = tl.load(v_cache_ptr + offset[:, None] + d[None, :], mask=kv_ok, other=0.0)
+    if FP8:
+        k = (k.to(tl.float32) * k_scale).to(q.dtype)
+        v = (v.to(tl.float32) * v_scale).to(q.dtype)
     s = tl.where(visible, tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
@@ -73,6 +84,8 @@ def _store_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    k_scale,
+    v_scale,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -83,6 +96,8 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    FP8: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token)
@@ -90,8 +105,13 @@ def _store_kv_kernel(
     d = tl.arange(0, HEAD_DIM_PAD)[None, :]
     ok = (h < KV_HEADS) & (d < HEAD_DIM)
     dst = slot * stride_slot + h * stride_head + d
-    tl.store(k_cache_ptr + dst, tl.load(k_ptr + token * stride_kt + h * stride_kh + d, mask=ok), mask=ok)
-    tl.store(v_cache_ptr + dst, tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=ok), mask=ok)
+    k = tl.load(k_ptr + token * stride_kt + h * stride_kh + d, mask=ok)
+    v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=ok)
+    if FP8:
+        k = tl.clamp(k.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) / v_scale, -FP8_MAX, FP8_MAX)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=ok)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
 # The table's row stride is its width, which changes with the longest context: specialised on (as Triton does
@@ -106,6 +126,8 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     scale,
+    k_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -123,6 +145,7 @@ def _paged_attention_kernel(
     ROWS: tl.constexpr,
     KEYS: tl.constexpr,
     PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """One program: up to TOKENS_PER_TILE query tokens of one request times the GROUP query heads
     that share one KV head (row r = token r // GROUP, head r % GROUP), against that KV head. With
@@ -178,8 +201,11 @@ def _paged_attention_kernel(
                 d,
                 d_ok,
                 qk_scale,
+                k_scale,
+                v_scale,
                 BLOCK_SIZE,
                 PRECISION,
+                FP8,
             )
         out = acc / denom[:, None]
         tl.store(
@@ -202,6 +228,8 @@ def _paged_decode_split_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     scale,
+    k_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_block,
@@ -219,6 +247,7 @@ def _paged_decode_split_kernel(
     KEYS: tl.constexpr,
     PARTITION: tl.constexpr,
     PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """One program: the single query of one request, its GROUP heads on one KV head, against the keys of one
     partition of its context (of its last `window` keys when `window` > 0). Writes the partition's normalised
@@ -269,8 +298,11 @@ def _paged_decode_split_kernel(
                 d,
                 d_ok,
                 qk_scale,
+                k_scale,
+                v_scale,
                 BLOCK_SIZE,
                 PRECISION,
+                FP8,
             )
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], acc / denom[:, None], mask=row_ok[:, None])
         tl.store(part_lse_ptr + part, m + tl.log2(denom), mask=row_ok)
@@ -351,7 +383,15 @@ class TritonBackend:
     def plan(self, md: AttentionMetadata) -> None:
         return None
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def store_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> None:
         _, _, _, kv_heads, head_dim = kv_cache.shape
         k_cache, v_cache = (kv_cache[i].view(-1, kv_heads, head_dim) for i in (0, 1))
         _store_kv_kernel[(k.shape[0],)](
@@ -360,6 +400,8 @@ class TritonBackend:
             k_cache,
             v_cache,
             slot_mapping,
+            k_scale,
+            v_scale,
             k.stride(0),
             k.stride(1),
             v.stride(0),
@@ -370,10 +412,19 @@ class TritonBackend:
             HEAD_DIM=head_dim,
             HEADS_PAD=triton.next_power_of_2(kv_heads),
             HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+            FP8=kv_cache.dtype == torch.float8_e4m3fn,
+            FP8_MAX=FP8_MAX,
         )
 
     def paged_attention(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float, window: int | None = None
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """`window`: each query attends to its last `window` positions only (itself included), or all when None."""
         _, _, block_size, kv_heads, head_dim = kv_cache.shape
@@ -381,7 +432,9 @@ class TritonBackend:
         if md.max_query_len == 1 and md.seq_lens.shape[0] * kv_heads < _SPLIT_BELOW_PROGRAMS:
             partition, num_splits = split_plan(md.max_seq_len)
             if num_splits > 1:
-                return self._split_decode(q, kv_cache, md, scale, partition, num_splits, window or 0)
+                return self._split_decode(
+                    q, kv_cache, md, (scale, k_scale, v_scale), partition, num_splits, window or 0
+                )
         # A decode-only step needs one token per tile; bigger tiles would only hold masked rows.
         rows = (
             max(_MIN_ROWS, triton.next_power_of_2(group))
@@ -401,6 +454,8 @@ class TritonBackend:
             md.seq_lens,
             md.query_start_loc,
             scale,
+            k_scale,
+            v_scale,
             q.stride(0),
             q.stride(1),
             out.stride(0),
@@ -418,6 +473,7 @@ class TritonBackend:
             ROWS=rows,
             KEYS=_KEYS_PER_STEP,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            FP8=kv_cache.dtype == torch.float8_e4m3fn,
         )
         return out
 
@@ -426,11 +482,12 @@ class TritonBackend:
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         md: AttentionMetadata,
-        scale: float,
+        scales: tuple[float, float, float],
         partition: int,
         num_splits: int,
         window: int,
     ) -> torch.Tensor:
+        """`scales`: the softmax's, then the FP8 pages' k_scale and v_scale."""
         _, _, block_size, kv_heads, head_dim = kv_cache.shape
         num_reqs, num_heads = md.seq_lens.shape[0], q.shape[1]
         head_dim_pad = max(16, triton.next_power_of_2(head_dim))
@@ -447,7 +504,7 @@ class TritonBackend:
             md.block_tables,
             md.seq_lens,
             md.query_start_loc,
-            scale,
+            *scales,
             q.stride(0),
             q.stride(1),
             k_cache.stride(0),
@@ -465,6 +522,7 @@ class TritonBackend:
             KEYS=_KEYS_PER_STEP,
             PARTITION=partition,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            FP8=kv_cache.dtype == torch.float8_e4m3fn,
         )
         out = q.new_empty(q.shape)
         _merge_splits_kernel[(num_reqs, num_heads)](

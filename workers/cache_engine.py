@@ -111,14 +111,16 @@ class CacheEngine:
         write. On CUDA the gather runs on the compute stream, so it reads the
         blocks before any later kernel writes them.
         """
-        dev = self.kv_cache.device
+        # Bytes are copied: index_copy_ has no float8 kernel on CPU (an FP8 cache, --kv-cache-dtype fp8).
+        device_cache, host_cache = self.kv_cache.view(torch.uint8), self.host_cache.view(torch.uint8)
+        dev = device_cache.device
         if swap_out:
             src, dst = zip(*swap_out)
-            blocks = self.kv_cache.index_select(2, torch.tensor(src, device=dev))
-            self.host_cache.index_copy_(2, torch.tensor(dst), blocks.cpu())
+            blocks = device_cache.index_select(2, torch.tensor(src, device=dev))
+            host_cache.index_copy_(2, torch.tensor(dst), blocks.cpu())
         if swap_in:
             src, dst = zip(*swap_in)
-            blocks = self.host_cache.index_select(2, torch.tensor(src))
+            blocks = host_cache.index_select(2, torch.tensor(src))
             if dev.type == "cuda":
                 blocks = blocks.pin_memory().to(dev, non_blocking=True)
-            self.kv_cache.index_copy_(2, torch.tensor(dst, device=dev), blocks)
+            device_cache.index_copy_(2, torch.tensor(dst, device=dev), blocks)

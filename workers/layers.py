@@ -308,7 +308,9 @@ class Attention(nn.Module):
     [2, num_blocks, block_size, num_kv_heads, head_dim] (a view of the worker's one KV tensor,
     set by the CacheEngine; empty until then). Keys and values of this step are stored first, so
     the kernel sees every token of the context, this step's included, through the block table.
-    With a sliding `window`, a query sees only its last `window` positions (itself included)."""
+    With a sliding `window`, a query sees only its last `window` positions (itself included). `k_scale` and
+    `v_scale` are the factors an FP8 cache's keys and values are stored divided by (1.0 unless the checkpoint
+    gives them: workers.model_loader.load_kv_scales); a cache of the model's dtype ignores them."""
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend, window: int | None = None
@@ -319,9 +321,12 @@ class Attention(nn.Module):
         self.backend = backend
         self.window = window
         self.kv_cache = torch.empty(0)
+        self.k_scale = self.v_scale = 1.0
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata
     ) -> torch.Tensor:
-        self.backend.store_kv(k, v, self.kv_cache, attn_metadata.slot_mapping)
-        return self.backend.paged_attention(q, self.kv_cache, attn_metadata, self.scale, self.window)
+        self.backend.store_kv(k, v, self.kv_cache, attn_metadata.slot_mapping, self.k_scale, self.v_scale)
+        return self.backend.paged_attention(
+            q, self.kv_cache, attn_metadata, self.scale, self.window, self.k_scale, self.v_scale
+        )

@@ -3,6 +3,7 @@ and load this rank's shard of the model it describes."""
 
 import contextlib
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,12 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from kernels import AttentionBackend, select_backend
-from workers.layers import ROPE_TYPES, RopeConfig, load_replicated
+from workers.layers import ROPE_TYPES, Attention, RopeConfig, load_replicated
 from workers.model_spec import ModelSpec, MoeSpec
 from workers.models import MODEL_REGISTRY
 from workers.quantization import WeightQuantization, read_quantization, read_weight
+
+logger = logging.getLogger(__name__)
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 # Keys of real MoE checkpoints' config.json that their transformers config class does not list as its own
@@ -202,6 +205,16 @@ def _checkpoint_names(model: nn.Module) -> dict[str, tuple[str, Any]]:
     return names
 
 
+def _open_checkpoint(files: contextlib.ExitStack, path: str | Path) -> dict[str, Any]:
+    """Checkpoint tensor name -> the open safetensors file holding it (closed with `files`): a weight and its
+    scale may lie in different files of a sharded checkpoint."""
+    where = {}
+    for file in _checkpoint_files(Path(path)):
+        f = files.enter_context(safe_open(file, framework="pt", device="cpu"))
+        where.update(dict.fromkeys(f.keys(), f))
+    return where
+
+
 def load_weights(model: nn.Module, path: str | Path, quantization: WeightQuantization | None = None) -> None:
     """Copy this rank's slice of every checkpoint tensor the model uses into its parameters,
     reading no more of each tensor than that slice (a quantized weight: that slice and its scales, dequantized).
@@ -210,11 +223,7 @@ def load_weights(model: nn.Module, path: str | Path, quantization: WeightQuantiz
     params = dict(model.named_parameters())
     wanted = _checkpoint_names(model)
     with contextlib.ExitStack() as files:
-        # A weight and its scale may lie in different files of a sharded checkpoint.
-        where = {}
-        for file in _checkpoint_files(Path(path)):
-            f = files.enter_context(safe_open(file, framework="pt", device="cpu"))
-            where.update(dict.fromkeys(f.keys(), f))
+        where = _open_checkpoint(files, path)
         missing = sorted(set(wanted) - set(where))
         if missing:
             raise ValueError(f"weights missing from the checkpoint at {path}: {missing}")
@@ -226,6 +235,38 @@ def load_weights(model: nn.Module, path: str | Path, quantization: WeightQuantiz
             param = params[name]
             loader = getattr(param, "weight_loader", load_replicated)
             loader(param, read_weight(quantization, ckpt_name, lookup), ckpt_name, shard)
+
+
+def load_kv_scales(model: nn.Module, path: str | Path) -> None:
+    """Each attention layer's FP8 KV scales from the checkpoint: `<layer>.self_attn.k_scale` and `v_scale`,
+    one element each, as FP8 checkpoints with a quantized KV cache publish them (vLLM reads the same names); a
+    checkpoint with none leaves them 1.0 and says so once. ValueError naming the tensor when only one of a layer's
+    two is there, or one is not a single positive number."""
+    layers = {name.rpartition(".")[0]: m for name, m in model.named_modules() if isinstance(m, Attention)}
+    found = 0
+    with contextlib.ExitStack() as files:
+        where = _open_checkpoint(files, path)
+        for prefix, layer in layers.items():
+            names = [f"{prefix}.k_scale", f"{prefix}.v_scale"]
+            present = [n for n in names if n in where]
+            if not present:
+                continue
+            if len(present) == 1:
+                raise ValueError(f"the checkpoint has {present[0]} but not {(set(names) - set(present)).pop()}")
+            layer.k_scale, layer.v_scale = (_kv_scale(n, where[n].get_tensor(n)) for n in names)
+            found += 1
+    if not found:
+        logger.warning(
+            "kv_cache_dtype fp8: the checkpoint has no k_scale/v_scale tensors; every layer's KV is stored with "
+            "scale 1.0 (keys and values past +-448 saturate)"
+        )
+
+
+def _kv_scale(name: str, tensor: torch.Tensor) -> float:
+    value = float(tensor.float().reshape(-1)[0]) if tensor.numel() == 1 else None
+    if value is None or not value > 0:
+        raise ValueError(f"KV scale {name} must be one positive number, got shape {list(tensor.shape)} {tensor}")
+    return value
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from workers.hub import resolve_model
 from workers.layers import can_pack, pack_for_cpu
 from workers.lora import LoraManager
 from workers.memory import MemorySnapshot, graph_pool_bytes, keep_freed_memory, kv_cache_budget, profile_peak
-from workers.model_loader import load_model, read_model_spec
+from workers.model_loader import load_kv_scales, load_model, read_model_spec
 from workers.model_runner import ModelRunner
 from workers.no_work import NoWorkRunner
 from workers.parallel import PipelineStage, StageLink, partition_layers, pipeline_stage, set_parallel
@@ -27,6 +27,8 @@ from workers.runner_inputs import graph_batch_sizes
 from workers.structured_output import GrammarBitmasks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --kv-cache-dtype's names other than "auto" (the model's dtype): both are vLLM's spellings of one format.
+KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 # Round figures for the preemption cost model (swap_cost_per_block): dense matmul rate a forward reaches, and
 # host <-> KV-cache copy bandwidth (a memcpy on CPU, pinned PCIe on CUDA).
 FLOPS_PER_S = {"cpu": 1e11, "cuda": 1e14}
@@ -102,6 +104,7 @@ class WorkerConfig:
     swap_space_bytes: int  # the host tier's size on this rank; 0: none
     gpu_memory_utilization: float
     attention_backend: str
+    kv_cache_dtype: str  # "auto" (the model's dtype) or a KV_DTYPES name
     num_threads: int | None  # torch intra-op threads; None: all cores this process may use
     no_work: bool  # benchmarking only: NoWorkRunner in place of the model (workers/no_work.py)
     enforce_eager: bool  # CUDA: no decode graphs (debugging, or a backend that cannot be captured)
@@ -128,6 +131,7 @@ class Worker:
         self.gpu_ids = list(gpu_ids)  # ray.get_gpu_ids() in a Ray actor; none in-process
         self.device = torch.device("cpu")
         self.dtype = torch.float32  # resolved by load_model, once the checkpoint's dtype is known
+        self.kv_dtype = torch.float32  # the KV pages': self.dtype, or FP8 (kv_cache_dtype)
         self.model = None
         self.spec = None
         self.runner: ModelRunner | NoWorkRunner | None = None
@@ -207,7 +211,8 @@ class Worker:
             return
         bf16 = self.device.type != "cuda" or torch.cuda.is_bf16_supported()
         self.dtype = resolve_dtype(cfg.dtype, self.spec.dtype, self.device, bf16)
-        backend = select_backend(cfg.attention_backend, self.device, cfg.block_size, self.dtype)
+        self.kv_dtype = KV_DTYPES.get(cfg.kv_cache_dtype, self.dtype)
+        backend = select_backend(cfg.attention_backend, self.device, cfg.block_size, self.kv_dtype)
         self.model = load_model(
             model_dir,
             dtype=self.dtype,
@@ -218,6 +223,8 @@ class Worker:
             expert_parallel=cfg.enable_expert_parallel,
             quantization=cfg.quantization,
         )
+        if self.kv_dtype != self.dtype:
+            load_kv_scales(self.model, model_dir)
         lora = None
         if cfg.max_loras:  # before packing: the slots take their sizes from the plain weights
             lora = LoraManager(self.model, self.spec, cfg.max_loras, cfg.max_lora_rank)
@@ -298,7 +305,7 @@ class Worker:
             cfg.block_size,
             spec.kv_heads_per_rank(cfg.tensor_parallel_size),
             spec.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
             num_host_blocks,
         )
@@ -311,7 +318,7 @@ class Worker:
             self.config.block_size,
             spec.kv_heads_per_rank(self.config.tensor_parallel_size),
             spec.head_dim,
-            self.dtype,
+            self.kv_dtype,
         )
         return target + (self.draft.block_bytes() if self.draft is not None else 0)
 

@@ -14,6 +14,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 # --quantization's methods, as vLLM names them (workers.quantization.AT_LOAD_METHODS).
 QUANTIZATIONS = ("fp8",)
+# --kv-cache-dtype's names, as vLLM's (fp8 and fp8_e4m3 both mean float8_e4m3fn pages: workers.worker.KV_DTYPES),
+# and the attention backends that read FP8 pages (kernels/metadata.py says how; flash-attn 2 reads none).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+FP8_KV_BACKENDS = ("auto", "torch", "triton")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 REQUEST_ROUTERS = ("prefix_cache", "serve")
 POOLING_TYPES = ("auto", "last", "mean")

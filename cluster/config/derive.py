@@ -31,6 +31,7 @@ def derive_worker_config(engine: EngineConfig, model_path: str, max_model_len: i
         swap_space_bytes=engine.swap_space_bytes,
         gpu_memory_utilization=engine.gpu_memory_utilization,
         attention_backend=engine.attention_backend,
+        kv_cache_dtype=engine.kv_cache_dtype,
         num_threads=engine.num_threads,
         enforce_eager=engine.enforce_eager,
         no_work=engine.no_work_model,

@@ -12,7 +12,9 @@ from cluster.config.choices import (
     ATTENTION_BACKENDS,
     DEVICES,
     DTYPES,
+    FP8_KV_BACKENDS,
     GIB,
+    KV_CACHE_DTYPES,
     MAX_SPECULATIVE_TOKENS,
     PLACEMENT_STRATEGIES,
     POOLING_TYPES,
@@ -83,6 +85,13 @@ class EngineConfig(BaseModel):
     )
     attention_backend: Literal[ATTENTION_BACKENDS] = Field(  # type: ignore[valid-type]
         "auto", description="auto: flash_attn on CUDA when installed, else triton on CUDA, torch on CPU"
+    )
+    kv_cache_dtype: Literal[KV_CACHE_DTYPES] = Field(  # type: ignore[valid-type]
+        "auto",
+        description="auto: the model's dtype; fp8 (or fp8_e4m3): KV pages in float8_e4m3fn, half a bf16 page, "
+        "so about twice the blocks, with each layer's k_scale and v_scale from the checkpoint (1.0 where it has "
+        f"none); read by the attention backends {list(FP8_KV_BACKENDS[1:])} (auto never picks flash_attn then). "
+        "On CPU the pages are dequantized as they are read: no faster than bf16 pages",
     )
     tensor_parallel_size: int = Field(1, ge=1, description="ranks each layer is split over", **_flags("-tp"))
     pipeline_parallel_size: int = Field(
@@ -329,6 +338,17 @@ class EngineConfig(BaseModel):
             raise ValueError("preemption_mode='swap' needs a host tier: set swap_space")
         return mode
 
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _kv_cache_dtype_readable(cls, value: str, info: ValidationInfo) -> str:
+        backend = info.data.get("attention_backend")
+        if value != "auto" and backend not in FP8_KV_BACKENDS:
+            raise ValueError(
+                f"kv_cache_dtype={value!r} stores float8_e4m3fn pages, which attention_backend={backend!r} cannot "
+                f"read; backends that read them: {list(FP8_KV_BACKENDS)}"
+            )
+        return value
+
     @field_validator("block_size")
     @classmethod
     def _default_block_size(cls, block_size: int | None, info: ValidationInfo) -> int:
@@ -336,10 +356,11 @@ class EngineConfig(BaseModel):
             return block_size
         from kernels import default_block_size
         from workers.worker import DTYPES as TORCH_DTYPES
-        from workers.worker import wants_cuda
+        from workers.worker import KV_DTYPES, wants_cuda
 
         device = "cuda" if wants_cuda(info.data["device"]) else "cpu"
-        return default_block_size(info.data["attention_backend"], device, TORCH_DTYPES.get(info.data["dtype"]))
+        kv_dtype = KV_DTYPES.get(info.data.get("kv_cache_dtype"), TORCH_DTYPES.get(info.data["dtype"]))
+        return default_block_size(info.data["attention_backend"], device, kv_dtype)
 
     @field_validator("generation_config")
     @classmethod

@@ -87,6 +87,14 @@ def test_the_ranks_get_every_setting_they_need_from_the_engine_config():
     assert derive_worker_config(EngineConfig(device="cpu"), "/default/converted", 64).model == "/default/converted"
 
 
+def test_an_fp8_kv_cache_is_refused_where_it_cannot_be_read():
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' .* attention_backend='flash_attn' cannot read"):
+        EngineConfig(kv_cache_dtype="fp8", attention_backend="flash_attn")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype\n.*Input should be 'auto', 'fp8' or 'fp8_e4m3'"):
+        EngineConfig(kv_cache_dtype="int8")
+    assert EngineConfig(kv_cache_dtype="fp8_e4m3", attention_backend="triton", device="cpu").block_size == 16
+
+
 def test_generation_config_names_auto_vllm_or_a_directory(tmp_path):
     with pytest.raises(ValueError, match="generation_config='nowhere' is neither auto, vllm nor a directory"):
         EngineConfig(generation_config="nowhere")

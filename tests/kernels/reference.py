@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -77,6 +77,14 @@ def make_batch(
         block_tables=tables,
         slot_mapping=torch.tensor(slots, dtype=torch.int64),
     )
+
+
+def to_fp8(batch: Batch, k_scale: float, v_scale: float) -> tuple[Batch, Batch]:
+    """(`batch` with its cache in float8_e4m3fn as an FP8 KV cache stores it: keys / k_scale and values / v_scale,
+    saturated; the same batch with that cache dequantized back in the queries' dtype, its exact reference)."""
+    scales = torch.tensor([k_scale, v_scale]).view(2, 1, 1, 1, 1)
+    fp8 = (batch.kv_cache.float() / scales).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return replace(batch, kv_cache=fp8), replace(batch, kv_cache=(fp8.float() * scales).to(batch.q.dtype))
 
 
 def slot_of(table: torch.Tensor, position: int, block_size: int) -> int:

@@ -3,7 +3,7 @@ import torch
 
 from kernels import TorchBackend, select_backend
 from kernels.torch_attention import _DecodeGroup
-from tests.kernels.reference import POISON, make_batch, naive_attention
+from tests.kernels.reference import POISON, make_batch, naive_attention, to_fp8
 
 SCALE = 0.3
 
@@ -115,6 +115,23 @@ def test_store_kv_writes_exactly_the_named_slots():
         expected[0, 1, slot // block_size, slot % block_size] = k[token]
         expected[1, 1, slot // block_size, slot % block_size] = v[token]
     assert torch.equal(engine_cache, expected)
+
+
+def test_fp8_pages_are_stored_divided_by_their_scales_and_read_back_times_them():
+    batch = make_batch([1, 1, 5, 1], [9, 30, 12, 40], block_size=8, kv_heads=2, group=2)
+    fp8, dequantized = to_fp8(batch, 0.5, 2.0)
+    backend = TorchBackend()
+    out = backend.paged_attention(batch.q, fp8.kv_cache, fp8.metadata(backend), SCALE, k_scale=0.5, v_scale=2.0)
+    torch.testing.assert_close(out, naive_attention(dequantized, SCALE), rtol=0, atol=1e-5)
+    # store_kv writes what to_fp8 stores, saturating at 448 (3000 / 2.0 for the first value)
+    k, v = torch.randn(2, 8, 2, 32)
+    v[0, 0, 0] = 3000.0
+    cache = torch.zeros(2, 4, 8, 2, 32, dtype=torch.float8_e4m3fn)
+    backend.store_kv(k, v, cache, torch.arange(8, 16), k_scale=0.5, v_scale=2.0)
+    stored = cache.view(2, -1, 2, 32)[:, 8:16]
+    assert torch.equal(stored[0].view(torch.uint8), (k / 0.5).to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(stored[1].float(), (v / 2.0).clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    assert float(stored[1, 0, 0, 0]) == 448.0
 
 
 def test_build_runs_the_backends_plan_once():

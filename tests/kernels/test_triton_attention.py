@@ -19,7 +19,7 @@ if DEVICE == "cpu":
 from kernels import TorchBackend, default_block_size, flash_attention, select_backend  # noqa: E402
 from kernels.flash_attention import FlashAttnBackend  # noqa: E402
 from kernels.triton_attention import TritonBackend  # noqa: E402
-from tests.kernels.reference import POISON, make_batch  # noqa: E402
+from tests.kernels.reference import POISON, make_batch, to_fp8  # noqa: E402
 
 SCALE = 0.25
 
@@ -148,6 +148,32 @@ def test_store_kv_matches_torch_path_and_touches_nothing_else():
     assert torch.equal(engine_cache, expected)
 
 
+def test_fp8_store_kv_writes_the_torch_paths_bytes():
+    cache = torch.zeros(2, 5, 8, 3, 16, dtype=torch.float8_e4m3fn, device=DEVICE)
+    expected = cache.clone()
+    slots = torch.tensor([9, 8, 31, 17, 39, 10], device=DEVICE)
+    # Values on FP8's grid times their scales, and some past 448 times them (saturated): the bytes do not hang on
+    # the cast's rounding, which the interpreter gets wrong across a power of two (124.6 -> 64, not 128).
+    k, v = (torch.randn(2, len(slots), 3, 16) * 300).to(torch.float8_e4m3fn).float().to(DEVICE)
+    k, v = k * 0.5, v * 2.0
+    v[0, 0, :4] = torch.tensor([1000.0, -1000.0, 3000.0, -3000.0])
+    TritonBackend().store_kv(k, v, cache, slots, k_scale=0.5, v_scale=2.0)
+    TorchBackend().store_kv(k, v, expected, slots, k_scale=0.5, v_scale=2.0)
+    assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize(("q_lens", "seq_lens"), [CASES["mixed"], ([1, 1], [300, 40])], ids=["mixed", "split"])
+def test_fp8_pages_match_the_torch_path(q_lens, seq_lens):
+    batch = make_batch(q_lens, seq_lens, block_size=16, kv_heads=2, group=2)
+    fp8, _ = to_fp8(batch, 0.5, 2.0)
+    fp8 = fp8.to(DEVICE)
+    triton_backend, torch_backend = TritonBackend(), TorchBackend()
+    scales = {"k_scale": 0.5, "v_scale": 2.0}
+    out = triton_backend.paged_attention(fp8.q, fp8.kv_cache, fp8.metadata(triton_backend), SCALE, **scales)
+    expected = torch_backend.paged_attention(fp8.q, fp8.kv_cache, fp8.metadata(torch_backend), SCALE, **scales)
+    assert float((out - expected).abs().max()) <= 1e-4
+
+
 # Selection on CUDA only builds backend objects, so it can be checked on any machine.
 FLASH_STAND_INS = (lambda *args, **kwargs: None, lambda *args, **kwargs: None)
 
@@ -160,6 +186,7 @@ FLASH_STAND_INS = (lambda *args, **kwargs: None, lambda *args, **kwargs: None)
         (True, 16, None, TritonBackend),
         (True, 256, torch.float32, TritonBackend),
         (True, None, torch.float32, TritonBackend),
+        (True, 256, torch.float8_e4m3fn, TritonBackend),  # FP8 pages (--kv-cache-dtype fp8)
         (False, None, None, TritonBackend),
     ],
 )
@@ -183,6 +210,7 @@ def test_flash_attn_on_cuda_without_the_package_is_refused(monkeypatch):
         ("auto", "cuda", None, True, 256),
         ("auto", "cuda", torch.bfloat16, True, 256),
         ("auto", "cuda", torch.float32, True, 16),
+        ("auto", "cuda", torch.float8_e4m3fn, True, 16),
         ("auto", "cuda", None, False, 16),
         ("flash_attn", "cuda", None, False, 256),
         ("triton", "cuda", None, True, 16),

@@ -21,7 +21,7 @@ def engine(num_host_blocks=6, dtype=torch.bfloat16) -> CacheEngine:
     return cache
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_kv_bytes_identical_after_a_round_trip(dtype):
     cache = engine(dtype=dtype)
     original = cache.kv_cache.clone()
@@ -31,7 +31,7 @@ def test_kv_bytes_identical_after_a_round_trip(dtype):
     cache.swap([], [(4, 2), (1, 7), (2, 3)])  # back into other device blocks
     for dev, orig in ((2, 5), (7, 3), (3, 6)):
         assert torch.equal(cache.kv_cache[:, :, dev].view(torch.uint8), original[:, :, orig].view(torch.uint8))
-    assert not cache.kv_cache[:, :, [0, 1, 4, 5, 6]].any()  # nothing else was written
+    assert not cache.kv_cache[:, :, [0, 1, 4, 5, 6]].view(torch.uint8).any()  # nothing else was written
 
 
 def test_swap_out_reads_a_block_before_the_same_steps_swap_in_overwrites_it():

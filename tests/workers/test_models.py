@@ -60,15 +60,17 @@ TINY_MODELS = {
 }
 
 
-def attach_kv_cache(model: torch.nn.Module, seqs: list[list[int]], seed: int = 0) -> list[list[int]]:
-    """Give the model a KV cache with room for `seqs` and return each sequence's block table,
-    drawn from shuffled block ids so that no table is contiguous."""
+def attach_kv_cache(
+    model: torch.nn.Module, seqs: list[list[int]], seed: int = 0, kv_dtype: torch.dtype | None = None
+) -> list[list[int]]:
+    """Give the model a KV cache with room for `seqs` (of `kv_dtype`, default the model's) and return each
+    sequence's block table, drawn from shuffled block ids so that no table is contiguous."""
     spec, attn = model.spec, model.attention_layers
     blocks_per_seq = [-(-len(s) // BLOCK_SIZE) for s in seqs]
     ids = list(range(1, sum(blocks_per_seq) + 1))  # block 0 is the null block
     random.Random(seed).shuffle(ids)
     shape = (2, spec.num_layers, len(ids) + 1, BLOCK_SIZE, attn[0].num_kv_heads, spec.head_dim)
-    cache = torch.zeros(shape, dtype=next(model.parameters()).dtype)
+    cache = torch.zeros(shape, dtype=kv_dtype or next(model.parameters()).dtype)
     for i, layer in enumerate(attn):
         layer.kv_cache = cache[:, i]
     ends = list(itertools.accumulate(blocks_per_seq))
@@ -93,10 +95,13 @@ def step_metadata(step: dict[int, int], done: list[int], tables: list[list[int]]
     )
 
 
-def run_paged(model: torch.nn.Module, seqs: list[list[int]], schedule=SCHEDULE) -> list[torch.Tensor | None]:
-    """Feed `seqs` through `model` step by step as the model runner would, and return each
-    sequence's logits at every position (row p = the logits after token p; None off rank 0)."""
-    tables = attach_kv_cache(model, seqs)
+def run_paged(
+    model: torch.nn.Module, seqs: list[list[int]], schedule=SCHEDULE, kv_dtype: torch.dtype | None = None
+) -> list[torch.Tensor | None]:
+    """Feed `seqs` through `model` step by step as the model runner would (its KV cache of `kv_dtype`, default the
+    model's), and return each sequence's logits at every position (row p = the logits after token p; None off
+    rank 0)."""
+    tables = attach_kv_cache(model, seqs, kv_dtype=kv_dtype)
     done, logits = [0] * len(seqs), [[] for _ in seqs]
     for step in schedule:
         md = step_metadata(step, done, tables, model.attention_layers[0].backend)
