@@ -2,14 +2,16 @@
 magnitude / 448, the stored weight = weight / scale in float8_e4m3fn), for the loader's tests; and, run as a
 script, the quality of each scheme against the float model:
 
-    python -m tests.workers.fp8 MODEL_DIR [SCHEME ...]
+    python -m tests.workers.fp8 MODEL_DIR [--dtype bfloat16] [SCHEME ...]
 
-prints, per scheme, the greedy agreement with the float model over a few prompts and the mean absolute error of
-its logits (teacher-forced on the float model's own continuations)."""
+prints, per scheme (the checkpoints'; quantization=fp8, raylm's `--quantization fp8`; kv_cache_dtype=fp8, its
+`--kv-cache-dtype fp8`), the greedy agreement with the model in --dtype (default float32) over a few prompts, where
+each prompt first diverges, and the mean absolute error of its logits (teacher-forced on the reference model's own
+continuations)."""
 
+import argparse
 import json
 import shutil
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,29 +106,30 @@ def write_fp8_checkpoint(src: str, dst: Path, scheme: Scheme) -> dict[str, torch
     return real
 
 
-def _logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+def _logits(model: torch.nn.Module, tokens: list[int], kv_dtype: torch.dtype | None = None) -> torch.Tensor:
     from tests.workers.test_models import run_paged
 
-    return run_paged(model, [tokens], ({0: len(tokens)},))[0]
+    return run_paged(model, [tokens], ({0: len(tokens)},), kv_dtype)[0].float()
 
 
-def quality(float_dir: str, fp8_dir: str, prompts: list[list[int]], new_tokens: int) -> tuple[int, float, float, list]:
-    """(prompts whose greedy continuation equals the float model's, mean |logit error| over the prompts and the
-    float model's continuations, the float model's mean |logit| there, the first diverging step of each prompt or
-    None)."""
-    from kernels import select_backend
-    from workers.model_loader import load_model
-
-    backend = select_backend("torch", torch.device("cpu"))
-    plain, fp8 = load_model(float_dir, attn_backend=backend), load_model(fp8_dir, attn_backend=backend)
+def quality(
+    plain: torch.nn.Module,
+    fp8: torch.nn.Module,
+    prompts: list[list[int]],
+    new_tokens: int,
+    kv_dtype: torch.dtype | None = None,
+) -> tuple[int, float, float, list]:
+    """(prompts whose greedy continuation by `fp8` (its KV pages in `kv_dtype`, default its own dtype) equals the
+    `plain` model's, mean |logit error| over the prompts and the plain model's continuations, the plain model's mean
+    |logit| there, the first diverging step of each prompt or None)."""
     agree, errors, sizes, divergence = 0, [], [], []
     for prompt in prompts:
         ours, theirs = list(prompt), list(prompt)
         for _ in range(new_tokens):
             theirs.append(int(_logits(plain, theirs)[-1].argmax()))
-            ours.append(int(_logits(fp8, ours)[-1].argmax()))
+            ours.append(int(_logits(fp8, ours, kv_dtype)[-1].argmax()))
         reference = _logits(plain, theirs)
-        errors.append((_logits(fp8, theirs) - reference).abs().mean().item())
+        errors.append((_logits(fp8, theirs, kv_dtype) - reference).abs().mean().item())
         sizes.append(reference.abs().mean().item())
         diverged = [i for i in range(new_tokens) if ours[len(prompt) + i] != theirs[len(prompt) + i]]
         divergence.append(diverged[0] if diverged else None)
@@ -146,8 +149,14 @@ PROMPTS = [
 ]
 
 
-def main(model_dir: str, names: list[str]) -> None:
+AT_LOAD = ("quantization=fp8", "kv_cache_dtype=fp8")
+
+
+def main(model_dir: str, dtype: torch.dtype, names: list[str]) -> None:
     """The quality report of the module docstring; a model without a tokenizer gets 8 random 6-token prompts."""
+    from kernels import TorchBackend
+    from workers.model_loader import load_model
+
     prompts = [torch.randint(100, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(8)]
     if (Path(model_dir) / "tokenizer.json").is_file():
         from transformers import AutoTokenizer
@@ -155,15 +164,27 @@ def main(model_dir: str, names: list[str]) -> None:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         prompts = [tokenizer(t)["input_ids"] for t in PROMPTS]
     schemes = {**SCHEMES, **PUBLISHED_BLOCKS}
-    for name in names or list(schemes):
+    plain = load_model(model_dir, dtype, attn_backend=TorchBackend())
+    for name in names or [*schemes, *AT_LOAD]:
         with tempfile.TemporaryDirectory() as dst:
-            write_fp8_checkpoint(model_dir, Path(dst), schemes[name])
-            agree, error, size, divergence = quality(model_dir, dst, prompts, 16)
+            kv_dtype = torch.float8_e4m3fn if name == "kv_cache_dtype=fp8" else None
+            if name in AT_LOAD:
+                quantization = "fp8" if name == "quantization=fp8" else None
+                model = load_model(model_dir, dtype, attn_backend=TorchBackend(), quantization=quantization)
+            else:
+                write_fp8_checkpoint(model_dir, Path(dst), schemes[name])
+                model = load_model(dst, dtype, attn_backend=TorchBackend())
+            agree, error, size, divergence = quality(plain, model, prompts, 16, kv_dtype)
         print(
-            f"{name}: greedy {agree}/{len(prompts)} prompts equal over 16 tokens (first divergence {divergence}), "
-            f"mean |logit error| {error:.4f} (mean |logit| {size:.2f})"
+            f"{name} vs {dtype}: greedy {agree}/{len(prompts)} prompts equal over 16 tokens (first divergence "
+            f"{divergence}), mean |logit error| {error:.4f} (mean |logit| {size:.2f})"
         )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2:])
+    parser = argparse.ArgumentParser(description="FP8 schemes' quality against the plain model")
+    parser.add_argument("model_dir")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("schemes", nargs="*", help=f"default: all ({[*SCHEMES, *PUBLISHED_BLOCKS, *AT_LOAD]})")
+    args = parser.parse_intermixed_args()
+    main(args.model_dir, getattr(torch, args.dtype), args.schemes)
