@@ -1,5 +1,6 @@
 """The whole step on one GPU with the in-process executor: greedy equality with transformers, memory at
-gpu_memory_utilization 0.9, CUDA-graph decodes against eager ones, and a step free of hidden host syncs."""
+gpu_memory_utilization 0.9, CUDA-graph decodes against eager ones, a step free of hidden host syncs, and FP8 KV
+pages (twice the blocks, the Triton kernels reading them as the torch path does)."""
 
 import gc
 
@@ -154,3 +155,22 @@ def test_a_decode_step_makes_no_hidden_host_sync(default_model_dir):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert reads == [4, 4, 4]
+
+
+def test_fp8_kv_pages_on_cuda_hold_twice_the_blocks_and_read_alike_in_both_backends(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    blocks = {}
+    for kv in ("auto", "fp8"):
+        engine = cuda_engine(path, dtype="bfloat16", attention_backend="triton", kv_cache_dtype=kv)
+        blocks[kv] = engine.worker.cache.num_blocks
+        free(engine)
+    assert blocks["fp8"] >= 1.9 * blocks["auto"], blocks
+    ids = prompts(6)
+    # fp32 products on the same FP8 pages: the Triton kernels (decodes in CUDA graphs) and the torch path agree.
+    triton = cuda_engine(path, dtype="float32", attention_backend="triton", kv_cache_dtype="fp8")
+    assert triton.worker.cache.kv_cache.dtype == torch.float8_e4m3fn
+    got = run_and_free(triton, ids, greedy(6, 16))
+    want = run_and_free(
+        cuda_engine(path, dtype="float32", attention_backend="torch", kv_cache_dtype="fp8"), ids, greedy(6, 16)
+    )
+    assert got == want
