@@ -166,9 +166,13 @@ class TorchBackend:
         ):
             self._scratch = kv_cache.new_empty(size)
         gathered = self._scratch[:size].view(shape)
-        # Whole blocks make the gather a few large row copies; the tail past kv_len is only sliced off.
+        # Whole blocks make the gather a few large row copies; the tail past kv_len is only sliced off. FP8 pages are
+        # copied as bytes: index kernels are not built for float8 on every device.
         for i in (0, 1):
-            torch.index_select(kv_cache[i], 0, blocks, out=gathered[i])
+            pages, out = kv_cache[i], gathered[i]
+            if kv_cache.dtype == FP8:
+                pages, out = pages.view(torch.uint8), out.view(torch.uint8)
+            torch.index_select(pages, 0, blocks, out=out)
         n = g.block_tables.shape[0]
         k, v = (gathered[i].view(n, -1, kv_heads, head_dim)[:, : g.kv_len].transpose(1, 2) for i in (0, 1))
         return k, v
