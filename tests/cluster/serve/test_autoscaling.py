@@ -23,6 +23,8 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 
 MAX_NUM_SEQS = 2  # target_ongoing_requests = 1: two streams at once are twice the target
 FAST = {"upscale_delay_s": 1.0, "downscale_delay_s": 5.0, "look_back_period_s": 2.0}
+MAX_MODEL_LEN = 1024
+STREAM_TOKENS = 512  # a stream of the tiny model lasts long enough to count as ongoing in each look-back window
 SCALE_S = 240  # bound on a scale-up (a replica loads the model and builds its engine) or a scale-down
 
 
@@ -55,10 +57,15 @@ def wait_replicas(n: int) -> None:
         time.sleep(0.5)
 
 
-def test_load_starts_a_second_replica_that_serves_and_idle_scales_back(default_model_dir):
+def test_load_starts_a_second_replica_that_serves_and_idle_scales_back(servable_tiny_model):
+    # A tiny model: the replicas start, and share two cores with the load, in a fraction of the default model's time.
     args = AppArgs(
         engine=EngineConfig(
-            model=default_model_dir, max_model_len=1024, max_num_seqs=MAX_NUM_SEQS, kv_cache_bytes=96 << 20
+            model=servable_tiny_model(max_position_embeddings=MAX_MODEL_LEN),
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=MAX_NUM_SEQS,
+            kv_cache_bytes=16 << 20,
+            num_threads=1,
         ),
         served_model_name=MODEL,
         min_replicas=1,
@@ -76,7 +83,13 @@ def test_load_starts_a_second_replica_that_serves_and_idle_scales_back(default_m
         stop = threading.Event()
 
         def stream_until_stopped() -> None:
-            body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 48, "ignore_eos": True, "stream": True}
+            body = {
+                "model": MODEL,
+                "prompt": "Once upon a time",
+                "max_tokens": STREAM_TOKENS,
+                "ignore_eos": True,
+                "stream": True,
+            }
             while not stop.is_set():
                 with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
                     for _ in r.iter_lines():
