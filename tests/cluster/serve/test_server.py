@@ -6,6 +6,7 @@ disconnects)."""
 import asyncio
 import contextlib
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -40,19 +41,25 @@ QUEUE_LEN = 2  # requests the replica queues beyond the MAX_NUM_SEQS it runs
 
 
 def stop_serve(timeout_s: float = 90.0) -> None:
-    """serve.shutdown, then wait until every Serve actor (controller, proxies, replicas) is gone. On a loaded
-    machine they outlive shutdown's own 30 s wait: the next module's serve.start would join the dying controller
-    (ActorDiedError), and its replicas get the ports a new controller hands out first (HTTP 30000, gRPC 40000),
-    which a lingering replica of this module still listens on, so some requests would reach the old app.
-    A dead actor's process may still hold its sockets a moment longer: the next Serve of this Ray reuses its
-    side ports (HAProxy's, the fallback proxy's), and HAProxy's bind without SO_REUSEPORT, so wait until they
-    are free too."""
-    serve.shutdown()
+    """serve.shutdown, killing each replica as it stops, then wait until every Serve actor (controller, proxies,
+    replicas) is gone. A test has asserted what it wanted of a graceful stop already: in a teardown, a replica
+    still starting (the replacement of one a test killed) or draining would hold the shutdown until Serve's
+    force-kill, graceful_shutdown_timeout_s (the drain timeout and a margin, 35 s) later. On a loaded machine the
+    actors outlive shutdown's own 30 s wait: the next module's serve.start would join the dying controller
+    (ActorDiedError), and its replicas get the ports a new controller hands out first, which a lingering replica
+    of this module still listens on, so some requests would reach the old app. A dead actor's process may still
+    hold its sockets a moment longer: the next Serve of this Ray reuses its side ports (HAProxy's, the fallback
+    proxy's), and HAProxy's bind without SO_REUSEPORT, so wait until they are free too."""
+    shutdown = threading.Thread(target=serve.shutdown)
+    shutdown.start()
     deadline = time.monotonic() + timeout_s
-    while left := [
-        a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == SERVE_NAMESPACE
-    ]:
+    while (left := serve_actors()) or shutdown.is_alive():
         assert time.monotonic() < deadline, f"Serve actors still alive {timeout_s} s after serve.shutdown: {left}"
+        if shutdown.is_alive():  # the controller has begun deleting the apps: it starts no replica in their place
+            for name in left:
+                if name.startswith("SERVE_REPLICA::"):
+                    with contextlib.suppress(ValueError):  # gone already
+                        ray.kill(ray.get_actor(name, namespace=SERVE_NAMESPACE), no_restart=True)
         time.sleep(0.5)
     while True:
         try:
@@ -61,6 +68,11 @@ def stop_serve(timeout_s: float = 90.0) -> None:
         except ValueError as e:
             assert time.monotonic() < deadline, f"{timeout_s} s after serve.shutdown: {e}"
             time.sleep(0.5)
+
+
+def serve_actors() -> list[str]:
+    """The names of the Serve actors alive in this Ray."""
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == SERVE_NAMESPACE]
 
 
 @contextlib.contextmanager
