@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from scheduler.block_hash import BlockHash
+from scheduler.kv_events import DEVICE, BlockRemoved, KVEvent
 
 
 class KVCacheBlock:
@@ -87,6 +88,11 @@ class BlockPool:
     both tiers share this code). With ``evicted`` set to a list, every
     eviction appends ``(block_id, block_hash)`` to it, so the caller can keep
     the content in the next tier before the block is overwritten.
+
+    With ``events`` set to a list (KV-cache events, scheduler/kv_events.py),
+    a hash whose last block is evicted appends a BlockRemoved naming
+    ``medium``; the caller records the hashes ``cache_full_blocks`` reports
+    new (it knows their tokens). Replaying them gives ``cached_blocks``' keys.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -101,6 +107,8 @@ class BlockPool:
         # either was cached), so each hash maps to its blocks by id.
         self.cached_blocks: dict[BlockHash, dict[int, KVCacheBlock]] = {}
         self.evicted: list[tuple[int, BlockHash]] | None = None
+        self.events: list[KVEvent] | None = None
+        self.medium = DEVICE
 
     @property
     def num_free_blocks(self) -> int:
@@ -134,7 +142,18 @@ class BlockPool:
         del same[block.block_id]
         if not same:
             del self.cached_blocks[block.block_hash]
+            if self.events is not None:
+                self._record_removed(block.block_hash)
         block.block_hash = None
+
+    def _record_removed(self, block_hash: BlockHash) -> None:
+        events = self.events
+        last = events[-1] if events else None
+        # Consecutive removals share one event: fewer bytes, the same order.
+        if type(last) is BlockRemoved and last.medium == self.medium:
+            last.block_hashes.append(block_hash)
+        else:
+            events.append(BlockRemoved([block_hash], self.medium))
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-cache hits, pulling free ones out of the queue."""
@@ -154,9 +173,11 @@ class BlockPool:
 
     def cache_full_blocks(
         self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash], num_cached: int, num_full: int
-    ) -> None:
-        """Enter blocks[num_cached:num_full] into the prefix cache under their hashes."""
+    ) -> list[int]:
+        """Enter blocks[num_cached:num_full] into the prefix cache under their hashes; returns the indices whose
+        hash is new to the cache (no other block held it), in order."""
         cached = self.cached_blocks
+        fresh = []
         for i in range(num_cached, num_full):
             block = blocks[i]
             if block.block_hash is not None:  # a shared hit, already cached
@@ -166,9 +187,12 @@ class BlockPool:
             same = cached.get(block_hash)
             if same is None:
                 cached[block_hash] = {block.block_id: block}
+                fresh.append(i)
             else:
                 same[block.block_id] = block
+        return fresh
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Enter one block, known to hold exactly the tokens ``block_hash`` names, into the cache."""
-        self.cache_full_blocks([block], [block_hash], 0, 1)
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        """Enter one block, known to hold exactly the tokens ``block_hash`` names, into the cache; True when the
+        hash is new to it."""
+        return bool(self.cache_full_blocks([block], [block_hash], 0, 1))

@@ -39,6 +39,8 @@ class SchedulerConfig:
     speculative_method: str
     prompt_lookup_min: int
     prompt_lookup_max: int
+    # KV-cache events (scheduler/kv_events.py): what entered and left the prefix cache, taken once per step.
+    enable_kv_cache_events: bool
 
 
 @dataclass(slots=True)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from scheduler.block_hash import BlockHash
 from scheduler.block_pool import BlockPool, KVCacheBlock
+from scheduler.kv_events import DEVICE, HOST, AllBlocksCleared, BlockStored, KVEvent
 from scheduler.request import Request
 
 
@@ -30,9 +32,21 @@ class KVCacheManager:
       swap-in can write it;
     - a host block a step copies from or to stays referenced (``held``) until
       the step's plan is final, so no other copy of the same step targets it.
+
+    With ``enable_events`` (and caching), ``events`` lists, in order, every hash
+    that entered or left either tier's cache since ``take_events`` last ran,
+    after an AllBlocksCleared (the cache starts empty): replaying them gives
+    exactly each pool's ``cached_blocks`` keys.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        num_host_blocks: int = 0,
+        enable_events: bool = False,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size={block_size} is invalid: must be >= 1")
         self.block_size = block_size
@@ -52,6 +66,11 @@ class KVCacheManager:
         self.host_prefix_cache_hits = 0  # tokens found in the host tier
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
+        self.events: list[KVEvent] | None = [AllBlocksCleared()] if enable_events and enable_caching else None
+        self.block_pool.events = self.events
+        if self.host_pool is not None:
+            self.host_pool.events = self.events
+            self.host_pool.medium = HOST
 
     @property
     def num_usable_blocks(self) -> int:
@@ -164,10 +183,15 @@ class KVCacheManager:
             if host.get_cached_block(block_hash) is not None or not host.num_free_blocks:
                 continue
             (target,) = host.get_new_blocks(1)
-            host.cache_block(target, block_hash)
+            self._cache_in_host(target, block_hash)
             self.held.append(target)
             self.blocks_to_swap_out.append((block_id, target.block_id))
             self.num_blocks_swapped_out += 1
+
+    def _cache_in_host(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        # One event per hash: a host event's hashes are not a chain (they name no parent and no tokens).
+        if self.host_pool.cache_block(block, block_hash) and self.events is not None:
+            self.events.append(BlockStored([block_hash], None, [], HOST))
 
     def _add_swap_in(self, host_blocks: list[KVCacheBlock], device_blocks: list[KVCacheBlock]) -> None:
         pairs = zip(host_blocks, device_blocks)
@@ -189,7 +213,7 @@ class KVCacheManager:
         host_blocks = host.get_new_blocks(num_keep)
         for block, target in zip(blocks, host_blocks):
             if block.block_hash is not None and self.enable_caching:
-                host.cache_block(target, block.block_hash)  # the copy is a host-tier cache entry too
+                self._cache_in_host(target, block.block_hash)  # the copy is a host-tier cache entry too
             self.blocks_to_swap_out.append((block.block_id, target.block_id))
         self.num_blocks_swapped_out += num_keep
         self.req_to_host_blocks[req_id] = host_blocks
@@ -236,8 +260,36 @@ class KVCacheManager:
         num_cached = self.num_cached_blocks.get(req_id)
         if num_cached is None or num_full <= num_cached:
             return
-        self.block_pool.cache_full_blocks(self.req_to_blocks[req_id], request.block_hashes, num_cached, num_full)
+        fresh = self.block_pool.cache_full_blocks(
+            self.req_to_blocks[req_id], request.block_hashes, num_cached, num_full
+        )
         self.num_cached_blocks[req_id] = num_full
+        if fresh and self.events is not None:
+            self._record_stored(request, fresh)
+
+    def _record_stored(self, request: Request, fresh: list[int]) -> None:
+        """One BlockStored per run of consecutive new hashes (a hash another block already held splits a run)."""
+        hashes, tokens, size = request.block_hashes, request.all_token_ids, self.block_size
+        start = fresh[0]
+        for j, i in enumerate(fresh):
+            if j + 1 < len(fresh) and fresh[j + 1] == i + 1:
+                continue
+            parent = hashes[start - 1] if start else None
+            self.events.append(
+                BlockStored(
+                    hashes[start : i + 1], parent, tokens[start * size : (i + 1) * size], DEVICE, request.lora_name
+                )
+            )
+            if j + 1 < len(fresh):
+                start = fresh[j + 1]
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV-cache events since the last call (none when events are off)."""
+        if not self.events:
+            return []
+        taken = self.events.copy()
+        self.events.clear()  # the same list: the pools append to it
+        return taken
 
     def free(self, request: Request) -> None:
         """Release a request's blocks (device, or host when swapped), tail first, so its shared prompt head is

@@ -94,7 +94,11 @@ class Scheduler:
         self.block_size = config.block_size
         self.eos_token_id = eos_token_id
         self.kv = KVCacheManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching, config.num_host_blocks
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.num_host_blocks,
+            config.enable_kv_cache_events,
         )
         self.requests: dict[str, Request] = {}  # live requests (children for n > 1)
         # caller id -> its requests, by object: a finished child's id may be reused by an unrelated caller

@@ -22,6 +22,7 @@ TEST_DEFAULTS = dict(
     speculative_method="ngram",
     prompt_lookup_min=1,
     prompt_lookup_max=1,
+    enable_kv_cache_events=False,
 )
 
 
