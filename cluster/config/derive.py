@@ -94,5 +94,5 @@ def derive_scheduler_config(
         speculative_method=spec.get("method", "ngram"),
         prompt_lookup_min=spec.get("prompt_lookup_min", 1),
         prompt_lookup_max=spec.get("prompt_lookup_max", 1),
-        enable_kv_cache_events=False,
+        enable_kv_cache_events=engine.kv_events is not None,
     )

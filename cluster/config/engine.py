@@ -23,6 +23,7 @@ from cluster.config.choices import (
     RUNNERS,
     SCHEDULING_POLICIES,
 )
+from cluster.config.kv_events import parse_kv_events_config
 from cluster.config.speculative import parse_speculative_config
 
 
@@ -220,6 +221,13 @@ class EngineConfig(BaseModel):
         '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4} (a smaller model with the same '
         f"vocabulary); num_speculative_tokens in [1, {MAX_SPECULATIVE_TOKENS}]; default: off",
     )
+    kv_events_config: str | None = Field(
+        None,
+        description="KV-cache events for routers outside raylm (llm-d, NVIDIA Dynamo), a JSON object as vLLM spells "
+        'it: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": ""}, and '
+        "replay_endpoint, buffer_steps, hwm, max_queue_size; each step's BlockStored, BlockRemoved and "
+        "AllBlocksCleared in vLLM's msgpack over ZMQ (docs/serving.md); needs enable_prefix_caching; default: off",
+    )
     num_threads: int | None = Field(
         None, ge=1, description="torch threads per rank (default: every core the rank may use)"
     )
@@ -244,9 +252,9 @@ class EngineConfig(BaseModel):
         "with no model or KV cache, so a benchmark measures the serving path alone",
     )
 
-    @field_validator("speculative_config", mode="before")
+    @field_validator("speculative_config", "kv_events_config", mode="before")
     @classmethod
-    def _speculative_config_as_json(cls, value: Any) -> Any:
+    def _json_object_as_text(cls, value: Any) -> Any:
         return json.dumps(value) if isinstance(value, dict) else value
 
     @field_validator("speculative_config")
@@ -262,6 +270,28 @@ class EngineConfig(BaseModel):
                 "proposals' verdict before the last stage has sampled it"
             )
         return json.dumps(spec)
+
+    @field_validator("kv_events_config")
+    @classmethod
+    def _kv_events_config_valid(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return None
+        config = parse_kv_events_config(value)
+        if config["enable_kv_cache_events"] and not info.data.get("enable_prefix_caching"):
+            raise ValueError(
+                "kv_events_config enable_kv_cache_events=true needs enable_prefix_caching: the events "
+                "say what enters and leaves the prefix cache"
+            )
+        return json.dumps(config)
+
+    @property
+    def kv_events(self) -> dict[str, Any] | None:
+        """``kv_events_config`` checked and completed (kv_events.py) when events are published; None: off (events
+        disabled, or publisher "null", which vLLM collects and drops)."""
+        if self.kv_events_config is None:
+            return None
+        config = parse_kv_events_config(self.kv_events_config)
+        return config if config["enable_kv_cache_events"] and config["publisher"] == "zmq" else None
 
     @model_validator(mode="after")
     def _speculation_needs_a_model(self) -> EngineConfig:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from cluster.config.choices import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
+from cluster.config.json_object import json_object
 
 # What each method reads; the other keys vLLM documents are refused by name below.
 METHOD_KEYS = {
@@ -71,12 +71,7 @@ def parse_speculative_config(text: str) -> dict[str, Any]:
     prompt_lookup_min <= prompt_lookup_max (one given: the other equals it; neither: 5, vLLM's rule); draft_model:
     ``model``, the draft's hub id or directory. A key vLLM documents that raylm cannot honour is refused naming it;
     a ValueError names the key and the value."""
-    try:
-        spec = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"speculative_config={text!r} is not JSON: {e}") from None
-    if not isinstance(spec, dict):
-        raise ValueError(f"speculative_config={text!r} must be a JSON object")
+    spec = json_object("speculative_config", text)
     method = infer_method(spec)
     if method not in SPECULATIVE_METHODS:
         how = "" if "method" in spec else f" (inferred from model={spec.get('model')!r}, as vLLM infers it)"
