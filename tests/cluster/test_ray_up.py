@@ -1,6 +1,6 @@
 """The `ray up` cluster YAMLs (cluster/ray_up/): each passes the checks `ray up` itself runs, and the
 on-premises one, with its own setup and start commands, brings up a head and a worker on test hosts of their
-own (network namespaces, tests/cluster/hosts.py), each with its own sshd and home: `ray up` from a third
+own (network namespaces, tests/cluster/hosts.py), each with its own sshd (the two share a home): `ray up` from a third
 host, the worker joining through the head's autoscaler, `ray exec` of `raylm generate`, `ray down`.
 
 Each sshd runs in a PID namespace of its own: `ray up` and `ray down` run a bare `ray stop` on every node,
@@ -113,7 +113,7 @@ def check_pid_namespaces() -> None:
 @pytest.fixture
 def ssh_hosts() -> Iterator[Network]:
     """Hosts ``head`` and ``w1``, each with an sshd taking the key ``dir/key``, and ``client``, where `ray up`
-    runs. Each host's sessions have a home of their own and pip pointed at the wheel cache, and nothing else."""
+    runs. The two hosts' sessions share a home and have pip pointed at the wheel cache, and nothing else."""
     if reason := why_hosts_cannot_be_made():
         pytest.skip(reason)
     install_ssh_tools()
@@ -126,12 +126,14 @@ def ssh_hosts() -> Iterator[Network]:
         key = net.dir / "key"
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True, timeout=30)
         shutil.copy(f"{key}.pub", net.dir / "authorized_keys")
+        # One home for both, as an NFS home is on a site's machines: the setup commands are idempotent, so the
+        # worker's find the venv the head's made (a minute less of CI than a second install).
+        (net.dir / "home").mkdir()
         for h in hosts[:2]:
-            (net.dir / f"{h.name}-home").mkdir()
             net.start_sshd(
                 h,
                 net.dir / "authorized_keys",
-                net.dir / f"{h.name}-home",
+                net.dir / "home",
                 {
                     "RAY_TMPDIR": str(h.tmp),
                     "PIP_CONFIG_FILE": os.devnull,
@@ -200,7 +202,7 @@ def test_ray_up_a_head_and_a_worker_then_generate_across_them_and_down(ssh_hosts
 
     ray_cli(net, "up", "-y", "--no-config-cache", str(config))
     took("ray up (the head's setup and start)")
-    synced = net.dir / "head-home" / "raylm"
+    synced = net.dir / "home" / "raylm"
     assert (synced / "cluster" / "serve" / "__init__.py").is_file() and not list(
         synced.rglob("__pycache__")
     )  # rsync_exclude
