@@ -1,7 +1,7 @@
 """The scheduler actor: the engine core (cluster/engine/core.py) on Ray, stepping its worker actors.
 
-Runs on a CPU head node, so it imports only the standard library, ray, scheduler/ and the engine core (never
-torch). engine/ray_client.py places it and the workers.
+Runs on a CPU head node, so it imports only the standard library, ray, scheduler/, the engine core and its KV-event
+publisher (pyzmq, msgpack), never torch. engine/ray_client.py places it and the workers.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import logging
 import ray
 
 from cluster.engine.core import EngineCore, retrieve
+from cluster.engine.kv_events import KVEventPublisher
 from cluster.worker_actor import LORA_READS
 from scheduler import (
     EngineRequest,
@@ -71,16 +72,20 @@ class SchedulerActor:
         config: SchedulerConfig,
         step_timeout_s: float | None = None,
         lora_names: tuple[str, ...] = (),
+        kv_events: dict | None = None,
     ) -> None:
+        """Build the core and start its loop; ``kv_events``: EngineConfig.kv_events, the publisher's settings."""
         if self.loop_task is None:
             pp = config.pipeline_parallel_size
             self.driver = len(self.workers) - len(self.workers) // pp  # the last stage's first rank samples
+            publisher = None if kv_events is None else KVEventPublisher(kv_events, config.block_size)
             self.core = EngineCore(
                 Scheduler(config, eos_token_id=self.eos_token_id),
                 self._execute,
                 depth=config.steps_in_flight,
                 step_timeout_s=step_timeout_s,
                 lora_names=lora_names,
+                publish_kv_events=None if publisher is None else publisher.publish,
             )
             self.loop_task = asyncio.create_task(self._run())
 

@@ -23,8 +23,12 @@ from scheduler import (
     Scheduler,
     SchedulerOutput,
 )
+from scheduler.kv_events import KVEvent
 
 Execute = Callable[[SchedulerOutput], Awaitable[ModelRunnerOutput | None]]
+
+# Where each step's KV-cache events go (cluster/engine/kv_events.py's publisher): it must never block.
+PublishEvents = Callable[[list[KVEvent]], None]
 
 
 @dataclass(slots=True)
@@ -99,6 +103,9 @@ class EngineCore:
       step's output was applied or a request arrived;
     - ``lora_names`` are the adapters every rank holds; a request naming
       another is refused before it is scheduled;
+    - with ``publish_kv_events``, the KV-cache events of each applied step (its
+      caching, and the evictions of the plans scheduled since the last one)
+      go to it as one batch, right after the step is applied;
     - once ``error`` is set (``stop``: a step failed, a rank died or hung)
       every live request has had an "error" delta and no new request is taken,
       because the ranks' states may disagree and a collective could hang.
@@ -112,12 +119,14 @@ class EngineCore:
         depth: int = 1,
         step_timeout_s: float | None = None,
         lora_names: tuple[str, ...] = (),
+        publish_kv_events: PublishEvents | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.execute = execute
         self.depth = depth
         self.step_timeout_s = step_timeout_s
         self.lora_names = set(lora_names)
+        self.publish_kv_events = publish_kv_events
         self.streams: dict[str, _Stream] = {}
         self.outboxes: dict[str, _Outbox] = defaultdict(_Outbox)
         self.wake = asyncio.Event()
@@ -153,6 +162,8 @@ class EngineCore:
                 self._route(outputs)
                 done, output = in_flight.popleft()
                 outputs = scheduler.update_from_output(done, await self._output(output, done.step_id))
+                if self.publish_kv_events is not None:
+                    self.publish_kv_events(scheduler.kv.take_events())
                 applied += 1
                 if not done.is_empty:
                     idle = False  # its tokens, finishes and freed blocks may let the next plan run something

@@ -59,8 +59,17 @@ class InProcessEngine:
             eos_token_id=self.spec.eos_token_id,
         )
         lora = getattr(self.worker.runner, "lora", None)
+        self.kv_events = None
+        if config.kv_events is not None:
+            # Imported only when asked for: a GPU machine without Ray (tools/gpu_check.py) has no pyzmq.
+            from cluster.engine.kv_events import KVEventPublisher
+
+            self.kv_events = KVEventPublisher(config.kv_events, config.block_size)
         self.core = EngineCore(
-            self.scheduler, self._execute, lora_names=tuple(lora.adapters) if lora is not None else ()
+            self.scheduler,
+            self._execute,
+            lora_names=tuple(lora.adapters) if lora is not None else (),
+            publish_kv_events=None if self.kv_events is None else self.kv_events.publish,
         )
         self.loop = asyncio.new_event_loop()  # where step() runs the core's loop, one step at a time
 
@@ -104,6 +113,8 @@ class InProcessEngine:
 
     def shutdown(self) -> None:
         """Drop the model and KV cache now rather than at garbage collection (a process building several
-        engines, like the benchmarks, would otherwise hold two at once)."""
+        engines, like the benchmarks, would otherwise hold two at once), and send the KV events still queued."""
         self.worker = None
         self.loop.close()
+        if self.kv_events is not None:
+            self.kv_events.close()

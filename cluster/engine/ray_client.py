@@ -114,6 +114,7 @@ class RayEngine:
                     ),
                     config.step_timeout_s,
                     tuple(config.lora_paths),
+                    config.kv_events,
                 )
             )
         except BaseException:
