@@ -240,10 +240,15 @@ def run_workload(
 
 def print_row(row: dict) -> None:
     steps = f", {row['steps_per_s']:.1f} engine steps/s" if row["steps_per_s"] is not None else ""
+    # vllm bench serve does not count SSE chunks
+    chunks = (
+        f", {row['chunks_per_s']:.0f} SSE chunks/s ({row['tokens_per_chunk']:.2f} tokens per chunk)"
+        if row["chunks_per_s"] is not None
+        else ""
+    )
     print(
         f"  {row['name']}: {row['completed']}/{row['num_requests']} ok in {row['duration_s']:.1f} s, "
-        f"{row['output_throughput']:.1f} output tok/s, {row['total_throughput']:.1f} total tok/s, "
-        f"{row['chunks_per_s']:.0f} SSE chunks/s ({row['tokens_per_chunk']:.2f} tokens per chunk){steps}; "
+        f"{row['output_throughput']:.1f} output tok/s, {row['total_throughput']:.1f} total tok/s{chunks}{steps}; "
         f"load average {'/'.join(f'{x:.1f}' for x in os.getloadavg())} at the end"
     )
     for key in ("ttft", "tpot", "itl", "e2el"):

@@ -101,8 +101,8 @@ def row_from_result(name: str, data: dict) -> dict:
         "num_requests": data["num_prompts"],
         "output_throughput": data["output_throughput"],
         "total_throughput": data["total_token_throughput"],
-        "chunks_per_s": float("nan"),
-        "tokens_per_chunk": float("nan"),
+        "chunks_per_s": None,
+        "tokens_per_chunk": None,
         "steps_per_s": None,
         **{
             key: {stat: data[f"{stat}_{key}_ms"] for stat in ("mean", "median", "p99")}
