@@ -8,9 +8,12 @@ The wire, vLLM's ZmqEventPublisher's (msgspec's array-like tagged structs, in ms
 - the payload, a KVEventBatch: ``[ts, events, data_parallel_rank]``, ``ts`` seconds since the epoch (a float),
   ``data_parallel_rank`` 0 (raylm scales by replicas, each its own publisher);
 - the events, in the order the cache changed: ``["BlockStored", block_hashes, parent_block_hash, token_ids,
-  block_size, lora_id, medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]``, ``["AllBlocksCleared"]``.
-  ``medium`` is "GPU" for the engine's KV cache, "CPU" for the host tier; ``lora_id`` is None (raylm names
-  adapters; ``lora_name`` carries the name, and the hashes already differ per adapter).
+  block_size, lora_id, medium, lora_name, extra_keys, group_idx]``, ``["BlockRemoved", block_hashes, medium,
+  group_idx]``, ``["AllBlocksCleared"]``. ``medium`` is "GPU" for the engine's KV cache, "CPU" for the host tier;
+  ``lora_id`` is None (raylm names adapters: ``lora_name`` carries the name, and the hashes already differ per
+  adapter); ``extra_keys`` and ``group_idx`` are None (one KV-cache group). msgspec writes an array-like struct's
+  every field, defaults included, so these are the bytes vLLM's structs of this layout encode to; a decoder
+  declaring fewer fields (vLLM's older layouts) ignores the trailing ones.
 
 Block hashes: raylm's are 16-byte xxh3_128 digests (scheduler/block_hash.py); on the wire each is the unsigned
 64-bit integer of its last 8 bytes, big-endian, as vLLM sends its own by default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES):
@@ -58,9 +61,11 @@ def wire_event(event: KVEvent, block_size: int) -> list:
             None,
             event.medium,
             event.lora_name,
+            None,
+            None,
         ]
     if type(event) is BlockRemoved:
-        return ["BlockRemoved", [wire_hash(h) for h in event.block_hashes], event.medium]
+        return ["BlockRemoved", [wire_hash(h) for h in event.block_hashes], event.medium, None]
     return ["AllBlocksCleared"]
 
 

@@ -89,13 +89,20 @@ def test_a_subscriber_reads_every_step_and_the_batches_replay_to_the_block_pool(
         for event in events:
             kinds.add(event[0])
             if event[0] == "BlockStored":
-                hashes, parent, tokens, block_size, lora_id, medium, lora_name = event[1:]
-                assert (block_size, lora_id, medium, lora_name) == (BLOCK, None, "GPU", None)
+                hashes, parent, tokens, block_size, lora_id, medium, lora_name, extra_keys, group_idx = event[1:]
+                assert (block_size, lora_id, medium, lora_name, extra_keys, group_idx) == (
+                    BLOCK,
+                    None,
+                    "GPU",
+                    None,
+                    None,
+                    None,
+                )
                 assert len(tokens) == BLOCK * len(hashes) and (parent is None or parent in state)
                 assert not state & set(hashes)
                 state |= set(hashes)
             elif event[0] == "BlockRemoved":
-                assert event[2] == "GPU" and set(event[1]) <= state
+                assert event[2:] == ["GPU", None] and set(event[1]) <= state
                 state -= set(event[1])
             else:
                 assert event == ["AllBlocksCleared"] and seq == 0 and event is events[0]
