@@ -301,6 +301,7 @@ def shutdown_serve(timeout_s: float = 30.0) -> None:
         controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
     except ValueError:
         return  # Serve never started
+    _get_global_client().shutdown_cached_handles()  # as serve.shutdown: their routers would poll a dead controller
     ray.get(controller.graceful_shutdown.remote(False), timeout=timeout_s)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -16,7 +16,6 @@ import openai
 import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
-from ray import serve
 from ray.serve._private.constants import SERVE_NAMESPACE  # no public name for it
 from transformers import AutoTokenizer
 
@@ -24,7 +23,7 @@ from cluster import raylm_pb2, raylm_pb2_grpc
 from cluster.config import EngineConfig
 from cluster.engine.network import free_port
 from cluster.serve import AppArgs, start
-from cluster.serve.app import check_ports_free
+from cluster.serve.app import check_ports_free, shutdown_serve
 from cluster.serve.ingress import side_ports
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -41,7 +40,7 @@ QUEUE_LEN = 2  # requests the replica queues beyond the MAX_NUM_SEQS it runs
 
 
 def stop_serve(timeout_s: float = 90.0) -> None:
-    """serve.shutdown, killing each replica as it stops, then wait until every Serve actor (controller, proxies,
+    """Serve's shutdown (shutdown_serve), killing each replica as it stops, then wait until every Serve actor (controller, proxies,
     replicas) is gone. A test has asserted what it wanted of a graceful stop already: in a teardown, a replica
     still starting (the replacement of one a test killed) or draining would hold the shutdown until Serve's
     force-kill, graceful_shutdown_timeout_s (the drain timeout and a margin, 35 s) later. On a loaded machine the
@@ -50,11 +49,11 @@ def stop_serve(timeout_s: float = 90.0) -> None:
     of this module still listens on, so some requests would reach the old app. A dead actor's process may still
     hold its sockets a moment longer: the next Serve of this Ray reuses its side ports (HAProxy's, the fallback
     proxy's), and HAProxy's bind without SO_REUSEPORT, so wait until they are free too."""
-    shutdown = threading.Thread(target=serve.shutdown)
+    shutdown = threading.Thread(target=shutdown_serve)
     shutdown.start()
     deadline = time.monotonic() + timeout_s
     while (left := serve_actors()) or shutdown.is_alive():
-        assert time.monotonic() < deadline, f"Serve actors still alive {timeout_s} s after serve.shutdown: {left}"
+        assert time.monotonic() < deadline, f"Serve actors still alive {timeout_s} s after the shutdown began: {left}"
         if shutdown.is_alive():  # the controller has begun deleting the apps: it starts no replica in their place
             for name in left:
                 if name.startswith("SERVE_REPLICA::"):
@@ -66,7 +65,7 @@ def stop_serve(timeout_s: float = 90.0) -> None:
             check_ports_free("0.0.0.0", side_ports())
             return
         except ValueError as e:
-            assert time.monotonic() < deadline, f"{timeout_s} s after serve.shutdown: {e}"
+            assert time.monotonic() < deadline, f"{timeout_s} s after the shutdown began: {e}"
             time.sleep(0.5)
 
 
