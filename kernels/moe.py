@@ -58,13 +58,8 @@ def _has_triton() -> bool:
 
 
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, small_groups: bool) -> torch.Tensor:
-    """x [M, K] grouped by rows times w [G, N, K] per group: raylm's Triton kernel on CUDA (where it is
-    installed), raylm's CPU op when every group has at most SMALL_GROUP_ROWS rows (`small_groups`) in fp32,
-    torch's grouped_mm elsewhere."""
-    if x.is_cuda and _has_triton():
-        from kernels.triton_moe import grouped_mm
-
-        return grouped_mm(x, w, offs)
+    """x [M, K] grouped by rows times w [G, N, K] per group: raylm's CPU op when every group has at most
+    SMALL_GROUP_ROWS rows (`small_groups`) in fp32, torch's grouped_mm elsewhere."""
     if small_groups and small_mm_applies(x, w):
         return torch.ops.raylm.grouped_small_mm(x, w, offs)
     return F.grouped_mm(x, w.transpose(1, 2), offs=offs)
@@ -81,15 +76,21 @@ def fused_moe(
     """sum over each token's chosen experts held here of weight * down(silu(gate(x)) * up(x)), [T, H].
 
     Tokens are gathered into one buffer grouped by expert, and each projection is one grouped matmul over the
-    groups (`_grouped_mm`): no loop over experts, and an expert without tokens costs nothing. Buffers are sized
-    by this step's T * top_k pairs, so a decode step allocates a decode's worth. Group sizes are read on the
-    host, so a CUDA graph cannot capture it."""
+    groups: no loop over experts, and an expert without tokens costs nothing. Buffers are sized by this step's
+    T * top_k pairs, so a decode step allocates a decode's worth. On CUDA (with Triton) it is
+    `kernels.triton_moe.fused_moe`: grouping and tiling on the device, no host read and no shape that depends on
+    the routing, so a CUDA graph could capture it. Elsewhere the pairs are grouped by `_grouped`, whose shapes
+    depend on the routing (a host read on CUDA without Triton; on CPU it costs no sync)."""
+    if x.is_cuda and _has_triton():
+        from kernels import triton_moe
+
+        return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, first_expert)
     out = torch.zeros_like(x)
     tokens, weights, counts = _grouped(topk_ids, topk_weights, w13.shape[0], first_expert)
     if tokens.numel() == 0:
         return out
     offs = counts.cumsum(0, dtype=torch.int32)
-    # Read on the host only where it decides something: on CUDA it would be one more sync per layer.
+    # Read on the host only where it decides something: on CUDA (without Triton) it would be one more sync.
     small_groups = not x.is_cuda and int(counts.max()) <= SMALL_GROUP_ROWS
     h = _grouped_mm(x.index_select(0, tokens), w13, offs, small_groups)
     y = _grouped_mm(silu_and_mul(h), w2, offs, small_groups)

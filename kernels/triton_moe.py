@@ -1,18 +1,73 @@
-"""A grouped matmul for the experts on CUDA: rows grouped by expert, each group times its own weight.
+"""The experts' SwiGLU products on CUDA with no host read: pairs sorted and tiles laid out on the device, then a
+grouped matmul launched over a grid whose size depends only on shapes, so a CUDA graph can capture the op.
 
-The tests run it on CPU tensors under TRITON_INTERPRET=1 against torch's `grouped_mm` (the CPU path).
+out = fused_moe(x, w13, w2, topk_weights, topk_ids, first_expert)   # as kernels.moe.fused_moe
+
+The tests run it on CPU tensors under TRITON_INTERPRET=1 against the torch path.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
+
+from kernels.cpu_ops import silu_and_mul
 
 _ROWS, _COLS, _DEPTH = 32, 64, 32  # tile of output rows x output columns, and the reduction step; tl.dot needs >= 16
 
 
-@triton.jit(do_not_specialize=["num_rows"])
+@dataclass(slots=True)
+class Tiles:
+    """The T * k (token, choice) pairs sorted by local expert, and the row tiles of one grouped matmul over them.
+
+    Every shape depends only on (T, k, num_local): `pairs` [T * k] holds flat pair indices (token * k + choice)
+    in row order, local experts' groups first, then the pairs routed to other ranks' experts (one last group that
+    no tile covers); `local` [T * k] says which rows are in a local group. `group_end` [num_local] int32 is the
+    end row of each local group. Tile t covers rows [tile_row[t], min(tile_row[t] + ROWS, group_end[g])) of group
+    g = tile_group[t]; a tile never spans two groups, and tiles past the real count have group num_local, so
+    their programs return at once. `max_tiles` = min(T * k, cdiv(T * k, ROWS) + num_local) bounds the real count:
+    each group adds at most one partial tile, and each tile holds at least one row."""
+
+    pairs: Tensor
+    local: Tensor
+    group_end: Tensor
+    tile_group: Tensor
+    tile_row: Tensor
+
+
+def align(topk_ids: Tensor, num_local: int, first_expert: int | None, rows: int = _ROWS) -> Tiles:
+    """The pairs of `topk_ids` [T, k] sorted by local expert (experts first_expert .. first_expert + num_local - 1,
+    or 0 .. num_local - 1 when `first_expert` is None) and their tiles of `rows` rows, with static-shape ops only:
+    no host read, no output whose size depends on the routing."""
+    expert = topk_ids.flatten()
+    if first_expert is not None:
+        expert = expert - first_expert
+        expert = torch.where((expert >= 0) & (expert < num_local), expert, num_local)
+    sorted_expert, pairs = torch.sort(expert, stable=True)
+    bounds = torch.arange(num_local + 1, device=expert.device)
+    group_start = torch.searchsorted(sorted_expert, bounds)  # [num_local + 1]: the last is the first foreign row
+    counts = group_start[1:] - group_start[:-1]
+    tiles_end = torch.cumsum((counts + rows - 1) // rows, 0)
+    tiles_start = torch.cat([tiles_end.new_zeros(1), tiles_end])  # index num_local: the past-the-end tiles' start
+    n = expert.numel()
+    max_tiles = min(n, triton.cdiv(n, rows) + num_local)
+    tile = torch.arange(max_tiles, device=expert.device)
+    tile_group = torch.searchsorted(tiles_end, tile, right=True)
+    tile_row = group_start.index_select(0, tile_group) + (tile - tiles_start.index_select(0, tile_group)) * rows
+    return Tiles(
+        pairs,
+        sorted_expert < num_local,
+        group_start[1:].to(torch.int32),
+        tile_group.to(torch.int32),
+        tile_row.to(torch.int32),
+    )
+
+
+@triton.jit
 def _grouped_mm_kernel(
     out_ptr,
     x_ptr,
@@ -20,7 +75,7 @@ def _grouped_mm_kernel(
     tile_group_ptr,
     tile_row_ptr,
     group_end_ptr,
-    num_rows,
+    num_groups,
     N: tl.constexpr,
     K: tl.constexpr,
     ROWS: tl.constexpr,
@@ -29,9 +84,12 @@ def _grouped_mm_kernel(
     PRECISION: tl.constexpr,
 ):
     """One program: output rows [row, min(row + ROWS, end of its group)) x columns [c * COLS, (c + 1) * COLS) of
-    x @ w[group]^T, where x is [num_rows, K] and w is [groups, N, K] contiguous. A tile never spans two groups."""
+    x @ w[group]^T, where x is [rows, K] and w is [num_groups, N, K] contiguous. A tile of group num_groups (past
+    the real tiles) does nothing."""
     tile = tl.program_id(0)
     group = tl.load(tile_group_ptr + tile)
+    if group >= num_groups:
+        return
     row0 = tl.load(tile_row_ptr + tile)
     end = tl.load(group_end_ptr + group)
     rows = row0 + tl.arange(0, ROWS)
@@ -49,29 +107,22 @@ def _grouped_mm_kernel(
     tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask)
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (rows grouped: group g is rows offs[g-1]:offs[g]) times w [G, N, K] transposed per group -> [M, N];
-    `torch.nn.functional.grouped_mm(x, w.transpose(1, 2), offs=offs)`. An empty group costs no program: tiles
-    are laid out over the groups' rows only."""
+def grouped_mm(x: Tensor, w: Tensor, tiles: Tiles) -> Tensor:
+    """x [M, K] (rows grouped as `tiles` says) times w [G, N, K] transposed per group -> [M, N], over the fixed
+    grid (max_tiles, cdiv(N, COLS)). Rows no tile covers (other ranks' pairs) are left unwritten."""
     x, w = x.contiguous(), w.contiguous()
     num_rows, k = x.shape
     n = w.shape[1]
-    counts = torch.diff(offs, prepend=offs.new_zeros(1)).long()
-    tiles_per_group = (counts + _ROWS - 1) // _ROWS
-    tile_group = torch.repeat_interleave(torch.arange(w.shape[0], device=x.device), tiles_per_group)
-    first_tile = torch.cumsum(tiles_per_group, 0) - tiles_per_group
-    starts = offs.long() - counts
-    tile_row = starts[tile_group] + (torch.arange(tile_group.numel(), device=x.device) - first_tile[tile_group]) * _ROWS
     out = x.new_empty(num_rows, n)
-    if tile_group.numel():
-        _grouped_mm_kernel[(tile_group.numel(), triton.cdiv(n, _COLS))](
+    if tiles.tile_group.numel():
+        _grouped_mm_kernel[(tiles.tile_group.numel(), triton.cdiv(n, _COLS))](
             out,
             x,
             w,
-            tile_group.to(torch.int32),
-            tile_row.to(torch.int32),
-            offs.to(torch.int32),
-            num_rows,
+            tiles.tile_group,
+            tiles.tile_row,
+            tiles.group_end,
+            w.shape[0],
             N=n,
             K=k,
             ROWS=_ROWS,
@@ -80,3 +131,18 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         )
     return out
+
+
+def fused_moe(
+    x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, first_expert: int | None = None
+) -> Tensor:
+    """kernels.moe.fused_moe's sum with every buffer sized by T * top_k pairs, other ranks' pairs included: their
+    rows go through the products unwritten and are masked out (not multiplied: garbage times 0 may be NaN)
+    before the sum."""
+    tiles = align(topk_ids, w13.shape[0], first_expert)
+    tokens = tiles.pairs // topk_ids.shape[1]
+    h = grouped_mm(x.index_select(0, tokens), w13, tiles)
+    y = grouped_mm(silu_and_mul(h), w2, tiles)
+    weights = topk_weights.flatten().index_select(0, tiles.pairs).to(y.dtype).unsqueeze(1)
+    y = torch.where(tiles.local.unsqueeze(1), y * weights, 0)
+    return torch.zeros_like(x).index_add_(0, tokens, y)

@@ -1,4 +1,5 @@
-"""The Triton grouped matmul against torch's (the CPU path), under the Triton interpreter on CPU."""
+"""The CUDA path of the experts' op (device-side alignment, the Triton grouped matmul over a fixed grid) against
+torch's (the CPU path), under the Triton interpreter on CPU; and the alignment reads nothing back to the host."""
 
 import os
 import sys
@@ -6,6 +7,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
@@ -15,7 +17,12 @@ if DEVICE == "cpu":
     )
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels.triton_moe import grouped_mm  # noqa: E402
+from kernels import triton_moe  # noqa: E402
+from kernels.moe import _grouped, looped_moe  # noqa: E402
+
+E, H, UNITS = 8, 32, 24  # experts, hidden size, units per expert
+# The interpreter multiplies bfloat16's bit patterns in tl.dot (triton-lang/triton#11584): fp16 stands in there.
+HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16
 
 
 @pytest.mark.parametrize(
@@ -29,5 +36,96 @@ def test_grouped_mm_matches_torch(counts):
     w = torch.randn(len(counts), 80, 48, generator=g)
     offs = torch.tensor(counts).cumsum(0).to(torch.int32)
     expected = F.grouped_mm(x, w.transpose(1, 2), offs=offs)
-    out = grouped_mm(x.to(DEVICE), w.to(DEVICE), offs.to(DEVICE)).cpu()
+    ids = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).unsqueeze(1)  # already sorted
+    tiles = triton_moe.align(ids.to(DEVICE), len(counts), None)
+    out = triton_moe.grouped_mm(x.to(DEVICE), w.to(DEVICE), tiles).cpu()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_tiles_cover_each_group_once_and_mark_the_rest():
+    ids = torch.tensor([[3], [0], [3], [9], [3], [0]])  # expert 9 is another rank's (first_expert 2: local 1, 7)
+    tiles = triton_moe.align(ids + 2, 4, first_expert=2, rows=2)
+    assert tiles.pairs.tolist() == [1, 5, 0, 2, 4, 3] and tiles.local.tolist() == [True] * 5 + [False]
+    assert tiles.group_end.tolist() == [2, 2, 2, 5]
+    # min(6 pairs, cdiv(6, 2) + 4 groups) = 6 tiles: expert 0's rows 0-1, expert 3's 2-3 and 4, then 3 unused.
+    assert tiles.tile_group.tolist() == [0, 3, 3, 4, 4, 4]
+    assert tiles.tile_row.tolist()[:3] == [0, 2, 4]
+
+
+def moe_weights(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(E, 2 * UNITS, H, generator=g) * 0.3).to(dtype), (
+        torch.randn(E, H, UNITS, generator=g) * 0.3
+    ).to(dtype)
+
+
+def routing(tokens: int, top_k: int, experts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    choices = torch.tensor(experts)
+    ids = torch.stack([choices[torch.randperm(len(experts), generator=g)[:top_k]] for _ in range(tokens)])
+    return torch.rand(tokens, top_k, generator=g), ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize(
+    "tokens, experts", [(1, range(E)), (5, [0, 1, 3, 4, 5, 7]), (40, range(E))], ids=["one", "empty experts", "many"]
+)
+@pytest.mark.parametrize("first_expert", [None, 0, 4], ids=["all experts", "ep rank 0", "ep rank 1"])
+def test_aligned_moe_matches_the_loop(tokens, experts, first_expert, dtype):
+    w13, w2 = moe_weights(dtype)
+    if first_expert is not None:  # expert parallel over two ranks: this one holds 4 experts whole
+        w13, w2 = w13[first_expert : first_expert + 4], w2[first_expert : first_expert + 4]
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(2)).to(dtype)
+    topk_weights, topk_ids = routing(tokens, 2, list(experts))
+    expected = looped_moe(x.float(), w13.float(), w2.float(), topk_weights, topk_ids, first_expert)
+    out = triton_moe.fused_moe(*(t.to(DEVICE) for t in (x, w13, w2, topk_weights, topk_ids)), first_expert)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.cpu().float(), expected, rtol=tol, atol=tol)
+
+
+def test_other_ranks_rows_never_reach_the_output(monkeypatch):
+    """Rows no tile covers hold whatever the buffer held: NaN here, which a multiplication by 0 would keep."""
+    grouped_mm = triton_moe.grouped_mm
+
+    def garbage_in_uncovered_rows(x, w, tiles):
+        return grouped_mm(x, w, tiles).masked_fill(~tiles.local.unsqueeze(1), torch.nan)
+
+    monkeypatch.setattr(triton_moe, "grouped_mm", garbage_in_uncovered_rows)
+    w13, w2 = moe_weights(torch.float32)
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(2))
+    topk_weights, topk_ids = routing(6, 3, list(range(E)))
+    out = triton_moe.fused_moe(x, w13[4:], w2[4:], topk_weights, topk_ids, 4)
+    torch.testing.assert_close(out, looped_moe(x, w13[4:], w2[4:], topk_weights, topk_ids, 4))
+
+
+class NoHostReads(TorchDispatchMode):
+    """Raises on the ops that read a tensor back to the host or return a shape that depends on its values."""
+
+    BANNED = {
+        torch.ops.aten._local_scalar_dense.default,
+        torch.ops.aten.nonzero.default,
+        torch.ops.aten.repeat_interleave.Tensor,
+        torch.ops.aten.masked_select.default,
+        torch.ops.aten._unique.default,
+        torch.ops.aten._unique2.default,
+        torch.ops.aten.unique_dim.default,
+        torch.ops.aten.unique_consecutive.default,
+    }
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        bool_index = func is torch.ops.aten.index.Tensor and any(
+            i is not None and i.dtype == torch.bool for i in args[1]
+        )
+        if func in self.BANNED or bool_index:
+            raise AssertionError(f"{func} reads the host or makes a data-dependent shape")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("first_expert", [None, 4])
+def test_alignment_reads_nothing_on_the_host(first_expert):
+    _, topk_ids = routing(9, 3, list(range(E)))
+    with NoHostReads():
+        tiles = triton_moe.align(topk_ids, 4, first_expert)
+    assert tiles.tile_group.shape == (min(27, 1 + 4),)
+    with pytest.raises(AssertionError, match="nonzero"), NoHostReads():
+        _grouped(topk_ids, torch.rand(9, 3), 4, 4)  # the CPU path's grouping: the mode bites
