@@ -91,11 +91,11 @@ def test_other_ranks_rows_never_reach_the_output(monkeypatch):
         return grouped_mm(x, w, tiles).masked_fill(~tiles.local.unsqueeze(1), torch.nan)
 
     monkeypatch.setattr(triton_moe, "grouped_mm", garbage_in_uncovered_rows)
-    w13, w2 = moe_weights(torch.float32)
+    w13, w2 = (w[4:] for w in moe_weights(torch.float32))
     x = torch.randn(6, H, generator=torch.Generator().manual_seed(2))
     topk_weights, topk_ids = routing(6, 3, list(range(E)))
-    out = triton_moe.fused_moe(x, w13[4:], w2[4:], topk_weights, topk_ids, 4)
-    torch.testing.assert_close(out, looped_moe(x, w13[4:], w2[4:], topk_weights, topk_ids, 4))
+    out = triton_moe.fused_moe(*(t.to(DEVICE) for t in (x, w13, w2, topk_weights, topk_ids)), 4)
+    torch.testing.assert_close(out.cpu(), looped_moe(x, w13, w2, topk_weights, topk_ids, 4))
 
 
 class NoHostReads(TorchDispatchMode):
@@ -122,10 +122,16 @@ class NoHostReads(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("first_expert", [None, 4])
-def test_alignment_reads_nothing_on_the_host(first_expert):
-    _, topk_ids = routing(9, 3, list(range(E)))
+def test_the_op_reads_nothing_on_the_host(first_expert):
+    local = slice(first_expert or 0, (first_expert or 0) + 4)
+    w13, w2 = (w[local] for w in moe_weights(torch.float32))
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(2))
+    topk_weights, topk_ids = routing(9, 3, list(range(E)))
+    args = [t.to(DEVICE) for t in (x, w13, w2, topk_weights, topk_ids)]
     with NoHostReads():
-        tiles = triton_moe.align(topk_ids, 4, first_expert)
-    assert tiles.tile_group.shape == (min(27, 1 + 4),)
+        tiles = triton_moe.align(args[-1], 4, first_expert)
+        out = triton_moe.fused_moe(*args, first_expert)
+    assert tiles.tile_group.shape == (min(27, 1 + 4),)  # the grid: from shapes only
+    torch.testing.assert_close(out.cpu(), looped_moe(x, w13, w2, topk_weights, topk_ids, first_expert))
     with pytest.raises(AssertionError, match="nonzero"), NoHostReads():
-        _grouped(topk_ids, torch.rand(9, 3), 4, 4)  # the CPU path's grouping: the mode bites
+        _grouped(topk_ids, topk_weights, 4, 4)  # the CPU path's grouping: the mode bites
