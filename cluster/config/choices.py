@@ -1,6 +1,6 @@
 """The one list of each setting's choices, and the defaults more than one declaration needs."""
 
-# workers.default_model.MODEL_NAME: importing that module needs gguf, which a GPU machine may lack
+# workers.default_model.MODEL_NAME: the settings import nothing of workers/
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 GIB = 1 << 30

@@ -8,8 +8,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from workers import default_model
-from workers.default_model import COMPLETE_MARKER, MODEL_NAME, default_model_path, unpermute_rope_rows
+from workers import gguf_convert
+from workers.default_model import COMPLETE_MARKER, MODEL_NAME, default_model_path
+from workers.gguf_convert import unpermute_rope_rows
 
 
 def test_converted_model_loads_in_transformers_and_answers(default_model_dir):
@@ -41,7 +42,7 @@ def test_tokenizer_has_the_chat_template(default_model_dir):
 
 
 def test_second_call_reuses_the_directory(default_model_dir, monkeypatch):
-    monkeypatch.setattr(default_model, "convert_gguf", _refuse)
+    monkeypatch.setattr(gguf_convert, "convert_gguf", _refuse)
     cache = Path(default_model_dir).parent.parent
     assert default_model_path(str(cache)) == default_model_dir
 
@@ -68,7 +69,7 @@ def test_half_written_directory_is_rebuilt(tmp_path, monkeypatch):
     target.mkdir(parents=True)
     (target / "model.safetensors").write_bytes(b"truncated")
     convert = FakeConverter()
-    monkeypatch.setattr(default_model, "convert_gguf", convert)
+    monkeypatch.setattr(gguf_convert, "convert_gguf", convert)
     assert default_model_path(str(tmp_path)) == str(target)
     assert convert.calls == 1 and (target / COMPLETE_MARKER).is_file()
     assert sorted(p.name for p in target.iterdir()) == [COMPLETE_MARKER, "config.json"]
@@ -77,18 +78,18 @@ def test_half_written_directory_is_rebuilt(tmp_path, monkeypatch):
 
 
 def test_interrupted_conversion_is_never_used(tmp_path, monkeypatch):
-    monkeypatch.setattr(default_model, "convert_gguf", FakeConverter(fail=True))
+    monkeypatch.setattr(gguf_convert, "convert_gguf", FakeConverter(fail=True))
     with pytest.raises(KeyboardInterrupt):
         default_model_path(str(tmp_path))
     assert not (tmp_path / "models" / MODEL_NAME).exists()
     convert = FakeConverter()
-    monkeypatch.setattr(default_model, "convert_gguf", convert)
+    monkeypatch.setattr(gguf_convert, "convert_gguf", convert)
     default_model_path(str(tmp_path))
     assert convert.calls == 1 and not (tmp_path / "models" / f"{MODEL_NAME}.partial").exists()
 
 
 def test_cache_dir_comes_from_the_environment(tmp_path, monkeypatch):
-    monkeypatch.setattr(default_model, "convert_gguf", FakeConverter())
+    monkeypatch.setattr(gguf_convert, "convert_gguf", FakeConverter())
     monkeypatch.setenv("RAYLM_CACHE_DIR", str(tmp_path / "env"))
     assert default_model_path() == str(tmp_path / "env" / "models" / MODEL_NAME)
     assert default_model_path(str(tmp_path / "arg")) == str(tmp_path / "arg" / "models" / MODEL_NAME)
