@@ -1,5 +1,6 @@
 """The experts' SwiGLU products on CUDA with no host read: pairs sorted and tiles laid out on the device, then a
-grouped matmul launched over a grid whose size depends only on shapes, so a CUDA graph can capture the op.
+grouped matmul launched over a grid whose size depends only on shapes, so a CUDA graph could capture the op
+(never tried on a GPU yet: graph capture stays off for MoE models).
 
 out = fused_moe(x, w13, w2, topk_weights, topk_ids, first_expert)   # as kernels.moe.fused_moe
 
