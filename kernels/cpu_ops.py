@@ -51,8 +51,10 @@ def _cpu_fingerprint() -> str:
 def _build_dir() -> str:
     cache = Path(os.environ.get("RAYLM_CACHE_DIR") or Path.home() / ".cache" / "raylm")
     # Keyed by CPU features as well: a home directory shared between nodes of different CPUs holds one build each;
-    # and by the source, so that checkouts of different versions never rebuild (and rewrite) each other's library.
-    source = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    # by the source, so that checkouts of different versions never rebuild (and rewrite) each other's library; and
+    # by the torch it builds against, whose headers and libraries the build names by path: two virtual environments
+    # sharing a home rebuilt the one directory (~30 s) each time the other had loaded it.
+    source = hashlib.sha256(SOURCE.read_bytes() + str(Path(torch.__file__).parent).encode()).hexdigest()[:12]
     path = cache / "torch_extensions" / f"{os.uname().machine}-{_cpu_fingerprint()}-{source}"
     path.mkdir(parents=True, exist_ok=True)
     return str(path)

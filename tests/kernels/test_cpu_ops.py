@@ -48,6 +48,16 @@ def test_a_build_killed_midway_does_not_stop_the_next_load(tmp_path):
     assert done.stdout.strip() == "True", done.stderr[-2000:]
 
 
+def test_each_torch_install_builds_into_a_directory_of_its_own(tmp_path, monkeypatch):
+    """A build names its torch's headers and libraries by path: two virtual environments sharing one directory
+    would rebuild it each time the other had loaded it."""
+    monkeypatch.setenv("RAYLM_CACHE_DIR", str(tmp_path))
+    here = _build_dir()
+    assert _build_dir() == here
+    monkeypatch.setattr(torch, "__file__", "/another/venv/lib/site-packages/torch/__init__.py")
+    assert _build_dir() != here
+
+
 def test_a_first_build_says_so_and_a_load_of_the_built_library_does_not(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RAYLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kwargs: None)  # what it builds is not the point
