@@ -233,9 +233,10 @@ class Worker:
         if can_pack(self.device, self.dtype):
             pack_for_cpu(self.model)
         # Only graph-capturable backends on CUDA pad decodes to the captured sizes; elsewhere padding is waste.
-        # A pipeline stage runs eagerly: its graphs would have to capture the stage-to-stage transfers. The expert
-        # op sizes its groups on the host (a sync no graph can capture): MoE models run eagerly too, and so does
-        # LoRA (its op groups a step's tokens by adapter on the host).
+        # A pipeline stage runs eagerly: its graphs would have to capture the stage-to-stage transfers. MoE models
+        # run eagerly until a GPU run shows their capture right (the expert op's CUDA path reads nothing on the
+        # host since kernels/triton_moe.py's `align`, but has never run on a GPU), and so does LoRA (its op groups
+        # a step's tokens by adapter on the host).
         stage = pipeline_stage()
         graphs = (
             self.device.type == "cuda"
