@@ -32,6 +32,10 @@ FAST_INGRESS_ENV = {
     # Ray's default (8 MiB) would size every HAProxy buffer for the largest body.
     "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1",
     "RAY_SERVE_HAPROXY_INGRESS_REQUEST_ROUTER_BUFSIZE": str(256 << 10),
+    # HAProxy's proxy actor answers Serve's readiness check once HAProxy runs; Serve allows 5 s a check and kills
+    # the proxy after three misses, so on a loaded node serve.start failed with ActorDiedError (CI saw it on 2
+    # cores). A proxy that is merely slow to start is worth the wait.
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30",
 }
 # Serve listens on more ports than --port and --grpc-port, each fixed unless its variable says otherwise: HAProxy's
 # Prometheus metrics (9101) and stats page (8404), and the Python proxy HAProxy falls back to while no replica of
