@@ -124,7 +124,8 @@ def completion_payload(model: str, prompt: list[int] | str, max_tokens: int) -> 
     }
 
 
-async def _stream_completion(session, url: str, payload: dict, headers: dict) -> StreamTimes:
+async def stream_completion(session, url: str, payload: dict, headers: dict) -> StreamTimes:
+    """POST one streamed completion; what the client saw of it (an error is recorded, never raised)."""
     t = StreamTimes(time.perf_counter())
     try:
         async with session.post(f"{url}/v1/completions", json=payload, headers=headers) as resp:
@@ -157,7 +158,7 @@ async def _send_all(
     async with aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
     ) as session:
-        warm = await _stream_completion(session, url, completion_payload(model, work.prompt(0), 4), headers)
+        warm = await stream_completion(session, url, completion_payload(model, work.prompt(0), 4), headers)
         if warm.error:
             raise RuntimeError(f"the warm-up request failed: {warm.error}")
         if meter:
@@ -167,7 +168,7 @@ async def _send_all(
         for i, (_, out_len) in enumerate(work.requests):
             tasks.append(
                 asyncio.create_task(
-                    _stream_completion(session, url, completion_payload(model, work.prompt(i), out_len), headers)
+                    stream_completion(session, url, completion_payload(model, work.prompt(i), out_len), headers)
                 )
             )
             if work.request_rate != float("inf"):
@@ -177,7 +178,8 @@ async def _send_all(
         return results, seconds, meter.stop() if meter else {}
 
 
-def _ms_stats(values: list[float]) -> dict:
+def ms_stats(values: list[float]) -> dict:
+    """Mean, median and p99 of seconds, in milliseconds (nan for none)."""
     import numpy as np
 
     v = np.asarray(values or [float("nan")]) * 1e3
@@ -228,10 +230,10 @@ def run_workload(
         "chunks_per_s": chunks / seconds,
         "tokens_per_chunk": output_tokens / max(chunks, 1),
         "steps_per_s": (steps1 - steps0) / seconds if steps0 is not None and steps1 is not None else None,
-        "ttft": _ms_stats([r.chunks[0] - r.sent for r in ok]),
-        "tpot": _ms_stats([(r.end - r.chunks[0]) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
-        "itl": _ms_stats([b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:])]),
-        "e2el": _ms_stats([r.end - r.sent for r in ok]),
+        "ttft": ms_stats([r.chunks[0] - r.sent for r in ok]),
+        "tpot": ms_stats([(r.end - r.chunks[0]) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
+        "itl": ms_stats([b - a for r in ok for a, b in zip(r.chunks, r.chunks[1:])]),
+        "e2el": ms_stats([r.end - r.sent for r in ok]),
         "cpu": cpu_report(cpu, output_tokens) if meter else None,
     }
     print_row(row)

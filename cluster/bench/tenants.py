@@ -70,7 +70,7 @@ def scrape(url: str) -> dict[tuple[str, str], float]:
     return out
 
 
-def _wait_replicas(url: str, n: int, timeout_s: float = 600) -> None:
+def wait_replicas(url: str, n: int, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -102,7 +102,7 @@ def run_router(
         str(max_num_seqs),
     ]
     with raylm_server(free_port(), args, env={"RAY_metrics_report_interval_ms": "1000"}) as server:
-        _wait_replicas(server.url, 2)
+        wait_replicas(server.url, 2)
         time.sleep(METRICS_LAG_S)
         before = scrape(server.url)
         row = run_workload(f"router={router}", server.url, work, seed=seed)

@@ -28,6 +28,7 @@ def add_parser(sub) -> None:
         _embed,
         _soak,
         _serve,
+        _pd,
         _spec,
     ):
         add(bench_sub)
@@ -429,6 +430,44 @@ def _serve(sub) -> None:
         help="the workload's seed: a server keeps its prefix cache, so a repeated seed measures cache hits",
     )
     p.set_defaults(run=_run_serve)
+
+
+def _pd(sub) -> None:
+    p = sub.add_parser(
+        "pd",
+        help="prefill/decode disaggregation against unified, same ranks: long prompts at a steady rate beside "
+        "streaming decodes; ITL, TTFT, output tok/s, KV moved",
+    )
+    p.add_argument("--model", default=None, help="HF model directory (default: SmolLM2)")
+    p.add_argument("--prompt-len", type=int, default=1024, help="the long prompts' tokens")
+    p.add_argument("--prompt-rate", type=float, default=0.2, help="long prompts per second, evenly spaced")
+    p.add_argument("--prompt-output-len", type=int, default=16, help="tokens each long prompt asks")
+    p.add_argument("--decodes", type=int, default=12, help="decode streams, each sending its next request at once")
+    p.add_argument("--decode-prompt-len", type=int, default=32)
+    p.add_argument("--decode-len", type=int, default=96, help="tokens each decode request asks")
+    p.add_argument("--duration-s", type=float, default=90.0, help="how long requests are sent, per server")
+    p.add_argument("--prefill-replicas", type=int, default=1, help="PD's prefill replicas (unified: their sum)")
+    p.add_argument("--decode-replicas", type=int, default=1)
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads of every engine's rank")
+    p.add_argument("--kv-cache-bytes", type=int, default=None, help="each rank's KV cache (default: raylm's)")
+    p.add_argument("--seed", type=int, default=0)
+
+    def run(args: argparse.Namespace) -> None:
+        from cluster.bench.pd import MixedLoad, bench_pd
+
+        load = MixedLoad(
+            prompt_len=args.prompt_len,
+            prompt_rate=args.prompt_rate,
+            prompt_output_len=args.prompt_output_len,
+            decodes=args.decodes,
+            decode_prompt_len=args.decode_prompt_len,
+            decode_len=args.decode_len,
+            duration_s=args.duration_s,
+            seed=args.seed,
+        )
+        bench_pd(args.model, load, args.prefill_replicas, args.decode_replicas, args.num_threads, args.kv_cache_bytes)
+
+    p.set_defaults(run=run)
 
 
 def _run_serve(args: argparse.Namespace) -> None:
