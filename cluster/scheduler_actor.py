@@ -13,9 +13,10 @@ import ray
 
 from cluster.engine.core import EngineCore, retrieve
 from cluster.engine.kv_events import KVEventPublisher
-from cluster.worker_actor import LORA_READS
+from cluster.worker_actor import KV_TRANSFERS, LORA_READS
 from scheduler import (
     EngineRequest,
+    KVTransferError,
     ModelRunnerOutput,
     RequestOutput,
     Scheduler,
@@ -91,10 +92,17 @@ class SchedulerActor:
 
     def _execute(self, scheduler_output: SchedulerOutput):
         """Send the step to every rank now; the returned coroutine gives the driver's reply."""
-        return self._driver_reply(execute_step(self.workers, scheduler_output))
+        return self._driver_reply(execute_step(self.workers, scheduler_output), bool(scheduler_output.kv_exports))
 
-    async def _driver_reply(self, replies: asyncio.Future) -> ModelRunnerOutput | None:
-        return (await replies)[self.driver]
+    async def _driver_reply(self, replies: asyncio.Future, exports: bool) -> ModelRunnerOutput | None:
+        """The driver's output; with KV exports, every rank replied (output, its parts): the output carries each
+        request's parts, in rank order."""
+        replies = await replies
+        if not exports:
+            return replies[self.driver]
+        output = replies[self.driver][0]
+        output.kv_exports = {rid: [parts[rid] for _, parts in replies] for rid in replies[0][1]}
+        return output
 
     async def _run(self) -> None:
         try:
@@ -108,8 +116,37 @@ class SchedulerActor:
 
     async def add_request(self, request: EngineRequest, channel: str = "sync") -> list[RequestOutput]:
         """Queue a (checked) request whose deltas go to ``channel``'s outbox (``get_outputs``); returns any
-        immediate finals (EngineCore.add_request)."""
-        return self.core.add_request(request, channel)
+        immediate finals (EngineCore.add_request). A request with a KV transfer is queued once every rank holds its
+        share (KVTransferError when one cannot fetch it); if it is not queued, no rank keeps any."""
+        if request.kv_transfer is None:
+            return self.core.add_request(request, channel)
+        try:
+            await self._stage_kv(request)
+            return self.core.add_request(request, channel)
+        except BaseException:
+            for w in self.workers:
+                w.drop_staged_kv.remote(request.request_id)
+            raise
+
+    async def _stage_kv(self, request: EngineRequest) -> None:
+        results = await asyncio.gather(
+            *[
+                w.stage_kv.options(concurrency_group=KV_TRANSFERS).remote(request.request_id, request.kv_transfer.parts)
+                for w in self.workers
+            ],
+            return_exceptions=True,
+        )
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            cause = getattr(failed, "cause", None) or failed
+            raise KVTransferError(
+                f"request {request.request_id!r}: its prompt's KV did not reach every rank of this engine "
+                f"({type(cause).__name__}: {str(cause).strip().splitlines()[-1]})"
+            ) from None
+
+    async def prefix_hit_blocks(self, request: EngineRequest) -> int:
+        """How many leading prompt blocks of ``request`` the prefix cache holds now (Scheduler.prefix_hit_blocks)."""
+        return self.core.scheduler.prefix_hit_blocks(request)
 
     async def get_outputs(self, channel: str = "sync", received: int = 0) -> tuple[int, list[tuple]]:
         """The channel's next batch of deltas (packed: ``unpack_outputs`` gives the RequestOutputs) and its number,
@@ -118,6 +155,9 @@ class SchedulerActor:
         return number, pack_outputs(outputs)
 
     async def abort(self, request_id: str) -> list[RequestOutput]:
+        if self.core.scheduler.waits_with_staged_kv(request_id):
+            for w in self.workers:
+                w.drop_staged_kv.remote(request_id)
         return self.core.abort(request_id)
 
     # ---- LoRA adapters at run time ---------------------------------------------------

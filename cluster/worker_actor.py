@@ -48,11 +48,15 @@ def share_node_gpus(workers: list, node_ids: Sequence[str]) -> None:
 # no disk read; nothing reads the adapter until every rank has it (the scheduler actor admits requests for it
 # only then), and the step that first uses it copies it into its slots.
 LORA_READS = "lora_reads"
+# The concurrency group that fetches a request's transferred KV (prefill/decode disaggregation) while steps run: the
+# fetch is a network copy, and the request is queued only once every rank holds its part (SchedulerActor).
+KV_TRANSFERS = "kv_transfers"
 
 
 class WorkerActor:
     """One tensor-parallel rank: owns its Worker (model shard and KV cache) for the actor's lifetime. Methods run
-    one at a time on the actor's thread, in the order called, but ``call`` dispatched to ``LORA_READS``."""
+    one at a time on the actor's thread, in the order called, but ``call`` dispatched to ``LORA_READS`` and
+    ``stage_kv`` to ``KV_TRANSFERS``."""
 
     def __init__(self, config: Any, rank: int) -> None:
         import ray
@@ -72,8 +76,37 @@ class WorkerActor:
         self.worker.ranks_on_host = ranks_on_node
 
     def execute_model(self, scheduler_output: Any) -> Any:
-        """The hot path: one step; rank 0 returns the sampled tokens, the others None."""
-        return self.worker.execute_model(scheduler_output)
+        """The hot path: one step; rank 0 returns the sampled tokens, the others None. A step that exports KV
+        (``kv_exports``) returns (that, {request id: KVPart}): this rank's share, put in the object store once."""
+        import ray
+
+        from scheduler import KVPart
+
+        out = self.worker.execute_model(scheduler_output)
+        if not scheduler_output.kv_exports:
+            return out
+        head_start, num_heads = self.worker.kv_heads()
+        exported = self.worker.take_kv_exports()
+        return out, {
+            rid: KVPart(head_start=head_start, num_heads=num_heads, data=ray.put(blocks))
+            for rid, blocks in exported.items()
+        }
+
+    def stage_kv(self, req_id: str, parts: list) -> None:
+        """Fetch this rank's heads of a request's transferred KV (only the parts that hold them, each head from
+        one) and keep them until the step that admits the request (Worker.stage_kv)."""
+        import ray
+
+        start, num = self.worker.kv_heads()
+        needed = []
+        for head in range(start, start + num):
+            if not any(p.head_start <= head < p.head_start + p.num_heads for p in needed):
+                needed += [p for p in parts if p.head_start <= head < p.head_start + p.num_heads][:1]
+        arrays = ray.get([p.data for p in needed])
+        self.worker.stage_kv(req_id, [(p.head_start, a) for p, a in zip(needed, arrays)])
+
+    def drop_staged_kv(self, req_id: str) -> None:
+        self.worker.drop_staged_kv(req_id)
 
     def check_health(self) -> bool:
         return self.worker.check_health()

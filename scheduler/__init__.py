@@ -3,6 +3,10 @@
 from scheduler.config import SchedulerConfig, SchedulerStats
 from scheduler.outputs import (
     CachedRequestData,
+    KVImport,
+    KVPart,
+    KVTransfer,
+    KVTransferError,
     ModelRunnerOutput,
     NewRequestData,
     RequestOutput,
@@ -19,6 +23,10 @@ from scheduler.scheduler import Scheduler
 __all__ = [
     "CachedRequestData",
     "EngineRequest",
+    "KVImport",
+    "KVPart",
+    "KVTransfer",
+    "KVTransferError",
     "ModelRunnerOutput",
     "NewRequestData",
     "Request",

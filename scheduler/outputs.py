@@ -15,13 +15,62 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
+from typing import Any
 
 from scheduler.sampling_params import SamplingParams
 
 
 @dataclass(slots=True, kw_only=True)
+class KVPart:
+    """One prefill rank's share of a request's KV: KV heads ``head_start .. head_start + num_heads - 1`` of every
+    layer, keys and values, for the transfer's blocks. ``data`` is the transport's handle to the rank's array
+    (``[2, num_layers, num_blocks, block_size, num_heads, head_dim]``, the cache's dtype as raw bytes): a Ray
+    ObjectRef between processes, the array itself within one. The scheduler never opens it."""
+
+    head_start: int
+    num_heads: int
+    data: Any
+
+
+@dataclass(slots=True, kw_only=True)
+class KVTransfer:
+    """A prompt's KV computed by another engine (prefill/decode disaggregation): blocks ``first_block`` up to the
+    one holding the last prompt token, one ``KVPart`` per rank of the engine that computed them, and the
+    ``token_ids`` that engine sampled after the prompt (the decode engine's first outputs).
+
+    Invariant: the parts together hold every KV head of the model, and a block's content is the same whichever
+    engine computed it (same model, block size and KV dtype: the PD app checks it at start)."""
+
+    first_block: int
+    num_prompt_tokens: int
+    block_size: int
+    parts: list[KVPart]
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.num_prompt_tokens // self.block_size) - self.first_block
+
+
+class KVTransferError(RuntimeError):
+    """A request's transferred KV could not reach this engine's ranks (the engine that computed it is gone, or its
+    objects are lost): nothing of the request was queued or kept, so its caller may compute the prompt again."""
+
+
+@dataclass(slots=True, kw_only=True)
+class KVImport:
+    """Blocks a rank fills this step, before the forward, from the KV it staged for ``req_id``: ``block_ids[i]``
+    takes block ``first_block + i`` of the prompt, which is index ``first_block - staged_first_block + i`` of the
+    staged array (a decode engine's prefix cache may already hold some of the transfer's leading blocks)."""
+
+    block_ids: list[int]
+    offset: int
+
+
+@dataclass(slots=True, kw_only=True)
 class NewRequestData:
-    """A request the workers have not seen: everything they need to hold it."""
+    """A request the workers have not seen: everything they need to hold it. ``output_token_ids`` are tokens it
+    has sampled elsewhere (a KV transfer's first token), after ``prompt_token_ids``."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -29,6 +78,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit: tokens whose KV is already in block_ids
     lora_name: str | None = None  # the LoRA adapter it runs with; None: the base model
+    output_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -94,6 +144,11 @@ class SchedulerOutput:
     # Speculative decoding: a request's proposed tokens, scheduled after its last token (1 + k tokens this step);
     # the ranks verify them and sample the token that follows the accepted ones.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Prefill/decode disaggregation. ``kv_exports``: after the forward, each rank reads these blocks (a prompt's,
+    # from the request's kv_export_from_block on) and hands them to the transport. ``kv_imports``: before the
+    # forward (after the swaps), each rank writes the KV it staged for the request into these blocks.
+    kv_exports: dict[str, list[int]] = field(default_factory=dict)
+    kv_imports: dict[str, KVImport] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -137,6 +192,9 @@ class ModelRunnerOutput:
     # A draft model's proposals (speculative_method "draft_model") after the newest token of each speculable
     # request that sampled (every one, [] where the draft had no room), for its next step; None without a draft.
     draft_token_ids: dict[str, list[int]] | None = None
+    # The step's KV exports (SchedulerOutput.kv_exports), one part per rank, set by the transport from every rank's
+    # reply: the requests' final outputs carry them to the caller as a KVTransfer.
+    kv_exports: dict[str, list[KVPart]] | None = None
 
 
 @dataclass(slots=True, kw_only=True)
@@ -148,7 +206,8 @@ class RequestOutput:
     "error" on the last delta (with ``error`` explaining an "error").
     ``prompt_logprobs`` (requests asking for them) rides on the first delta that
     has a token: one entry per prompt token after the first (empty for a
-    one-token prompt). ``embedding`` is an embedding request's result, on its one (final) delta.
+    one-token prompt). ``embedding`` is an embedding request's result, on its one (final) delta. ``kv_transfer``
+    (a request with ``kv_export_from_block``) is its prompt's KV for a decode engine, on its final delta.
     """
 
     request_id: str
@@ -163,6 +222,7 @@ class RequestOutput:
     queued_s: float | None = None  # on the final delta: arrival to first scheduling, None if it never ran
     prompt_logprobs: list[SampledLogprobs] | None = None
     embedding: list[float] | None = None
+    kv_transfer: KVTransfer | None = None
 
 
 # A delta that carries tokens and nothing else (nearly every one) crosses processes as (request_id, index,

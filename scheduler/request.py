@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from scheduler.block_hash import BlockHash, hash_block_tokens
+from scheduler.outputs import KVTransfer
 from scheduler.sampling_params import SamplingParams
 
 
@@ -52,6 +53,12 @@ class EngineRequest:
     cache_salt: str | None = None  # keeps its prompt's cached blocks apart from other salts' (tenants)
     lora_name: str | None = None  # the loaded LoRA adapter it runs with; None: the base model
     arrival_time: float | None = None
+    # Prefill/decode disaggregation. A prefill engine's request exports its prompt's KV from this block on (the
+    # decode engine holds the blocks before it): its first token's delta carries the KVTransfer.
+    kv_export_from_block: int | None = None
+    # A decode engine's request: its prompt's KV computed elsewhere (staged on the ranks before it is queued) and
+    # the token(s) sampled after it, which become its first outputs and are not streamed again.
+    kv_transfer: KVTransfer | None = None
 
 
 class Request:
@@ -99,6 +106,8 @@ class Request:
         "prompt_logprobs",
         "spec_token_ids",
         "draft_token_ids",
+        "kv_export_from_block",
+        "kv_transfer",
     )
 
     def __init__(
@@ -155,6 +164,12 @@ class Request:
         # What a draft model proposed after the request's latest token (speculative_method "draft_model"), for its
         # next step: replaced by each step that samples it.
         self.draft_token_ids: list[int] = []
+        self.kv_export_from_block = request.kv_export_from_block
+        # Until admitted: then its blocks are imported (or, evicted meanwhile, computed here) and it is dropped.
+        self.kv_transfer = request.kv_transfer
+        if request.kv_transfer is not None:
+            self.output_token_ids = list(request.kv_transfer.token_ids)
+            self.all_token_ids += self.output_token_ids
         self.extend_block_hashes()
 
     @property

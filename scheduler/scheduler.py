@@ -11,13 +11,15 @@ from scheduler.config import SchedulerConfig, SchedulerStats
 from scheduler.kv_cache_manager import KVCacheManager
 from scheduler.outputs import (
     CachedRequestData,
+    KVImport,
+    KVTransfer,
     ModelRunnerOutput,
     NewRequestData,
     RequestOutput,
     SchedulerOutput,
 )
 from scheduler.request import FINISH_REASONS, EngineRequest, Request, RequestStatus
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import RequestError, SamplingParams
 from scheduler.speculation import Speculation
 from scheduler.waiting_queue import WAITING_QUEUES
 
@@ -87,6 +89,17 @@ class Scheduler:
 
     Speculative decoding (``num_speculative_tokens`` k > 0): a decoding request may carry up to k proposed
     tokens, verified in the step that computes them; ``Speculation`` states what the scheduler keeps for them.
+
+    Prefill/decode disaggregation:
+    - a request with ``kv_export_from_block`` (in ``exporting`` until then) has its prompt's blocks from that one
+      on exported by the step that samples its first token: the ranks read them after that step's forward, and
+      its blocks are freed only once that step's output is applied, so no later step overwrites them first;
+    - a request with ``kv_transfer`` is admitted like any other, its prefix-cache hit counted first; the blocks
+      after the hit up to the prompt's last are written by the ranks (``kv_imports``) before the forward of the
+      step that admits it, which computes only its transferred token. When its hit ends before the transfer's
+      first block (evicted since the caller asked ``prefix_hit_blocks``) it computes the prompt itself. The ranks
+      hold its staged KV until then: a request that leaves before it is admitted is still reported in
+      ``finished_req_ids``, so they drop it.
     """
 
     def __init__(self, config: SchedulerConfig, eos_token_id: int | None = None) -> None:
@@ -119,6 +132,8 @@ class Scheduler:
         self.last_num_admitted = 0
         self.speculation = Speculation(config)
         self.spec_tokens: dict[str, list[int]] = {}  # this step's proposals by request id
+        self.exporting: dict[str, Request] = {}  # live requests whose first token's step exports their KV
+        self.kv_imports: dict[str, KVImport] = {}  # this step's
 
     # ---- requests in and out -------------------------------------------------
 
@@ -131,6 +146,8 @@ class Scheduler:
         """
         request_id, params = request.request_id, request.sampling_params
         n = params.n
+        if request.kv_transfer is not None or request.kv_export_from_block is not None:
+            self._check_disaggregated(request)
         child_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
         if request_id in self.children or any(child_id in self.requests for child_id in child_ids):
             raise ValueError(f"request_id={request_id!r} is invalid: a request with this id is still running")
@@ -152,6 +169,8 @@ class Scheduler:
         reason = self._infeasible_reason(children[0])
         if reason is not None:
             return [self._finish(c, RequestStatus.FINISHED_IGNORED, reason) for c in children]
+        if request.kv_export_from_block is not None:
+            self.exporting[request_id] = children[0]
         self.waiting.add(children[0])
         if n > 1 and self.config.enable_prefix_caching:
             self.deferred[children[0].request_id] = children[1:]
@@ -159,6 +178,44 @@ class Scheduler:
             for child in children[1:]:
                 self.waiting.add(child)
         return []
+
+    def _check_disaggregated(self, request: EngineRequest) -> None:
+        """A request of prefill/decode disaggregation: one sample, and a transfer that fits this engine."""
+        params, transfer = request.sampling_params, request.kv_transfer
+        num_prompt_blocks = -(-len(request.prompt_token_ids) // self.block_size)
+        if params.n != 1:
+            raise RequestError("n", params.n, "a request whose KV moves between engines has one sample")
+        first = request.kv_export_from_block
+        if first is not None and (type(first) is not int or not 0 <= first <= num_prompt_blocks):
+            raise RequestError("kv_export_from_block", first, f"must be a block of the prompt, 0..{num_prompt_blocks}")
+        if transfer is None:
+            return
+        if transfer.block_size != self.block_size:
+            raise RequestError(
+                "kv_transfer.block_size", transfer.block_size, f"this engine's blocks hold {self.block_size} tokens"
+            )
+        if transfer.num_prompt_tokens != len(request.prompt_token_ids):
+            raise RequestError(
+                "kv_transfer.num_prompt_tokens",
+                transfer.num_prompt_tokens,
+                f"the request's prompt has {len(request.prompt_token_ids)} tokens",
+            )
+        if not 0 <= transfer.first_block <= num_prompt_blocks:
+            raise RequestError("kv_transfer.first_block", transfer.first_block, f"must be 0..{num_prompt_blocks}")
+        if not transfer.token_ids or len(transfer.token_ids) >= params.max_tokens:
+            raise RequestError(
+                "kv_transfer.token_ids",
+                transfer.token_ids,
+                f"the tokens sampled after the prompt: at least one, fewer than max_tokens={params.max_tokens}",
+            )
+
+    def prefix_hit_blocks(self, request: EngineRequest) -> int:
+        """How many of the request's leading prompt blocks the prefix cache (device, then host tier) holds now:
+        what a prefill engine need not send this engine. Counts no lookup in the stats."""
+        probe = Request(request, eos_token_id=self.eos_token_id, block_size=self.block_size)
+        hits, _ = self.kv.get_computed_blocks(probe)
+        host_hits = self.kv.get_host_hits(probe, len(hits)) if self.kv.host_pool is not None else ()
+        return len(hits) + len(host_hits)
 
     def _infeasible_reason(self, request: Request) -> str | None:
         config = self.config
@@ -189,6 +246,11 @@ class Scheduler:
                 outputs.append(self._finish(request, RequestStatus.FINISHED_ABORTED))
         return outputs
 
+    def waits_with_staged_kv(self, request_id: str) -> bool:
+        """Whether the caller's request waits with KV its ranks staged (a transfer not yet admitted): aborted, its
+        transport drops the KV at once rather than at the next step, which an idle engine may not take soon."""
+        return any(r.kv_transfer is not None for r in self.children.get(request_id, ()))
+
     def fail_all(self, error: str) -> list[RequestOutput]:
         """Finish every live request with an error (the engine cannot run them)."""
         self.in_flight.clear()
@@ -207,7 +269,9 @@ class Scheduler:
         self.kv.free(request)
         self.requests.pop(req_id, None)
         self.unsent.pop(req_id, None)
-        if request.num_cached_tokens >= 0:  # it was scheduled, so the workers hold it
+        self.exporting.pop(req_id, None)
+        # Scheduled, so the workers hold it; or never admitted with KV the ranks staged for it.
+        if request.num_cached_tokens >= 0 or request.kv_transfer is not None:
             self.finished_req_ids.add(req_id)
         self._release_deferred(request)
         caller_id = request.parent_id or req_id
@@ -296,6 +360,8 @@ class Scheduler:
         if self.pipelined:
             cached.new_token_ids = [self.unsent.pop(req_id, []) for req_id in cached.req_ids]
         swap_out, swap_in = self.kv.take_swaps()
+        kv_exports = self._take_exports(num_scheduled) if self.exporting else {}
+        kv_imports, self.kv_imports = self.kv_imports, {}
         finished = self.finished_req_ids
         self.finished_req_ids = set()
         total = config.max_num_batched_tokens - budget
@@ -314,7 +380,20 @@ class Scheduler:
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
             scheduled_spec_decode_tokens=self.spec_tokens,
+            kv_exports=kv_exports,
+            kv_imports=kv_imports,
         )
+
+    def _take_exports(self, num_scheduled: dict[str, int]) -> dict[str, list[int]]:
+        """The blocks of each exporting request whose prompt this step completes (it samples its first token)."""
+        exports = {}
+        for req_id, request in list(self.exporting.items()):
+            if req_id in num_scheduled and request.num_computed_tokens >= request.num_prompt_tokens:
+                num_prompt_blocks = -(-request.num_prompt_tokens // self.block_size)
+                block_ids = self.kv.get_block_ids(req_id)
+                exports[req_id] = block_ids[request.kv_export_from_block : num_prompt_blocks]
+                del self.exporting[req_id]
+        return exports
 
     def _add_placeholders(self, num_scheduled: dict[str, int]) -> dict[str, Request]:
         """The step's requests by id; each one it samples (its computed count now reaches its tokens plus
@@ -437,6 +516,20 @@ class Scheduler:
                 hits, num_hit_tokens, host_hits = [], 0, ()
             num_host_hit_tokens = len(host_hits) * self.block_size
             num_hit_tokens += num_host_hit_tokens
+            transfer = request.kv_transfer
+            if transfer is not None and num_hit_tokens < transfer.first_block * self.block_size:
+                transfer = None  # its leading blocks were evicted since: computed here (its ranks drop the staged KV)
+            if transfer is not None:
+                num_new = request.num_tokens - num_hit_tokens
+                if allocate(request, num_new, num_hit_tokens, hits, host_hits=host_hits) is None:
+                    break
+                waiting.pop()
+                self.kv.record_prefix_lookup(request, num_hit_tokens, num_host_hit_tokens)
+                self._admit_transferred(request, num_hit_tokens, transfer, new_data)
+                num_scheduled[request.request_id] = request.num_tokens - request.num_prompt_tokens
+                budget -= num_scheduled[request.request_id]
+                num_admitted += 1
+                continue
             num_new = request.num_tokens - num_hit_tokens
             if threshold and num_new > threshold:
                 num_new = threshold
@@ -492,10 +585,31 @@ class Scheduler:
         running = {r.lora_name for r in self.running if r.lora_name is not None}
         return name in running or len(running) < self.config.max_loras
 
-    def _admit(
-        self, request: Request, num_hit_tokens: int, cached: CachedRequestData, new_data: list[NewRequestData]
+    def _admit_transferred(
+        self, request: Request, num_hit_tokens: int, transfer: KVTransfer, new_data: list[NewRequestData]
     ) -> None:
-        """Into the running batch, and into the step's diff: whole as new, or its block table anew if resumed."""
+        """A request whose prompt's KV came from another engine: the blocks after its cache hit are written from
+        the KV its ranks staged, and this step computes its transferred tokens (it samples the one after them)."""
+        req_id = request.request_id
+        first = num_hit_tokens // self.block_size
+        num_prompt_blocks = -(-request.num_prompt_tokens // self.block_size)
+        block_ids = self.kv.get_block_ids(req_id)
+        self.kv_imports[req_id] = KVImport(
+            block_ids=block_ids[first:num_prompt_blocks], offset=first - transfer.first_block
+        )
+        self._admit(request, num_hit_tokens, CachedRequestData(), new_data, num_computed=request.num_prompt_tokens)
+        request.num_computed_tokens = request.num_tokens
+
+    def _admit(
+        self,
+        request: Request,
+        num_hit_tokens: int,
+        cached: CachedRequestData,
+        new_data: list[NewRequestData],
+        num_computed: int | None = None,
+    ) -> None:
+        """Into the running batch, and into the step's diff: whole as new, or its block table anew if resumed.
+        ``num_computed`` (default: the hit) is where its computation starts (a KV transfer's: the prompt's end)."""
         req_id = request.request_id
         assert not request.num_output_placeholders, f"{req_id} admitted with a step in flight"
         block_ids = self.kv.get_block_ids(req_id)
@@ -508,16 +622,19 @@ class Scheduler:
             cached.new_block_ids.append(block_ids)
             cached.num_computed_tokens.append(num_hit_tokens)
         else:
+            sampled_elsewhere = request.kv_transfer is not None  # its first outputs came with a KV transfer
             new_data.append(
                 NewRequestData(
                     req_id=req_id,
-                    prompt_token_ids=request.all_token_ids.copy(),
+                    prompt_token_ids=(request.prompt_token_ids if sampled_elsewhere else request.all_token_ids).copy(),
                     sampling_params=request.sampling_params,
                     block_ids=block_ids,
-                    num_computed_tokens=num_hit_tokens,
+                    num_computed_tokens=num_hit_tokens if num_computed is None else num_computed,
                     lora_name=request.lora_name,
+                    output_token_ids=request.output_token_ids.copy() if sampled_elsewhere else [],
                 )
             )
+            request.kv_transfer = None
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
@@ -573,6 +690,7 @@ class Scheduler:
         outputs = self._apply_other_results(step, runner_output)
         append_out = outputs.append
         logprobs = runner_output.logprobs
+        kv_exports = runner_output.kv_exports
         max_model_len = self.config.max_model_len
         finished = RequestStatus.FINISHED_STOPPED
         for i, (req_id, token) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
@@ -617,6 +735,14 @@ class Scheduler:
                 append_out(out)
             if params.prompt_logprobs is not None and num_outputs == 1:
                 out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
+            if kv_exports is not None and req_id in kv_exports:
+                out.kv_transfer = KVTransfer(
+                    first_block=request.kv_export_from_block,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    block_size=self.block_size,
+                    parts=kv_exports[req_id],
+                    token_ids=[token],
+                )
         # After the tokens: a token that completes a block's ids lets it be cached now, not a step later.
         running = RequestStatus.RUNNING
         for request in step.values():

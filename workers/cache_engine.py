@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 
@@ -124,3 +125,27 @@ class CacheEngine:
             if dev.type == "cuda":
                 blocks = blocks.pin_memory().to(dev, non_blocking=True)
             device_cache.index_copy_(2, torch.tensor(dst, device=dev), blocks)
+
+    def read_blocks(self, block_ids: list[int]) -> np.ndarray:
+        """These blocks of every layer, keys and values, as one host array of the cache's raw bytes
+        (``[2, num_layers, len(block_ids), block_size, kv_heads, head_dim * itemsize]`` uint8): what a KV transfer
+        sends. Raw bytes so that any KV dtype (FP8 included) crosses processes as it is stored."""
+        cache = self.kv_cache
+        index = torch.tensor(block_ids, device=cache.device)
+        return cache.view(torch.uint8).index_select(2, index).cpu().numpy()
+
+    def write_blocks(self, block_ids: list[int], blocks: np.ndarray) -> None:
+        """Write ``blocks`` (read_blocks' layout, this rank's heads) into these blocks; a ValueError naming both
+        shapes when they do not fit (engines that differ in model, block size or KV dtype)."""
+        cache = self.kv_cache.view(torch.uint8)
+        two, layers, _, block_size, heads, width = cache.shape
+        if blocks.shape != (two, layers, len(block_ids), block_size, heads, width):
+            raise ValueError(
+                f"KV blocks of shape {tuple(blocks.shape)} (bytes) do not fit {len(block_ids)} blocks of this cache, "
+                f"{(two, layers, len(block_ids), block_size, heads, width)}: the engines differ in model, block size "
+                f"or KV dtype"
+            )
+        src = torch.from_numpy(np.ascontiguousarray(blocks))
+        if cache.device.type == "cuda":
+            src = src.pin_memory().to(cache.device, non_blocking=True)
+        cache.index_copy_(2, torch.tensor(block_ids, device=cache.device), src)

@@ -128,7 +128,7 @@ class ModelRunner:
             penalized = self.is_driver and has_penalties(params)
             if penalized:
                 self.penalty_state.start(row, prompt, self.token_ids.shape[0])
-            self.requests[new.req_id] = CachedRequestState(
+            state = self.requests[new.req_id] = CachedRequestState(
                 new.req_id,
                 row,
                 len(prompt),
@@ -141,6 +141,11 @@ class ModelRunner:
                 matcher=self._matcher(params),
                 lora_name=new.lora_name,
             )
+            for token in new.output_token_ids:  # sampled by the engine that computed its prompt (a KV transfer)
+                self._append([state], [token])
+                if penalized:
+                    device = self.penalty_state.device
+                    self.penalty_state.count(torch.tensor([row], device=device), torch.tensor([token], device=device))
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             state = self.requests[rid]

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -139,6 +140,8 @@ class Worker:
         self.draft: DraftModel | None = None  # speculative decoding's draft, on the driver only
         self.ranks_on_host = 1  # ranks sharing this host's memory (each pins its own host tier); set by the actor
         self.link: StageLink | None = None
+        self.staged_kv: dict[str, np.ndarray] = {}  # transferred KV by request id, until its admission (stage_kv)
+        self.kv_exported: dict[str, np.ndarray] = {}  # the last step's KV exports, until the transport takes them
         self.busy_s = 0.0  # time in execute_model, less the time its stage link waited: the bench's busy fraction
 
     def init_device(self) -> str:
@@ -440,9 +443,50 @@ class Worker:
                 self.cache.swap(so.blocks_to_swap_out, so.blocks_to_swap_in)  # before the forward: its contract
                 if self.draft is not None:
                     self.draft.swap(so.blocks_to_swap_out, so.blocks_to_swap_in)
+        if self.staged_kv:
+            self._import_kv(so)
         out = self.runner.execute_model(so)
+        if so.kv_exports:
+            self.kv_exported = {rid: self.cache.read_blocks(ids) for rid, ids in so.kv_exports.items()}
         self.busy_s += time.perf_counter() - start - ((self.link.wait_s - waited) if self.link is not None else 0.0)
         return out
+
+    # ---- prefill/decode disaggregation: this rank's share of a request's KV ------------------------
+
+    def kv_heads(self) -> tuple[int, int]:
+        """The first of the model's KV heads this rank holds, and how many (layers.qkv_shards' split)."""
+        spec, tp = self.spec, self.config.tensor_parallel_size
+        return self.tp_rank * spec.num_kv_heads // tp, spec.kv_heads_per_rank(tp)
+
+    def take_kv_exports(self) -> dict[str, np.ndarray]:
+        """The KV the last step exported (SchedulerOutput.kv_exports), by request id, once."""
+        exported, self.kv_exported = self.kv_exported, {}
+        return exported
+
+    def stage_kv(self, req_id: str, parts: list[tuple[int, np.ndarray]]) -> None:
+        """Keep a request's transferred KV until the step that admits it writes it into its blocks: ``parts`` are
+        (first head, array) of another engine's ranks; this rank keeps its own heads of them. A ValueError when
+        they lack one of its heads."""
+        start, num = self.kv_heads()
+        self.staged_kv[req_id] = own_heads(parts, start, num)
+
+    def drop_staged_kv(self, req_id: str) -> None:
+        self.staged_kv.pop(req_id, None)
+
+    def _import_kv(self, so: SchedulerOutput) -> None:
+        """Write the KV staged for the requests this step admits with a transfer (after the swaps, before the
+        forward: SchedulerOutput's order), and drop what is staged for requests that left or were admitted
+        without it (their prefix was evicted, so they compute it)."""
+        staged = self.staged_kv
+        with torch.inference_mode():
+            for rid, kv_import in so.kv_imports.items():
+                blocks = staged.pop(rid)
+                n = len(kv_import.block_ids)
+                self.cache.write_blocks(kv_import.block_ids, blocks[:, :, kv_import.offset : kv_import.offset + n])
+        for rid in so.finished_req_ids:
+            staged.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            staged.pop(new.req_id, None)
 
     def add_lora(self, name: str, path: str) -> None:
         """Read adapter `name` into host memory (a ValueError naming it and the mismatch if it does not fit)."""
@@ -459,3 +503,19 @@ class Worker:
 
     def check_health(self) -> bool:
         return self.runner is not None
+
+
+def own_heads(parts: list[tuple[int, np.ndarray]], start: int, num: int) -> np.ndarray:
+    """KV heads ``start .. start + num - 1`` out of other ranks' arrays (axis 4 is the head; each part's first head
+    given), whatever the tensor-parallel split that made them, as a new array."""
+    columns = []
+    for head in range(start, start + num):
+        part = next(((first, a) for first, a in parts if first <= head < first + a.shape[4]), None)
+        if part is None:
+            held = [f"{first}..{first + a.shape[4] - 1}" for first, a in parts]
+            raise ValueError(
+                f"transferred KV holds heads {held}: this rank needs head {head} ({start}..{start + num - 1})"
+            )
+        first, array = part
+        columns.append(array[:, :, :, :, head - first : head - first + 1])
+    return np.concatenate(columns, axis=4)  # a copy even of one part: the transport's buffer may then go

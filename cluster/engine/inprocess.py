@@ -9,7 +9,15 @@ from cluster.config import EngineConfig, derive_scheduler_config, derive_worker_
 from cluster.engine.core import EngineCore
 from cluster.engine.interface import check_draft_model, resolve_max_model_len
 from cluster.engine.request_check import check_request
-from scheduler import EngineRequest, ModelRunnerOutput, RequestOutput, Scheduler, SchedulerOutput, SchedulerStats
+from scheduler import (
+    EngineRequest,
+    KVPart,
+    ModelRunnerOutput,
+    RequestOutput,
+    Scheduler,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from workers.model_loader import read_model_spec
 from workers.worker import Worker
 
@@ -74,10 +82,30 @@ class InProcessEngine:
         self.loop = asyncio.new_event_loop()  # where step() runs the core's loop, one step at a time
 
     async def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        return self.worker.execute_model(scheduler_output)
+        out = self.worker.execute_model(scheduler_output)
+        if scheduler_output.kv_exports:  # the arrays themselves: a KV transfer within this process
+            head_start, num_heads = self.worker.kv_heads()
+            out.kv_exports = {
+                rid: [KVPart(head_start=head_start, num_heads=num_heads, data=blocks)]
+                for rid, blocks in self.worker.take_kv_exports().items()
+            }
+        return out
 
     def add_request(self, request: EngineRequest) -> list[RequestOutput]:
-        return self.core.add_request(check_request(request, self.spec, self.max_model_len), "sync")
+        """Queue a request; one with a KV transfer (whose parts hold arrays: from an engine in this process) has
+        its KV staged on the worker first, and kept only if it is queued."""
+        request = check_request(request, self.spec, self.max_model_len)
+        if request.kv_transfer is None:
+            return self.core.add_request(request, "sync")
+        try:
+            self.worker.stage_kv(request.request_id, [(p.head_start, p.data) for p in request.kv_transfer.parts])
+            return self.core.add_request(request, "sync")
+        except BaseException:
+            self.worker.drop_staged_kv(request.request_id)
+            raise
+
+    def prefix_hit_blocks(self, request: EngineRequest) -> int:
+        return self.scheduler.prefix_hit_blocks(request)
 
     def lora_names(self) -> set[str]:
         return set(self.core.lora_names)
@@ -103,6 +131,8 @@ class InProcessEngine:
         return self.core.take_outputs("sync")
 
     def abort(self, request_id: str) -> list[RequestOutput]:
+        if self.scheduler.waits_with_staged_kv(request_id):
+            self.worker.drop_staged_kv(request_id)
         return self.core.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:

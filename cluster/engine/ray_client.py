@@ -181,5 +181,10 @@ class RayEngine:
         """Raise RuntimeError saying why when the engine cannot serve, naming the ranks lost and their nodes."""
         diagnose(self.actor, self.workers, self.rank_nodes, self.config.tensor_parallel_size)
 
+    async def prefix_hit_blocks(self, request: EngineRequest) -> int:
+        """How many of the request's leading prompt blocks this engine's prefix cache holds now: the blocks a
+        prefill engine need not send it (``EngineRequest.kv_export_from_block``)."""
+        return await self.actor.prefix_hit_blocks.remote(request)
+
     def routing_digest(self, limit: int) -> tuple[list[bytes], int]:
         return ray.get(self.actor.routing_digest.remote(limit))

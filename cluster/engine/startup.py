@@ -15,10 +15,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import EngineConfig, derive_worker_config
 from cluster.engine.network import free_port, interface_of
-from cluster.worker_actor import LORA_READS, WorkerActor, share_node_gpus
+from cluster.worker_actor import KV_TRANSFERS, LORA_READS, WorkerActor, share_node_gpus
 
 # A thread of its own reads LoRA adapters from disk while the default one runs steps (worker_actor.py).
-RayWorker = ray.remote(concurrency_groups={LORA_READS: 1})(WorkerActor)
+RayWorker = ray.remote(concurrency_groups={LORA_READS: 1, KV_TRANSFERS: 1})(WorkerActor)
 SOCKET_IFNAME = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
 
 

@@ -5,6 +5,8 @@ import pytest
 
 from scheduler import (
     CachedRequestData,
+    KVPart,
+    KVTransfer,
     ModelRunnerOutput,
     NewRequestData,
     RequestOutput,
@@ -29,6 +31,9 @@ SET = {
     "queued_s": 0.25,
     "prompt_logprobs": [SampledLogprobs(logprob=-2.0, top_token_ids=[3], top_logprobs=[-2.0], rank=4)],
     "embedding": [0.5, -0.5],
+    "kv_transfer": KVTransfer(
+        first_block=1, num_prompt_tokens=40, block_size=16, parts=[KVPart(head_start=0, num_heads=2, data=b"kv")]
+    ),
 }
 
 
