@@ -3,12 +3,33 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.config.choices import DEFAULT_MAX_BODY_BYTES, DEFAULT_MODEL_NAME, REQUEST_ROUTERS
 from cluster.config.engine import EngineConfig
+from cluster.config.json_object import json_object
+from cluster.flags import one_line
+
+# The serving settings prefill_config may give the prefill deployment (besides EngineConfig's): the ones that shape
+# a deployment of engines; the others (the API, its limits) belong to the ingress, the decode deployment.
+PREFILL_APP_KEYS = (
+    "min_replicas",
+    "max_replicas",
+    "target_ongoing_requests",
+    "max_ongoing_requests",
+    "request_router",
+    "health_check_period_s",
+    "drain_timeout_s",
+)
+# What a KV block holds depends on these: a block moved between engines that differ on one is garbage.
+PD_SHARED = ("model", "revision", "block_size", "kv_cache_dtype", "dtype")
+SAME_KV_DTYPES = {"fp8": "fp8_e4m3"}  # two names of float8_e4m3fn pages
+# The engine settings the prefill side does not take from the decode side: LoRA requests run whole on the decode
+# side, and a second KV-events publisher at the decode side's endpoint could not bind it.
+PREFILL_OWN = {"enable_lora": False, "lora_modules": [], "kv_events_config": None}
 
 
 class AppArgs(BaseModel):
@@ -67,6 +88,20 @@ class AppArgs(BaseModel):
     responses_store_ttl_s: float = Field(
         3600.0, gt=0, description="/v1/responses: how long a replica keeps a stored response, in seconds"
     )
+    pd: bool = Field(
+        False,
+        description="prefill/decode disaggregation: each prompt is computed on a deployment of prefill engines "
+        "(prefill_config), its KV moved over Ray to this deployment's engines, which decode the rest and serve "
+        "the API (requests with n > 1, max_tokens 1, embeddings or a LoRA adapter run here whole)",
+    )
+    prefill_config: str | None = Field(
+        None,
+        description="with pd: the prefill engines' settings, a JSON object keyed by settings' names: EngineConfig's "
+        f"and {', '.join(PREFILL_APP_KEYS)}, e.g. "
+        '{"tensor_parallel_size": 2, "max_replicas": 4}; model, revision, block_size, dtype and kv_cache_dtype '
+        "must be the decode engines' (default: every setting as the decode side's, but "
+        "enable_lora, lora_modules and kv_events_config, off)",
+    )
 
     @field_validator("min_replicas")
     @classmethod
@@ -87,10 +122,44 @@ class AppArgs(BaseModel):
                 f"min_replicas={self.min_replicas} is greater than max_replicas={self.max_replicas}: "
                 f"the deployment cannot keep more replicas than it may have"
             )
-        if self.max_replicas > 1 and self.engine.cpu_omp_threads_bind == "auto":
-            # auto plans one engine per node: replicas sharing a node would all bind to the same cores.
+        if (self.max_replicas > 1 or self.pd) and self.engine.cpu_omp_threads_bind == "auto":
+            # auto plans one engine per node: replicas (or PD's two sides) sharing a node would all bind to the
+            # same cores.
             self.engine = self.engine.model_copy(update={"cpu_omp_threads_bind": "nobind"})
         return self
+
+    @field_validator("prefill_config", mode="before")
+    @classmethod
+    def _json_object_as_text(cls, value: Any) -> Any:
+        return json.dumps(value) if isinstance(value, dict) else value
+
+    @model_validator(mode="after")
+    def _pd_valid(self) -> AppArgs:
+        if self.prefill_config is not None and not self.pd:
+            raise ValueError(f"prefill_config={self.prefill_config!r} is set but pd is off: pass --pd (pd: true)")
+        if self.pd:
+            check_pd(self, self.prefill)
+        return self
+
+    @property
+    def prefill(self) -> AppArgs | None:
+        """With ``pd``: the prefill deployment's settings, the decode side's overlaid with ``prefill_config``'s;
+        a ValueError names a bad key or value. None without ``pd``."""
+        if not self.pd:
+            return None
+        spec = json_object("prefill_config", self.prefill_config or "{}")
+        unknown = sorted(set(spec) - set(EngineConfig.model_fields) - set(PREFILL_APP_KEYS))
+        if unknown:
+            raise ValueError(
+                f"prefill_config has unknown keys {unknown}: its keys are EngineConfig's settings and "
+                f"{list(PREFILL_APP_KEYS)}"
+            )
+        engine = {**PREFILL_OWN, **{k: v for k, v in spec.items() if k in EngineConfig.model_fields}}
+        app = {k: spec.get(k, getattr(self, k)) for k in PREFILL_APP_KEYS}
+        try:
+            return AppArgs(engine=EngineConfig(**{**self.engine.model_dump(), **engine}), **app)
+        except ValidationError as e:
+            raise ValueError(f"prefill_config: {one_line(e, {k: k for k in spec})}") from None
 
     @classmethod
     def from_flat(cls, args: dict[str, Any]) -> AppArgs:
@@ -106,6 +175,29 @@ class AppArgs(BaseModel):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.engine.model or DEFAULT_MODEL_NAME
+
+
+def check_pd(decode: AppArgs, prefill: AppArgs) -> None:
+    """Refuse, naming both values, a prefill side whose KV blocks the decode side could not read, and, naming the
+    setting, what PD cannot serve on either side."""
+    for key in PD_SHARED:
+        p, d = (getattr(a.engine, key) for a in (prefill, decode))
+        if SAME_KV_DTYPES.get(p, p) != SAME_KV_DTYPES.get(d, d):
+            raise ValueError(
+                f"prefill_config {key}={p!r} differs from the decode engines' {key}={d!r}: a prompt's KV blocks "
+                f"move from prefill to decode engines only when both have the same {', '.join(PD_SHARED)}"
+            )
+    for side, engine in (("", decode.engine), ("prefill_config ", prefill.engine)):
+        if engine.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"pd cannot be served with {side}pipeline_parallel_size={engine.pipeline_parallel_size}: a KV "
+                "transfer moves each tensor-parallel rank's heads of every layer, which pipeline stages split"
+            )
+        if engine.speculative.get("method") == "draft_model":
+            raise ValueError(
+                f"pd cannot be served with {side}speculative_config method='draft_model': the draft model's own KV "
+                "of the prompt is not transferred (method ngram needs none)"
+            )
 
 
 def per_model_settings(values: dict[str, Any]) -> list[dict[str, Any]]:

@@ -11,7 +11,8 @@ an ASGI app; ``grpc_replies.py`` gRPC messages and status codes; ``protocol/`` t
 ``model_router.py`` the ingress of an app serving several models, which forwards each request to its model's
 deployment; ``lora_registry.py`` the LoRA adapters every replica of a deployment holds (loads and unloads at
 run time reach them all); ``detokenize.py`` incremental text and stop strings; ``metrics.py`` Prometheus;
-``ingress.py`` the Ray Serve settings of the streaming path, which the process starting Serve sets before it
+``pd.py`` prefill/decode disaggregation (``pd``): the prefill deployment and the decode replica's engine that
+splits requests between them; ``ingress.py`` the Ray Serve settings of the streaming path, which the process starting Serve sets before it
 imports this package (``use_fast_ingress``); ``lifecycle.py`` stop signals and HAProxy's lifetime; ``drain.py``
 a stopping replica's drain.
 """

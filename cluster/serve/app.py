@@ -30,6 +30,7 @@ from cluster.serve.ingress import side_ports
 from cluster.serve.lifecycle import LocalRayLost, StopSignals, haproxy_dies_with_its_parent, while_local_ray_lives
 from cluster.serve.model_router import ModelRouter, RoutedLLMServer
 from cluster.serve.options import REPLICA_CPUS, AppArgs, deployment_options, uses_prefix_cache_router
+from cluster.serve.pd import PrefillServer
 from cluster.serve.router import RouteServer
 from cluster.serve.server import LLMServer
 
@@ -70,15 +71,26 @@ def with_env_api_key(args: AppArgs) -> AppArgs:
 
 def model_deployment(app_args: AppArgs, name: str | None = None) -> serve.Application:
     """One model's LLMServer deployment, with the prefix-cache router when it is the app's ingress (a model behind
-    a ModelRouter is reached through handles, where Serve's request router balances by load)."""
+    a ModelRouter is reached through handles, where Serve's request router balances by load), and with ``pd`` its
+    PrefillServer deployment, which the LLMServer's replicas call."""
     options = deployment_options(app_args)
+    prefill = prefill_deployment(app_args, name)
     if name is not None:
-        return RoutedLLMServer.options(**options, name=name).bind(app_args)
-    server = LLMServer.options(**options).bind(app_args)
+        return RoutedLLMServer.options(**options, name=name).bind(app_args, prefill)
+    server = LLMServer.options(**options).bind(app_args, prefill)
     if uses_prefix_cache_router(app_args) and RAY_SERVE_ENABLE_HA_PROXY:
         # HAProxy bypasses the deployment's request router unless an ingress request router asks it (router.py).
         return server._with_ingress_request_router(RouteServer.bind(server, app_args))
     return server
+
+
+def prefill_deployment(app_args: AppArgs, name: str | None) -> serve.Application | None:
+    """``pd``'s prefill deployment: PrefillServer, or PrefillServer-i beside a ModelRouter's LLMServer-i."""
+    prefill = app_args.prefill
+    if prefill is None:
+        return None
+    suffix = "" if name is None else name.removeprefix("LLMServer")
+    return PrefillServer.options(**deployment_options(prefill), name=f"PrefillServer{suffix}").bind(prefill)
 
 
 def start(
@@ -121,8 +133,10 @@ def start_ray(args: AppArgs | list[AppArgs], address: str | None, host: str, por
         haproxy_dies_with_its_parent()  # else a killed raylm leaves HAProxy holding the port (lifecycle.py)
     # A local Ray gets logical CPUs for every replica's reservations (engine_bundles plus the replica's own).
     apps = app_args_list(args)
+    deployments = [d for a in apps for d in (a, a.prefill) if d is not None]
     cpus = sum(
-        a.max_replicas * (REPLICA_CPUS + sum(b.get("CPU", 0) for b in engine_bundles(a.engine, False))) for a in apps
+        d.max_replicas * (REPLICA_CPUS + sum(b.get("CPU", 0) for b in engine_bundles(d.engine, False)))
+        for d in deployments
     )
     connect(address, cpus + (REPLICA_CPUS if len(apps) > 1 else 0))  # a ModelRouter's replica
 

@@ -20,6 +20,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
+from ray.serve.handle import DeploymentHandle
 
 from cluster.engine.ray_client import RayEngine
 from cluster.model_files import (
@@ -43,6 +44,7 @@ from cluster.serve.http_io import asgi_messages, json_response, read_json
 from cluster.serve.metrics import CONTENT_TYPE, ServeMetrics, node_metrics_port, render_node_metrics
 from cluster.serve.openapi import openapi_schema
 from cluster.serve.options import AppArgs
+from cluster.serve.pd import PDEngine
 from cluster.serve.prompts import chat_ids, chat_request_ids, prompt_ids
 from cluster.serve.protocol.chat import ChatCompletionRequest
 from cluster.serve.protocol.completions import CompletionRequest
@@ -84,11 +86,13 @@ class LLMServer:
     before any response starts; the API key (when set) guards
     everything but /health. Admission bounds the requests it holds (429 past
     that) and ``request_timeout_s`` how long each may take (504); once Serve stops the replica, Drain
-    refuses new requests and ends those still running after ``drain_timeout_s`` (503).
+    refuses new requests and ends those still running after ``drain_timeout_s`` (503). Given the ``prefill``
+    deployment (``pd``), its engine decodes and the prompts it splits are computed there (cluster/serve/pd.py).
     """
 
-    async def __init__(self, args: AppArgs) -> None:
+    async def __init__(self, args: AppArgs, prefill: DeploymentHandle | None = None) -> None:
         self.engine = RayEngine(args.engine, placement_group=ray.util.get_current_placement_group(), first_bundle=1)
+        self.pd = PDEngine(self.engine, prefill) if prefill is not None else None
         self.tokenizer = load_tokenizer(args.engine, self.engine.model_path)
         self.sampling_defaults = generation_defaults(args.engine, self.engine.model_path)
         self.model_name = args.model_name
@@ -114,7 +118,7 @@ class LLMServer:
                 "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
             },
         )
-        self.admission = Admission(self.engine, cfg.max_num_seqs + args.queue_len, self.metrics.rejected.inc)
+        self.admission = Admission(self.pd or self.engine, cfg.max_num_seqs + args.queue_len, self.metrics.rejected.inc)
         self.request_timeout_s = args.request_timeout_s
         self.drain = Drain(self.admission, args.drain_timeout_s)
         self._drainer = asyncio.get_running_loop().create_task(self.drain.watch())
@@ -375,12 +379,15 @@ class LLMServer:
 
     @app.get("/health")
     async def health(self) -> Response:
-        """200 while this replica serves its model; 503 while it drains, or if its engine is down. Serve starts the
-        replica's HTTP server only once the model is loaded, so nothing answers 200 before it serves."""
+        """200 while this replica serves its model; 503 while it drains, or if its engine is down, or (pd) while no
+        prefill replica serves. Serve starts the replica's HTTP server only once the model is loaded, so nothing
+        answers 200 before it serves."""
         if self.drain.is_stopping():
             return json_response(APIError(503, "this replica is shutting down", code=DRAIN_CODE).body(), 503)
         try:
             await asyncio.to_thread(self.engine.check_health)
+            if self.pd is not None:
+                await self.pd.check_prefill()
         except Exception as e:  # RayEngine.check_health's reason says what is wrong; the code says it is unhealthy
             return json_response(APIError(503, str(e), code="engine_unhealthy").body(), 503)
         return Response(status_code=200)

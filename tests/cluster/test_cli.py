@@ -200,6 +200,13 @@ def test_a_config_file_is_read_as_vllm_reads_it_and_flags_win(monkeypatch, tmp_p
         ([], "quantization: awq\n", "quantization='awq' is invalid: Input should be 'fp8'"),
         ([], "max-num-seqs: lots\n", "max_num_seqs='lots' is invalid: Input should be a valid integer"),
         ([], "- a list\n", "must be a mapping of settings to values, not a list"),
+        (
+            ["--pd", "--prefill-config", '{"block_size": 32}'],
+            None,
+            "prefill_config block_size=32 differs from the decode engines' block_size=16",
+        ),
+        ([], "pd: true\nprefill-config: {max-replicas: 2}\n", "prefill_config has unknown keys ['max-replicas']"),
+        (["--prefill-config", "{}"], None, "prefill_config='{}' is set but pd is off: pass --pd"),
     ],
 )
 def test_bad_settings_exit_2_with_one_line_naming_them(tmp_path, capsys, argv, config, message):
