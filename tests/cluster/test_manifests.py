@@ -1,7 +1,8 @@
 """The Kubernetes manifests and Serve configs (manifests/): every KubeRay manifest validates against
-KubeRay's CRD schemas, where an unknown key fails; every Serve config (serve_config.yaml and each RayService's
+KubeRay's CRD schemas, where an unknown key fails; every Serve config (serve_config*.yaml and each RayService's
 serveConfigV2) parses with Ray Serve's own schema and its import path builds raylm's app; and what the
-manifests ask of the cluster fits what the Serve config asks of it.
+manifests ask of the cluster fits what the Serve config asks of it, per node type where prefill and decode
+engines have their own (PD).
 
 The CRD schemas are vendored in tests/cluster/schemas/kuberay (its README says where they come from)."""
 
@@ -15,7 +16,8 @@ import jsonschema
 import pytest
 import yaml
 from ray import serve
-from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
+from ray.serve._private.build_app import build_app
+from ray.serve.schema import DeploymentSchema, ServeApplicationSchema, ServeDeploySchema
 
 from cluster.serve import deployment_options
 from cluster.serve.app import app_args_list
@@ -25,6 +27,8 @@ MANIFESTS = sorted((ROOT / "manifests").glob("*.yaml"))
 SCHEMAS = Path(__file__).resolve().parent / "schemas" / "kuberay"
 SCHEMA_FILES = {"RayService": "rayservice_v1.json", "RayCluster": "raycluster_v1.json"}
 GPU = "nvidia.com/gpu"
+# The custom resource each PD deployment's ranks ask, one per GPU of the node type that should run them.
+PD_NODE_RESOURCES = {"PrefillServer": "prefill_gpu", "LLMServer": "decode_gpu"}
 
 
 def load(path: Path) -> dict:
@@ -53,12 +57,12 @@ def groups(manifest: dict) -> list[dict]:
 
 
 def gpu_group(manifest: dict) -> dict:
-    (group,) = [
+    """The first worker group with GPUs (PD's manifest has one per node type)."""
+    return next(
         g
         for g in cluster_spec(manifest)["workerGroupSpecs"]
         if GPU in g["template"]["spec"]["containers"][0]["resources"]["limits"]
-    ]
-    return group
+    )
 
 
 def limits(group: dict) -> dict[str, float]:
@@ -72,12 +76,14 @@ def limits(group: dict) -> dict[str, float]:
 
 def test_the_manifests_are_a_rayservice_a_raycluster_and_a_serve_config():
     # The checks below are parametrized over what these globs find: make sure they find it.
-    assert sorted(load(p)["kind"] for p in KUBERAY) == ["RayCluster", "RayService", "RayService", "RayService"]
+    assert sorted(load(p)["kind"] for p in KUBERAY) == ["RayCluster"] + ["RayService"] * 4
     assert sorted(SERVE_CONFIGS) == [
+        "rayservice-pd.yaml:serveConfigV2",
         "rayservice-pipeline.yaml:serveConfigV2",
         "rayservice-two-models.yaml:serveConfigV2",
         "rayservice.yaml:serveConfigV2",
         "serve_config.yaml",
+        "serve_config_pd.yaml",
     ]
 
 
@@ -135,14 +141,34 @@ def test_serve_config_parses_with_serves_schema_and_names_no_unknown_key(name):
     assert set(raw) <= set(ServeDeploySchema.model_fields)
     for app in raw["applications"]:
         assert set(app) <= set(ServeApplicationSchema.model_fields)
+        for deployment in app.get("deployments", []):
+            assert set(deployment) <= set(DeploymentSchema.model_fields)
+
+
+def built_app(app: ServeApplicationSchema) -> serve.Application:
+    module, attr = app.import_path.split(":")
+    return getattr(importlib.import_module(module), attr)(app.args)
 
 
 @pytest.mark.parametrize("name", SERVE_CONFIGS)
 def test_serve_config_import_path_builds_the_app(name):
     (app,) = ServeDeploySchema.model_validate(SERVE_CONFIGS[name]).applications
-    module, attr = app.import_path.split(":")
-    builder = getattr(importlib.import_module(module), attr)
-    assert isinstance(builder(app.args), serve.Application)
+    assert isinstance(built_app(app), serve.Application)
+
+
+@pytest.mark.parametrize("name", SERVE_CONFIGS)
+def test_serve_config_restates_a_deployments_bundles_adding_only_a_node_types_resource(name):
+    """A Serve config that restates a deployment's placement group bundles (to pin its ranks to a node type) names
+    a deployment the app has, and its bundles are the app's own, with one node-type resource on each rank's."""
+    (app,) = ServeDeploySchema.model_validate(SERVE_CONFIGS[name]).applications
+    own = {
+        d.name: d._replica_config.placement_group_bundles for d in build_app(built_app(app), name=app.name).deployments
+    }
+    for deployment in app.deployments:
+        resource = PD_NODE_RESOURCES[deployment.name]
+        bundles = deployment.placement_group_bundles
+        assert [{k: v for k, v in b.items() if k != resource} for b in bundles] == own[deployment.name]
+        assert [b.get(resource) for b in bundles] == [1 if "GPU" in b else None for b in bundles]
 
 
 # ---- what the cluster holds against what Serve asks -------------------------------------------------
@@ -174,6 +200,37 @@ def test_rayservice_gpu_pods_hold_serves_min_and_max_replicas(name):
         assert pods * pod["GPU"] == gpus
         cpus += 1 if len(apps) > 1 else 0  # the ModelRouter's replica
         assert cpus <= head["CPU"] + pods * pod["CPU"], f"{bound} replicas need {cpus} CPUs"
+
+
+def node_resources(group: dict) -> dict[str, float]:
+    """A worker group's custom Ray resources: KubeRay takes rayStartParams' value as a JSON string, quoted."""
+    return json.loads(json.loads(group["rayStartParams"].get("resources", '"{}"')))
+
+
+def test_the_pd_rayservice_serves_the_pd_serve_config():
+    assert SERVE_CONFIGS["rayservice-pd.yaml:serveConfigV2"] == SERVE_CONFIGS["serve_config_pd.yaml"]
+
+
+def test_pd_node_groups_hold_each_sides_min_and_max_replicas():
+    """Prefill and decode engines on their own node types: each side's worker group offers its resource, one per
+    GPU, and its minReplicas / maxReplicas pods hold exactly that side's min_replicas / max_replicas engines."""
+    manifest = load(ROOT / "manifests" / "rayservice-pd.yaml")
+    (args,) = app_args_list(serve_args(manifest))
+    (app,) = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"]
+    bundles = {d["name"]: d["placement_group_bundles"] for d in app["deployments"]}
+    spec = cluster_spec(manifest)
+    cpus_needed, cpus_held = 0.0, limits(spec["headGroupSpec"])["CPU"]
+    for name, side in (("LLMServer", args), ("PrefillServer", args.prefill)):
+        resource = PD_NODE_RESOURCES[name]
+        (group,) = [g for g in spec["workerGroupSpecs"] if resource in node_resources(g)]
+        pod = limits(group)
+        assert node_resources(group) == {resource: pod["GPU"]}
+        assert sum(b.get(resource, 0) for b in bundles[name]) == side.engine.world_size
+        for bound, pods in (("min_replicas", group["minReplicas"]), ("max_replicas", group["maxReplicas"])):
+            assert pods * pod["GPU"] == getattr(side, bound) * side.engine.world_size, f"{name} {bound}"
+        cpus_needed += side.max_replicas * sum(b["CPU"] for b in bundles[name])
+        cpus_held += group["maxReplicas"] * pod["CPU"]
+    assert cpus_needed <= cpus_held
 
 
 @pytest.mark.parametrize("path", KUBERAY, ids=lambda p: p.name)

@@ -22,12 +22,16 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 from cluster import LLM, SamplingParams
+from cluster.serve.app import app_args_list
 from tests.cluster import wheelhouse
 from tests.cluster.hosts import VENV_BIN, Network, wait_for, why_hosts_cannot_be_made
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_YAMLS = sorted((ROOT / "cluster" / "ray_up").glob("*.yaml"))
 ONPREM_YAML = ROOT / "cluster" / "ray_up" / "onprem.yaml"
+PD_YAML = ROOT / "cluster" / "ray_up" / "aws-pd.yaml"
+PD_SERVE_CONFIG = ROOT / "manifests" / "serve_config_pd.yaml"  # what the PD cluster serves (`serve deploy`)
+GPUS_PER_NODE = {"p5.48xlarge": 8, "p5e.48xlarge": 8}
 PROMPT = "The capital of France is"
 MAX_TOKENS = 8
 # The tools the test needs, as `shutil.which` finds them, and the Debian package of each.
@@ -67,6 +71,24 @@ def test_the_cluster_yamls_are_the_aws_and_on_premises_ones():
         if t["node_config"]["InstanceType"].startswith(("g", "p"))
     ]
     assert gpu_types and all(t["max_workers"] > t["min_workers"] for t in gpu_types)
+
+
+def test_the_pd_clusters_node_types_hold_each_pd_deployments_min_and_max_replicas():
+    """Each PD deployment's rank bundles (manifests/serve_config_pd.yaml) ask a custom resource that one node type
+    offers, one per GPU, and that type's min / max workers hold exactly its min / max replicas' engines."""
+    (app,) = load(PD_SERVE_CONFIG)["applications"]
+    (args,) = app_args_list(app["args"])
+    sides = {"LLMServer": args, "PrefillServer": args.prefill}
+    node_types = load(PD_YAML)["available_node_types"]
+    for deployment in app["deployments"]:
+        side = sides[deployment["name"]]
+        (resource,) = {k for b in deployment["placement_group_bundles"] for k in b} - {"CPU", "GPU"}
+        (node,) = [t for t in node_types.values() if resource in t["resources"]]
+        gpus = GPUS_PER_NODE[node["node_config"]["InstanceType"]]
+        assert node["resources"] == {resource: gpus}
+        assert sum(b.get(resource, 0) for b in deployment["placement_group_bundles"]) == side.engine.world_size
+        assert node["min_workers"] * gpus == side.min_replicas * side.engine.world_size
+        assert node["max_workers"] * gpus == side.max_replicas * side.engine.world_size
 
 
 @pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
