@@ -32,13 +32,13 @@ class MixedLoad:
     for ``decode_len`` tokens and, once it ends, the next, until ``duration_s`` has passed. Every prompt is its own
     random ids (no prefix-cache hit anywhere), drawn from ``seed``, so both servers get the same prompts."""
 
-    prompt_len: int = 1024
-    prompt_rate: float = 0.2
-    prompt_output_len: int = 16
-    decodes: int = 12
-    decode_prompt_len: int = 32
-    decode_len: int = 96
-    duration_s: float = 90.0
+    prompt_len: int
+    prompt_rate: float
+    prompt_output_len: int
+    decodes: int
+    decode_prompt_len: int
+    decode_len: int
+    duration_s: float
     seed: int = 0
 
     def __post_init__(self) -> None:

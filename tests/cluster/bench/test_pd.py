@@ -92,4 +92,4 @@ def test_a_load_without_a_rate_is_refused_before_any_server_starts(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "pd", "--prompt-rate", "0"])
     assert e.value.code == 2
-    assert "prompt_rate=0.0, duration_s=90.0: both must be greater than 0" in capsys.readouterr().err
+    assert "prompt_rate=0.0, duration_s=120.0: both must be greater than 0" in capsys.readouterr().err
