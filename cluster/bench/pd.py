@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -113,8 +114,14 @@ async def drive(url: str, model: str, load: MixedLoad, vocab_size: int, api_key:
         return MixedTimes(long, [s for d in decodes for s in d], time.perf_counter() - t0)
 
 
+def stats(seconds: list[float]) -> dict:
+    """ms_stats and the largest: a prefill that stalls a step shows in the few worst gaps, which p99 may not reach."""
+    return ms_stats(seconds) | {"max": max(seconds, default=float("nan")) * 1e3}
+
+
 def mixed_row(name: str, times: MixedTimes) -> dict:
-    """The run's figures: failures, output tok/s, ITL over every stream, TTFT of each kind (milliseconds)."""
+    """The run's figures: failures, output tok/s, ITL over every stream and its first gap alone (under PD the
+    handoff to the decode engine: the KV transfer, admission, one decode step), TTFT of each kind (milliseconds)."""
     ok = {kind: [s for s in getattr(times, kind) if s.error is None and s.chunks] for kind in ("long", "decode")}
     every = ok["long"] + ok["decode"]
     return {
@@ -124,24 +131,32 @@ def mixed_row(name: str, times: MixedTimes) -> dict:
         "num_requests": len(times.long) + len(times.decode),
         "errors": [s.error for s in times.long + times.decode if s.error is not None],
         "output_throughput": sum(s.output_tokens for s in every) / times.seconds,
-        "itl": ms_stats([b - a for s in every for a, b in zip(s.chunks, s.chunks[1:])]),
-        "ttft_long": ms_stats([s.chunks[0] - s.sent for s in ok["long"]]),
-        "ttft_decode": ms_stats([s.chunks[0] - s.sent for s in ok["decode"]]),
+        "itl": stats([b - a for s in every for a, b in zip(s.chunks, s.chunks[1:])]),
+        "first_gap": stats([s.chunks[1] - s.chunks[0] for s in every if len(s.chunks) > 1]),
+        "ttft_long": stats([s.chunks[0] - s.sent for s in ok["long"]]),
+        "ttft_decode": stats([s.chunks[0] - s.sent for s in ok["decode"]]),
     }
 
 
-ROW_STATS = {"itl": "ITL, every stream", "ttft_long": "TTFT, long prompts", "ttft_decode": "TTFT, decode streams"}
+ROW_STATS = {
+    "itl": "ITL, every stream",
+    "first_gap": "ITL, first gap",
+    "ttft_long": "TTFT, long prompts",
+    "ttft_decode": "TTFT, decode streams",
+}
 
 
 def print_mixed_row(row: dict) -> None:
     print(
         f"  {row['name']}: {row['completed']}/{row['num_requests']} ok in {row['duration_s']:.1f} s, "
-        f"{row['output_throughput']:.1f} output tok/s"
+        f"{row['output_throughput']:.1f} output tok/s; load average "
+        f"{'/'.join(f'{x:.1f}' for x in os.getloadavg())} at the end"
     )
     for error in sorted(set(row["errors"])):
         print(f"    failed: {error}")
     for key, label in ROW_STATS.items():
-        print(f"    {label + ' ms':26s} median {row[key]['median']:9.1f}   p99 {row[key]['p99']:9.1f}")
+        s = row[key]
+        print(f"    {label + ' ms':24s} median {s['median']:8.1f}   p99 {s['p99']:8.1f}   max {s['max']:8.1f}")
 
 
 def print_ratios(pd: dict, unified: dict) -> None:

@@ -75,6 +75,8 @@ def test_a_row_measures_itl_over_every_stream_and_ttft_per_kind(capsys):
     assert (row["completed"], row["num_requests"], row["errors"]) == (2, 3, ["HTTP 503: no prefill replica"])
     assert row["output_throughput"] == 5 / 2.5
     assert row["itl"]["median"] == pytest.approx(200.0)  # gaps 500, 100, 200 ms
+    assert row["itl"]["max"] == pytest.approx(500.0)
+    assert row["first_gap"]["median"] == pytest.approx(300.0)  # each stream's first: 500, 100 ms
     assert row["ttft_long"]["median"] == pytest.approx(1000.0)
     assert row["ttft_decode"]["median"] == pytest.approx(100.0)
     halved = mixed_row("pd", MixedTimes([long], [decode], seconds=1.25))
