@@ -147,7 +147,8 @@ class AppArgs(BaseModel):
         a ValueError names a bad key or value. None without ``pd``."""
         if not self.pd:
             return None
-        spec = json_object("prefill_config", self.prefill_config or "{}")
+        # Keys spelled as a config file's (max-replicas) or as the fields (max_replicas), as models' entries are.
+        spec = {k.replace("-", "_"): v for k, v in json_object("prefill_config", self.prefill_config or "{}").items()}
         unknown = sorted(set(spec) - set(EngineConfig.model_fields) - set(PREFILL_APP_KEYS))
         if unknown:
             raise ValueError(

@@ -205,7 +205,7 @@ def test_a_config_file_is_read_as_vllm_reads_it_and_flags_win(monkeypatch, tmp_p
             None,
             "prefill_config block_size=32 differs from the decode engines' block_size=16",
         ),
-        ([], "pd: true\nprefill-config: {max-replicas: 2}\n", "prefill_config has unknown keys ['max-replicas']"),
+        ([], "pd: true\nprefill-config: {api-key: k}\n", "prefill_config has unknown keys ['api_key']"),
         (["--prefill-config", "{}"], None, "prefill_config='{}' is set but pd is off: pass --pd"),
     ],
 )

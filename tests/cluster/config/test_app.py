@@ -12,7 +12,7 @@ def test_the_prefill_side_takes_the_decode_sides_settings_but_those_prefill_conf
         engine=EngineConfig(model="/m", max_num_seqs=8, enable_lora=True, lora_modules=["a=/a"]),
         pd=True,
         max_replicas=3,
-        prefill_config={"tensor_parallel_size": 2, "min_replicas": 2, "max_num_batched_tokens": 4096},
+        prefill_config={"tensor_parallel_size": 2, "min-replicas": 2, "max_num_batched_tokens": 4096},
     )
     prefill = args.prefill
     assert (prefill.engine.tensor_parallel_size, prefill.engine.max_num_batched_tokens) == (2, 4096)

@@ -19,13 +19,13 @@ class RayStarting(Exception):
     pass
 
 
-def _start_until_ray_starts(monkeypatch, address, port=None, grpc_port=None) -> dict:
+def _start_until_ray_starts(monkeypatch, address, port=None, grpc_port=None, args=None) -> dict:
     """`start(address=...)` with no Ray yet, up to its `connect` (which raises RayStarting): returns the
-    environment Ray's processes would inherit."""
+    environment Ray's processes would inherit, and the CPUs asked of Ray as MIN_CPUS."""
     seen = {}
 
     def connect(address, min_cpus):
-        seen.update(os.environ)
+        seen.update(os.environ, MIN_CPUS=min_cpus)
         raise RayStarting
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -33,12 +33,33 @@ def _start_until_ray_starts(monkeypatch, address, port=None, grpc_port=None) -> 
     monkeypatch.setattr(app, "connect", connect)
     with pytest.raises(RayStarting):
         app.start(
-            AppArgs(engine=EngineConfig(model="/m")),
+            args or AppArgs(engine=EngineConfig(model="/m")),
             address=address,
             port=port or free_port(),
             grpc_port=grpc_port or free_port(),
         )
     return seen
+
+
+def test_a_serve_config_with_pd_deploys_the_prefill_engines_beside_the_llm_server():
+    application = app.build_app(
+        {"model": "/m", "pd": True, "prefill_config": {"tensor_parallel_size": 2, "max_replicas": 3}}
+    )
+    server = application._bound_deployment  # Serve has no public view of an application's deployments
+    prefill = server.init_args[1]._bound_deployment
+    assert (server.name, prefill.name) == ("LLMServer", "PrefillServer")
+    assert prefill.init_args[0].engine.tensor_parallel_size == 2
+    assert prefill._deployment_config.autoscaling_config.max_replicas == 3
+    assert len(prefill._replica_config.placement_group_bundles) == 4  # the replica's, the scheduler's, two ranks'
+    assert app.build_app({"model": "/m"})._bound_deployment.init_args[1] is None
+
+
+def test_a_ray_of_our_own_has_cpus_for_every_prefill_replica_too(monkeypatch):
+    args = AppArgs(
+        engine=EngineConfig(model="/m"), pd=True, prefill_config={"tensor_parallel_size": 2, "max_replicas": 3}
+    )
+    # The decode replica (its own, the scheduler's, one rank's), and three prefill replicas (theirs, two ranks').
+    assert _start_until_ray_starts(monkeypatch, None, args=args)["MIN_CPUS"] == 3 + 3 * 4
 
 
 def _env_when_ray_starts(monkeypatch, address, preset=None):
