@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,19 +204,18 @@ def bench_pd(
     prefill_replicas: int = 1,
     decode_replicas: int = 1,
     num_threads: int = 1,
-    kv_cache_bytes: int | None = None,
+    serve_flags: str = "",
 ) -> dict[str, dict]:
     """Unified with ``prefill_replicas + decode_replicas`` replicas, then PD with those, every engine of one rank
-    with ``num_threads`` torch threads; prints both rows, PD's ratios and the KV it moved."""
+    with ``num_threads`` torch threads and ``serve_flags`` (more `raylm serve` flags, as a shell would split them;
+    PD's prefill side takes them too); prints both rows, PD's ratios and the KV it moved."""
     from workers.default_model import default_model_path
 
     model_path = model or default_model_path()
     vocab_size = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]
     block_size = EngineConfig(model=model_path, device="cpu").block_size
-    print(f"raylm bench pd: {load.describe()}")
-    common = [*(["--model", model] if model else []), "--num-threads", str(num_threads)]
-    if kv_cache_bytes:
-        common += ["--kv-cache-bytes", str(kv_cache_bytes)]
+    print(f"raylm bench pd: {load.describe()}" + (f"; both servers with {serve_flags}" if serve_flags else ""))
+    common = [*(["--model", model] if model else []), "--num-threads", str(num_threads), *shlex.split(serve_flags)]
     replicas = prefill_replicas + decode_replicas
     unified, _ = run_server(
         f"unified ({replicas} replicas)",

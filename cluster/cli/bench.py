@@ -449,7 +449,12 @@ def _pd(sub) -> None:
     p.add_argument("--prefill-replicas", type=int, default=1, help="PD's prefill replicas (unified: their sum)")
     p.add_argument("--decode-replicas", type=int, default=1)
     p.add_argument("--num-threads", type=int, default=1, help="torch threads of every engine's rank")
-    p.add_argument("--kv-cache-bytes", type=int, default=None, help="each rank's KV cache (default: raylm's)")
+    p.add_argument(
+        "--serve-flags",
+        default="",
+        help="more raylm serve flags for both servers, quoted (PD's prefill side takes them too), "
+        "e.g. '--max-num-batched-tokens 256'",
+    )
     p.add_argument("--seed", type=int, default=0)
 
     def run(args: argparse.Namespace) -> None:
@@ -465,7 +470,7 @@ def _pd(sub) -> None:
             duration_s=args.duration_s,
             seed=args.seed,
         )
-        bench_pd(args.model, load, args.prefill_replicas, args.decode_replicas, args.num_threads, args.kv_cache_bytes)
+        bench_pd(args.model, load, args.prefill_replicas, args.decode_replicas, args.num_threads, args.serve_flags)
 
     p.set_defaults(run=run)
 
