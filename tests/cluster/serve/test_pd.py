@@ -136,8 +136,10 @@ def assert_unified(got, expected, tokenizer_text: str) -> None:
     text, logprobs, tops, usage = got
     tokens, ref_logprobs, ref_tops, cached = expected
     assert text == tokenizer_text
-    assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
-    assert [t[:TOP] for t in tops] == [pytest.approx(t, abs=1e-4) for t in ref_tops]
+    # Equal here to the last bit; the margin is for a machine where the two processes' thread counts would sum the
+    # same products in another order. A block moved wrong changes them by far more.
+    assert logprobs == pytest.approx(ref_logprobs, abs=1e-6)
+    assert [t[:TOP] for t in tops] == [pytest.approx(t, abs=1e-6) for t in ref_tops]
     assert usage.completion_tokens == len(tokens)
     assert usage.prompt_tokens_details.cached_tokens == cached
 
