@@ -16,7 +16,17 @@ from cluster.config import AppArgs, EngineConfig
 from cluster.engine.network import free_port
 from cluster.serve.app import APP_NAME
 from cluster.serve.pd import PDEngine, PrefillUnavailable, splits
-from scheduler import EngineRequest, KVPart, KVTransfer, KVTransferError, RequestOutput, SampledLogprobs, SamplingParams
+from cluster.serve.router import HASHES_KWARG
+from scheduler import (
+    EngineRequest,
+    KVPart,
+    KVTransfer,
+    KVTransferError,
+    Request,
+    RequestOutput,
+    SampledLogprobs,
+    SamplingParams,
+)
 from tests.cluster.serve.test_server import serving
 
 MODEL = "smol"
@@ -225,10 +235,12 @@ class FakePrefill:
     def __init__(self, *results) -> None:
         self.results = list(results)
         self.requests: list[EngineRequest] = []
+        self.kwargs: list[dict] = []
         self.prefill = self
 
     def remote(self, request: EngineRequest, **kwargs) -> FakeResponse:
         self.requests.append(request)
+        self.kwargs.append(kwargs)
         return FakeResponse(self.results.pop(0))
 
 
@@ -294,6 +306,9 @@ def test_pd_streams_the_prefilled_token_then_the_decode_engines(monkeypatch):
     assert outs[0].kv_transfer is None
     sent = prefill.requests[0]
     assert (sent.sampling_params.max_tokens, sent.kv_export_from_block) == (1, 2)
+    # The prompt's full blocks' hashes, for the prefill deployment's prefix-cache router (router.py).
+    assert prefill.kwargs == [{HASHES_KWARG: Request(sent, block_size=16).block_hashes}]
+    assert len(prefill.kwargs[0][HASHES_KWARG]) == 2
     assert decode.requests[0].kv_transfer.token_ids == [7]
     assert decode.requests[0].sampling_params.prompt_logprobs is None  # they came with the prefilled token
 
