@@ -593,10 +593,9 @@ class Scheduler:
         req_id = request.request_id
         first = num_hit_tokens // self.block_size
         num_prompt_blocks = -(-request.num_prompt_tokens // self.block_size)
-        block_ids = self.kv.get_block_ids(req_id)
-        self.kv_imports[req_id] = KVImport(
-            block_ids=block_ids[first:num_prompt_blocks], offset=first - transfer.first_block
-        )
+        if first < num_prompt_blocks:  # else its cache held every block (its ranks drop the staged KV)
+            block_ids = self.kv.get_block_ids(req_id)[first:num_prompt_blocks]
+            self.kv_imports[req_id] = KVImport(block_ids=block_ids, offset=first - transfer.first_block)
         self._admit(request, num_hit_tokens, CachedRequestData(), new_data, num_computed=request.num_prompt_tokens)
         request.num_computed_tokens = request.num_tokens
 

@@ -126,3 +126,13 @@ def test_a_transfer_from_an_engine_of_another_block_size_is_refused_naming_both(
     with pytest.raises(RequestError, match="kv_transfer.block_size=16 is invalid: this engine's blocks hold 8"):
         decode.add_request(dataclasses.replace(request, kv_transfer=first.kv_transfer))
     assert not decode.worker.staged_kv
+
+
+def test_a_prompt_the_decode_engine_holds_whole_moves_nothing(engines):
+    unified, prefill, decode = engines
+    request = EngineRequest(request_id="w", prompt_token_ids=prompt(24, 8), sampling_params=params())
+    disaggregated(prefill, decode, request)
+    got = disaggregated(prefill, decode, request)  # its three blocks are cached here now (the probe sees two)
+    assert got[0].kv_transfer.num_blocks == 1
+    assert tokens_and_logprobs(got)[0] == tokens_and_logprobs(outputs(unified, request))[0]
+    assert not decode.worker.staged_kv and decode.scheduler.kv.usage() == 0
