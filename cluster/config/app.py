@@ -179,8 +179,8 @@ class AppArgs(BaseModel):
 
 
 def check_pd(decode: AppArgs, prefill: AppArgs) -> None:
-    """Refuse, naming both values, a prefill side whose KV blocks the decode side could not read, and, naming the
-    setting, what PD cannot serve on either side."""
+    """Refuse, naming both values, a prefill side whose KV blocks the decode side could not read or whose context
+    is shorter than the decode side's, and, naming the setting, what PD cannot serve on either side."""
     for key in PD_SHARED:
         p, d = (getattr(a.engine, key) for a in (prefill, decode))
         if SAME_KV_DTYPES.get(p, p) != SAME_KV_DTYPES.get(d, d):
@@ -188,6 +188,12 @@ def check_pd(decode: AppArgs, prefill: AppArgs) -> None:
                 f"prefill_config {key}={p!r} differs from the decode engines' {key}={d!r}: a prompt's KV blocks "
                 f"move from prefill to decode engines only when both have the same {', '.join(PD_SHARED)}"
             )
+    p, d = prefill.engine.max_model_len, decode.engine.max_model_len
+    if p is not None and d is not None and p < d:
+        raise ValueError(
+            f"prefill_config max_model_len={p} is below the decode engines' max_model_len={d}: every prompt the API "
+            "takes must fit the prefill engines"
+        )
     for side, engine in (("", decode.engine), ("prefill_config ", prefill.engine)):
         if engine.pipeline_parallel_size > 1:
             raise ValueError(

@@ -46,6 +46,11 @@ def test_pd_binds_no_threads_by_default_its_two_sides_may_share_a_node():
             {},
             "pd cannot be served with speculative_config method='draft_model'",
         ),
+        (
+            {"max_model_len": 2048},
+            {"max_model_len": 1024},
+            "prefill_config max_model_len=1024 is below the decode engines' max_model_len=2048",
+        ),
         ({}, {"tensor_parallel_size": 0}, "prefill_config: tensor_parallel_size=0 is invalid"),
         ({}, {"min_replicas": 2}, "prefill_config: min_replicas=2 is greater than max_replicas=1"),
         ({}, {"served_model_name": "x"}, "prefill_config has unknown keys ['served_model_name']"),
