@@ -148,6 +148,10 @@ class PDEngine:
                             f"the prompt's KV did not reach the decode engine twice: {e}"
                         ) from None
                     retry = await self._prefill(prefill_request, hashes)
+                    if retry.kv_transfer is None:  # it failed in the engine: nothing to decode from
+                        raise PrefillUnavailable(
+                            f"the prompt's KV was lost ({e}), and its prefill again: {retry.error}"
+                        ) from None
                     transfer = dataclasses.replace(retry.kv_transfer, token_ids=first.kv_transfer.token_ids)
                     continue
                 while out is not None:

@@ -340,6 +340,10 @@ def test_pd_retries_a_lost_kv_transfer_on_a_new_prefill_keeping_the_token_it_str
     prefill = FakePrefill(*[delta([7], "length", kv_transfer=transfer(7))] * 2)
     with pytest.raises(PrefillUnavailable, match="lost again"):
         run_pd(decode, prefill, monkeypatch)
+    decode = FakeDecode(0, KVTransferError("lost"))
+    prefill = FakePrefill(delta([7], "length", kv_transfer=transfer(7)), delta([], "error", error="step failed"))
+    with pytest.raises(PrefillUnavailable, match=r"KV was lost \(lost\), and its prefill again: step failed"):
+        run_pd(decode, prefill, monkeypatch)
 
 
 @pytest.mark.parametrize(
