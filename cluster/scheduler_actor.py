@@ -7,7 +7,9 @@ publisher (pyzmq, msgpack), never torch. engine/ray_client.py places it and the 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import time
 
 import ray
 
@@ -67,6 +69,7 @@ class SchedulerActor:
         self.core: EngineCore | None = None
         self.loop_task: asyncio.Task | None = None
         self.driver = 0  # the index of the rank whose reply carries the sampled tokens
+        self.kv_transfers = [0, 0, 0.0]  # requests whose KV every rank fetched, bytes, seconds (SchedulerStats)
 
     async def start(
         self,
@@ -129,6 +132,7 @@ class SchedulerActor:
             raise
 
     async def _stage_kv(self, request: EngineRequest) -> None:
+        start = time.perf_counter()
         results = await asyncio.gather(
             *[
                 w.stage_kv.options(concurrency_group=KV_TRANSFERS).remote(request.request_id, request.kv_transfer.parts)
@@ -143,6 +147,9 @@ class SchedulerActor:
                 f"request {request.request_id!r}: its prompt's KV did not reach every rank of this engine "
                 f"({type(cause).__name__}: {str(cause).strip().splitlines()[-1]})"
             ) from None
+        self.kv_transfers[0] += 1
+        self.kv_transfers[1] += sum(results)
+        self.kv_transfers[2] += time.perf_counter() - start
 
     async def prefix_hit_blocks(self, request: EngineRequest) -> int:
         """How many leading prompt blocks of ``request`` the prefix cache holds now (Scheduler.prefix_hit_blocks)."""
@@ -190,7 +197,10 @@ class SchedulerActor:
     # ---- observability --------------------------------------------------------------
 
     async def stats(self) -> SchedulerStats:
-        return self.core.scheduler.stats()
+        num, nbytes, seconds = self.kv_transfers
+        return dataclasses.replace(
+            self.core.scheduler.stats(), num_kv_transfers=num, kv_transfer_bytes=nbytes, kv_transfer_s=seconds
+        )
 
     async def routing_digest(self, limit: int) -> tuple[list[bytes], int]:
         """The prefix cache's block hashes (at most ``limit``) and the requests it holds (running and waiting)."""

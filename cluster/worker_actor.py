@@ -92,9 +92,9 @@ class WorkerActor:
             for rid, blocks in exported.items()
         }
 
-    def stage_kv(self, req_id: str, parts: list) -> None:
+    def stage_kv(self, req_id: str, parts: list) -> int:
         """Fetch this rank's heads of a request's transferred KV (only the parts that hold them, each head from
-        one) and keep them until the step that admits the request (Worker.stage_kv)."""
+        one) and keep them until the step that admits the request (Worker.stage_kv); returns the bytes fetched."""
         import ray
 
         start, num = self.worker.kv_heads()
@@ -104,6 +104,7 @@ class WorkerActor:
                 needed += [p for p in parts if p.head_start <= head < p.head_start + p.num_heads][:1]
         arrays = ray.get([p.data for p in needed])
         self.worker.stage_kv(req_id, [(p.head_start, a) for p, a in zip(needed, arrays)])
+        return sum(a.nbytes for a in arrays)
 
     def drop_staged_kv(self, req_id: str) -> None:
         self.worker.drop_staged_kv(req_id)

@@ -65,3 +65,8 @@ class SchedulerStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] | None = None
+    # Prefill/decode disaggregation, since start, filled by the transport that fetches the KV (the scheduler never
+    # sees it): requests whose KV reached every rank, the bytes the ranks fetched, and the seconds that took
+    num_kv_transfers: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_s: float = 0.0

@@ -142,6 +142,7 @@ class Worker:
         self.link: StageLink | None = None
         self.staged_kv: dict[str, np.ndarray] = {}  # transferred KV by request id, until its admission (stage_kv)
         self.kv_exported: dict[str, np.ndarray] = {}  # the last step's KV exports, until the transport takes them
+        self.kv_import_s = 0.0  # time writing transferred KV into the cache (raylm bench kv-transfer)
         self.busy_s = 0.0  # time in execute_model, less the time its stage link waited: the bench's busy fraction
 
     def init_device(self) -> str:
@@ -478,11 +479,13 @@ class Worker:
         forward: SchedulerOutput's order), and drop what is staged for requests that left or were admitted
         without it (their prefix was evicted, so they compute it)."""
         staged = self.staged_kv
+        start = time.perf_counter()
         with torch.inference_mode():
             for rid, kv_import in so.kv_imports.items():
                 blocks = staged.pop(rid)
                 n = len(kv_import.block_ids)
                 self.cache.write_blocks(kv_import.block_ids, blocks[:, :, kv_import.offset : kv_import.offset + n])
+        self.kv_import_s += time.perf_counter() - start
         for rid in so.finished_req_ids:
             staged.pop(rid, None)
         for new in so.scheduled_new_reqs:
@@ -507,15 +510,22 @@ class Worker:
 
 def own_heads(parts: list[tuple[int, np.ndarray]], start: int, num: int) -> np.ndarray:
     """KV heads ``start .. start + num - 1`` out of other ranks' arrays (axis 4 is the head; each part's first head
-    given), whatever the tensor-parallel split that made them, as a new array."""
-    columns = []
-    for head in range(start, start + num):
+    given), whatever the tensor-parallel split that made them. A part that is exactly those heads (equal splits) is
+    kept as it is, no copy (from the object store it is a read-only view, which the import's write into the cache
+    copies once); otherwise each run of heads a part holds is copied into a new array."""
+    runs = []
+    head, end = start, start + num
+    while head < end:
         part = next(((first, a) for first, a in parts if first <= head < first + a.shape[4]), None)
         if part is None:
             held = [f"{first}..{first + a.shape[4] - 1}" for first, a in parts]
-            raise ValueError(
-                f"transferred KV holds heads {held}: this rank needs head {head} ({start}..{start + num - 1})"
-            )
+            raise ValueError(f"transferred KV holds heads {held}: this rank needs head {head} ({start}..{end - 1})")
         first, array = part
-        columns.append(array[:, :, :, :, head - first : head - first + 1])
-    return np.concatenate(columns, axis=4)  # a copy even of one part: the transport's buffer may then go
+        stop = min(end, first + array.shape[4])
+        runs.append(
+            array if (head, stop) == (first, first + array.shape[4]) else array[..., head - first : stop - first, :]
+        )
+        head = stop
+    if len(runs) == 1:
+        return runs[0] if any(runs[0] is a for _, a in parts) else np.array(runs[0])
+    return np.concatenate(runs, axis=4)

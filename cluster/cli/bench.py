@@ -29,6 +29,7 @@ def add_parser(sub) -> None:
         _soak,
         _serve,
         _pd,
+        _kv_transfer,
         _spec,
     ):
         add(bench_sub)
@@ -49,6 +50,23 @@ def _scheduler(sub) -> None:
         from cluster.bench.scheduler import bench_scheduler
 
         bench_scheduler(tuple(args.sizes), args.prompt_len, args.block_size, args.steps)
+
+    p.set_defaults(run=run)
+
+
+def _kv_transfer(sub) -> None:
+    p = sub.add_parser(
+        "kv-transfer", help="a prompt's KV from a prefill engine to a decode engine, against the object store's copy"
+    )
+    p.add_argument("--model", default=None, help="HF model directory (default: the default model)")
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--num-requests", type=int, default=8, help="per prompt length")
+    p.add_argument("--max-tokens", type=int, default=16)
+
+    def run(args: argparse.Namespace) -> None:
+        from cluster.bench.kv_transfer import bench_kv_transfer
+
+        bench_kv_transfer(args.model, tuple(args.prompt_lens), args.num_requests, args.max_tokens)
 
     p.set_defaults(run=run)
 

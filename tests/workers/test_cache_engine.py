@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from workers.cache_engine import CacheEngine, check_swap_space, host_memory_available, pinned_bytes
+from workers.cache_engine import CacheEngine, block_runs, check_swap_space, host_memory_available, pinned_bytes
 
 
 def engine(num_host_blocks=6, dtype=torch.bfloat16) -> CacheEngine:
@@ -72,3 +72,25 @@ def test_every_rank_on_a_host_pins_its_own_tier():
     check_swap_space(3 << 30, pinned=True, ranks_on_host=2, available=9 << 30)  # 2 x 4 GiB of 9
     with pytest.raises(ValueError, match=r"on each of 3 ranks"):
         check_swap_space(3 << 30, pinned=True, ranks_on_host=3, available=9 << 30)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_blocks_read_in_any_order_are_written_elsewhere_bit_for_bit(dtype):
+    source, target = engine(0, dtype), engine(0, dtype)
+    blocks = source.read_blocks([5, 6, 2, 3, 7])  # runs 5-6, 2-3 and 7
+    assert blocks.shape == (2, 3, 5, 4, 2, 8 * torch.finfo(dtype).bits // 8)
+    target.write_blocks([1, 4, 5, 6, 0], blocks)
+    for src, dst in zip([5, 6, 2, 3, 7], [1, 4, 5, 6, 0]):
+        assert torch.equal(target.kv_cache[:, :, dst].view(torch.uint8), source.kv_cache[:, :, src].view(torch.uint8))
+
+
+def test_blocks_of_another_shape_are_refused_naming_both():
+    blocks = engine(0).read_blocks([1, 2])
+    with pytest.raises(
+        ValueError, match=r"\(2, 3, 2, 4, 1, 16\) \(bytes\) do not fit 2 blocks of this cache, \(2, 3, 2, 4, 2, 16\)"
+    ):
+        engine(0).write_blocks([3, 4], blocks[:, :, :, :, :1])
+
+
+def test_block_runs_group_consecutive_ids():
+    assert block_runs([4, 5, 6, 1, 9, 10]) == [(0, 4, 3), (3, 1, 1), (4, 9, 2)]

@@ -156,3 +156,17 @@ def test_rope_frequencies_are_computed_on_cpu_whatever_the_default_device():
     with torch.device("meta"):
         inside = _inv_freq(64, rope)
     assert inside.device.type == "cpu" and torch.equal(inside, _inv_freq(64, rope))
+
+
+def test_own_heads_takes_a_ranks_heads_from_any_split():
+    import numpy as np
+
+    from workers.worker import own_heads
+
+    full = np.arange(2 * 1 * 2 * 1 * 4 * 3, dtype=np.uint8).reshape(2, 1, 2, 1, 4, 3)
+    halves = [(0, full[..., :2, :]), (2, full[..., 2:, :])]
+    assert np.array_equal(own_heads(halves, 1, 2), full[..., 1:3, :])  # across two parts
+    assert own_heads(halves, 2, 2) is halves[1][1]  # a whole part: kept, no copy
+    assert np.array_equal(own_heads([(0, full)], 3, 1), full[..., 3:, :])
+    with pytest.raises(ValueError, match=r"holds heads \['0..1'\]: this rank needs head 2 \(2..3\)"):
+        own_heads(halves[:1], 2, 2)
