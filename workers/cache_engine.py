@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -113,29 +114,29 @@ class CacheEngine:
         write. On CUDA the gather runs on the compute stream, so it reads the
         blocks before any later kernel writes them.
         """
-        # Bytes are copied: index_copy_ has no float8 kernel on CPU (an FP8 cache, --kv-cache-dtype fp8).
+        # Bytes are copied: index_copy_ has no float8 kernel on CPU (an FP8 cache, --kv-cache-dtype fp8). Host-side
+        # copies go block run by block run (copy_blocks); the device's gather and scatter stay one kernel each.
         device_cache, host_cache = self.kv_cache.view(torch.uint8), self.host_cache.view(torch.uint8)
         dev = device_cache.device
         if swap_out:
             src, dst = zip(*swap_out)
-            blocks = device_cache.index_select(2, torch.tensor(src, device=dev))
-            host_cache.index_copy_(2, torch.tensor(dst), blocks.cpu())
+            if dev.type == "cuda":  # gathered on the device first: one copy to the host, not one per run
+                copy_blocks(host_cache, dst, gather_blocks(device_cache, src).cpu(), range(len(dst)))
+            else:
+                copy_blocks(host_cache, dst, device_cache, src)
         if swap_in:
             src, dst = zip(*swap_in)
-            blocks = host_cache.index_select(2, torch.tensor(src))
             if dev.type == "cuda":
-                blocks = blocks.pin_memory().to(dev, non_blocking=True)
-            device_cache.index_copy_(2, torch.tensor(dst, device=dev), blocks)
+                blocks = gather_blocks(host_cache, src).pin_memory().to(dev, non_blocking=True)
+                device_cache.index_copy_(2, torch.tensor(dst, device=dev), blocks)
+            else:
+                copy_blocks(device_cache, dst, host_cache, src)
 
     def read_blocks(self, block_ids: list[int]) -> np.ndarray:
         """These blocks of every layer, keys and values, as one host array of the cache's raw bytes
         (``[2, num_layers, len(block_ids), block_size, kv_heads, head_dim * itemsize]`` uint8): what a KV transfer
         sends. Raw bytes so that any KV dtype (FP8 included) crosses processes as it is stored."""
-        cache = self.kv_cache.view(torch.uint8)
-        out = torch.empty(cache.shape[:2] + (len(block_ids),) + cache.shape[3:], dtype=torch.uint8)
-        for i, first, n in block_runs(block_ids):
-            out[:, :, i : i + n].copy_(cache[:, :, first : first + n])
-        return out.numpy()
+        return gather_blocks(self.kv_cache.view(torch.uint8), block_ids).cpu().numpy()
 
     def write_blocks(self, block_ids: list[int], blocks: np.ndarray) -> None:
         """Write ``blocks`` (read_blocks' layout, this rank's heads) into these blocks; a ValueError naming both
@@ -151,20 +152,35 @@ class CacheEngine:
         with warnings.catch_warnings():  # a read-only view of the object store's buffer: index_copy_ only reads it
             warnings.simplefilter("ignore", UserWarning)
             src = torch.from_numpy(np.ascontiguousarray(blocks))
-        if cache.device.type == "cuda":
-            src = src.pin_memory().to(cache.device, non_blocking=True)
-        for i, first, n in block_runs(block_ids):
-            cache[:, :, first : first + n].copy_(src[:, :, i : i + n])
+        if cache.device.type == "cuda":  # one scatter kernel
+            cache.index_copy_(2, torch.tensor(block_ids, device=cache.device), src.pin_memory().to(cache.device))
+        else:
+            copy_blocks(cache, block_ids, src, range(len(block_ids)))
 
 
-def block_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
-    """``block_ids`` as runs of consecutive ids: (index in the list, first id, length). A transfer copies each run as
-    one strided slice: uint8 index_copy_/index_select on CPU measured 10-14x slower than slice copies (418 vs
-    5,671 MiB/s for 128 blocks of SmolLM2's shape), and a fresh request's blocks are mostly consecutive."""
-    runs = []
-    for i, block_id in enumerate(block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == block_id:
+def block_runs(dst_ids: Sequence[int], src_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Block pairs (dst_ids[i], src_ids[i]) as runs where both ids go up by one: (first dst, first src, length).
+    Copies go run by run as strided slices: on CPU, uint8 index_copy_ measured 10x slower than slice copies (418 vs
+    5,671 MiB/s for 128 consecutive blocks of SmolLM2's shape; 236 vs 25 ms for 128 scattered ones)."""
+    runs: list[tuple[int, int, int]] = []
+    for d, s in zip(dst_ids, src_ids):
+        if runs and runs[-1][0] + runs[-1][2] == d and runs[-1][1] + runs[-1][2] == s:
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
-            runs.append((i, block_id, 1))
+            runs.append((d, s, 1))
     return runs
+
+
+def copy_blocks(dst: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor, src_ids: Sequence[int]) -> None:
+    """``dst[:, :, dst_ids[i]] = src[:, :, src_ids[i]]`` for every i (block tensors: axis 2 is the block)."""
+    for d, s, n in block_runs(dst_ids, src_ids):
+        dst[:, :, d : d + n].copy_(src[:, :, s : s + n])
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+    """These blocks of ``cache`` as a new tensor on its device, in order (one gather kernel on a GPU)."""
+    if cache.device.type == "cuda":
+        return cache.index_select(2, torch.tensor(block_ids, device=cache.device))
+    out = cache.new_empty(cache.shape[:2] + (len(block_ids),) + cache.shape[3:])
+    copy_blocks(out, range(len(block_ids)), cache, block_ids)
+    return out

@@ -92,5 +92,5 @@ def test_blocks_of_another_shape_are_refused_naming_both():
         engine(0).write_blocks([3, 4], blocks[:, :, :, :, :1])
 
 
-def test_block_runs_group_consecutive_ids():
-    assert block_runs([4, 5, 6, 1, 9, 10]) == [(0, 4, 3), (3, 1, 1), (4, 9, 2)]
+def test_block_runs_group_pairs_whose_ids_both_go_up_by_one():
+    assert block_runs([4, 5, 6, 1, 9, 10], [0, 1, 7, 8, 9, 10]) == [(4, 0, 2), (6, 7, 1), (1, 8, 1), (9, 9, 2)]
