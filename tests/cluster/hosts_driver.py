@@ -19,8 +19,10 @@ import ray
 from cluster.config import EngineConfig
 from cluster.engine.ray_client import RayEngine
 from cluster.serve import AppArgs, start
+from scheduler import EngineRequest
 from tests.cluster.serve.test_server import stop_serve
-from tests.cluster.test_ray_engine import config, run_to_completion
+from tests.cluster.test_kv_transfer_ray import disaggregated
+from tests.cluster.test_ray_engine import PROMPTS, config, greedy, run_to_completion
 
 
 def _where(_actor) -> str:
@@ -69,6 +71,32 @@ def ep2(head_ip: str, model: str) -> dict:
         }
     finally:
         engine.shutdown()
+
+
+def pd(head_ip: str, model: str) -> dict:
+    """Two one-rank engines, each filling a worker host (PACK): every prompt computed by the first and decoded by
+    the second, twice (the second time the decode engine holds the prompts' prefixes). The greedy outputs, where
+    each engine's rank ran, and the KV bytes the decode rank fetched."""
+    prefill = RayEngine(config(model, num_threads=1), address=f"{head_ip}:6379")
+    decode = RayEngine(config(model, num_threads=1))
+
+    async def run() -> list[list[int]]:
+        requests = [
+            EngineRequest(request_id=f"{r}-{i}", prompt_token_ids=p, sampling_params=greedy(12))
+            for r in range(2)
+            for i, p in enumerate(PROMPTS)
+        ]
+        return [await disaggregated(prefill, decode, request) for request in requests]
+
+    try:
+        return {
+            "ips": ray.get([e.workers[0].__ray_call__.remote(_where) for e in (prefill, decode)]),
+            "outputs": asyncio.run(run()),
+            "kv_bytes": decode.stats().kv_transfer_bytes,
+        }
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
 
 
 def tp2_with_ifname(head_ip: str, model: str, ifname: str, timeout_s: str) -> dict:

@@ -57,6 +57,17 @@ def test_tp2_across_hosts_matches_tp1_with_the_scheduler_on_the_head(tp_hosts, m
     assert report["outputs"] == run_to_completion(InProcessEngine(config(model)))
 
 
+def test_kv_moves_between_engines_on_two_hosts_giving_the_unified_tokens(tp_hosts, model):
+    """Prefill/decode disaggregation across hosts: one engine on each worker host, the prompt's KV crossing
+    between them through the object store, with and without the decode engine holding the prefixes."""
+    head, w1, w2 = tp_hosts.hosts.values()
+    report = tp_hosts.driver(head, "pd", model, timeout_s=DRIVER_TIMEOUT_S)
+    assert sorted(report["ips"]) == sorted([w1.ip, w2.ip])
+    expected = run_to_completion(InProcessEngine(config(model)))
+    assert report["outputs"] == expected + expected
+    assert report["kv_bytes"] > 0
+
+
 def test_expert_parallel_across_hosts_matches_tp1(tp_hosts, tiny_model_dir):
     head, w1, w2 = tp_hosts.hosts.values()
     model = tiny_model_dir("qwen3_moe", None, **QWEN3_MOE)
