@@ -797,7 +797,7 @@ def test_health_is_503_while_the_replica_drains(stopping, status):
     from cluster.serve.server import LLMServer
 
     replica = SimpleNamespace(
-        drain=SimpleNamespace(is_stopping=lambda: stopping), engine=SimpleNamespace(check_health=dict)
+        drain=SimpleNamespace(is_stopping=lambda: stopping), engine=SimpleNamespace(check_health=dict), pd=None
     )
     response = asyncio.run(LLMServer.func_or_class.health(replica))
     assert response.status_code == status and (CODE in response.body.decode()) == stopping
