@@ -119,21 +119,8 @@ class Request:
         parent_id: str | None = None,
         index: int = 0,
     ) -> None:
+        check_engine_request(request)
         request_id, prompt_token_ids, priority = request.request_id, request.prompt_token_ids, request.priority
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id={request_id!r} is invalid: must be a non-empty string")
-        if not isinstance(prompt_token_ids, (list, tuple)):
-            raise ValueError(f"prompt_token_ids is a {type(prompt_token_ids).__name__}: must be a list of token ids")
-        if not prompt_token_ids:
-            raise ValueError("prompt_token_ids=[] is invalid: the prompt must have at least one token")
-        for t in prompt_token_ids:
-            # Block hashing packs ids as int64, so larger ones are as invalid as negative ones.
-            if type(t) is not int or not 0 <= t < 2**63:
-                raise ValueError(f"prompt_token_ids contains {t!r}: token ids must be integers in [0, 2**63)")
-        if not isinstance(priority, int):
-            raise ValueError(f"priority={priority!r} is invalid: must be an integer")
-        if request.cache_salt is not None and not isinstance(request.cache_salt, str):
-            raise ValueError(f"cache_salt={request.cache_salt!r} is invalid: must be a string or None")
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -214,3 +201,22 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.name}, "
             f"computed={self.num_computed_tokens}/{self.num_tokens})"
         )
+
+
+def check_engine_request(request: EngineRequest) -> None:
+    """A ValueError naming the field when the request's id, prompt, priority or cache salt is malformed."""
+    request_id, prompt_token_ids, priority = request.request_id, request.prompt_token_ids, request.priority
+    if not isinstance(request_id, str) or not request_id:
+        raise ValueError(f"request_id={request_id!r} is invalid: must be a non-empty string")
+    if not isinstance(prompt_token_ids, (list, tuple)):
+        raise ValueError(f"prompt_token_ids is a {type(prompt_token_ids).__name__}: must be a list of token ids")
+    if not prompt_token_ids:
+        raise ValueError("prompt_token_ids=[] is invalid: the prompt must have at least one token")
+    for t in prompt_token_ids:
+        # Block hashing packs ids as int64, so larger ones are as invalid as negative ones.
+        if type(t) is not int or not 0 <= t < 2**63:
+            raise ValueError(f"prompt_token_ids contains {t!r}: token ids must be integers in [0, 2**63)")
+    if not isinstance(priority, int):
+        raise ValueError(f"priority={priority!r} is invalid: must be an integer")
+    if request.cache_salt is not None and not isinstance(request.cache_salt, str):
+        raise ValueError(f"cache_salt={request.cache_salt!r} is invalid: must be a string or None")

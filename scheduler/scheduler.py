@@ -689,7 +689,6 @@ class Scheduler:
         outputs = self._apply_other_results(step, runner_output)
         append_out = outputs.append
         logprobs = runner_output.logprobs
-        kv_exports = runner_output.kv_exports
         max_model_len = self.config.max_model_len
         finished = RequestStatus.FINISHED_STOPPED
         for i, (req_id, token) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
@@ -732,22 +731,27 @@ class Scheduler:
                 out.new_token_ids = [token]
                 out.new_logprobs = new_logprobs
                 append_out(out)
-            if params.prompt_logprobs is not None and num_outputs == 1:
-                out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
-            if kv_exports is not None and req_id in kv_exports:
-                out.kv_transfer = KVTransfer(
-                    first_block=request.kv_export_from_block,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    block_size=self.block_size,
-                    parts=kv_exports[req_id],
-                    token_ids=[token],
-                )
+            if num_outputs == 1:
+                self._first_delta_extras(request, out, runner_output.kv_exports)
         # After the tokens: a token that completes a block's ids lets it be cached now, not a step later.
         running = RequestStatus.RUNNING
         for request in step.values():
             if request.status == running:
                 cache_blocks(request)
         return outputs
+
+    def _first_delta_extras(self, request: Request, out: RequestOutput, kv_exports: dict[str, list] | None) -> None:
+        """What rides on a request's first token's delta: its prompt logprobs, and the KV its step exported."""
+        if request.sampling_params.prompt_logprobs is not None:
+            out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
+        if kv_exports is not None and request.request_id in kv_exports:
+            out.kv_transfer = KVTransfer(
+                first_block=request.kv_export_from_block,
+                num_prompt_tokens=request.num_prompt_tokens,
+                block_size=self.block_size,
+                parts=kv_exports[request.request_id],
+                token_ids=list(request.output_token_ids),
+            )
 
     def _apply_other_results(self, step: dict[str, Request], runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         """What a step computed besides sampled tokens: prompt logprobs (kept for the request's first token delta),
