@@ -78,6 +78,7 @@ class DraftModel:
     def __init__(
         self,
         model_dir: str,
+        spec: ModelSpec,
         num_speculative_tokens: int,
         backend: AttentionBackend,
         dtype: torch.dtype,
@@ -85,8 +86,8 @@ class DraftModel:
         block_size: int,
         max_model_len: int,
     ) -> None:
-        self.spec = read_model_spec(model_dir)
-        self.model = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend)
+        self.spec = spec  # check_draft's, read by the engine
+        self.model = load_model(model_dir, dtype=dtype, device=device, attn_backend=backend, spec=spec)
         if can_pack(device, dtype):
             pack_for_cpu(self.model)
         self.k = num_speculative_tokens

@@ -1,23 +1,27 @@
 """Read a Hugging Face model directory (config.json + safetensors) into a `ModelSpec`, and build
 and load this rank's shard of the model it describes."""
 
+from __future__ import annotations
+
 import contextlib
 import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
 
 from kernels import AttentionBackend, select_backend
 from workers.layers import ROPE_TYPES, Attention, RopeConfig, load_replicated
 from workers.model_spec import ModelSpec, MoeSpec
 from workers.models import MODEL_REGISTRY
 from workers.quantization import WeightQuantization, read_quantization, read_weight
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +147,10 @@ def read_model_spec(
     when the checkpoint is plain; ValueError naming the problem when the directory, its config, its architecture,
     its quantization or its split over `tp_size` ranks (whole experts per rank with `expert_parallel`) is not
     usable."""
+    # Imported here: a rank takes its spec from the engine (WorkerConfig.model_spec), and transformers' import is
+    # 1.6 CPU-s of a rank's 4 s start that it would otherwise pay for nothing.
+    from transformers import AutoConfig
+
     root = _config_dir(path)
     architecture = _architecture(root)
     cfg = AutoConfig.from_pretrained(root)
@@ -289,11 +297,15 @@ def load_model(
     tp_size: int = 1,
     expert_parallel: bool = False,
     quantization: str | None = None,
+    spec: ModelSpec | None = None,
 ) -> nn.Module:
     """Build the model class config.json names and load rank `tp_rank`'s shard of its weights
     (its whole experts with `expert_parallel`, else its slice of every expert), quantized at load by method
-    `quantization` (read_model_spec). `attn_backend` defaults to `select_backend("auto", device, dtype=dtype)`."""
-    spec = read_model_spec(path, tp_size, expert_parallel, quantization)
+    `quantization` (read_model_spec). `attn_backend` defaults to `select_backend("auto", device, dtype=dtype)`.
+    `spec`: what `read_model_spec(path, tp_size, expert_parallel, quantization)` returns, where the caller has it
+    already (a rank gets it from the engine); None reads it."""
+    if spec is None:
+        spec = read_model_spec(path, tp_size, expert_parallel, quantization)
     device = torch.device(device)
     backend = attn_backend if attn_backend is not None else select_backend("auto", device, dtype=dtype)
     with _default_dtype(dtype), device:

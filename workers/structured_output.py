@@ -13,7 +13,6 @@ import json
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import numpy as np
 import torch
 
@@ -127,10 +126,13 @@ class GrammarBitmasks:
 
     def matcher(self, c: StructuredOutputsParams) -> llguidance.LLMatcher:
         if self.tokenizer is None:
+            # Imported at the first constraint, as the tokenizer is loaded: both import transformers, which a rank
+            # serving no structured output never needs (1.6 CPU-s of its start).
+            from llguidance.hf import from_tokenizer
             from transformers import AutoTokenizer
 
             hf = AutoTokenizer.from_pretrained(self.tokenizer_path)
-            self.tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+            self.tokenizer = from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
         if c.compiled is None:  # every engine's request check compiles it; a rank never does
             raise ValueError("structured_outputs reached the sampling rank uncompiled (not through check_request)")
         return llguidance.LLMatcher(self.tokenizer, c.compiled, log_level=0)

@@ -20,8 +20,9 @@ from workers.hub import resolve_model
 from workers.layers import can_pack, pack_for_cpu
 from workers.lora import LoraManager
 from workers.memory import MemorySnapshot, graph_pool_bytes, keep_freed_memory, kv_cache_budget, profile_peak
-from workers.model_loader import load_kv_scales, load_model, read_model_spec
+from workers.model_loader import load_kv_scales, load_model
 from workers.model_runner import ModelRunner
+from workers.model_spec import ModelSpec
 from workers.no_work import NoWorkRunner
 from workers.parallel import PipelineStage, StageLink, partition_layers, pipeline_stage, set_parallel
 from workers.runner_inputs import graph_batch_sizes
@@ -114,6 +115,10 @@ class WorkerConfig:
     max_lora_rank: int
     lora_modules: dict[str, str]  # adapters loaded at start: name -> PEFT directory
     draft_model: str | None  # speculative decoding's draft model (hub id or directory), on the driver; None: none
+    # What the engine read from the checkpoints before any rank started (read_model_spec, for this tp and
+    # quantization), so no rank reads config.json through transformers again.
+    model_spec: ModelSpec
+    draft_spec: ModelSpec | None  # the draft's; None without one
     num_speculative_tokens: int  # the draft's proposals per request and step (0 without a draft)
 
 
@@ -193,8 +198,8 @@ class Worker:
         # Every rank creates every stage's group, in the same order (new_group is collective over the world).
         groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)] if tp > 1 else None
         index = rank // tp
-        spec = read_model_spec(resolve_model(self.config.model, self.config.revision, self.config.download_dir), tp)
-        start, end = partition_layers(spec.num_layers, pp, self.config.pp_layer_partition)[index]
+        num_layers = self.config.model_spec.num_layers
+        start, end = partition_layers(num_layers, pp, self.config.pp_layer_partition)[index]
         set_parallel(PipelineStage(index, pp, start, end), groups[index] if groups else None)
 
     @property
@@ -209,7 +214,7 @@ class Worker:
         cfg = self.config
         tp = cfg.tensor_parallel_size
         model_dir = resolve_model(cfg.model, cfg.revision, cfg.download_dir)
-        self.spec = read_model_spec(model_dir, tp, cfg.enable_expert_parallel, cfg.quantization)
+        self.spec = cfg.model_spec
         if cfg.no_work:
             self.runner = NoWorkRunner(self.spec.vocab_size, is_driver=self.is_driver)
             return
@@ -226,6 +231,7 @@ class Worker:
             tp_size=tp,
             expert_parallel=cfg.enable_expert_parallel,
             quantization=cfg.quantization,
+            spec=self.spec,
         )
         if self.kv_dtype != self.dtype:
             load_kv_scales(self.model, model_dir)
@@ -294,6 +300,7 @@ class Worker:
             draft_dir = resolve_model(cfg.draft_model, None, cfg.download_dir)
             self.draft = DraftModel(
                 draft_dir,
+                cfg.draft_spec,
                 cfg.num_speculative_tokens,
                 backend,
                 self.dtype,

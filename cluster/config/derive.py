@@ -5,12 +5,21 @@ from __future__ import annotations
 
 from cluster.config.engine import EngineConfig
 from scheduler import SchedulerConfig
+from workers.model_spec import ModelSpec
 from workers.worker import WorkerConfig
 
 
-def derive_worker_config(engine: EngineConfig, model_path: str, max_model_len: int) -> WorkerConfig:
+def derive_worker_config(
+    engine: EngineConfig,
+    model_path: str,
+    max_model_len: int,
+    *,
+    model_spec: ModelSpec,
+    draft_spec: ModelSpec | None,
+) -> WorkerConfig:
     """What each rank needs. ``model`` stays the id the user gave (a rank on another node resolves it into its
-    own cache); ``model_path`` is this node's copy, used where the id names no hub model."""
+    own cache); ``model_path`` is this node's copy, used where the id names no hub model. ``model_spec`` and
+    ``draft_spec`` are the engine's reading of the checkpoints (read_model_spec, check_draft)."""
     spec = engine.speculative
     return WorkerConfig(
         model=model_path if engine.model is None else engine.model,
@@ -43,6 +52,8 @@ def derive_worker_config(engine: EngineConfig, model_path: str, max_model_len: i
         lora_modules=engine.lora_paths,
         draft_model=spec.get("model"),
         num_speculative_tokens=spec.get("num_speculative_tokens", 0) if "model" in spec else 0,
+        model_spec=model_spec,
+        draft_spec=draft_spec,
     )
 
 

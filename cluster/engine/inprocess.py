@@ -42,8 +42,12 @@ class InProcessEngine:
         self.model_path = config.resolved_model()
         self.spec = read_model_spec(self.model_path, quantization=config.quantization)
         self.max_model_len = resolve_max_model_len(config, self.spec)
-        check_draft_model(config, self.model_path, self.spec, self.max_model_len)
-        self.worker = Worker(derive_worker_config(config, self.model_path, self.max_model_len))
+        draft_spec = check_draft_model(config, self.model_path, self.spec, self.max_model_len)
+        self.worker = Worker(
+            derive_worker_config(
+                config, self.model_path, self.max_model_len, model_spec=self.spec, draft_spec=draft_spec
+            )
+        )
         self.device = self.worker.init_device()
         self.worker.load_model()
         num_blocks = self.worker.determine_num_blocks()

@@ -53,13 +53,13 @@ def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
     return config.max_model_len
 
 
-def check_draft_model(config: EngineConfig, model_path: str, spec: ModelSpec, max_model_len: int) -> None:
-    """Refuse, before any rank starts, a speculative_config draft model that cannot propose for this model
-    (workers.draft.check_draft says which)."""
+def check_draft_model(config: EngineConfig, model_path: str, spec: ModelSpec, max_model_len: int) -> ModelSpec | None:
+    """The speculative_config draft model's spec (None without one), refusing, before any rank starts, a draft
+    that cannot propose for this model (workers.draft.check_draft says which)."""
     draft_model = config.speculative.get("model")
     if draft_model is None:
-        return
+        return None
     from workers.draft import check_draft
     from workers.hub import resolve_model
 
-    check_draft(spec, model_path, resolve_model(draft_model, None, config.download_dir), max_model_len)
+    return check_draft(spec, model_path, resolve_model(draft_model, None, config.download_dir), max_model_len)

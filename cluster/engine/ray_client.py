@@ -12,7 +12,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.config import EngineConfig, derive_scheduler_config
+from cluster.config import EngineConfig, derive_scheduler_config, derive_worker_config
 from cluster.engine.adapters import EngineAdapters
 from cluster.engine.connect import connect
 from cluster.engine.health import diagnose
@@ -70,7 +70,7 @@ class RayEngine:
         # Refused here, before Ray is joined or any weight loads.
         partition_layers(self.spec.num_layers, config.pipeline_parallel_size, config.layer_partition)
         self.max_model_len = resolve_max_model_len(config, self.spec)
-        check_draft_model(config, self.model_path, self.spec, self.max_model_len)
+        draft_spec = check_draft_model(config, self.model_path, self.spec, self.max_model_len)
         connect(address, SCHEDULER_CPUS + config.world_size * (config.num_threads or 1), config.placement_timeout_s)
         self.device = (
             bundle_device(placement_group, first_bundle + 1)
@@ -89,7 +89,10 @@ class RayEngine:
         self._unfinished: dict[str, int] = {}
         self._received = 0  # the last batch number the synchronous channel got (get_outputs)
         try:
-            self.workers = start_workers(config, self.model_path, self.max_model_len, pg, first_bundle, self.device)
+            worker_config = derive_worker_config(
+                config, self.model_path, self.max_model_len, model_spec=self.spec, draft_spec=draft_spec
+            )
+            self.workers = start_workers(config, worker_config, pg, first_bundle, self.device)
             owned.extend(self.workers)
             self.actor = RaySchedulerActor.options(
                 num_cpus=SCHEDULER_CPUS,

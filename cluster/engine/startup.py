@@ -8,14 +8,18 @@ import dataclasses
 import os
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.config import EngineConfig, derive_worker_config
+from cluster.config import EngineConfig
 from cluster.engine.network import free_port, interface_of
 from cluster.worker_actor import KV_TRANSFERS, LORA_READS, WorkerActor, share_node_gpus
+
+if TYPE_CHECKING:
+    from workers.worker import WorkerConfig
 
 # A thread of its own reads LoRA adapters from disk while the default one runs steps (worker_actor.py).
 RayWorker = ray.remote(concurrency_groups={LORA_READS: 1, KV_TRANSFERS: 1})(WorkerActor)
@@ -88,11 +92,11 @@ def thread_binding(infos: list[NodeInfo], spec: str, num_threads: int | None, on
 
 
 def start_workers(
-    config: EngineConfig, model_path: str, max_model_len: int, pg: PlacementGroup, first_bundle: int, device: str
+    config: EngineConfig, worker_config: WorkerConfig, pg: PlacementGroup, first_bundle: int, device: str
 ) -> list:
     """Rank r (tensor-parallel rank r % tp of stage r // tp) goes to bundle ``first_bundle + 1 + r``
-    (``first_bundle`` is the scheduler's)."""
-    wcfg = dataclasses.replace(derive_worker_config(config, model_path, max_model_len), device=device)
+    (``first_bundle`` is the scheduler's), each with ``worker_config`` on ``device``."""
+    wcfg = dataclasses.replace(worker_config, device=device)
     return [
         RayWorker.options(
             num_cpus=config.num_threads or 1,

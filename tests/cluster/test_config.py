@@ -17,6 +17,8 @@ from kernels import flash_attention
 from workers import quantization, worker
 
 CLUSTER = Path(__file__).resolve().parents[2] / "cluster"
+# What the engine reads from the checkpoints; these tests name no model directory and check the other fields.
+NO_SPECS = {"model_spec": None, "draft_spec": None}
 
 FLASH_STAND_INS = (lambda *args, **kwargs: None, lambda *args, **kwargs: None)
 
@@ -34,7 +36,7 @@ def test_unset_block_size_is_flash_attns_page_where_it_serves(cuda_with_flash_at
     assert EngineConfig(device="cpu").block_size == 16
     assert EngineConfig(block_size=32).block_size == 32
     assert (
-        derive_worker_config(EngineConfig(), "m", 64).block_size
+        derive_worker_config(EngineConfig(), "m", 64, **NO_SPECS).block_size
         == derive_scheduler_config(EngineConfig(), 9, 64).block_size
     )
 
@@ -61,13 +63,13 @@ def test_swap_preemption_needs_a_host_tier():
     with pytest.raises(ValueError, match="preemption_mode='swap' needs a host tier"):
         EngineConfig(preemption_mode="swap")
     config = EngineConfig(device="cpu", swap_space=1 / 1024, preemption_mode="swap")
-    assert derive_worker_config(config, "m", 64).swap_space_bytes == 1 << 20
+    assert derive_worker_config(config, "m", 64, **NO_SPECS).swap_space_bytes == 1 << 20
     assert derive_scheduler_config(config, 9, 64, num_host_blocks=4).preemption_mode == "swap"
 
 
 def test_unset_block_size_on_cpu_is_16_and_dtype_auto_passes_to_the_ranks():
     config = EngineConfig(device="cpu")
-    assert config.block_size == 16 and derive_worker_config(config, "m", 64).dtype == "auto"
+    assert config.block_size == 16 and derive_worker_config(config, "m", 64, **NO_SPECS).dtype == "auto"
 
 
 def test_the_ranks_get_every_setting_they_need_from_the_engine_config():
@@ -75,7 +77,7 @@ def test_the_ranks_get_every_setting_they_need_from_the_engine_config():
     config = EngineConfig(
         model="org/name", revision="v1", download_dir="/d", device="cpu", seed=3, num_threads=2, quantization="fp8"
     )
-    worker = derive_worker_config(config, "/local/copy", 64)
+    worker = derive_worker_config(config, "/local/copy", 64, **NO_SPECS)
     assert (worker.model, worker.revision, worker.download_dir, worker.seed, worker.num_threads) == (
         "org/name",
         "v1",
@@ -84,7 +86,10 @@ def test_the_ranks_get_every_setting_they_need_from_the_engine_config():
         2,
     )
     assert worker.quantization == "fp8"
-    assert derive_worker_config(EngineConfig(device="cpu"), "/default/converted", 64).model == "/default/converted"
+    assert (
+        derive_worker_config(EngineConfig(device="cpu"), "/default/converted", 64, **NO_SPECS).model
+        == "/default/converted"
+    )
 
 
 def test_an_fp8_kv_cache_is_refused_where_it_cannot_be_read():
@@ -167,7 +172,7 @@ def test_bad_speculative_config_is_refused_naming_the_key(spec, message):
 def test_a_draft_model_reaches_the_sampling_rank_and_is_refused_with_pipeline_stages():
     spec = {"method": "draft_model", "model": "/draft", "num_speculative_tokens": 3}
     config = EngineConfig(device="cpu", speculative_config=spec)
-    ranks = derive_worker_config(config, "/target", 256)
+    ranks = derive_worker_config(config, "/target", 256, **NO_SPECS)
     assert (ranks.draft_model, ranks.num_speculative_tokens) == ("/draft", 3)
     assert derive_scheduler_config(config, 64, 256).speculative_method == "draft_model"
     with pytest.raises(ValueError, match="pipeline_parallel_size=2"):

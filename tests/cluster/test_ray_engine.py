@@ -369,6 +369,13 @@ def test_scheduler_actor_process_never_imports_torch(engine):
     assert not ray.get(engine.actor.__ray_call__.remote(lambda _: "torch" in sys.modules))
 
 
+def test_rank_processes_import_no_transformers(engine):
+    """A rank takes its model spec from the engine (WorkerConfig.model_spec) and imports structured outputs'
+    tokenizer only at the first constraint: transformers' import would add 1.6 CPU-s to every rank's start."""
+    imported = ray.get([w.__ray_call__.remote(lambda _: "transformers" in sys.modules) for w in engine.workers])
+    assert imported == [False, False]
+
+
 @pytest.mark.parametrize("dead_rank", [0, 1])
 def test_dead_worker_fails_in_flight_requests_and_health_then_a_new_engine_works(llama, reference, dead_rank):
     e = RayEngine(config(llama, tensor_parallel_size=2))
