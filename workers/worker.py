@@ -115,11 +115,11 @@ class WorkerConfig:
     max_lora_rank: int
     lora_modules: dict[str, str]  # adapters loaded at start: name -> PEFT directory
     draft_model: str | None  # speculative decoding's draft model (hub id or directory), on the driver; None: none
+    num_speculative_tokens: int  # the draft's proposals per request and step (0 without a draft)
     # What the engine read from the checkpoints before any rank started (read_model_spec, for this tp and
     # quantization), so no rank reads config.json through transformers again.
     model_spec: ModelSpec
     draft_spec: ModelSpec | None  # the draft's; None without one
-    num_speculative_tokens: int  # the draft's proposals per request and step (0 without a draft)
 
 
 class Worker:
@@ -198,8 +198,7 @@ class Worker:
         # Every rank creates every stage's group, in the same order (new_group is collective over the world).
         groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)] if tp > 1 else None
         index = rank // tp
-        num_layers = self.config.model_spec.num_layers
-        start, end = partition_layers(num_layers, pp, self.config.pp_layer_partition)[index]
+        start, end = partition_layers(self.config.model_spec.num_layers, pp, self.config.pp_layer_partition)[index]
         set_parallel(PipelineStage(index, pp, start, end), groups[index] if groups else None)
 
     @property

@@ -20,7 +20,7 @@ def derive_worker_config(
     """What each rank needs. ``model`` stays the id the user gave (a rank on another node resolves it into its
     own cache); ``model_path`` is this node's copy, used where the id names no hub model. ``model_spec`` and
     ``draft_spec`` are the engine's reading of the checkpoints (read_model_spec, check_draft)."""
-    spec = engine.speculative
+    speculative = engine.speculative
     return WorkerConfig(
         model=model_path if engine.model is None else engine.model,
         revision=engine.revision,
@@ -50,8 +50,8 @@ def derive_worker_config(
         max_loras=engine.max_loras if engine.enable_lora else 0,
         max_lora_rank=engine.max_lora_rank,
         lora_modules=engine.lora_paths,
-        draft_model=spec.get("model"),
-        num_speculative_tokens=spec.get("num_speculative_tokens", 0) if "model" in spec else 0,
+        draft_model=speculative.get("model"),
+        num_speculative_tokens=speculative.get("num_speculative_tokens", 0) if "model" in speculative else 0,
         model_spec=model_spec,
         draft_spec=draft_spec,
     )
