@@ -162,8 +162,9 @@ def ssh_hosts() -> Iterator[Network]:
                     "PIP_NO_INDEX": "1",
                     "PIP_FIND_LINKS": str(wheels),
                     # Python compiles what it imports; compiling every file of torch and Ray at install time
-                    # only costs the setup commands CPU time.
-                    "PIP_NO_COMPILE": "1",
+                    # only costs the setup commands CPU time (a minute here). pip reads the variable of a
+                    # --no-X flag as X's own value, so "0" is what turns compiling off ("1" turns it on).
+                    "PIP_NO_COMPILE": "0",
                     # A worker's raylet exits this long after the head's GCS is gone (Ray's default: 60 s).
                     "RAY_gcs_rpc_server_reconnect_timeout_s": "10",
                 },
