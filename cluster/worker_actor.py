@@ -58,13 +58,20 @@ class WorkerActor:
     one at a time on the actor's thread, in the order called, but ``call`` dispatched to ``LORA_READS`` and
     ``stage_kv`` to ``KV_TRANSFERS``."""
 
-    def __init__(self, config: Any, rank: int) -> None:
+    def __init__(self, rank: int) -> None:
+        # The model stack's import is most of a rank's start: done here, while the engine that started the rank
+        # may still be reading the checkpoints its configuration comes from.
+        import workers.worker  # noqa: F401
+
+        self.rank = rank
+
+    def configure(self, config: Any) -> None:
         import ray
 
         from workers.worker import Worker
 
         # The GPU ids Ray assigned this actor choose its device (workers.worker.cuda_index).
-        self.worker = Worker(config, rank, gpu_ids=ray.get_gpu_ids())
+        self.worker = Worker(config, self.rank, gpu_ids=ray.get_gpu_ids())
 
     def gpu_ids(self) -> list[int | str]:
         return self.worker.gpu_ids

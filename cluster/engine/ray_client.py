@@ -24,6 +24,7 @@ from cluster.engine.streams import DeltaStreams
 from cluster.scheduler_actor import SchedulerActor
 from scheduler import EngineRequest, RequestOutput, SchedulerStats, unpack_outputs
 from workers.model_loader import read_model_spec
+from workers.model_spec import ModelSpec
 from workers.parallel import partition_layers
 
 RaySchedulerActor = ray.remote(SchedulerActor)
@@ -64,13 +65,11 @@ class RayEngine:
     ) -> None:
         self.config = config
         self.model_path = config.resolved_model()
-        self.spec = read_model_spec(
-            self.model_path, config.tensor_parallel_size, config.enable_expert_parallel, config.quantization
-        )
-        # Refused here, before Ray is joined or any weight loads.
-        partition_layers(self.spec.num_layers, config.pipeline_parallel_size, config.layer_partition)
-        self.max_model_len = resolve_max_model_len(config, self.spec)
-        draft_spec = check_draft_model(config, self.model_path, self.spec, self.max_model_len)
+        # Reading the checkpoints imports transformers: seconds of CPU. Where Ray is already joined (a Serve
+        # replica) the ranks' processes start meanwhile; otherwise a bad model is refused before Ray starts.
+        joined = ray.is_initialized()
+        if not joined:
+            draft_spec = self._read_checkpoints()
         connect(address, SCHEDULER_CPUS + config.world_size * (config.num_threads or 1), config.placement_timeout_s)
         self.device = (
             bundle_device(placement_group, first_bundle + 1)
@@ -89,11 +88,13 @@ class RayEngine:
         self._unfinished: dict[str, int] = {}
         self._received = 0  # the last batch number the synchronous channel got (get_outputs)
         try:
+            self.workers = start_workers(config, pg, first_bundle, self.device)
+            owned.extend(self.workers)
+            if joined:
+                draft_spec = self._read_checkpoints()
             worker_config = derive_worker_config(
                 config, self.model_path, self.max_model_len, model_spec=self.spec, draft_spec=draft_spec
             )
-            self.workers = start_workers(config, worker_config, pg, first_bundle, self.device)
-            owned.extend(self.workers)
             self.actor = RaySchedulerActor.options(
                 num_cpus=SCHEDULER_CPUS,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle),
@@ -102,7 +103,12 @@ class RayEngine:
             self.adapters = EngineAdapters(self.actor)
             self.streams = DeltaStreams(self.actor, f"async-{os.getpid()}-{id(self)}")
             self.num_blocks, num_host_blocks, self.rank_nodes = init_workers(
-                self.workers, config.num_threads, self.device, config.placement_timeout_s, config.cpu_omp_threads_bind
+                self.workers,
+                worker_config,
+                config.num_threads,
+                self.device,
+                config.placement_timeout_s,
+                config.cpu_omp_threads_bind,
             )
             swap_cost = ray.get(self.workers[0].call.remote("swap_cost_per_block"))
             ray.get(
@@ -123,6 +129,17 @@ class RayEngine:
         except BaseException:
             self.shutdown()
             raise
+
+    def _read_checkpoints(self) -> ModelSpec | None:
+        """Set ``spec`` and ``max_model_len`` from the model's checkpoint and return the draft model's spec (None
+        without one); ValueError for a model, split or length the engine cannot run."""
+        config = self.config
+        self.spec = read_model_spec(
+            self.model_path, config.tensor_parallel_size, config.enable_expert_parallel, config.quantization
+        )
+        partition_layers(self.spec.num_layers, config.pipeline_parallel_size, config.layer_partition)
+        self.max_model_len = resolve_max_model_len(config, self.spec)
+        return check_draft_model(config, self.model_path, self.spec, self.max_model_len)
 
     def shutdown(self) -> None:
         """Kill the actors and remove the placement group; in-flight requests end with an actor error."""

@@ -91,27 +91,32 @@ def thread_binding(infos: list[NodeInfo], spec: str, num_threads: int | None, on
     return per_rank
 
 
-def start_workers(
-    config: EngineConfig, worker_config: WorkerConfig, pg: PlacementGroup, first_bundle: int, device: str
-) -> list:
+def start_workers(config: EngineConfig, pg: PlacementGroup, first_bundle: int, device: str) -> list:
     """Rank r (tensor-parallel rank r % tp of stage r // tp) goes to bundle ``first_bundle + 1 + r``
-    (``first_bundle`` is the scheduler's), each with ``worker_config`` on ``device``."""
-    wcfg = dataclasses.replace(worker_config, device=device)
+    (``first_bundle`` is the scheduler's); each starts its process, to be configured by init_workers."""
     return [
         RayWorker.options(
             num_cpus=config.num_threads or 1,
             num_gpus=1 if device == "cuda" else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + 1 + r),
-        ).remote(wcfg, r)
+        ).remote(r)
         for r in range(config.world_size)
     ]
 
 
 def init_workers(
-    workers: list, num_threads: int | None, device: str, timeout_s: float, cpu_binding: str = "auto"
+    workers: list,
+    worker_config: WorkerConfig,
+    num_threads: int | None,
+    device: str,
+    timeout_s: float,
+    cpu_binding: str = "auto",
 ) -> tuple[int, int, list[NodeInfo]]:
-    """Device, process group, model shard and KV cache on every rank; returns the blocks each rank holds (device,
-    host tier) and where each rank runs. The ranks must form their process group within ``timeout_s``."""
+    """``worker_config`` on ``device``, then device, process group, model shard and KV cache on every rank; returns
+    the blocks each rank holds (device, host tier) and where each rank runs. The ranks must form their process
+    group within ``timeout_s``."""
+    wcfg = dataclasses.replace(worker_config, device=device)
+    ray.get([w.configure.remote(wcfg) for w in workers])
     infos: list[NodeInfo] = ray.get([w.__ray_call__.remote(_node_info) for w in workers])
     ranks_per_node = Counter(i.node_id for i in infos)
     binding = thread_binding(infos, cpu_binding, num_threads, device == "cuda")
