@@ -18,7 +18,7 @@ from cluster.model_files import (
     serves_embeddings,
 )
 from scheduler import EngineRequest, RequestError, SampledLogprobs, SamplingParams
-from workers.structured_output import closed_schema
+from workers.grammars import closed_schema
 
 
 @dataclass(slots=True)
@@ -109,7 +109,7 @@ class LLM:
 
     def _closed(self, params: SamplingParams) -> SamplingParams:
         """``params`` with its JSON schema's objects closed, as the server closes them, unless
-        structured_outputs_disable_additional_properties is off (workers/structured_output.close_objects)."""
+        structured_outputs_disable_additional_properties is off (workers/grammars.close_objects)."""
         so = params.structured_outputs if isinstance(params, SamplingParams) else None
         if so is None or so.json is None or not self.config.structured_outputs_disable_additional_properties:
             return params

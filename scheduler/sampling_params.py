@@ -28,7 +28,7 @@ class StructuredOutputsParams:
     ``choice`` one of these strings exactly, ``grammar`` a Lark or GBNF grammar.
     Only the shape is checked here (the scheduler knows no constraint library);
     whether the schema, regex or grammar compiles is checked with the library by
-    the engines' entry points (``workers.structured_output.compile_grammar``)
+    the engines' entry points (``workers.grammars.compile_grammar``)
     before anything is scheduled. ``compiled`` is what that check compiled, the
     library's grammar: the sampling rank builds its matcher from it, so a
     grammar is compiled once per request, not again on the rank.

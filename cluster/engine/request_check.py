@@ -6,10 +6,13 @@ it into a 400 whose ``param`` is that field, offline it is the ValueError the ca
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from scheduler import EngineRequest, RequestError, SamplingParams, StructuredOutputsParams
-from workers.model_loader import ModelSpec
-from workers.structured_output import compile_grammar
+from workers.grammars import compile_grammar
+
+if TYPE_CHECKING:  # torch and the model stack: seconds of import that `raylm serve`'s own process never needs
+    from workers.model_spec import ModelSpec
 
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 

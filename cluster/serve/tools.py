@@ -23,7 +23,7 @@ from cluster.serve.protocol.chat import (
 )
 from cluster.serve.protocol.parsing import bad_request
 from scheduler import StructuredOutputsParams
-from workers.structured_output import closed_schema
+from workers.grammars import closed_schema
 
 START, END = "<tool_call>", "</tool_call>"
 HERMES, LLAMA3 = "hermes", "llama3"

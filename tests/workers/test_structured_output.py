@@ -10,7 +10,8 @@ from pydantic import BaseModel
 from transformers import AutoTokenizer
 
 from scheduler import StructuredOutputsParams
-from workers.structured_output import GrammarBitmasks, close_objects, compile_grammar
+from workers.grammars import close_objects, compile_grammar
+from workers.structured_output import GrammarBitmasks
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cluster.serve.protocol.parsing import APIError, Seed, Strict, TokenId, bad_request
 from scheduler import RequestError, SamplingParams, StructuredOutputsParams
-from workers.structured_output import closed_schema
+from workers.grammars import closed_schema
 
 
 class StreamOptions(BaseModel):

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from cluster.serve.protocol.chat import ChatCompletionRequest, NamedToolChoice, Tool
 from cluster.serve.protocol.parsing import APIError, parse
 from cluster.serve.tools import HERMES, LLAMA3, ToolCalling, ToolCallStream
-from workers.structured_output import compile_grammar
+from workers.grammars import compile_grammar
 
 WEATHER = {
     "type": "function",
