@@ -3,10 +3,14 @@ their own, so a setting is declared once (engine.py) and reaches the ranks and t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from cluster.config.engine import EngineConfig
 from scheduler import SchedulerConfig
-from workers.model_spec import ModelSpec
-from workers.worker import WorkerConfig
+
+if TYPE_CHECKING:  # the model stack and torch: seconds of import that `raylm serve`'s own process never needs
+    from workers.model_spec import ModelSpec
+    from workers.worker import WorkerConfig
 
 
 def derive_worker_config(
@@ -20,6 +24,8 @@ def derive_worker_config(
     """What each rank needs. ``model`` stays the id the user gave (a rank on another node resolves it into its
     own cache); ``model_path`` is this node's copy, used where the id names no hub model. ``model_spec`` and
     ``draft_spec`` are the engine's reading of the checkpoints (read_model_spec, check_draft)."""
+    from workers.worker import WorkerConfig
+
     speculative = engine.speculative
     return WorkerConfig(
         model=model_path if engine.model is None else engine.model,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -10,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from cluster.config.choices import (
     ATTENTION_BACKENDS,
+    DEFAULT_BLOCK_SIZE,
     DEVICES,
     DTYPES,
     FP8_KV_BACKENDS,
@@ -384,6 +386,12 @@ class EngineConfig(BaseModel):
     def _default_block_size(cls, block_size: int | None, info: ValidationInfo) -> int:
         if block_size is not None:
             return block_size
+        # Only flash-attn pages differ from the default, and "auto" picks flash-attn only on CUDA where it is
+        # installed (kernels.default_block_size): known here without importing torch, which `raylm serve`'s own
+        # process then never does (seconds of its start).
+        no_flash_attn = info.data["device"] == "cpu" or importlib.util.find_spec("flash_attn") is None
+        if info.data["attention_backend"] != "flash_attn" and no_flash_attn:
+            return DEFAULT_BLOCK_SIZE
         from kernels import default_block_size
         from workers.worker import DTYPES as TORCH_DTYPES
         from workers.worker import KV_DTYPES, wants_cuda

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from cluster.config import EngineConfig
 from scheduler import EngineRequest, RequestOutput, SchedulerStats
-from workers.model_loader import ModelSpec
+
+if TYPE_CHECKING:  # torch and the model stack: seconds of import that `raylm serve`'s own process never needs
+    from workers.model_spec import ModelSpec
 
 
 class Engine(Protocol):

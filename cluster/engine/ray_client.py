@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
@@ -23,9 +24,9 @@ from cluster.engine.startup import init_workers, start_workers
 from cluster.engine.streams import DeltaStreams
 from cluster.scheduler_actor import SchedulerActor
 from scheduler import EngineRequest, RequestOutput, SchedulerStats, unpack_outputs
-from workers.model_loader import read_model_spec
-from workers.model_spec import ModelSpec
-from workers.parallel import partition_layers
+
+if TYPE_CHECKING:  # torch and the model stack: seconds of import that `raylm serve`'s own process never needs
+    from workers.model_spec import ModelSpec
 
 RaySchedulerActor = ray.remote(SchedulerActor)
 
@@ -133,6 +134,9 @@ class RayEngine:
     def _read_checkpoints(self) -> ModelSpec | None:
         """Set ``spec`` and ``max_model_len`` from the model's checkpoint and return the draft model's spec (None
         without one); ValueError for a model, split or length the engine cannot run."""
+        from workers.model_loader import read_model_spec
+        from workers.parallel import partition_layers
+
         config = self.config
         self.spec = read_model_spec(
             self.model_path, config.tensor_parallel_size, config.enable_expert_parallel, config.quantization

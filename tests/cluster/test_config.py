@@ -2,6 +2,7 @@
 settings import no model stack and no module of cluster/ sits in an import circle."""
 
 import ast
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 import kernels
 from cluster import EngineConfig
 from cluster.config import derive_scheduler_config, derive_worker_config
-from cluster.config.choices import ATTENTION_BACKENDS, DTYPES, QUANTIZATIONS
+from cluster.config.choices import ATTENTION_BACKENDS, DEFAULT_BLOCK_SIZE, DTYPES, QUANTIZATIONS
 from kernels import flash_attention
 from workers import quantization, worker
 
@@ -27,6 +28,10 @@ FLASH_STAND_INS = (lambda *args, **kwargs: None, lambda *args, **kwargs: None)
 def cuda_with_flash_attn(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(flash_attention, "load_flash_attn", lambda: FLASH_STAND_INS)
+    find_spec = importlib.util.find_spec  # the settings look for flash_attn before importing torch to ask kernels/
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else find_spec(name, *a)
+    )
 
 
 def test_unset_block_size_is_flash_attns_page_where_it_serves(cuda_with_flash_attn):
@@ -180,9 +185,10 @@ def test_a_draft_model_reaches_the_sampling_rank_and_is_refused_with_pipeline_st
 
 
 def test_the_settings_and_the_cli_parser_import_no_model_stack():
-    """`raylm --help` and a config's checks run where torch and Ray are slow to import or absent."""
+    """`raylm --help` and a config's checks (a default config's too: `raylm serve`'s own process makes one) run where
+    torch and Ray are slow to import or absent."""
     code = (
-        "import sys, cluster.config, cluster.cli; cluster.cli.build_parser(); "
+        "import sys, cluster.config, cluster.cli; cluster.cli.build_parser(); cluster.config.EngineConfig(); "
         "print(sorted({m.partition('.')[0] for m in sys.modules} & {'torch', 'transformers', 'workers', 'kernels', "
         "'ray', 'fastapi'}))"
     )
@@ -193,6 +199,7 @@ def test_the_settings_and_the_cli_parser_import_no_model_stack():
 def test_the_settings_name_the_dtypes_attention_backends_and_quantizations_the_layers_run():
     assert tuple(worker.DTYPES) == DTYPES
     assert kernels.BACKENDS == ATTENTION_BACKENDS
+    assert kernels.DEFAULT_BLOCK_SIZE == DEFAULT_BLOCK_SIZE
     assert quantization.AT_LOAD_METHODS == QUANTIZATIONS
 
 

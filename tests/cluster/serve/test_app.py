@@ -2,6 +2,8 @@
 
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 from ray import serve
@@ -39,6 +41,15 @@ def _start_until_ray_starts(monkeypatch, address, port=None, grpc_port=None, arg
             grpc_port=grpc_port or free_port(),
         )
     return seen
+
+
+def test_the_app_imports_no_model_stack():
+    """`raylm serve`'s own process builds and deploys the app, and a replica reads the checkpoints only after its
+    ranks have started (RayEngine): neither imports torch or transformers with the app's modules (seconds of CPU on
+    each start)."""
+    code = "import sys, cluster.serve.app; print(sorted({m.partition('.')[0] for m in sys.modules} & {'torch', 'transformers'}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_a_serve_config_with_pd_deploys_the_prefill_engines_beside_the_llm_server():
