@@ -278,6 +278,13 @@ SetEnv {" ".join(f"{k}={v}" for k, v in env.items())}
             pass
 
 
+def report_of(reports: dict[str, dict], func: str) -> dict:
+    """``func``'s report from the reports of a ``several`` driver, failing with its traceback if it raised."""
+    report = reports[func]
+    assert "failed" not in report, report.get("failed")
+    return report
+
+
 def wait_for(predicate, what: str, timeout_s: float, every_s: float = 0.2) -> float:
     """Poll until ``predicate()`` holds; return the seconds it took, or raise naming ``what``."""
     start = time.monotonic()

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 import urllib.error
 import urllib.request
 
@@ -226,6 +227,18 @@ def lost_host(head_ip: str, model: str, hosts_json: str) -> dict:
         "serving_after_s": serving,
         "ranks_after": _group_hosts(hosts)[2:] if serving else None,
     }
+
+
+def several(head_ip: str, calls_json: str) -> dict:
+    """Each ``[func, *args]`` of ``calls_json`` in turn in this one process (a driver's imports and its join cost
+    seconds of CI each): func -> its result, or {"failed": the traceback} when it raised."""
+    reports = {}
+    for func, *args in json.loads(calls_json):
+        try:
+            reports[func] = globals()[func](head_ip, *args)
+        except Exception:
+            reports[func] = {"failed": traceback.format_exc()}
+    return reports
 
 
 if __name__ == "__main__":

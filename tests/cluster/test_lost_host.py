@@ -16,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from cluster.engine.inprocess import InProcessEngine
-from tests.cluster.hosts import Network, why_hosts_cannot_be_made
+from tests.cluster.hosts import Network, report_of, why_hosts_cannot_be_made
 from tests.cluster.hosts_driver import SERVING_BOUND_S
 from tests.cluster.test_ray_engine import config, run_to_completion
 
@@ -48,15 +48,22 @@ def served_model(tiny_model_dir, default_model_dir) -> str:
     return path
 
 
-def test_pp2_served_across_hosts_answers_as_one_rank_does(serve_hosts, served_model):
+PROMPT = [1, 2, 3, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def driver_reports(serve_hosts, served_model) -> dict[str, dict]:
+    """The serve_pp2 then lost_host drivers' reports, from one driver process on the head."""
+    hosts = json.dumps({h.ip: h.ns for h in serve_hosts.hosts.values()})
+    calls = [["serve_pp2", served_model, hosts, json.dumps(PROMPT)], ["lost_host", served_model, hosts]]
+    return serve_hosts.driver(serve_hosts.hosts["head"], "several", json.dumps(calls), timeout_s=DRIVER_TIMEOUT_S + 300)
+
+
+def test_pp2_served_across_hosts_answers_as_one_rank_does(served_model, driver_reports):
     """One stage on each of two hosts under Serve (the activations cross between them): the completion is the
     single-rank engine's."""
-    hosts = {h.ip: h.ns for h in serve_hosts.hosts.values()}
-    prompt = [1, 2, 3, 4, 5]
-    (expected,) = run_to_completion(InProcessEngine(config(served_model)), prompts=[prompt])
-    report = serve_hosts.driver(
-        serve_hosts.hosts["head"], "serve_pp2", served_model, json.dumps(hosts), json.dumps(prompt), timeout_s=300
-    )
+    (expected,) = run_to_completion(InProcessEngine(config(served_model)), prompts=[PROMPT])
+    report = report_of(driver_reports, "serve_pp2")
     status, body = report["completion"]
     assert status == 200, report
     tokenizer = AutoTokenizer.from_pretrained(served_model)
@@ -65,10 +72,9 @@ def test_pp2_served_across_hosts_answers_as_one_rank_does(serve_hosts, served_mo
     assert len(set(stage_hosts)) == 2, report
 
 
-def test_a_host_lost_mid_generation_fails_its_streams_and_serve_rebuilds_on_the_rest(serve_hosts, served_model):
+def test_a_host_lost_mid_generation_fails_its_streams_and_serve_rebuilds_on_the_rest(serve_hosts, driver_reports):
     hosts = {h.ip: h.ns for h in serve_hosts.hosts.values()}
-    head = serve_hosts.hosts["head"]
-    report = serve_hosts.driver(head, "lost_host", served_model, json.dumps(hosts), timeout_s=DRIVER_TIMEOUT_S)
+    report = report_of(driver_reports, "lost_host")
     victim_ip = next(ip for ip, ns in hosts.items() if ns == report["victim"])
     print(
         f"\nlost host {victim_ip}: in-flight streams errored after "

@@ -6,6 +6,7 @@ The hosts: the head (1 CPU: only the scheduler fits there) and two workers (2 CP
 STRICT_SPREAD). w1 has a second interface on a link that reaches no other host, and its host name resolves to
 that interface's address: where gloo binds by default. Drivers run inside the head (hosts_driver.py)."""
 
+import json
 import re
 import subprocess
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ import pytest
 
 from cluster import LLM, SamplingParams
 from cluster.engine.inprocess import InProcessEngine
-from tests.cluster.hosts import VENV_BIN, Network, why_hosts_cannot_be_made
+from tests.cluster.hosts import VENV_BIN, Network, report_of, why_hosts_cannot_be_made
 from tests.cluster.test_ray_engine import config, run_to_completion
 from tests.workers.test_models import QWEN3_MOE
 
@@ -44,9 +45,21 @@ def model(tiny_model_dir) -> str:
     return tiny_model_dir("llama", num_attention_heads=4, num_key_value_heads=2)
 
 
-def test_tp2_across_hosts_matches_tp1_with_the_scheduler_on_the_head(tp_hosts, model):
+@pytest.fixture(scope="module")
+def moe_model(tiny_model_dir) -> str:
+    return tiny_model_dir("qwen3_moe", None, **QWEN3_MOE)
+
+
+@pytest.fixture(scope="module")
+def engine_reports(tp_hosts, model, moe_model) -> dict[str, dict]:
+    """The tp2, pd and ep2 drivers' reports, run one after another in one driver process on the head."""
+    calls = [["tp2", model], ["pd", model], ["ep2", moe_model]]
+    return tp_hosts.driver(tp_hosts.hosts["head"], "several", json.dumps(calls), timeout_s=3 * DRIVER_TIMEOUT_S)
+
+
+def test_tp2_across_hosts_matches_tp1_with_the_scheduler_on_the_head(tp_hosts, model, engine_reports):
     head, w1, w2 = tp_hosts.hosts.values()
-    report = tp_hosts.driver(head, "tp2", model, timeout_s=DRIVER_TIMEOUT_S)
+    report = report_of(engine_reports, "tp2")
     assert report["strategy"] == "STRICT_SPREAD"
     scheduler, *ranks = report["ips"]
     assert scheduler == head.ip and sorted(ranks) == sorted([w1.ip, w2.ip])
@@ -57,23 +70,22 @@ def test_tp2_across_hosts_matches_tp1_with_the_scheduler_on_the_head(tp_hosts, m
     assert report["outputs"] == run_to_completion(InProcessEngine(config(model)))
 
 
-def test_kv_moves_between_engines_on_two_hosts_giving_the_unified_tokens(tp_hosts, model):
+def test_kv_moves_between_engines_on_two_hosts_giving_the_unified_tokens(tp_hosts, model, engine_reports):
     """Prefill/decode disaggregation across hosts: one engine on each worker host, the prompt's KV crossing
     between them through the object store, with and without the decode engine holding the prefixes."""
     head, w1, w2 = tp_hosts.hosts.values()
-    report = tp_hosts.driver(head, "pd", model, timeout_s=DRIVER_TIMEOUT_S)
+    report = report_of(engine_reports, "pd")
     assert sorted(report["ips"]) == sorted([w1.ip, w2.ip])
     expected = run_to_completion(InProcessEngine(config(model)))
     assert report["outputs"] == expected + expected
     assert report["kv_bytes"] > 0
 
 
-def test_expert_parallel_across_hosts_matches_tp1(tp_hosts, tiny_model_dir):
+def test_expert_parallel_across_hosts_matches_tp1(tp_hosts, moe_model, engine_reports):
     head, w1, w2 = tp_hosts.hosts.values()
-    model = tiny_model_dir("qwen3_moe", None, **QWEN3_MOE)
-    report = tp_hosts.driver(head, "ep2", model, timeout_s=DRIVER_TIMEOUT_S)
+    report = report_of(engine_reports, "ep2")
     assert sorted(report["ips"][1:]) == sorted([w1.ip, w2.ip])
-    assert report["outputs"] == run_to_completion(InProcessEngine(config(model)))
+    assert report["outputs"] == run_to_completion(InProcessEngine(config(moe_model)))
 
 
 def test_pp2_across_hosts_through_raylm_generate_matches_one_rank(tp_hosts, servable_tiny_model):
@@ -128,40 +140,52 @@ def test_gloo_on_an_interface_the_other_hosts_cannot_reach_fails_naming_the_sett
     assert set(report["groups"]) == {"REMOVED"}
 
 
-@pytest.mark.parametrize("case", ["no host at the address", "wrong port", "more hosts than exist"])
-def test_bad_input_fails_within_placement_timeout_naming_what_is_missing(tp_hosts, tiny_model_dir, case):
+BAD_INPUT = ["no host at the address", "wrong port", "more hosts than exist"]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tp_hosts, tiny_model_dir, tmp_path_factory) -> dict[str, tuple[str, int, str]]:
+    """Each BAD_INPUT case's `raylm generate` from the head, all three at once (each mostly waits out the
+    placement timeout): case -> (the error it must name, its exit status, its stderr)."""
     head = tp_hosts.hosts["head"]
     # tp=3 needs a model whose heads split three ways; STRICT_SPREAD then wants 4 hosts, and there are 3.
     model = tiny_model_dir("llama", hidden_size=96, intermediate_size=192, num_attention_heads=6, num_key_value_heads=3)
-    address, tp, expected = {
-        "no host at the address": (f"{tp_hosts.subnet}.99:6379", 1, f"no Ray head answers at {tp_hosts.subnet}.99"),
-        "wrong port": (f"{head.ip}:6380", 1, f"no Ray head answers at {head.ip}:6380"),
-        "more hosts than exist": (f"{head.ip}:6379", 3, "STRICT_SPREAD puts each bundle .* it needs 4 nodes"),
-    }[case]
-    # Bounded: a silent wait instead of the error fails the test by TimeoutExpired (the timeout, plus starting
-    # Python and torch).
-    done = subprocess.run(
-        head.cmd(
-            str(VENV_BIN / "raylm"),
-            "generate",
-            "--prompt",
-            "hi",
-            "--model",
-            model,
-            "--address",
-            address,
-            "--tensor-parallel-size",
-            str(tp),
-            "--num-threads",
-            "1",
-            "--placement-strategy",
-            "STRICT_SPREAD",
-            "--placement-timeout-s",
-            str(RENDEZVOUS_TIMEOUT_S),
-        ),
-        capture_output=True,
-        text=True,
-        timeout=RENDEZVOUS_TIMEOUT_S + 30,
+    cases = dict(
+        zip(
+            BAD_INPUT,
+            [
+                (f"{tp_hosts.subnet}.99:6379", 1, f"no Ray head answers at {tp_hosts.subnet}.99"),
+                (f"{head.ip}:6380", 1, f"no Ray head answers at {head.ip}:6380"),
+                (f"{head.ip}:6379", 3, "STRICT_SPREAD puts each bundle .* it needs 4 nodes"),
+            ],
+        )
     )
-    assert done.returncode != 0
-    assert re.search(expected, done.stderr), done.stderr[-3000:]
+    logs = tmp_path_factory.mktemp("bad-input")
+    runs = {}
+    try:
+        for i, (case, (address, tp, _)) in enumerate(cases.items()):
+            with open(logs / f"{i}.err", "w") as stderr:
+                runs[case] = subprocess.Popen(
+                    head.cmd(
+                        str(VENV_BIN / "raylm"),
+                        *("generate", "--prompt", "hi", "--model", model, "--address", address),
+                        *("--tensor-parallel-size", str(tp), "--num-threads", "1"),
+                        *("--placement-strategy", "STRICT_SPREAD", "--placement-timeout-s", str(RENDEZVOUS_TIMEOUT_S)),
+                    ),
+                    stdout=subprocess.DEVNULL,
+                    stderr=stderr,
+                )
+        # Bounded: a silent wait instead of the error fails the test by TimeoutExpired (the timeout, plus three
+        # processes starting Python and torch at once on a small machine).
+        statuses = {case: proc.wait(RENDEZVOUS_TIMEOUT_S + 60) for case, proc in runs.items()}
+        return {case: (cases[case][2], statuses[case], (logs / f"{i}.err").read_text()) for i, case in enumerate(cases)}
+    finally:
+        for proc in runs.values():
+            proc.kill()
+
+
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_input_fails_within_placement_timeout_naming_what_is_missing(bad_input_runs, case):
+    expected, status, stderr = bad_input_runs[case]
+    assert status != 0
+    assert re.search(expected, stderr), stderr[-3000:]
