@@ -116,7 +116,7 @@ class WorkerConfig:
     lora_modules: dict[str, str]  # adapters loaded at start: name -> PEFT directory
     draft_model: str | None  # speculative decoding's draft model (hub id or directory), on the driver; None: none
     num_speculative_tokens: int  # the draft's proposals per request and step (0 without a draft)
-    # What the engine read from the checkpoints before any rank started (read_model_spec, for this tp and
+    # What the engine read from the checkpoints before any rank was configured (read_model_spec, for this tp and
     # quantization), so no rank reads config.json through transformers again.
     model_spec: ModelSpec
     draft_spec: ModelSpec | None  # the draft's; None without one

@@ -56,7 +56,7 @@ def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:
 
 
 def check_draft_model(config: EngineConfig, model_path: str, spec: ModelSpec, max_model_len: int) -> ModelSpec | None:
-    """The speculative_config draft model's spec (None without one), refusing, before any rank starts, a draft
+    """The speculative_config draft model's spec (None without one), refusing, before any rank loads a weight, a draft
     that cannot propose for this model (workers.draft.check_draft says which)."""
     draft_model = config.speculative.get("model")
     if draft_model is None:
