@@ -386,11 +386,12 @@ class EngineConfig(BaseModel):
     def _default_block_size(cls, block_size: int | None, info: ValidationInfo) -> int:
         if block_size is not None:
             return block_size
-        # Only flash-attn pages differ from the default, and "auto" picks flash-attn only on CUDA where it is
-        # installed (kernels.default_block_size): known here without importing torch, which `raylm serve`'s own
-        # process then never does (seconds of its start).
-        no_flash_attn = info.data["device"] == "cpu" or importlib.util.find_spec("flash_attn") is None
-        if info.data["attention_backend"] != "flash_attn" and no_flash_attn:
+        # Only flash-attn pages differ from the default: named, or where "auto" may pick flash-attn (off CPU, with
+        # flash_attn installed; kernels.default_block_size decides). Known here without importing torch, which
+        # `raylm serve`'s own process then never does (seconds of its start).
+        backend = info.data["attention_backend"]
+        may_pick_flash_attn = info.data["device"] != "cpu" and importlib.util.find_spec("flash_attn") is not None
+        if not (backend == "flash_attn" or (backend == "auto" and may_pick_flash_attn)):
             return DEFAULT_BLOCK_SIZE
         from kernels import default_block_size
         from workers.worker import DTYPES as TORCH_DTYPES
