@@ -8,7 +8,10 @@ raylet is gone. The one process outside that chain is Serve's HAProxy, a child o
 when that actor dies with the raylet, HAProxy is re-parented to init and keeps the port. So HAProxy is started
 through a launcher that asks the kernel for the same parent-death signal, then becomes HAProxy (exec): nothing
 polls, nothing has to run after raylm is killed, and nothing is left for the next start to clean.
-docs/operations.md weighs this against a process group or a pid file.
+That chain takes ~2 s (the actor's core worker notices its raylet is gone, then exits), and a process manager's
+restart on the same port can be quicker: so the launcher also leaves a watcher, blocked on a pidfd of the raylm
+process that started this Ray, which kills HAProxy the moment raylm dies. docs/operations.md weighs this against
+a process group or a pid file.
 """
 
 from __future__ import annotations
@@ -24,17 +27,38 @@ from pathlib import Path
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 LAUNCHER_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"  # Serve starts this file as HAProxy (read at import, in the actor)
+OWNER_ENV = "RAYLM_HAPROXY_OWNER_PID"  # the raylm process whose death ends HAProxy at once
 
-# -I: no environment or user site; -S: no site-packages (only the standard library is needed). The parent may
-# die between fork and prctl, so the launcher checks its parent is still the one it had.
+# -I: no environment or user site; -S: no site-packages (only the standard library is needed). A parent may die
+# between fork and prctl, so each process checks its parent is still the one it had. The watcher is HAProxy's
+# child, ended by the kernel with it; it closes its standard streams so that it holds none of HAProxy's. Without
+# pidfds (Linux < 5.3) it exits and the parent-death chain alone ends HAProxy.
 LAUNCHER = """#!{python} -IS
-# raylm: HAProxy, killed by the kernel (PR_SET_PDEATHSIG) when the process that started it dies.
-import ctypes, os, signal, sys
+# raylm: HAProxy, killed by the kernel (PR_SET_PDEATHSIG) when the process that started it dies, and by its
+# watcher the moment the raylm process that started this Ray dies.
+import ctypes, os, select, signal, sys
+libc = ctypes.CDLL(None, use_errno=True)
 parent = os.getppid()
-if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0) != 0:
+if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:
     sys.exit(f"raylm haproxy launcher: prctl(PR_SET_PDEATHSIG) failed: {{os.strerror(ctypes.get_errno())}}")
 if os.getppid() != parent:
     sys.exit("raylm haproxy launcher: the process that started HAProxy is gone")
+owner = os.environ.get({owner_env!r})
+if owner and os.fork() == 0:
+    haproxy_pid = os.getppid()
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() == haproxy_pid:
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        try:
+            select.select([os.pidfd_open(int(owner))], [], [])
+        except ProcessLookupError:
+            pass
+        except OSError:
+            os._exit(0)
+        os.kill(haproxy_pid, signal.SIGKILL)
+    os._exit(0)
 os.execv({haproxy!r}, [{haproxy!r}, *sys.argv[1:]])
 """
 
@@ -146,13 +170,14 @@ def while_local_ray_lives(stop: Callable[[], None], poll_s: float = 0.1) -> None
 
 def haproxy_dies_with_its_parent() -> None:
     """Have the Ray about to start here run Serve's HAProxy (the operator's RAY_SERVE_HAPROXY_BINARY_PATH, else
-    Serve's own) through a launcher that ties it to its parent. Call before Ray starts: its processes inherit
-    the environment."""
+    Serve's own) through a launcher that ties it to its parent and to this process. Call before Ray starts: its
+    processes inherit the environment."""
     from ray.serve._private.constants import RAY_SERVE_ENABLE_HA_PROXY
     from ray.serve._private.haproxy import _resolve_haproxy_binary  # Serve's own choice, and its error if none
 
     if not (RAY_SERVE_ENABLE_HA_PROXY and sys.platform.startswith("linux")):  # no HAProxy, or no prctl
         return
+    os.environ[OWNER_ENV] = str(os.getpid())  # this process's own, not one inherited from whoever started it
     haproxy = _resolve_haproxy_binary()
     if Path(haproxy).parent == _launcher_dir():  # a second start in this process: already ours
         return
@@ -168,7 +193,7 @@ def _launcher_dir() -> Path:
 def write_launcher(haproxy: str) -> Path:
     """The launcher for this interpreter and HAProxy binary, written once (named by its content) and atomically,
     so that servers starting at once never execute a half-written file."""
-    text = LAUNCHER.format(python=sys.executable, haproxy=haproxy)
+    text = LAUNCHER.format(python=sys.executable, haproxy=haproxy, owner_env=OWNER_ENV)
     path = _launcher_dir() / f"haproxy-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ import pytest
 
 from cluster.engine.network import free_port
 from cluster.serve.drain import CODE
-from cluster.serve.lifecycle import write_launcher
+from cluster.serve.lifecycle import OWNER_ENV, write_launcher
 from tests.cluster.serve.raylm_serve import RaylmServe, session
 
 DRAIN_TIMEOUT_S = 4.0
@@ -162,6 +162,35 @@ def test_the_haproxy_launcher_dies_with_the_process_that_started_it(tmp_path, mo
     while alive(child):
         assert time.monotonic() < deadline, "the launched program outlived its parent by 10 s"
         time.sleep(0.05)
+
+
+def test_the_haproxy_launcher_dies_at_once_with_the_raylm_that_owns_it(tmp_path, monkeypatch):
+    """A process manager restarts a killed raylm on its port at once: HAProxy must not wait for its parent actor
+    to notice the raylet has gone (~2 s), but end the moment the owning raylm does; and it ends with its parent
+    all the same while the owner lives."""
+    monkeypatch.setenv("RAYLM_CACHE_DIR", str(tmp_path))
+    launcher = write_launcher(shutil.which("sleep"))
+    owner = subprocess.Popen(["sleep", "600"])
+    start = f"import subprocess; p = subprocess.Popen([{str(launcher)!r}, '600']); print(p.pid, flush=True); print(p.wait())"
+    env = {**os.environ, OWNER_ENV: str(owner.pid)}
+    parent = subprocess.Popen([sys.executable, "-c", start], stdout=subprocess.PIPE, text=True, env=env)
+    child = int(parent.stdout.readline())
+    try:
+        deadline = time.monotonic() + 30
+        while len(tree(child)) < 2:  # the watcher has started
+            assert time.monotonic() < deadline and alive(child), "the launcher left no watcher"
+            time.sleep(0.05)
+        (watcher,) = tree(child) - {child}
+        owner.kill()
+        owner.wait()
+        deadline = time.monotonic() + 2
+        while alive(child) or alive(watcher):
+            assert time.monotonic() < deadline, "the launched program outlived the raylm that owns it by 2 s"
+            time.sleep(0.02)
+        assert parent.stdout.readline().strip() == str(-signal.SIGKILL), "its parent did not see it killed"
+    finally:
+        parent.kill()
+        parent.wait()
 
 
 class Stream:
