@@ -21,7 +21,7 @@ from workers.runner_inputs import (
     StepInputs,
     logprob_stats,
 )
-from workers.sampler import PenaltyState, Sampler, SamplingMetadata, has_penalties
+from workers.sampler import PenaltyState, Sampler, SamplingMetadata, has_penalties, skip_draws
 from workers.structured_output import GrammarBitmasks
 
 
@@ -122,6 +122,7 @@ class ModelRunner:
             if params.seed is not None:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(params.seed)
+                skip_draws(gen, len(new.output_token_ids), self.vocab_size)
             prompt = new.prompt_token_ids
             self.token_ids[row, : len(prompt)] = prompt
             self.block_table[row, : len(new.block_ids)] = new.block_ids

@@ -401,6 +401,17 @@ def _draw(probs: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
     return sample_categorical(probs, uniforms)
 
 
+def skip_draws(gen: torch.Generator, num_tokens: int, vocab_size: int) -> None:
+    """Advance a seeded row's generator past ``num_tokens`` tokens sampled elsewhere from the same seed (a KV
+    transfer's first token, drawn by the prefill engine), drawing what ``_draw`` draws for a row: the tokens it
+    samples next are then the ones one engine would have sampled. (The GPU branch has not run on a GPU.)"""
+    for _ in range(num_tokens):
+        if gen.device.type == "cpu":
+            torch.rand(1, dtype=torch.float64, generator=gen)
+        else:
+            torch.empty(vocab_size, dtype=torch.float32, device=gen.device).exponential_(generator=gen)
+
+
 def _exponential_race(probs: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
     """argmax(probs / q) with q ~ Exp(1) samples from probs (the Gumbel-max trick): one parallel pass on a GPU.
     Seeded rows redraw q from their own generator over exactly V values."""

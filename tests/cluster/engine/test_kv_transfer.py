@@ -70,6 +70,18 @@ def test_prefill_then_decode_gives_the_unified_tokens_and_logprobs(engines, leng
         assert e.scheduler.kv.usage() == 0 and not e.worker.staged_kv
 
 
+def test_a_seeded_sampled_request_gives_the_unified_tokens(engines):
+    """The prefill engine draws the first token from the seed; the decode engine's draws go on from there, not
+    from the seed again."""
+    unified, prefill, decode = engines
+    for i in range(3):
+        sampled = SamplingParams(temperature=1.5, seed=100 + i, max_tokens=12, ignore_eos=True)
+        request = EngineRequest(request_id=f"s{i}", prompt_token_ids=prompt(9, i), sampling_params=sampled)
+        expected, _ = tokens_and_logprobs(outputs(unified, request))
+        got, _ = tokens_and_logprobs(disaggregated(prefill, decode, request))
+        assert got == expected, f"seed {sampled.seed}"
+
+
 def test_a_prefix_the_decode_engine_holds_is_not_moved(engines):
     unified, prefill, decode = engines
     shared = prompt(32, 7)
