@@ -15,13 +15,22 @@ are exact.
 
 from __future__ import annotations
 
+import asyncio
 import urllib.request
+from typing import TYPE_CHECKING
 
 import ray
 from prometheus_client.parser import text_string_to_metric_families
+from ray import serve
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from scheduler import SchedulerStats
+
+if TYPE_CHECKING:
+    from cluster.config import EngineConfig
+    from cluster.engine.ray_client import RayEngine
+
+ENGINE_STATS_PERIOD_S = 1.0
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # vLLM's buckets, so that dashboards built for vLLM read these histograms the same way.
@@ -117,6 +126,32 @@ def _counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
 
 def _histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
     return Histogram(name, doc, boundaries=buckets, tag_keys=TAGS)
+
+
+def replica_metrics(model_name: str, engine: RayEngine, cfg: EngineConfig) -> ServeMetrics:
+    """This Serve replica's series, labelled with its id and its engine's cache configuration."""
+    return ServeMetrics(
+        model_name,
+        serve.get_replica_context().replica_id.unique_id,
+        {
+            "block_size": str(cfg.block_size),
+            "num_gpu_blocks": str(engine.num_blocks),
+            "enable_prefix_caching": str(cfg.enable_prefix_caching),
+            "cache_dtype": str(cfg.dtype),
+            "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
+        },
+    )
+
+
+async def publish_engine_stats(metrics: ServeMetrics, engine: RayEngine) -> None:
+    """The engine's gauges and totals into Ray's metrics, each period (a gauge not set for two of Ray's report
+    periods ages out of the export)."""
+    while True:
+        try:
+            metrics.record_engine(await asyncio.to_thread(engine.stats))
+        except Exception:  # a dead engine fails check_health, which restarts this replica
+            pass
+        await asyncio.sleep(ENGINE_STATS_PERIOD_S)
 
 
 class ServeMetrics:

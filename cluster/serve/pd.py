@@ -23,6 +23,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from cluster.engine.ray_client import RayEngine
 from cluster.engine.request_check import check_request
+from cluster.serve.metrics import publish_engine_stats, replica_metrics
 from cluster.serve.options import AppArgs
 from cluster.serve.router import HASHES_KWARG, replica_routing_stats
 from scheduler import EngineRequest, KVTransferError, RequestError, RequestOutput, SchedulerStats, merge_deltas
@@ -38,10 +39,14 @@ class PrefillUnavailable(RuntimeError):
 @serve.deployment(name="PrefillServer")
 class PrefillServer:
     """One prefill replica: a RayEngine (its own tensor-parallel size) that computes prompts and exports their
-    KV. It serves no HTTP; the decode replicas call ``prefill`` through a handle."""
+    KV. It serves no HTTP; the decode replicas call ``prefill`` through a handle. Its engine's gauges and totals
+    (queues, KV-cache usage, prefix-cache queries and hits, steps) go to Ray's metrics export under its own
+    ``replica`` label, as a decode replica's do: what it serves (tokens, latencies) the decode replica counts."""
 
-    def __init__(self, args: AppArgs) -> None:
+    async def __init__(self, args: AppArgs) -> None:
         self.engine = RayEngine(args.engine, placement_group=ray.util.get_current_placement_group(), first_bundle=1)
+        self.metrics = replica_metrics(args.model_name, self.engine, args.engine)
+        self._publisher = asyncio.get_running_loop().create_task(publish_engine_stats(self.metrics, self.engine))
 
     async def prefill(self, request: EngineRequest, block_hashes: list | None = None) -> RequestOutput:
         """``request`` (max_tokens 1, ``kv_export_from_block`` set) run to its end: its deltas folded into the

@@ -41,7 +41,13 @@ from cluster.serve.generation import Generation
 from cluster.serve.grpc_replies import completion_body
 from cluster.serve.http_app import app
 from cluster.serve.http_io import asgi_messages, json_response, read_json
-from cluster.serve.metrics import CONTENT_TYPE, ServeMetrics, node_metrics_port, render_node_metrics
+from cluster.serve.metrics import (
+    CONTENT_TYPE,
+    node_metrics_port,
+    publish_engine_stats,
+    render_node_metrics,
+    replica_metrics,
+)
 from cluster.serve.openapi import openapi_schema
 from cluster.serve.options import AppArgs
 from cluster.serve.pd import PDEngine
@@ -71,8 +77,6 @@ from cluster.serve.router import replica_routing_stats
 from cluster.serve.served_models import ServedModels
 from cluster.serve.tools import ToolCalling
 from scheduler import RequestError, SamplingParams
-
-ENGINE_STATS_PERIOD_S = 1.0
 
 
 @serve.deployment(name="LLMServer")
@@ -107,38 +111,18 @@ class LLMServer:
         cfg = args.engine
         self.pooling_type = pooling_type(cfg.pooling_type, self.engine.model_path)
         self.serves_embeddings = serves_embeddings(cfg.runner, self.engine.model_path)
-        self.metrics = ServeMetrics(
-            self.model_name,
-            serve.get_replica_context().replica_id.unique_id,
-            {
-                "block_size": str(cfg.block_size),
-                "num_gpu_blocks": str(self.engine.num_blocks),
-                "enable_prefix_caching": str(cfg.enable_prefix_caching),
-                "cache_dtype": str(cfg.dtype),
-                "gpu_memory_utilization": str(cfg.gpu_memory_utilization),
-            },
-        )
+        self.metrics = replica_metrics(self.model_name, self.engine, cfg)
         self.admission = Admission(self.pd or self.engine, cfg.max_num_seqs + args.queue_len, self.metrics.rejected.inc)
         self.request_timeout_s = args.request_timeout_s
         self.drain = Drain(self.admission, args.drain_timeout_s)
         self._drainer = asyncio.get_running_loop().create_task(self.drain.watch())
         self.metrics_port = node_metrics_port()
-        self._publisher = asyncio.get_running_loop().create_task(self._publish_engine_stats())
+        self._publisher = asyncio.get_running_loop().create_task(publish_engine_stats(self.metrics, self.engine))
         # The longest sequence (prompt + output) one request may reach: the context, or the whole KV cache
         # (less block 0, the scheduler's null block). Longer ones are refused here with a 400 naming max_tokens.
         self.max_seq_len = min(self.engine.max_model_len, (self.engine.num_blocks - 1) * cfg.block_size)
         if cfg.enable_lora:  # before serving: the engine then holds every adapter loaded at run time so far
             await self.served.join(serve.get_replica_context().replica_id.unique_id, self.engine.adapters)
-
-    async def _publish_engine_stats(self) -> None:
-        """The engine's gauges and totals into Ray's metrics, each period (a gauge not set for two of Ray's
-        report periods ages out of the export)."""
-        while True:
-            try:
-                self.metrics.record_engine(await asyncio.to_thread(self.engine.stats))
-            except Exception:  # a dead engine fails check_health, which restarts this replica
-                pass
-            await asyncio.sleep(ENGINE_STATS_PERIOD_S)
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Serve's controller for the request router: this replica's prefix-cache digest and load."""

@@ -5,6 +5,7 @@ retries against fakes (no Ray)."""
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable
 
 import httpx2 as httpx
@@ -27,7 +28,7 @@ from scheduler import (
     SampledLogprobs,
     SamplingParams,
 )
-from tests.cluster.serve.test_server import serving
+from tests.cluster.serve.test_server import WAIT_S, metrics, serving
 
 MODEL = "smol"
 MAX_MODEL_LEN = 1024
@@ -194,6 +195,24 @@ def test_requests_of_several_samples_or_one_token_skip_the_prefill_replica(clien
     assert [c.finish_reason for c in r.choices] == ["length", "length"]
     assert r.choices[0].text == r.choices[1].text
     assert prefilled_prompts() == before
+
+
+def test_the_prefill_replica_exports_its_engines_series_under_its_own_label(url, client, prefilled_prompts):
+    """/metrics carries the prefill replica's engine series beside the decode replica's: a replica whose
+    prefix-cache queries are the prompts the prefill engine computed, with its own KV-cache gauge."""
+    client.completions.create(model=MODEL, prompt=long_text("metrics"), max_tokens=2, temperature=0)
+    queried = prefilled_prompts()
+    assert queried > 0
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        samples = metrics(url, by_replica=True)
+        series = {k: v for k, v in samples.items() if k.startswith("vllm:prefix_cache_queries_total{")}
+        prefill = [k.rpartition("replica=")[2].rstrip("}") for k, v in series.items() if v == queried]
+        if len(series) >= 2 and prefill:
+            break
+        assert time.monotonic() < deadline, f"no replica's series shows the prefill engine's {queried}: {series}"
+        time.sleep(0.2)
+    assert any(k.startswith("vllm:kv_cache_usage_perc{") and f"replica={prefill[0]}" in k for k in samples), samples
 
 
 def test_health_is_200_while_the_decode_and_a_prefill_replica_serve(url):
