@@ -202,6 +202,13 @@ class EngineConfig(BaseModel):
     placement_timeout_s: float = Field(
         60.0, gt=0, description="how long to wait for the cluster to fit the engine's placement group"
     )
+    accelerator_type: str | None = Field(
+        None,
+        min_length=1,
+        description="place every rank on a node whose accelerator is of this type, as Ray names it (the node "
+        "resource accelerator_type:NAME that Ray detects, e.g. H100, H200, A100-80G; or one a node was started "
+        "with), as Ray Serve LLM's accelerator_type; with --pd, --prefill-config may give the prefill side its own",
+    )
     # Long enough for the slowest honest step: a full max_num_batched_tokens prefill of a large model on CPU.
     step_timeout_s: float = Field(
         300.0,

@@ -10,12 +10,17 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from cluster.config import EngineConfig
 
 SCHEDULER_CPUS = 1.0  # the scheduler's bundle; the actor mostly awaits, but Ray needs a non-empty bundle
+ACCELERATOR_SHARE = 0.001  # of a node's accelerator_type:NAME resource, per rank: a marker, not a count
 
 
 def engine_bundles(config: EngineConfig, use_gpu: bool) -> list[dict[str, float]]:
     """Bundle 0 for the scheduler actor, bundle 1 + r for rank r, stage by stage (rank r is in stage r // tp), so
-    that PACK fills a node with one stage's ranks before it starts the next stage's."""
+    that PACK fills a node with one stage's ranks before it starts the next stage's. With an accelerator type each
+    rank asks a sliver of that node resource (Ray gives a node one unit of its own type), which only such nodes
+    have, as Ray Serve LLM asks it."""
     rank = {"CPU": float(config.num_threads or 1)} | ({"GPU": 1.0} if use_gpu else {})
+    if config.accelerator_type is not None:
+        rank[f"accelerator_type:{config.accelerator_type}"] = ACCELERATOR_SHARE
     return [{"CPU": SCHEDULER_CPUS}] + [dict(rank) for _ in range(config.world_size)]
 
 

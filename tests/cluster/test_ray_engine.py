@@ -425,6 +425,7 @@ def test_dead_worker_fails_in_flight_requests_and_health_then_a_new_engine_works
     "overrides, missing",
     [
         ({"device": "cuda"}, "GPU: 1"),  # no GPU in the cluster
+        ({"accelerator_type": "H100", "tensor_parallel_size": 2}, "accelerator_type:H100: 0.002"),  # no such node
         ({"tensor_parallel_size": 2, "num_threads": 5}, "CPU: 1"),  # 1 + 2 * 5 CPUs
         # 1 + 2 stages * 2 ranks * 3 CPUs; each stage fits on the one node, the whole does not
         (
@@ -438,7 +439,7 @@ def test_dead_worker_fails_in_flight_requests_and_health_then_a_new_engine_works
             rf"\(the largest has CPU: {SESSION_CPUS}\)",
         ),
     ],
-    ids=["no GPU", "tp2 over the CPUs", "pp2 over the CPUs", "a stage larger than any node"],
+    ids=["no GPU", "no H100 node", "tp2 over the CPUs", "pp2 over the CPUs", "a stage larger than any node"],
 )
 def test_unsatisfiable_placement_fails_within_the_timeout_and_cleans_up(llama, overrides, missing):
     before = set(ray.util.placement_group_table())
