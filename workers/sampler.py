@@ -403,13 +403,11 @@ def _draw(probs: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
 
 def skip_draws(gen: torch.Generator, num_tokens: int, vocab_size: int) -> None:
     """Advance a seeded row's generator past ``num_tokens`` tokens sampled elsewhere from the same seed (a KV
-    transfer's first token, drawn by the prefill engine), drawing what ``_draw`` draws for a row: the tokens it
-    samples next are then the ones one engine would have sampled. (The GPU branch has not run on a GPU.)"""
+    transfer's first token, drawn by the prefill engine): ``_draw`` itself draws each one for a row of that width,
+    and the token is dropped, so the tokens it samples next are the ones one engine would have sampled. (Off CPU
+    this has not run on a GPU.)"""
     for _ in range(num_tokens):
-        if gen.device.type == "cpu":
-            torch.rand(1, dtype=torch.float64, generator=gen)
-        else:
-            torch.empty(vocab_size, dtype=torch.float32, device=gen.device).exponential_(generator=gen)
+        _draw(torch.ones(1, vocab_size, device=gen.device), {0: gen})
 
 
 def _exponential_race(probs: Tensor, generators: dict[int, torch.Generator]) -> Tensor:
