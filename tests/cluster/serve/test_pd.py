@@ -5,7 +5,6 @@ retries against fakes (no Ray)."""
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable
 
 import httpx2 as httpx
@@ -28,7 +27,7 @@ from scheduler import (
     SampledLogprobs,
     SamplingParams,
 )
-from tests.cluster.serve.test_server import WAIT_S, metrics, serving
+from tests.cluster.serve.test_server import serving, wait_metrics
 
 MODEL = "smol"
 MAX_MODEL_LEN = 1024
@@ -203,16 +202,14 @@ def test_the_prefill_replica_exports_its_engines_series_under_its_own_label(url,
     client.completions.create(model=MODEL, prompt=long_text("metrics"), max_tokens=2, temperature=0)
     queried = prefilled_prompts()
     assert queried > 0
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        samples = metrics(url, by_replica=True)
-        series = {k: v for k, v in samples.items() if k.startswith("vllm:prefix_cache_queries_total{")}
-        prefill = [k.rpartition("replica=")[2].rstrip("}") for k, v in series.items() if v == queried]
-        if len(series) >= 2 and prefill:
-            break
-        assert time.monotonic() < deadline, f"no replica's series shows the prefill engine's {queried}: {series}"
-        time.sleep(0.2)
-    assert any(k.startswith("vllm:kv_cache_usage_perc{") and f"replica={prefill[0]}" in k for k in samples), samples
+
+    def queries(samples: dict[str, float]) -> dict[str, float]:
+        return {k: v for k, v in samples.items() if k.startswith("vllm:prefix_cache_queries_total{")}
+
+    samples = wait_metrics(url, lambda m: len(queries(m)) >= 2 and queried in queries(m).values(), by_replica=True)
+    replicas = [k.rpartition("replica=")[2].rstrip("}") for k, v in queries(samples).items() if v == queried]
+    gauges = [k for k in samples if k.startswith("vllm:kv_cache_usage_perc{")]
+    assert any(f"replica={r}" in k for r in replicas for k in gauges), samples
 
 
 def test_health_is_200_while_the_decode_and_a_prefill_replica_serve(url):

@@ -136,10 +136,11 @@ def metrics(url: str, by_replica: bool = False) -> dict[str, float]:
     return samples
 
 
-def wait_metrics(url: str, done: Callable[[dict[str, float]], bool]) -> dict[str, float]:
-    """/metrics once done(it) holds: replicas' series reach Ray's export once per report period."""
+def wait_metrics(url: str, done: Callable[[dict[str, float]], bool], by_replica: bool = False) -> dict[str, float]:
+    """/metrics (``metrics(url, by_replica)``) once done(it) holds: replicas' series reach Ray's export once per
+    report period."""
     deadline = time.monotonic() + WAIT_S
-    while not done(m := metrics(url)):
+    while not done(m := metrics(url, by_replica)):
         if time.monotonic() > deadline:
             pytest.fail(f"/metrics did not reach the expected values within {WAIT_S} s: {m}")
         time.sleep(0.2)
