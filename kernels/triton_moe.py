@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.cpu_ops import silu_and_mul
+from kernels.fused import silu_and_mul
 
 _ROWS, _COLS, _DEPTH = 32, 64, 32  # tile of output rows x output columns, and the reduction step; tl.dot needs >= 16
 

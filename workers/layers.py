@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import AttentionBackend, AttentionMetadata
-from kernels.cpu_ops import add_rms_norm, small_mm_applies
+from kernels.cpu_ops import small_mm_applies
+from kernels.fused import add_rms_norm, rms_norm, rotary_store_kv
 from workers.parallel import MissingLayer, tp_group
 
 if TYPE_CHECKING:
@@ -242,7 +243,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual is added to in place: it is the stream this model owns (the embedding's output, then
@@ -324,9 +325,29 @@ class Attention(nn.Module):
         self.k_scale = self.v_scale = 1.0
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: AttentionMetadata
+        self,
+        qk: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     ) -> torch.Tensor:
-        self.backend.store_kv(k, v, self.kv_cache, attn_metadata.slot_mapping, self.k_scale, self.v_scale)
+        """qk [T, num_heads + num_kv_heads, head_dim] (queries, then keys) and v [T, num_kv_heads, head_dim] of
+        this step, before RoPE (and before Qwen3's per-head norm, `qk_norm`: its query and key weights and eps),
+        which are applied with the store of keys and values: one kernel on CUDA (kernels/fused.py)."""
+        q = rotary_store_kv(
+            qk,
+            v,
+            cos,
+            sin,
+            self.kv_cache,
+            attn_metadata.slot_mapping,
+            self.k_scale,
+            self.v_scale,
+            qk_norm,
+            self.backend.store_kv,
+        )
         return self.backend.paged_attention(
             q, self.kv_cache, attn_metadata, self.scale, self.window, self.k_scale, self.v_scale
         )

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from kernels import AttentionBackend, AttentionMetadata
-from kernels.cpu_ops import rotary_, silu_and_mul
+from kernels.fused import silu_and_mul
 from workers.layers import (
     Attention,
     ColumnParallelLinear,
@@ -46,13 +46,8 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         t, h, kv, d = x.shape[0], self.num_heads, self.num_kv_heads, self.attn.head_dim
         qk, v = self.qkv_proj(x).split([(h + kv) * d, kv * d], dim=-1)
-        qk = qk.view(t, h + kv, d)
-        if self.q_norm is not None:
-            qk = torch.cat((self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])), dim=1)
-        # q and k rotate by the same angles: one rotation over both, in place.
-        rotary_(qk, cos, sin)
-        q, k = qk.split([h, kv], dim=1)
-        out = self.attn(q, k, v.view(t, kv, d), attn_metadata)
+        qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        out = self.attn(qk.view(t, h + kv, d), v.view(t, kv, d), cos, sin, attn_metadata, qk_norm)
         return self.o_proj(out.view(t, h * d))
 
 
