@@ -20,26 +20,23 @@ import torch
 
 @dataclass(slots=True)
 class LoraBatch:
-    """Which tokens of a step use which adapter slot, built once per step on the host (``set``); every LoRA layer
-    holds this one object and reads it during the step. The torch path's views, both of contiguous rows: a step's
-    requests come grouped by slot (the model runner orders them so), so no token is gathered or scattered:
+    """Which tokens of a step use which adapter slot; every LoRA layer holds this one object and reads it during the
+    step. On CUDA, ``token_slots`` is each token's slot (-1: the base model) in a device buffer that keeps its
+    address for the runner's life (the runner writes it with the step's other inputs), read by the Triton op at
+    the step's token count: a captured decode graph replays it for any mix of adapters. Elsewhere, the torch path's
+    views, built on the host each step (``set``), both of contiguous rows: a step's requests come grouped by slot
+    (the model runner orders them so), so no token is gathered or scattered:
     - ``runs``: each run of consecutive tokens of one slot, (slot, start, end); the base model's tokens left out;
     - ``uniform``: (first slot, first row, runs, rows each) where the runs are adjacent, equally long and of
-      consecutive slots (a step of evenly mixed adapters): all of them in one batched product per output.
-    ``token_slots`` (CUDA, the Triton op's view) is each token's slot."""
+      consecutive slots (a step of evenly mixed adapters): all of them in one batched product per output."""
 
     runs: list[tuple[int, int, int]]
     uniform: tuple[int, int, int, int] | None = None
-    token_slots: torch.Tensor | None = None  # CUDA: each token's slot on the device, for the Triton op
+    token_slots: torch.Tensor | None = None
 
-    def set(self, token_slots: np.ndarray, device: torch.device) -> None:
-        """The step whose token t uses slot ``token_slots[t]`` (-1: none)."""
-        self.runs, self.uniform, self.token_slots = [], None, None  # nothing of the last step's view stays
-        if token_slots.max(initial=-1) < 0:  # the base model alone: nothing to upload
-            return
-        if device.type == "cuda":
-            self.token_slots = torch.from_numpy(token_slots).to(device, non_blocking=True)
-            return
+    def set(self, token_slots: np.ndarray) -> None:
+        """The step whose token t uses slot ``token_slots[t]`` (-1: none), for the torch path."""
+        self.runs, self.uniform = [], None  # nothing of the last step's view stays
         starts = np.flatnonzero(np.diff(token_slots, prepend=-2))
         ends = np.append(starts[1:], len(token_slots))
         slots = token_slots[starts]
@@ -54,10 +51,6 @@ class LoraBatch:
             and (np.diff(slots) == 1).all()
         ):
             self.uniform = (int(slots[0]), int(starts[0]), len(slots), int(lengths[0]))
-
-    @property
-    def active(self) -> bool:
-        return bool(self.runs) or self.token_slots is not None
 
 
 def add_lora(

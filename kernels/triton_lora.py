@@ -2,8 +2,9 @@
 
 Two kernels per layer: a shrink, one program per token, h[t] = A[slot(t)] x[t] over the layer's n stacked
 down-projections; then an expand per fused output j, one program per (token, column tile), y[t, cols] +=
-h[t, j] B_j[slot(t)][:, cols]. A token of the base model (slot -1) adds nothing. No host work: the slots are a device
-tensor, so the op never syncs and a decode step stays one fixed shape. The tests run it on CPU tensors under
+h[t, j] B_j[slot(t)][:, cols]. A token of the base model (slot -1) adds nothing and reads no adapter weights. No host
+work: the slots are a device tensor, so the op never syncs and a decode step stays one fixed shape, which a CUDA
+graph captures once for every mix of adapters. The tests run it on CPU tensors under
 TRITON_INTERPRET=1 against the torch path.
 """
 
@@ -25,7 +26,7 @@ def _shrink_kernel(
     slot = tl.load(slots_ptr + t)
     base = tl.maximum(slot, 0).to(tl.int64) * NR * K
     r = tl.arange(0, BLOCK_R)
-    r_ok = r < NR
+    r_ok = (r < NR) & (slot >= 0)  # a base-model token reads no adapter weights
     acc = tl.zeros([BLOCK_R], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -57,7 +58,7 @@ def _expand_kernel(
     slot = tl.load(slots_ptr + t)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, BLOCK_R)
-    col_ok, r_ok = cols < N, r < R
+    col_ok, r_ok = cols < N, (r < R) & (slot >= 0)
     h = tl.load(h_ptr + t * NR + h_start + r, r_ok, 0.0)
     base = tl.maximum(slot, 0).to(tl.int64) * N * R
     b = tl.load(b_ptr + base + r[None, :] * N + cols[:, None], col_ok[:, None] & r_ok[None, :], 0.0).to(tl.float32)

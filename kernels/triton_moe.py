@@ -1,6 +1,6 @@
 """The experts' SwiGLU products on CUDA with no host read: pairs sorted and tiles laid out on the device, then a
-grouped matmul launched over a grid whose size depends only on shapes, so a CUDA graph could capture the op
-(never tried on a GPU yet: graph capture stays off for MoE models).
+grouped matmul launched over a grid whose size depends only on shapes, so a CUDA graph captures the op (a MoE
+decode replays one like a dense one; never run on a GPU yet).
 
 out = fused_moe(x, w13, w2, topk_weights, topk_ids, first_expert)   # as kernels.moe.fused_moe
 

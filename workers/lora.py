@@ -206,14 +206,14 @@ class LinearLora:
             self.lora_bs[j][slot, :r].copy_(b.T)
 
     def apply(self, y: torch.Tensor, x: torch.Tensor) -> None:
-        """y += the step's adapter products (a step of the base model alone adds nothing)."""
-        if not self.batch.active:
-            return
-        if y.is_cuda:
+        """y += the step's adapter products. On CUDA the op runs in every step, the base model's alone too (its
+        tokens read no adapter weights): a captured graph holds it whatever the step's adapters."""
+        token_slots = self.batch.token_slots
+        if token_slots is not None:
             from kernels.triton_lora import triton_add_lora  # triton only where it runs
 
-            triton_add_lora(y, x, self.lora_a, self.lora_bs, self.offsets, self.batch.token_slots)
-        else:
+            triton_add_lora(y, x, self.lora_a, self.lora_bs, self.offsets, token_slots[: x.shape[0]])
+        elif self.batch.runs:
             add_lora(y, x, self.lora_a, self.lora_bs, self.offsets, self.batch)
 
 
@@ -276,8 +276,3 @@ class LoraManager:
         slots = [slot_of.get(s.lora_name, -1) for s in states]
         order = sorted(range(len(states)), key=slots.__getitem__)
         return [states[i] for i in order], np.fromiter((slots[i] for i in order), dtype=np.int64, count=len(order))
-
-    def set_step(self, req_slots: np.ndarray, num_new: np.ndarray, device: torch.device) -> None:
-        """The batch every LoRA layer reads this step: request i's ``num_new[i]`` tokens use slot ``req_slots[i]``
-        (``group``'s, in its order)."""
-        self.batch.set(np.repeat(req_slots, num_new), device)

@@ -95,7 +95,15 @@ class ModelRunner:
         self.free_rows = list(range(max_rows - 1, -1, -1))
         self.decode_graphs = DecodeGraphs(decode_sizes)
         max_reqs = max(max_num_seqs, *self.decode_graphs.sizes, 1)
-        self.buffers = InputBuffers(max(max_num_batched_tokens, max_reqs), max_reqs, self.max_blocks_per_req, device)
+        self.buffers = InputBuffers(
+            max(max_num_batched_tokens, max_reqs),
+            max_reqs,
+            self.max_blocks_per_req,
+            device,
+            token_slots=lora is not None and device.type == "cuda",
+        )
+        if "token_slots" in self.buffers.dev:
+            lora.batch.token_slots = self.buffers.dev["token_slots"]
         self.sampled_host = torch.zeros(2 * max_reqs, dtype=torch.int64, pin_memory=device.type == "cuda")
 
     # ---- applying the diff ------------------------------------------------------
@@ -223,8 +231,12 @@ class ModelRunner:
         else:
             num_logits = len(sampling)
             buf["logits_indices"][:num_logits] = ends - 1
-        if self.lora is not None:
-            self.lora.set_step(req_slots, num_new, self.device)
+        if self.lora is not None:  # request i's num_new[i] tokens use slot req_slots[i]
+            token_slots = np.repeat(req_slots, num_new)
+            if "token_slots" in buf:
+                buf["token_slots"][:total] = token_slots
+            else:
+                self.lora.batch.set(token_slots)
         graph_size = self.decode_graphs.padded_size(num_reqs, total)
         if graph_size:
             self.buffers.pad_decode(num_reqs, graph_size)

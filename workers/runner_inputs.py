@@ -94,14 +94,22 @@ class InputBuffers:
     """
 
     def __init__(
-        self, max_tokens: int, max_reqs: int, max_blocks: int, device: torch.device, uploaded: Any = None
+        self,
+        max_tokens: int,
+        max_reqs: int,
+        max_blocks: int,
+        device: torch.device,
+        uploaded: Any = None,
+        token_slots: bool = False,
     ) -> None:
         shapes = {"T": (max_tokens,), "R": (max_reqs,), "R+1": (max_reqs + 1,), "RxB": (max_reqs, max_blocks)}
         # `uploaded` (an event: record, query, synchronize) is given only by tests, to copy between CPU tensors.
         self.copies = device.type == "cuda" or uploaded is not None
+        # With `token_slots` (LoRA on CUDA) each token's adapter slot is an input too: a graph reads it in place.
+        self.layout = dict(_BUFFERS, **({"token_slots": (torch.int64, "T")} if token_slots else {}))
         host = {
             name: torch.zeros(shapes[size], dtype=dtype, pin_memory=device.type == "cuda")
-            for name, (dtype, size) in _BUFFERS.items()
+            for name, (dtype, size) in self.layout.items()
         }
         self.np = {name: t.numpy() for name, t in host.items()}
         self.host = host
@@ -119,7 +127,7 @@ class InputBuffers:
         """The device tensors' used prefixes, after queueing their copies."""
         counts = {"T": num_tokens, "R": num_reqs, "R+1": num_reqs + 1, "RxB": num_reqs}
         out = {}
-        for name, (_, size) in _BUFFERS.items():
+        for name, (_, size) in self.layout.items():
             n = num_logits if name == "logits_indices" else counts[size]
             out[name] = self.dev[name][:n]
             if self.copies:
@@ -136,6 +144,8 @@ class InputBuffers:
             buf[name][start:end] = 0
         buf["seq_lens"][start:end] = 1
         buf["query_start_loc"][start + 1 : end + 1] = np.arange(start + 1, end + 1)
+        if "token_slots" in buf:
+            buf["token_slots"][start:end] = -1  # the base model: no adapter's product
 
 
 def logprob_stats(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:

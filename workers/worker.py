@@ -242,19 +242,12 @@ class Worker:
         if can_pack(self.device, self.dtype):
             pack_for_cpu(self.model)
         # Only graph-capturable backends on CUDA pad decodes to the captured sizes; elsewhere padding is waste.
-        # A pipeline stage runs eagerly: its graphs would have to capture the stage-to-stage transfers. MoE models
-        # run eagerly until a GPU run shows their capture right (the expert op's CUDA path reads nothing on the
-        # host since kernels/triton_moe.py's `align`, but has never run on a GPU), and so does LoRA (its op groups
-        # a step's tokens by adapter on the host).
+        # A pipeline stage runs eagerly: its graphs would have to capture the stage-to-stage transfers. MoE and
+        # LoRA decodes are captured too: on CUDA their ops read nothing on the host (kernels/triton_moe.py's
+        # `align`; each token's adapter slot in the runner's input buffers), so one graph per batch size serves
+        # every routing and every mix of adapters. A capture that fails falls back to eager decodes, with a warning.
         stage = pipeline_stage()
-        graphs = (
-            self.device.type == "cuda"
-            and not cfg.enforce_eager
-            and backend.graph_capturable
-            and stage.count == 1
-            and self.spec.moe is None
-            and lora is None
-        )
+        graphs = self.device.type == "cuda" and not cfg.enforce_eager and backend.graph_capturable and stage.count == 1
         if stage.count > 1:
             tp = cfg.tensor_parallel_size
             self.link = StageLink(

@@ -18,17 +18,19 @@ from tests.workers.test_spec_decode import run as run_keyed
 @pytest.mark.parametrize("family", FAMILIES)
 def test_windowed_and_expert_families_match_transformers_in_fp32(tiny_model_dir, family):
     """Triton's windowed attention past the window (prompts of 5, 18 and 31 tokens, chunked), and the experts'
-    Triton grouped matmul, against transformers on the same GPU."""
+    Triton grouped matmul, against transformers on the same GPU; their decodes replay captured graphs."""
     model_type, overrides = FAMILIES[family]
     path = tiny_model_dir(model_type, None, **overrides)
     ids = prompts(3)
     expected = hf_greedy(path, ids, 12, torch.float32)
     engine = cuda_engine(path, dtype="float32", max_num_batched_tokens=16, long_prefill_token_threshold=8)
+    assert engine.worker.runner.decode_graphs.graphs, "no decode graph was captured"
     assert run_and_free(engine, ids, greedy(3, 12)) == expected
 
 
 def test_lora_adapters_mixed_with_the_base_match_peft(lora_adapters):
-    """The Triton shrink/expand kernels with two adapters of different ranks and the base in one batch."""
+    """The Triton shrink/expand kernels with two adapters of different ranks and the base in one batch, decodes
+    replaying graphs captured once for every mix of adapters."""
     base, paths, lora_prompts, expected = lora_adapters
     engine = cuda_engine(
         base,
@@ -40,6 +42,7 @@ def test_lora_adapters_mixed_with_the_base_match_peft(lora_adapters):
     )
     mixed = [(name, p) for p in lora_prompts for name in (None, "attn8", "all4")]
     try:
+        assert engine.worker.runner.decode_graphs.graphs, "no decode graph was captured"
         got = run_with_adapters(engine, mixed)
     finally:
         free(engine)

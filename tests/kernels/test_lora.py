@@ -43,7 +43,7 @@ def test_each_token_gets_its_own_adapters_product(slots):
                 shrunk = x[t] @ lora_a[s, j * rank : (j + 1) * rank].T
                 expected[t, offset : offset + b.shape[2]] += shrunk @ b[s]
     batch = LoraBatch([])
-    batch.set(np.array(slots), torch.device("cpu"))
+    batch.set(np.array(slots))
     add_lora(y, x, lora_a, lora_bs, offsets, batch)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
 
@@ -61,6 +61,6 @@ def test_one_batch_object_reset_by_each_step():
         for t, s in enumerate(slots):
             if s >= 0:
                 expected[t] += (x[t] @ lora_a[s].T) @ lora_b[s]
-        batch.set(np.array(slots), torch.device("cpu"))
+        batch.set(np.array(slots))
         add_lora(y, x, lora_a, [lora_b], [0], batch)
         torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)

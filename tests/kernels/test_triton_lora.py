@@ -34,7 +34,7 @@ def test_triton_lora_matches_torch(slots):
     y0 = torch.randn(len(slots), sum(sizes) + 8, generator=g)  # 8 columns past the layer's outputs: untouched
     expected = y0.clone()
     batch = LoraBatch([])
-    batch.set(np.array(slots), torch.device("cpu"))
+    batch.set(np.array(slots))
     add_lora(expected, x, lora_a, lora_bs, offsets, batch)
     y = y0.to(DEVICE)
     to = [t.to(DEVICE) for t in (x, lora_a, torch.tensor(slots))]
@@ -43,3 +43,22 @@ def test_triton_lora_matches_torch(slots):
     if -1 in slots:
         base_rows = [i for i, s in enumerate(slots) if s < 0]
         assert torch.equal(y.cpu()[base_rows], y0[base_rows])
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="tests/gpu/test_features.py runs LoRA engines on CUDA")
+def test_an_engine_on_the_cuda_wiring_matches_peft(lora_adapters):
+    """The runner as it is on CUDA: each token's slot written with the step's inputs into a buffer that keeps its
+    address (copied between CPU tensors here), and every LoRA layer running the Triton op (the interpreter's) on
+    it at the step's token count, base-only steps included. Mixed adapters and the base against peft."""
+    from tests.workers.test_lora import lora_engine, run
+    from tests.workers.test_model_runner import copying_buffers
+
+    base, paths, prompts, expected = lora_adapters
+    engine = lora_engine(base, paths, max_loras=2)
+    runner = engine.worker.runner
+    copying_buffers(runner, token_slots=True)
+    runner.lora.batch.token_slots = runner.buffers.dev["token_slots"]
+    mixed = [(name, p) for p in prompts[:2] for name in (None, "attn8", "all4")]
+    assert run(engine, mixed) == [expected[name][prompts.index(p)] for name, p in mixed]
+    assert run(engine, [(None, prompts[0])]) == [expected[None][0]]
+    assert not runner.lora.batch.runs  # the torch path's view was never built

@@ -142,20 +142,26 @@ class OrderCheckingEvent:
             )
 
 
-def test_input_buffers_are_rewritten_only_after_the_last_uploads_copies(tiny_model_dir):
+def copying_buffers(runner, token_slots: bool = False) -> OrderCheckingEvent:
+    """The runner's input buffers replaced by ones of the same sizes that copy, as on CUDA, between CPU tensors;
+    their event, which checks the order of copies and rewrites."""
     from workers.runner_inputs import InputBuffers
 
-    eng = engine(tiny_model_dir("llama"), max_num_batched_tokens=32)
-    runner = eng.worker.runner
-    event = OrderCheckingEvent()
-    old = runner.buffers
+    event, old = OrderCheckingEvent(), runner.buffers
     runner.buffers = event.buffers = InputBuffers(
         old.host["input_ids"].shape[0],
         old.host["seq_lens"].shape[0],
         old.host["block_tables"].shape[1],
         torch.device("cpu"),
         event,
+        token_slots=token_slots,
     )
+    return event
+
+
+def test_input_buffers_are_rewritten_only_after_the_last_uploads_copies(tiny_model_dir):
+    eng = engine(tiny_model_dir("llama"), max_num_batched_tokens=32)
+    event = copying_buffers(eng.worker.runner)
     # A 100-token prompt in 32-token chunks: three steps that sample nothing (no sync at all on CUDA), then decodes.
     params = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)] * 2
     ids = [prompts(9)[8][:100], prompts(2)[1]]
