@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 
 from scheduler import EngineRequest, SamplingParams
 
@@ -92,14 +93,61 @@ def hbm_bandwidth(nbytes: int = 1 << 30, repeats: int = 20) -> float:
     return 2 * nbytes * repeats / (time.perf_counter() - t0)
 
 
+@dataclass(slots=True)
+class StepReads:
+    """The bytes one decode step must read from memory, at least: `weights` (every decoder layer's, of a MoE layer
+    the router and only the experts the step can touch, the final norm, the LM head once, and the embedding rows
+    of the step's tokens) and `kv` (each request's keys and values of its context in every layer, only the
+    window's in a sliding-window layer). `experts`: what was assumed of the experts ("" for a dense model)."""
+
+    weights: int
+    kv: int
+    experts: str
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def step_read_bytes(model, batch: int, context: int, kv_dtype) -> StepReads:
+    """What a decode step of `batch` requests of `context` tokens each reads from `model` (a loaded raylm model,
+    one rank) and its KV cache of `kv_dtype`. Untied embeddings are not read whole, only the step's rows; tied
+    ones are read whole once, as the LM head (the rows besides, by the lookup). A MoE layer's step touches at
+    most min(E, batch * top_k) of its E experts, each read whole."""
+    import torch
+
+    from workers.models.moe import SparseMoeBlock
+
+    embed = model.model.embed_tokens.weight
+    weights = _nbytes(model.parameters())  # a tied table once
+    if model.lm_head is not model.model.embed_tokens:
+        weights -= _nbytes([embed])
+    weights += batch * _nbytes([embed[0]])
+    experts = ""
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            touched = min(block.num_local, batch * block.moe.top_k)
+            weights -= _nbytes([block.w13, block.w2]) * (block.num_local - touched) // block.num_local
+            experts = f"min({block.num_local}, {batch} x {block.moe.top_k}) = {touched} experts per MoE layer"
+    element = torch.empty(0, dtype=kv_dtype).element_size()
+    kv = sum(
+        batch * min(context, attn.window or context) * 2 * attn.num_kv_heads * attn.head_dim * element
+        for attn in model.attention_layers
+    )
+    return StepReads(weights, kv, experts)
+
+
 def gpu_decode_figures(engine, batches: tuple[int, ...] = (1, 32, 256), context: int = 512, steps: int = 50) -> None:
-    """Decode step time of an in-process CUDA engine at a few batch sizes, against the HBM floor: every step
-    reads all weights once and each request's K and V of its context once."""
+    """Decode step time of an in-process CUDA engine at a few batch sizes, against the HBM floor: the time the
+    bytes a step must read (step_read_bytes) take at the measured bandwidth."""
     import torch
 
     worker = engine.worker
-    weight_bytes = sum(p.numel() * p.element_size() for p in worker.model.parameters())
-    kv_bytes_per_token = worker.block_bytes() // worker.config.block_size
+    weight_bytes = _nbytes(worker.model.parameters())
     bandwidth = hbm_bandwidth()
     print(
         f"  GPU decode: {torch.cuda.get_device_name()}, {bandwidth / 1e9:.0f} GB/s measured (copy), weights "
@@ -111,34 +159,50 @@ def gpu_decode_figures(engine, batches: tuple[int, ...] = (1, 32, 256), context:
         if batch > engine.config.max_num_seqs or batch >= engine.config.max_num_batched_tokens:
             continue
         step_s = decode_step_seconds(engine, batch, context, steps, rng)
-        floor = (weight_bytes + batch * (context + steps) * kv_bytes_per_token) / bandwidth
+        reads = step_read_bytes(worker.model, batch, context + steps // 2, worker.kv_dtype)
+        floor = reads.total / bandwidth
         print(
-            f"    {batch:4d} requests at ~{context + steps // 2} tokens: {step_s * 1e3:7.3f} ms per step, HBM floor "
-            f"{floor * 1e3:6.3f} ms ({floor / step_s:.0%} of the floor's speed)"
+            f"    {batch:4d} requests at ~{context + steps // 2} tokens: {step_s * 1e3:7.3f} ms per step; a step "
+            f"reads {reads.total / 1e9:.3f} GB (weights {reads.weights / 1e9:.3f}, KV {reads.kv / 1e9:.3f}"
+            f"{'; ' + reads.experts if reads.experts else ''}), HBM floor {floor * 1e3:6.3f} ms "
+            f"({floor / step_s:.0%} of the floor's speed)"
         )
 
 
-def decode_step_seconds(engine, batch: int, context: int, steps: int, rng: random.Random) -> float:
-    """The mean time of `steps` engine steps that each decode all of `batch` requests of about `context` tokens
-    (greedy); the requests run to their end afterwards."""
+def start_decoding(engine, batch: int, context: int, steps: int, rng: random.Random) -> None:
+    """Add `batch` requests of `context` random tokens (greedy, each asking for enough tokens to decode `steps`
+    more steps) and step the engine until every one of them decodes; ValueError, before adding any, if the KV cache
+    cannot hold them all (they would be preempted, and the batch never whole)."""
     # The first requests decode while the last still prefill (each step holds at least budget - batch prefill
     # tokens): they must not finish before every request decodes, or the batch is never whole.
     prefill_steps = -(-batch * context // (engine.config.max_num_batched_tokens - batch)) + 1
+    max_tokens = prefill_steps + steps + 10
+    blocks = batch * -(-(context + max_tokens) // engine.config.block_size)
+    if blocks >= engine.num_blocks:
+        raise ValueError(
+            f"{batch} requests of {context} + {max_tokens} tokens need {blocks} KV blocks, the cache holds "
+            f"{engine.num_blocks - 1}"
+        )
     for i in range(batch):
         engine.add_request(
             EngineRequest(
                 request_id=f"decode-{batch}-{i}",
                 prompt_token_ids=[rng.randrange(100, engine.spec.vocab_size) for _ in range(context)],
-                sampling_params=SamplingParams(temperature=0.0, max_tokens=prefill_steps + steps + 10, ignore_eos=True),
+                sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
             )
         )
     for _ in range(prefill_steps + 1):
         engine.step()
         stats = engine.stats()
         if stats.num_waiting == 0 and stats.num_running == batch == stats.num_scheduled_tokens:
-            break
-    else:
-        raise RuntimeError(f"{batch} requests of {context} tokens were not all decoding after {prefill_steps} steps")
+            return
+    raise RuntimeError(f"{batch} requests of {context} tokens were not all decoding after {prefill_steps} steps")
+
+
+def decode_step_seconds(engine, batch: int, context: int, steps: int, rng: random.Random) -> float:
+    """The mean time of `steps` engine steps that each decode all of `batch` requests of about `context` tokens
+    (greedy); the requests run to their end afterwards."""
+    start_decoding(engine, batch, context, steps, rng)
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
