@@ -18,6 +18,7 @@ def add_parser(sub) -> None:
     for add in (
         _scheduler,
         _throughput,
+        _profile,
         _prefix_reuse,
         _structured,
         _ray_overhead,
@@ -134,6 +135,26 @@ def _throughput(sub) -> None:
             getattr(args, "address", None),
             **kwargs,
         )
+
+    p.set_defaults(run=run)
+
+
+def _profile(sub) -> None:
+    p = sub.add_parser(
+        "profile",
+        help="torch.profiler on decode steps of an in-process engine: kernels (CPU: top-level ops) per step, busy "
+        "and idle time per step, the top kernels, one layer's kernels",
+    )
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256], help="requests decoding at once, one run each")
+    p.add_argument("--context", type=int, default=512, help="each request's prompt tokens")
+    p.add_argument("--steps", type=int, default=20, help="decode steps timed, then as many profiled")
+    p.add_argument("--trace", default=None, metavar="FILE", help="a Chrome trace per batch: FILE-batchB.json")
+    add_engine_flags(p)
+
+    def run(args: argparse.Namespace) -> None:
+        from cluster.bench.profile import bench_profile
+
+        bench_profile(tuple(args.batch), args.context, args.steps, args.trace, **engine_kwargs(args))
 
     p.set_defaults(run=run)
 
