@@ -6,7 +6,7 @@ Unfused, torch spends about 14 small launches a layer on this work (docs/gpu.md)
 each is latency, not bandwidth, and together they cost a quarter of the step. The rounding follows transformers'
 modules in the model's dtype (a sum rounded before its norm, the normalised value rounded before the weight, SiLU
 rounded before the product), so an fp32 model gives the torch path's values and a half one the same roundings.
-All arithmetic is written in fp32 with explicit roundings (`_rounded`): a product of two half values is exact in
+All arithmetic is written in fp32 with explicit roundings (`.to(dtype).to(tl.float32)`): a product of two half values is exact in
 fp32, so rounding it once gives what the half product gives, and Triton's interpreter computes half arithmetic
 on the raw bits, which would leave bf16 untestable on CPU.
 
@@ -19,7 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fused import TRITON_DTYPES
+
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+# Triton's name of each dtype the kernels take (kernels/fused.py keeps the list).
+TL_DTYPES = {d: getattr(tl, str(d).removeprefix("torch.")) for d in TRITON_DTYPES}
 # Elements per program of SiLU-and-product: an 8B model's 14,336 units per row are 14 programs a row.
 _SILU_BLOCK = 1024
 
@@ -27,12 +31,6 @@ _SILU_BLOCK = 1024
 def _num_warps(elements: int) -> int:
     """Warps for a program of `elements` values: about 8 values a thread, 1 to 16 warps."""
     return min(16, max(1, elements // 256))
-
-
-@triton.jit
-def _rounded(x, dtype: tl.constexpr):
-    """fp32 `x` rounded to `dtype`, as fp32 again."""
-    return x.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -53,15 +51,14 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     ok = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-    dtype = x.dtype
     xf = x.to(tl.float32)
     if ADD_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual + cols, mask=ok, other=0.0)
-        xf = _rounded(xf + residual.to(tl.float32), dtype)
-        tl.store(residual_ptr + row * stride_residual + cols, xf.to(dtype), mask=ok)
+        xf = (xf + residual.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(residual_ptr + row * stride_residual + cols, xf.to(x_ptr.dtype.element_ty), mask=ok)
     rstd = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
     weight = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    y = _rounded(xf * rstd, dtype) * weight
+    y = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32) * weight
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -96,8 +93,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, BLOCK: tl.cons
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     up = tl.load(x_ptr + row * stride_x + n + cols, mask=ok, other=0.0)
     g = gate.to(tl.float32)
-    y = _rounded(g / (1.0 + tl.exp(-g)), gate.dtype) * up.to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, y.to(gate.dtype), mask=ok)
+    y = (g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty).to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -139,6 +136,7 @@ def _rotary_store_kv_kernel(
     QK_NORM: tl.constexpr,
     FP8: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    DTYPE: tl.constexpr,
 ):
     """One token: its query and key heads (rows [0, NUM_HEADS) and [NUM_HEADS, NUM_HEADS + KV_HEADS) of qk)
     each normed (QK_NORM) and rotated Neox style in their two halves; the queries written back, the keys to
@@ -149,9 +147,7 @@ def _rotary_store_kv_kernel(
     d_ok = d < HALF
     ok = (h < NUM_HEADS + KV_HEADS) & d_ok
     src = qk_ptr + token * stride_qk_t + h * stride_qk_h + d
-    x1 = tl.load(src, mask=ok, other=0.0)
-    dtype = x1.dtype
-    x1 = x1.to(tl.float32)
+    x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
     if QK_NORM:
         rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
@@ -164,23 +160,23 @@ def _rotary_store_kv_kernel(
             tl.load(q_norm_ptr + HALF + d, mask=d_ok, other=0.0),
             tl.load(k_norm_ptr + HALF + d, mask=d_ok, other=0.0),
         )
-        x1 = _rounded(_rounded(x1 * rstd, dtype) * w1.to(tl.float32), dtype)
-        x2 = _rounded(_rounded(x2 * rstd, dtype) * w2.to(tl.float32), dtype)
+        x1 = ((x1 * rstd).to(DTYPE).to(tl.float32) * w1.to(tl.float32)).to(DTYPE).to(tl.float32)
+        x2 = ((x2 * rstd).to(DTYPE).to(tl.float32) * w2.to(tl.float32)).to(DTYPE).to(tl.float32)
     cos = tl.load(cos_ptr + token * stride_cos + d, mask=d_ok, other=0.0).to(tl.float32)
     sin = tl.load(sin_ptr + token * stride_cos + d, mask=d_ok, other=0.0).to(tl.float32)
     # As transformers rounds: each product in the model's dtype, then their sum.
-    y1 = _rounded(x1 * cos, dtype) - _rounded(x2 * sin, dtype)
-    y2 = _rounded(x2 * cos, dtype) + _rounded(x1 * sin, dtype)
+    y1 = ((x1 * cos).to(DTYPE).to(tl.float32) - (x2 * sin).to(DTYPE).to(tl.float32)).to(DTYPE)
+    y2 = ((x2 * cos).to(DTYPE).to(tl.float32) + (x1 * sin).to(DTYPE).to(tl.float32)).to(DTYPE)
     q_ok = ok & (h < NUM_HEADS)
-    tl.store(src, y1.to(dtype), mask=q_ok)
-    tl.store(src + HALF, y2.to(dtype), mask=q_ok)
+    tl.store(src, y1, mask=q_ok)
+    tl.store(src + HALF, y2, mask=q_ok)
 
     slot = tl.load(slot_ptr + token)
     k_ok = ok & (h >= NUM_HEADS)
     dst = slot * stride_slot + (h - NUM_HEADS) * stride_head + d
     if FP8:
-        y1 = tl.clamp(_rounded(y1, dtype) / k_scale, -FP8_MAX, FP8_MAX)
-        y2 = tl.clamp(_rounded(y2, dtype) / k_scale, -FP8_MAX, FP8_MAX)
+        y1 = tl.clamp(y1.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
+        y2 = tl.clamp(y2.to(tl.float32) / k_scale, -FP8_MAX, FP8_MAX)
     tl.store(k_cache_ptr + dst, y1.to(k_cache_ptr.dtype.element_ty), mask=k_ok)
     tl.store(k_cache_ptr + dst + HALF, y2.to(k_cache_ptr.dtype.element_ty), mask=k_ok)
 
@@ -242,6 +238,7 @@ def rotary_store_kv(
         QK_NORM=qk_norm is not None,
         FP8=kv_cache.dtype == torch.float8_e4m3fn,
         FP8_MAX=FP8_MAX,
+        DTYPE=TL_DTYPES[qk.dtype],
         num_warps=_num_warps(qk.shape[1] * head_dim),
     )
     return qk[:, :num_heads]
