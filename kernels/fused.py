@@ -8,6 +8,7 @@ for profiling a step with and without the fusions in one process (`raylm bench p
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import os
@@ -22,11 +23,17 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _logged: set[str] = set()
 
 
+@functools.cache
+def has_triton() -> bool:
+    """Whether triton is installed (looked up once: the eager step asks for every op of every layer)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def _unfused_reason(tensors: tuple[torch.Tensor, ...]) -> str | None:
     """Why the Triton kernels cannot take these CUDA tensors, or None when they can."""
     if os.environ.get("RAYLM_FUSED_KERNELS", "1") == "0":
         return "RAYLM_FUSED_KERNELS=0"
-    if importlib.util.find_spec("triton") is None:
+    if not has_triton():
         return "triton is not installed"
     for t in tensors:
         if t.dtype not in TRITON_DTYPES:

@@ -11,13 +11,11 @@ holds; the caller sums over ranks.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 
 from kernels.cpu_ops import silu_and_mul, small_mm_applies
+from kernels.fused import has_triton
 
 # Rows per expert up to which raylm's CPU op (`grouped_small_mm`) beats torch's grouped_mm, which runs each
 # group through BLAS: at 1 to 16 rows it reads the weights 1.0-1.8x as fast; at 64 the two are even.
@@ -52,11 +50,6 @@ def _grouped(
     return pair_rows // top_k, topk_weights.flatten()[pair_rows], counts
 
 
-@functools.cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, small_groups: bool) -> torch.Tensor:
     """x [M, K] grouped by rows times w [G, N, K] per group: raylm's CPU op when every group has at most
     SMALL_GROUP_ROWS rows (`small_groups`) in fp32, torch's grouped_mm elsewhere."""
@@ -81,7 +74,7 @@ def fused_moe(
     `kernels.triton_moe.fused_moe`: grouping and tiling on the device, no host read and no shape that depends on
     the routing, so a CUDA graph could capture it. Elsewhere the pairs are grouped by `_grouped`, whose shapes
     depend on the routing (a host read on CUDA without Triton; on CPU it costs no sync)."""
-    if x.is_cuda and _has_triton():
+    if x.is_cuda and has_triton():
         from kernels import triton_moe
 
         return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, first_expert)
