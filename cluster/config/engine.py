@@ -78,9 +78,11 @@ class EngineConfig(BaseModel):
     quantization: Literal[QUANTIZATIONS] | None = Field(  # type: ignore[valid-type]
         None,
         description="fp8: a plain (bf16/fp16/fp32) checkpoint's linear weights quantized at load to float8_e4m3fn "
-        "per output channel, as vLLM's --quantization fp8; then dequantized to --dtype, on CPU and (untested) CUDA "
-        "alike: FP8's numerics at the unquantized model's memory and speed. A checkpoint quantized by another "
-        "method is refused; default: the checkpoint's own quantization_config",
+        "per output channel, as vLLM's --quantization fp8; on CUDA GPUs of compute capability 8.9 or above the "
+        "linear layers then keep FP8 weights and run FP8 products (activations quantized per token; untested on a "
+        "GPU), elsewhere they are dequantized to --dtype (FP8's numerics at the unquantized model's memory and "
+        "speed). A checkpoint quantized by another method is refused; default: the checkpoint's own "
+        "quantization_config",
         **_flags("-q"),
     )
     device: Literal[DEVICES] = Field(  # type: ignore[valid-type]

@@ -1,18 +1,37 @@
 """FP8 checkpoints made by the tests (tests/workers/fp8.py) through the real loader: their logits against a float64
 model of the weights they stand for, tensor-parallel ranks' slices against the whole, and the checkpoints and
-methods that are refused."""
+methods that are refused. Then FP8 products (fp8_products, run on CPU): the checkpoints' FP8 weights held, logits
+near the dequantized model's, what stays dequantized and why, LoRA on an FP8 layer, and tensor-parallel ranks'
+FP8 rows."""
 
+import itertools
 import json
+import logging
+import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from kernels import select_backend
+from kernels.lora import LoraBatch
 from tests.workers.fp8 import SCHEMES, write_fp8_checkpoint
-from tests.workers.test_models import QWEN3_MOE, random_seqs, run_paged
+from tests.workers.test_models import QWEN3_MOE, _free_port, random_seqs, run_paged
+from workers.layers import ColumnParallelLinear, RowParallelLinear, Shard
+from workers.lora import LinearLora
 from workers.model_loader import load_model, read_model_spec
+from workers.model_spec import ModelSpec
+from workers.quantization import (
+    Fp8Scheme,
+    WeightQuantization,
+    checkpoint_modules,
+    fp8_products,
+    fp8_products_where_supported,
+)
 
 MODELS = {"llama": ("llama", {}), "qwen3_moe": ("qwen3_moe", QWEN3_MOE)}
 # Every scheme on the dense model; the experts (stacked per layer from per-expert tensors) in ragged tiles.
@@ -258,3 +277,200 @@ def test_quantization_fp8_on_a_quantized_checkpoint(fp8_checkpoint, tiny_model_d
         read_model_spec(ct, quantization="fp8")
     with pytest.raises(ValueError, match=r"quantization method 'gptq' \(--quantization\) .* supported: \['fp8'\]"):
         read_model_spec(tiny_model_dir("llama"), quantization="gptq")
+
+
+# FP8 products (W8A8): fp8_products on CPU, whose torch._scaled_mm takes row-wise scales as CUDA's does.
+PRODUCT_SCHEMES = ["fp8 per tensor (static activations)", "compressed-tensors per channel", "quantization=fp8"]
+LINEARS = [
+    f"model.layers.{i}.{m}"
+    for i in (0, 1)
+    for m in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+]
+
+
+def product_case(fp8_checkpoint, scheme: str) -> tuple[str, str, str | None]:
+    """(the float checkpoint, the one `scheme` serves, its --quantization)."""
+    src, _, _ = fp8_checkpoint("llama", "compressed-tensors per channel")
+    if scheme == "quantization=fp8":
+        return src, src, "fp8"
+    return src, str(fp8_checkpoint("llama", scheme)[1]), None
+
+
+def fp8_model(path: str, quantization: str | None = None, **kw) -> tuple[torch.nn.Module, list[str]]:
+    """The model at `path` converted by fp8_products, and the layers it converted."""
+    spec = read_model_spec(path, kw.get("tp_size", 1), quantization=quantization)
+    model = load_model(path, attn_backend=select_backend("torch", torch.device("cpu")), quantization=quantization, **kw)
+    return model, fp8_products(model, spec.quantization)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme", PRODUCT_SCHEMES)
+def test_fp8_products_hold_the_checkpoints_float8_weights(fp8_checkpoint, scheme, dtype):
+    _, path, quantization = product_case(fp8_checkpoint, scheme)
+    model, converted = fp8_model(path, quantization, dtype=dtype)
+    assert converted == LINEARS
+    dequantized = load_model(path, dtype, quantization=quantization).state_dict()
+    _, per_channel, _ = fp8_checkpoint("llama", "compressed-tensors per channel")
+    stored = load_file(per_channel / "model.safetensors")
+    for name in LINEARS:
+        layer = model.get_submodule(name)
+        assert layer.weight.dtype == torch.float8_e4m3fn
+        assert layer.weight_scale.dtype == torch.float32 and layer.weight_scale.shape == (layer.weight.shape[0],)
+        if scheme == "fp8 per tensor (static activations)":
+            # Requantized per row, on a grid at least as fine as the tensor's: within its rounding (2^-4 relative
+            # to a normal value, half the subnormals' spacing below them) of the values the checkpoint stands for.
+            scale = layer.weight_scale[:, None]
+            w = dequantized[f"{name}.weight"].float()
+            assert bool(((layer.weight.float() * scale - w).abs() <= w.abs() / 16 + scale * 2**-10).all())
+            continue
+        # Per channel, and --quantization fp8 (which stores what a per-channel checkpoint of the same weights
+        # does): the stored FP8 values come back, their scales within the model dtype's rounding of 448 x scale.
+        modules = checkpoint_modules(name, layer)
+        assert torch.equal(layer.weight.float(), torch.cat([stored[f"{m}.weight"] for m in modules]).float()), name
+        want = torch.cat([stored[f"{m}.weight_scale"] for m in modules]).view(-1)
+        torch.testing.assert_close(layer.weight_scale, want, rtol=torch.finfo(dtype).eps, atol=0)
+
+
+def mean_deviation(logits: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """The largest over sequences of mean |logit difference| / mean |reference logit|."""
+    return max(float((x - r).abs().mean() / r.abs().mean()) for x, r in zip(logits, reference))
+
+
+def greedy_agreement(logits: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """The fraction of positions whose argmax (teacher-forced on the same tokens) is the reference's."""
+    same = sum(int((x.argmax(-1) == r.argmax(-1)).sum()) for x, r in zip(logits, reference))
+    return same / sum(len(r) for r in reference)
+
+
+@pytest.mark.parametrize("scheme", PRODUCT_SCHEMES)
+def test_fp8_products_move_the_logits_as_little_as_the_weights_quantization_did(fp8_checkpoint, scheme):
+    """Activations quantized per token round the other operand of the same products onto the grid the weights were
+    rounded to per row (3 mantissa bits: 2^-4 relative at most, ~2.5% of a product in this model): they move the
+    logits about as far from the dequantized model's as the weights' quantization moved those from the plain
+    model's (this 2-layer random model turns that into ~15% of its mean |logit|). Measured ~1.2x; bound 2x."""
+    src, path, quantization = product_case(fp8_checkpoint, scheme)
+    backend = select_backend("torch", torch.device("cpu"))
+    seqs = random_seqs(read_model_spec(path).vocab_size)
+    plain = run_paged(load_model(src, attn_backend=backend), seqs)
+    dequantized = run_paged(load_model(path, attn_backend=backend, quantization=quantization), seqs)
+    got = run_paged(fp8_model(path, quantization)[0], seqs)
+    deviation, by_weights = mean_deviation(got, dequantized), mean_deviation(dequantized, plain)
+    print(
+        f"\n{scheme}: FP8 products vs dequantized: mean |logit error| {deviation:.3f} (dequantized vs plain "
+        f"{by_weights:.3f}), greedy agreement {greedy_agreement(got, dequantized):.2f}"
+    )
+    assert 1e-3 < deviation <= 2 * by_weights
+
+
+def test_block_scaled_and_partly_unquantized_layers_stay_dequantized(fp8_checkpoint, tiny_model_dir, caplog):
+    _, blocks, _ = fp8_checkpoint("llama", "fp8 blocks 32x32")
+    with caplog.at_level(logging.WARNING, logger="workers.quantization"):
+        model, converted = fp8_model(blocks)
+    assert converted == []
+    assert all(model.get_submodule(n).weight.dtype == torch.float32 for n in LINEARS)
+    assert all(model.get_submodule(n).weight_scale is None for n in LINEARS)
+    [line] = caplog.messages
+    assert "8 linear layers" in line and "per 32x32 block" in line and "one scale per output row" in line
+    # A fused layer converts only when every checkpoint module feeding it is quantized: up_proj left plain keeps
+    # gate_up_proj in the model's dtype, the rest converts.
+    model = load_model(tiny_model_dir("llama"))
+    channel = Fp8Scheme("channel", "weight_scale")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="workers.quantization"):
+        converted = fp8_products(model, WeightQuantization("fp8", ((("Linear",), channel),), (r"\.up_proj$",)))
+    assert converted == [n for n in LINEARS if "gate_up" not in n]
+    assert model.get_submodule("model.layers.1.mlp.gate_up_proj").weight.dtype == torch.float32
+    [line] = caplog.messages
+    assert "2 linear layers (model.layers.0.mlp.gate_up_proj, ...)" in line and "feeding them unquantized" in line
+
+
+def test_a_shape_scaled_mm_cannot_take_stays_dequantized(caplog):
+    model = torch.nn.Module()
+    model.block = torch.nn.Module()
+    model.block.proj = ColumnParallelLinear(24, {"proj": Shard(48, 0, 48, 0)}, bias=False)  # 24: not a multiple of 16
+    model.block.out = RowParallelLinear(48, 32, bias=False, rank=0, tp_size=1)
+    quantization = WeightQuantization("fp8", ((("Linear",), Fp8Scheme("channel", "")),), at_load=True)
+    with caplog.at_level(logging.WARNING, logger="workers.quantization"):
+        assert fp8_products(model, quantization) == ["block.out"]
+    assert "torch._scaled_mm needs both dimensions multiples of 16, the weight is [48, 24]" in caplog.text
+
+
+def test_a_gpu_without_fp8_keeps_the_weights_dequantized_and_says_why(tiny_model_dir, monkeypatch, caplog):
+    path = tiny_model_dir("llama")
+    model = load_model(path, quantization="fp8")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
+    with caplog.at_level(logging.WARNING, logger="workers.quantization"):
+        quantization = read_model_spec(path, quantization="fp8").quantization
+        fp8_products_where_supported(model, quantization, torch.device("cuda", 0), torch.bfloat16)
+    assert all(model.get_submodule(n).weight_scale is None for n in LINEARS)
+    assert caplog.messages == [
+        "raylm: FP8 weights stay dequantized in torch.bfloat16 on cuda:0: compute capability 8.0 has no FP8 tensor "
+        "cores (FP8 products need 8.9 or above)"
+    ]
+
+
+def test_lora_adds_to_an_fp8_layer_in_the_models_dtype(tiny_model_dir):
+    model = load_model(tiny_model_dir("llama"), quantization="fp8")
+    layer = model.get_submodule("model.layers.0.self_attn.qkv_proj")
+    batch = LoraBatch([])
+    # Slots made before the conversion, as the worker makes them: in the model's dtype.
+    layer.lora = LinearLora(layer, max_loras=1, max_rank=4, batch=batch)
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 64, generator=gen), torch.randn(32, 4, generator=gen)
+    layer.lora.write(0, {"k_proj": (a, b)})
+    fp8_products(model, read_model_spec(tiny_model_dir("llama"), quantization="fp8").quantization)
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.lora.lora_a.dtype == torch.float32
+    x = torch.randn(3, 64, generator=gen)
+    batch.set(np.array([-1, -1, -1]))
+    base = layer(x)
+    batch.set(np.array([0, 0, 0]))
+    adapted = layer(x)
+    expected = base.clone()
+    expected[:, 64:96] += x @ a.T @ b.T  # k_proj's rows
+    torch.testing.assert_close(adapted, expected)
+
+
+def _fp8_rank(rank: int, port: int, path: str, spec: ModelSpec, out_dir: str) -> None:
+    """Tensor-parallel rank `rank` of 2 (gloo): its --quantization fp8 shard converted, its layers' FP8 weights and
+    scales saved. `spec` is the parent's (transformers' import would double this rank's time)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model = load_model(path, tp_rank=rank, tp_size=2, spec=spec)
+        fp8_products(model, spec.quantization)
+        torch.save(fp8_weights(model), Path(out_dir) / f"{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)  # as test_models' ranks leave: torch's C++ teardown aborts now and then
+
+
+def fp8_weights(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return {n: (model.get_submodule(n).weight, model.get_submodule(n).weight_scale) for n in LINEARS}
+
+
+def rank_rows(parts: list[int], rank: int) -> torch.Tensor:
+    """Rank `rank`'s half of the rows of each of a fused weight's parts (of `parts` rows each), as indices."""
+    starts = itertools.accumulate([0, *parts[:-1]])
+    return torch.cat([torch.arange(s + rank * n // 2, s + (rank + 1) * n // 2) for s, n in zip(starts, parts)])
+
+
+def test_tensor_parallel_ranks_hold_the_whole_models_fp8_rows(tiny_model_dir, tmp_path):
+    """Column-parallel ranks hold their rows of the whole model's FP8 weights and scales; row-parallel ranks hold
+    their columns with the whole rows' scales (reduced over the ranks), not scales of their own halves."""
+    path = tiny_model_dir("llama")
+    spec = read_model_spec(path, 2, quantization="fp8")
+    mp.spawn(_fp8_rank, args=(_free_port(), path, spec, str(tmp_path)), nprocs=2, join=True)
+    full = fp8_weights(fp8_model(path, "fp8")[0])
+    for r in (0, 1):
+        for name, (weight, scale) in torch.load(tmp_path / f"{r}.pt").items():
+            whole, whole_scale = full[name]
+            if name.endswith(("o_proj", "down_proj")):
+                cols = weight.shape[1]
+                assert torch.equal(weight.float(), whole[:, r * cols : (r + 1) * cols].float()), name
+                assert torch.equal(scale, whole_scale), name
+                # Rows whose largest magnitude is the other rank's: a scale of this half's own would be smaller.
+                assert bool((weight.float().abs().amax(dim=1) < 448).any()), name
+            else:
+                rows = rank_rows([64, 32, 32] if name.endswith("qkv_proj") else [128, 128], r)
+                assert torch.equal(weight.float(), whole[rows].float()), name
+                assert torch.equal(scale, whole_scale[rows]), name

@@ -1,0 +1,36 @@
+"""FP8 products (W8A8) on CUDA: an engine of the default model with quantization="fp8" in bf16 holds float8 weights
+in its linear layers, captures its decodes with FP8 products inside, and decodes greedily near the bf16 engine."""
+
+import pytest
+import torch
+
+from tests.gpu.test_engine import cuda_engine, greedy, run_and_free
+from tests.workers.test_model_runner import prompts
+from workers.layers import ColumnParallelLinear, RowParallelLinear
+
+CAPABILITY = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)  # conftest: CUDA only
+# Greedy tokens before the first divergence from bf16, on average over the prompts. FP8 rounds every product's
+# operands to 3 mantissa bits (bf16's have 8), so a near-tie between two tokens flips sooner: on CPU, SmolLM2's
+# weights in bf16 kept 2 of 4 of these prompts equal over 24 tokens (the others diverged at their second token),
+# and random weights of its shape (RAYLM_GPU_MODEL) have closer ties. Broken products (a wrong scale, a transposed
+# weight) diverge at once.
+MIN_MEAN_AGREEMENT = 2
+
+pytestmark = pytest.mark.skipif(
+    CAPABILITY < (8, 9), reason=f"FP8 products need compute capability 8.9 or above, this GPU is {CAPABILITY}"
+)
+
+
+def test_quantization_fp8_runs_fp8_products_near_the_bf16_engine(default_model_dir):
+    ids = prompts(8)
+    engine = cuda_engine(default_model_dir, dtype="bfloat16", quantization="fp8")
+    linears = [m for m in engine.worker.model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+    assert linears and all(m.weight.dtype == torch.float8_e4m3fn for m in linears)
+    assert all(m.weight_scale.shape == (m.weight.shape[0],) for m in linears)
+    assert engine.worker.runner.decode_graphs.graphs, "no decode graph was captured with FP8 products"
+    got = run_and_free(engine, ids, greedy(8, 32))
+    want = run_and_free(cuda_engine(default_model_dir, dtype="bfloat16"), ids, greedy(8, 32))
+    first = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want)]
+    print(f"\nFP8 products' first divergence from bf16 greedy, per prompt (32 = none): {first}")
+    assert all(len(g) == 32 for g in got)
+    assert sum(first) / len(first) >= MIN_MEAN_AGREEMENT
