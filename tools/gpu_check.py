@@ -27,6 +27,7 @@ import argparse
 import glob
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -64,6 +65,9 @@ MAX_PREPARED_BYTES = 20 << 20
 # runs some with --phases. With --device cpu (CI, on a small shared machine) each is 6 times longer (the CPU bench
 # took 224 s at load average 16): the bound that matters is the GPU machine's.
 LIMITS = {"install": 10, "imports": 20, "model": 25, "tests": 330, "bench": 50, "model-8b": 35, "bench-8b": 90}
+# Not in the default run (it would pass the 10 minutes): the 8B shape's decode step profiled with and without the
+# fused kernels, two engines of 15 GB each, for a session that names it (`--phases install,model-8b,profile-8b`).
+OPTIONAL_LIMITS = {"profile-8b": 150}
 CPU_LIMIT_FACTOR = 6
 CPU_BENCH_8B = (
     "bench-8b needs CUDA: on CPU the bench of the 8B shape's one-layer build takes 21 s and 5 GB of memory "
@@ -142,6 +146,7 @@ class Phase:
     command: list[str]
     limit_s: float
     needs: tuple[str, ...] = ()
+    optional: bool = False  # run only when --phases names it
     status: str = "not run"
     seconds: float = 0.0
     tail: list[str] = field(default_factory=list)
@@ -215,6 +220,15 @@ def bench_command(py: str, device: str, model: Path) -> list[str]:
     return [py, *bench, "--model", str(model), *workload]
 
 
+def profile_command(py: str, model: Path) -> list[str]:
+    """`raylm bench profile` on `model` at 1 and 32 requests, without the fused kernels, then with them: the
+    kernels of one layer before and after, from one phase."""
+    profile = [py, "-m", "cluster.cli", "bench", "profile", "--device", "cuda", "--model", str(model)]
+    profile += ["--batch", "1", "32", "--steps", "10"]
+    run = shlex.join(profile)
+    return ["bash", "-c", f"RAYLM_FUSED_KERNELS=0 {run} && {run}"]
+
+
 def say(line: str) -> list[str]:
     """A phase that only says why it does nothing here."""
     return [sys.executable, "-c", f"print({line!r})"]
@@ -223,7 +237,7 @@ def say(line: str) -> list[str]:
 def phases(folder: Path, device: str, work: Path) -> list[Phase]:
     """The check's phases, in order, with this device's limits."""
     py, cuda = sys.executable, device == "cuda"
-    limits = {name: s * (1 if cuda else CPU_LIMIT_FACTOR) for name, s in LIMITS.items()}
+    limits = {name: s * (1 if cuda else CPU_LIMIT_FACTOR) for name, s in (LIMITS | OPTIONAL_LIMITS).items()}
     wheels = sorted(glob.glob(str(folder / "wheels" / "*.whl")))
     pip = [py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade"]
     tests = [py, "-m", "pytest", "tests/gpu", *TRITON_KERNEL_TESTS, "-v", "-rA", "-p", "no:cacheprovider", "-s"]
@@ -253,6 +267,13 @@ def phases(folder: Path, device: str, work: Path) -> list[Phase]:
             limits["bench-8b"],
             needs=("install", "model-8b"),
         ),
+        Phase(
+            "profile-8b",
+            profile_command(py, work / "model-8b") if cuda else say("profile-8b needs CUDA: it profiles GPU kernels"),
+            limits["profile-8b"],
+            needs=("install", "model-8b"),
+            optional=True,
+        ),
     ]
 
 
@@ -260,7 +281,7 @@ def select(all_phases: list[Phase], names: list[str] | None) -> list[Phase]:
     """The phases `names` lists (all when None), in the check's order; SystemExit naming an unknown phase or
     a chosen one whose `needs` are not chosen too."""
     if names is None:
-        return all_phases
+        return [p for p in all_phases if not p.optional]
     known = [p.name for p in all_phases]
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -329,7 +350,8 @@ def main() -> None:
         "--phases",
         type=lambda s: s.split(","),
         default=None,
-        help=f"only these, comma-separated, with the ones they need (default: all of {','.join(LIMITS)})",
+        help=f"only these, comma-separated, with the ones they need (default: all of {','.join(LIMITS)}; "
+        f"{','.join(OPTIONAL_LIMITS)} only when named)",
     )
     parser.add_argument("--build-model", nargs=2, type=Path, metavar=("SOURCE", "TARGET"), help=argparse.SUPPRESS)
     args = parser.parse_args()

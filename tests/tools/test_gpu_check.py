@@ -144,3 +144,19 @@ def test_the_gpu_check_refuses_a_phase_without_the_ones_it_needs(tmp_path):
     )
     assert run.returncode and "bench-8b needs model-8b" in run.stderr
     assert not list(tmp_path.iterdir())  # refused before any phase ran
+
+
+def test_the_8b_profile_runs_only_when_named_and_profiles_without_then_with_the_fused_kernels(tmp_path):
+    """profile-8b would take the default run past a borrowed machine's 10 minutes: only --phases runs it, after the
+    8B build, and its one command profiles the unfused step before the fused one."""
+    from tools.gpu_check import LIMITS, phases, select
+
+    everything = phases(tmp_path, "cuda", tmp_path / "work")
+    assert [p.name for p in select(everything, None)] == list(LIMITS)
+    chosen = select(everything, ["install", "model-8b", "profile-8b"])
+    assert [p.name for p in chosen] == ["install", "model-8b", "profile-8b"]
+    script = chosen[-1].command[-1]
+    unfused, fused = script.split(" && ")
+    assert unfused.startswith("RAYLM_FUSED_KERNELS=0 ") and "bench profile" in unfused
+    assert fused == unfused.removeprefix("RAYLM_FUSED_KERNELS=0 ")
+    assert str(tmp_path / "work" / "model-8b") in fused
