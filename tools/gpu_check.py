@@ -65,9 +65,11 @@ MAX_PREPARED_BYTES = 20 << 20
 # runs some with --phases. With --device cpu (CI, on a small shared machine) each is 6 times longer (the CPU bench
 # took 224 s at load average 16): the bound that matters is the GPU machine's.
 LIMITS = {"install": 10, "imports": 20, "model": 25, "tests": 330, "bench": 50, "model-8b": 35, "bench-8b": 90}
-# Not in the default run (it would pass the 10 minutes): the 8B shape's decode step profiled with and without the
-# fused kernels, two engines of 15 GB each, for a session that names it (`--phases install,model-8b,profile-8b`).
-OPTIONAL_LIMITS = {"profile-8b": 150}
+# Not in the default run (it would pass the 10 minutes), for a session that names them: the 8B shape's decode step
+# profiled with and without the fused kernels, two engines of 15 GB each (`--phases install,model-8b,profile-8b`);
+# 8 of Qwen3-30B-A3B's 48 layers (about 10 GB) and their bench, without transformers' baseline, whose experts run in
+# a loop (`--phases install,model-moe,bench-moe`).
+OPTIONAL_LIMITS = {"profile-8b": 150, "model-moe": 40, "bench-moe": 120}
 CPU_LIMIT_FACTOR = 6
 CPU_BENCH_8B = (
     "bench-8b needs CUDA: on CPU the bench of the 8B shape's one-layer build takes 21 s and 5 GB of memory "
@@ -208,11 +210,11 @@ def build_model(source: Path, target: Path) -> None:
     print(f"tokenizer: 'Hello' as a chat is {len(ids)} tokens, {json.dumps(tok.decode(ids))}")
 
 
-def bench_command(py: str, device: str, model: Path) -> list[str]:
-    """`raylm bench throughput` in-process on `model`; on CPU a short workload: the point there is that the
-    in-process path runs, not its speed."""
+def bench_command(py: str, device: str, model: Path, baseline: tuple[str, ...] = ("transformers",)) -> list[str]:
+    """`raylm bench throughput` in-process on `model` against `baseline`; on CPU a short workload: the point there
+    is that the in-process path runs, not its speed."""
     workload = (
-        ["--num-requests", "256", "--compare", "transformers"]
+        ["--num-requests", "256", "--compare", *baseline]
         if device == "cuda"
         else ["--num-requests", "2", "--min-len", "4", "--max-len", "8", "--compare", "--max-model-len", "128"]
     )
@@ -241,8 +243,10 @@ def phases(folder: Path, device: str, work: Path) -> list[Phase]:
     wheels = sorted(glob.glob(str(folder / "wheels" / "*.whl")))
     pip = [py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir", "--upgrade"]
     tests = [py, "-m", "pytest", "tests/gpu", *TRITON_KERNEL_TESTS, "-v", "-rA", "-p", "no:cacheprovider", "-s"]
-    build_8b = [py, str(REPO / "tools" / "random_model.py"), "Llama-3.1-8B", str(work / "model-8b")]
-    build_8b += ["--tokenizer", str(folder / "model"), "--device", device, "--dtype", "bfloat16"]
+    build = [py, str(REPO / "tools" / "random_model.py")]
+    on_device = ["--tokenizer", str(folder / "model"), "--device", device, "--dtype", "bfloat16"]
+    build_8b = [*build, "Llama-3.1-8B", str(work / "model-8b"), *on_device]
+    build_moe = [*build, "Qwen3-30B-A3B", str(work / "model-moe"), *on_device, "--layers", "8" if cuda else "1"]
     return [
         Phase("install", [*pip, "--target", str(work / "site"), *wheels], limits["install"]),
         Phase("imports", [py, "-c", IMPORTS, *NOT_NEEDED], limits["imports"], needs=("install",)),
@@ -272,6 +276,14 @@ def phases(folder: Path, device: str, work: Path) -> list[Phase]:
             profile_command(py, work / "model-8b") if cuda else say("profile-8b needs CUDA: it profiles GPU kernels"),
             limits["profile-8b"],
             needs=("install", "model-8b"),
+            optional=True,
+        ),
+        Phase("model-moe", build_moe, limits["model-moe"], needs=("install",), optional=True),
+        Phase(
+            "bench-moe",
+            bench_command(py, device, work / "model-moe", ()) if cuda else say("bench-moe needs CUDA"),
+            limits["bench-moe"],
+            needs=("install", "model-moe"),
             optional=True,
         ),
     ]
@@ -310,7 +322,8 @@ def check(folder: Path, out: Path, device: str, work: Path, names: list[str] | N
     started = time.monotonic()
     for phase in chosen:
         run_phase(phase, env, out, done)
-    shutil.rmtree(work / "model-8b", ignore_errors=True)  # 15 GB of a 64 GB disk
+    for big in ("model-8b", "model-moe"):  # 15 and 10 GB of a 64 GB disk
+        shutil.rmtree(work / big, ignore_errors=True)
     total = time.monotonic() - started
     lines = [
         f"# raylm GPU check ({device})",

@@ -160,3 +160,15 @@ def test_the_8b_profile_runs_only_when_named_and_profiles_without_then_with_the_
     assert unfused.startswith("RAYLM_FUSED_KERNELS=0 ") and "bench profile" in unfused
     assert fused == unfused.removeprefix("RAYLM_FUSED_KERNELS=0 ")
     assert str(tmp_path / "work" / "model-8b") in fused
+
+
+def test_the_moe_shape_builds_eight_layers_and_benches_without_transformers_only_when_named(tmp_path):
+    """Issue 46's 8 of Qwen3-30B-A3B's 48 layers, raylm alone (transformers' experts run in a loop)."""
+    from tools.gpu_check import phases, select
+
+    everything = phases(tmp_path, "cuda", tmp_path / "work")
+    assert not {"model-moe", "bench-moe"} & {p.name for p in select(everything, None)}
+    build, bench = select(everything, ["install", "model-moe", "bench-moe"])[1:]
+    assert "Qwen3-30B-A3B" in build.command and build.command[-2:] == ["--layers", "8"]
+    assert bench.command[bench.command.index("--compare") + 1 :] == []
+    assert bench.command[bench.command.index("--model") + 1] == str(tmp_path / "work" / "model-moe")
