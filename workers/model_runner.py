@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import numpy as np
@@ -18,10 +19,11 @@ from workers.parallel import StageLink, pipeline_stage
 from workers.runner_inputs import (
     CachedRequestState,
     InputBuffers,
+    PendingStep,
     StepInputs,
     logprob_stats,
 )
-from workers.sampler import PenaltyState, Sampler, SamplingMetadata, has_penalties, skip_draws
+from workers.sampler import LogprobRows, PenaltyState, Sampler, SamplingMetadata, has_penalties, skip_draws
 from workers.structured_output import GrammarBitmasks
 
 
@@ -44,6 +46,15 @@ class ModelRunner:
     and the sampled ids come back in one transfer, the step's only sync. With
     ``decode_sizes``, a decode-only step is padded to a size whose forward is a
     captured CUDA graph (workers/decode_graphs.py).
+
+    A step is launched (``launch``: queued on the device) and finished
+    (``finish``: its ids on the host, appended, its output made) separately, so
+    with async scheduling the next step is built and queued while the device
+    still runs this one, and the host never makes the device wait: its input
+    ids at the positions the unfinished step sampled are copied from that
+    step's sampled ids on the device. At most one step is unfinished when
+    another is launched, and none when the new one needs the tokens on the
+    host (``_overlaps``).
 
     With a draft model (speculative decoding, the sampling rank only) the draft runs over each step's tokens
     after the target, and proposes for the sampled requests after their tokens are appended (workers/draft.py).
@@ -104,7 +115,9 @@ class ModelRunner:
         )
         if "token_slots" in self.buffers.dev:
             lora.batch.token_slots = self.buffers.dev["token_slots"]
-        self.sampled_host = torch.zeros(2 * max_reqs, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.sampled_host = torch.zeros((2, 2 * max_reqs), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.num_copies = 0
+        self.unfinished: deque[PendingStep] = deque()  # launched steps not yet finished, oldest first
 
     # ---- applying the diff ------------------------------------------------------
 
@@ -202,13 +215,21 @@ class ModelRunner:
         positions = buf["positions"][:total]
         np.subtract(np.arange(total), np.repeat(cu[:num_reqs] - starts, num_new), out=positions)
         buf["input_ids"][:total] = self.token_ids[rows[token_req], positions]
+        host_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
+        pending_rows = np.fromiter((s.pending_index for s in states), dtype=np.int64, count=num_reqs)
+        # Positions holding a token the unfinished step sampled: their ids are written on the device below. (A
+        # proposal's position is past the host's tokens too, but its request has no unfinished step: _overlaps.)
+        late = np.flatnonzero((positions == host_tokens[token_req]) & (pending_rows[token_req] >= 0))
+        num_late = len(late)
+        buf["late_positions"][:num_late] = late
+        buf["late_rows"][:num_late] = pending_rows[token_req[late]]
         seq_lens = starts + num_new
         buf["seq_lens"][:num_reqs] = seq_lens
         block_tables = buf["block_tables"]
         np.take(self.block_table, rows, axis=0, out=block_tables[:num_reqs])
         bs = self.block_size
         buf["slot_mapping"][:total] = block_tables[token_req, positions // bs].astype(np.int64) * bs + positions % bs
-        num_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
+        num_tokens = host_tokens + (pending_rows >= 0)
         if spec:
             num_tokens += np.fromiter((len(spec.get(s.req_id, ())) for s in states), dtype=np.int64, count=num_reqs)
         sampling = np.nonzero(seq_lens == num_tokens)[0]
@@ -241,7 +262,10 @@ class ModelRunner:
         if graph_size:
             self.buffers.pad_decode(num_reqs, graph_size)
             num_reqs = total = graph_size
-        dev = self.buffers.upload(total, num_reqs, num_logits)
+        dev = self.buffers.upload(total, num_reqs, num_logits, num_late)
+        if num_late:
+            sampled = self.unfinished[-1].sampled
+            dev["input_ids"].index_copy_(0, dev["late_positions"], sampled.index_select(0, dev["late_rows"]))
         md = AttentionMetadata.build(
             query_start_loc=dev["query_start_loc"],
             seq_lens=dev["seq_lens"],
@@ -304,7 +328,7 @@ class ModelRunner:
         md = SamplingMetadata.build(
             params,
             [s.generator for s in states],
-            [len(s.output_token_ids) for s in states],
+            [len(s.output_token_ids) + (s.pending_index >= 0) for s in states],
             self.eos_token_id,
             self.vocab_size,
             self.device,
@@ -327,11 +351,22 @@ class ModelRunner:
         self.link.send(*out)
         return None
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.finish(self.launch(so))
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> PendingStep:
+        """Apply step ``so``'s diff and queue its forward, its sampling and the copy of its sampled ids to the host,
+        without waiting for the device. Launched while the step before is unfinished (async scheduling), its
+        input ids at the positions that step sampled are taken from that step's sampled ids on the device; a step
+        that needs them on the host first (``_overlaps``) finishes it before anything else."""
+        keep = 1 if self._overlaps(so) else 0
+        while len(self.unfinished) > keep:
+            self._complete(self.unfinished.popleft())
         self.update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.is_driver else None
+            empty = ModelRunnerOutput(req_ids=[], sampled_token_ids=[]) if self.is_driver else None
+            return PendingStep([], finished=True, output=empty)
         inputs = self.prepare_inputs(so)
         states = inputs.sampling_states
         rows_of = states
@@ -340,7 +375,7 @@ class ModelRunner:
         sampling = self.prepare_sampling(states, rows_of) if self.is_driver and states else None
         hidden = self.forward(inputs)
         if hidden is None:
-            return None
+            return PendingStep([], finished=True)
         if self.draft is not None:
             self.draft.catch_up(inputs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices]) if states else None
@@ -348,8 +383,9 @@ class ModelRunner:
         pooled = self._pool(hidden, inputs.pool_spans) if inputs.pool_spans and self.is_driver else None
         if not states:
             if not self.is_driver:
-                return None
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs, pooled=pooled)
+                return PendingStep([], finished=True)
+            out = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs, pooled=pooled)
+            return PendingStep([], finished=True, output=out)
         sampled = logprobs = accepted_logprobs = None
         num_drafts = inputs.num_drafts
         if self.is_driver:
@@ -369,24 +405,69 @@ class ModelRunner:
                 tokens = sampled if num_drafts is None else sampled[0::2]
                 self.penalty_state.count(penalized_rows, tokens.index_select(0, penalized))
         if self.pipelined and not self.is_driver:
-            return None
+            return PendingStep([], finished=True)
         width = 1 if num_drafts is None else 2
-        token_ids = self._to_host(self._share(sampled, width * len(states)))
+        pending = PendingStep(
+            states,
+            self._share(sampled, width * len(states)),
+            num_drafts,
+            logprobs,
+            accepted_logprobs,
+            prompt_logprobs,
+            pooled,
+        )
+        self._start_copy(pending)
+        if num_drafts is None:
+            for i, state in enumerate(states):
+                state.pending_index, state.pending_step = i, pending
+        self.unfinished.append(pending)
+        return pending
+
+    def _overlaps(self, so: SchedulerOutput) -> bool:
+        """Whether step ``so`` may be launched before the unfinished step's sampled ids reach the host: not with a
+        draft model or proposals (a step's tokens per request are known only once its acceptances are), on a
+        pipeline stage (the scheduler sends those ranks the tokens), nor when a request that step sampled needs
+        its tokens on the host to be sampled again (a grammar's matcher, bad words)."""
+        if self.draft is not None or self.pipelined or so.scheduled_spec_decode_tokens:
+            return False
+        return not any(
+            p.num_drafts is not None
+            or any(s.matcher is not None or s.sampling_params.bad_words_token_ids for s in p.states)
+            for p in self.unfinished
+        )
+
+    def finish(self, pending: PendingStep) -> ModelRunnerOutput | None:
+        """``pending``'s output (None on a rank that does not sample), once its sampled ids are on the host; the
+        steps launched before it are finished first, as their tokens come first in the requests' rows."""
+        while not pending.finished:
+            self._complete(self.unfinished.popleft())
+        return pending.output
+
+    def _complete(self, pending: PendingStep) -> None:
+        states = pending.states
+        token_ids = self._to_host(pending)
+        for state in states:
+            if state.pending_step is pending:  # not launched again since: no other step holds its next token
+                state.pending_index, state.pending_step = -1, None
         num_accepted = None
-        if num_drafts is not None:
+        if pending.num_drafts is not None:
             token_ids, num_accepted = token_ids[0::2], token_ids[1::2]
         self._append(states, token_ids, num_accepted)
+        pending.finished = True
         if not self.is_driver:
-            return None
+            return
+        logprobs = pending.logprobs
+        if isinstance(logprobs, LogprobRows):
+            logprobs = logprobs.to_list()
         drafts = self.draft.propose(states, self.token_ids, self.block_table) if self.draft is not None else None
-        return ModelRunnerOutput(
+        pending.output = ModelRunnerOutput(
             req_ids=[s.req_id for s in states],
             sampled_token_ids=token_ids,
             logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=pending.prompt_logprobs,
             num_accepted_tokens=num_accepted,
-            accepted_logprobs=accepted_logprobs,
-            pooled=pooled,
+            accepted_logprobs=pending.accepted_logprobs,
+            pooled=pending.pooled,
             draft_token_ids=drafts,
         )
 
@@ -408,6 +489,8 @@ class ModelRunner:
         past the request's end; a constrained request never has proposals)."""
         rows = self.token_ids
         for i, (state, token) in enumerate(zip(states, token_ids)):
+            if self.requests.get(state.req_id) is not state:
+                continue  # finished while its step was unfinished: its row may be another request's by now
             if num_accepted is not None and num_accepted[i]:
                 start = state.num_tokens
                 state.output_token_ids.extend(rows[state.row, start : start + num_accepted[i]].tolist())
@@ -464,14 +547,24 @@ class ModelRunner:
                 pooled[state.req_id] = torch.nn.functional.normalize(vector[: params.dimensions], dim=-1).tolist()
         return pooled
 
-    def _to_host(self, sampled: torch.Tensor) -> list[int]:
-        """The step's one device-to-host transfer, into pinned memory, and its one sync."""
+    def _start_copy(self, pending: PendingStep) -> None:
+        """Queue the step's one device-to-host transfer, into pinned memory (one of two halves: at most two steps
+        are unfinished, the one launched and the one before it), and record when it is done."""
         if self.device.type != "cuda":
-            return sampled.tolist()
-        host = self.sampled_host[: sampled.shape[0]]
-        host.copy_(sampled, non_blocking=True)
-        torch.cuda.current_stream().synchronize()
-        return host.tolist()
+            return
+        half = self.sampled_host[self.num_copies % 2]
+        self.num_copies += 1
+        pending.host = half[: pending.sampled.shape[0]]
+        pending.host.copy_(pending.sampled, non_blocking=True)
+        pending.copied = torch.cuda.Event()
+        pending.copied.record()
+
+    def _to_host(self, pending: PendingStep) -> list[int]:
+        """The step's sampled ids as a list: its one sync."""
+        if pending.copied is None:
+            return pending.sampled.tolist()
+        pending.copied.synchronize()
+        return pending.host.tolist()
 
     # ---- start-up -----------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from workers.runner_inputs import PendingStep
 
 # Token ids it cycles through start past the special tokens every Llama-family tokenizer puts first, so
 # each one decodes to visible text and the serving path detokenizes, formats and streams it as it would
@@ -47,3 +48,10 @@ class NoWorkRunner:
                 sampled.append(self.first + request_tokens % self.span)
                 num_tokens[req_id] = request_tokens + 1
         return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled) if self.is_driver else None
+
+    def launch(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """The step, finished at once (the Worker's interface: ModelRunner.launch)."""
+        return PendingStep([], finished=True, output=self.execute_model(scheduler_output))
+
+    def finish(self, pending: PendingStep) -> ModelRunnerOutput | None:
+        return pending.output

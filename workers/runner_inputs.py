@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from kernels import AttentionMetadata
+from scheduler.outputs import ModelRunnerOutput, SampledLogprobs
 from scheduler.sampling_params import SamplingParams
 
 # Decode batch sizes captured as CUDA graphs (vLLM's and nano-vllm's choice): every size up to 4, then
@@ -54,6 +55,11 @@ class CachedRequestState:
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs were returned; kept across preemption
     lora_name: str | None = None  # its LoRA adapter; None: the base model
     pooled_sum: torch.Tensor | None = None  # mean pooling: the sum of the hidden states of the chunks computed
+    # The runner's unfinished step that sampled it last (None: none), and its row in that step's sampled ids:
+    # the token after ``num_tokens``, on the device only until that step finishes. A step launched before the one
+    # before it finished samples it again, so only the latest one's row is kept.
+    pending_index: int = -1
+    pending_step: Any = None  # PendingStep
 
     def prompt_logprob_span(self, start: int, num_new: int) -> tuple[int, int]:
         """The positions of a chunk [start, start + num_new) whose logits give a prompt token's logprob not yet
@@ -76,6 +82,10 @@ _BUFFERS = {  # name: (dtype, sized by tokens (T), requests (R), R + 1, or R x b
     "seq_lens": (torch.int32, "R"),
     "block_tables": (torch.int32, "RxB"),
     "logits_indices": (torch.int64, "T"),  # one per sampling request, or 1 + k with k proposals
+    # Async scheduling: the batch positions of input tokens an unfinished step sampled, and their rows in its
+    # sampled ids (at most one such token per request)
+    "late_positions": (torch.int64, "L"),
+    "late_rows": (torch.int64, "L"),
 }
 
 
@@ -102,7 +112,13 @@ class InputBuffers:
         uploaded: Any = None,
         token_slots: bool = False,
     ) -> None:
-        shapes = {"T": (max_tokens,), "R": (max_reqs,), "R+1": (max_reqs + 1,), "RxB": (max_reqs, max_blocks)}
+        shapes = {
+            "T": (max_tokens,),
+            "R": (max_reqs,),
+            "R+1": (max_reqs + 1,),
+            "RxB": (max_reqs, max_blocks),
+            "L": (max_reqs,),
+        }
         # `uploaded` (an event: record, query, synchronize) is given only by tests, to copy between CPU tensors.
         self.copies = device.type == "cuda" or uploaded is not None
         # With `token_slots` (LoRA on CUDA) each token's adapter slot is an input too: a graph reads it in place.
@@ -123,14 +139,14 @@ class InputBuffers:
             self.uploaded.synchronize()
         return self.np
 
-    def upload(self, num_tokens: int, num_reqs: int, num_logits: int) -> dict[str, torch.Tensor]:
+    def upload(self, num_tokens: int, num_reqs: int, num_logits: int, num_late: int = 0) -> dict[str, torch.Tensor]:
         """The device tensors' used prefixes, after queueing their copies."""
-        counts = {"T": num_tokens, "R": num_reqs, "R+1": num_reqs + 1, "RxB": num_reqs}
+        counts = {"T": num_tokens, "R": num_reqs, "R+1": num_reqs + 1, "RxB": num_reqs, "L": num_late}
         out = {}
         for name, (_, size) in self.layout.items():
             n = num_logits if name == "logits_indices" else counts[size]
             out[name] = self.dev[name][:n]
-            if self.copies:
+            if self.copies and n:
                 out[name].copy_(self.host[name][:n], non_blocking=True)
         if self.uploaded is not None:
             self.uploaded.record()
@@ -176,3 +192,32 @@ class StepInputs:
     # and 1 + num_drafts[i] logits rows; draft_ids (device) holds the proposal each row verifies, -1 on the last.
     num_drafts: list[int] | None = None
     draft_ids: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class PendingStep:
+    """A launched step: its forward and sampling queued on the device, its sampled ids maybe still on their way
+    to the host (``ModelRunner.launch``; ``ModelRunner.finish`` makes its output).
+
+    Invariants: steps finish in the order they were launched, each once (``finished``, then ``output`` is final);
+    while it is unfinished and no later step sampled them, each of ``states`` has ``pending_step`` = this step and
+    ``pending_index`` = its row of ``sampled`` (a step verifying proposals sets none: its tokens per request are
+    known only on the host). On
+    CUDA ``host`` is the pinned buffer the ids are copied into and ``copied`` the event recorded after the copy.
+    """
+
+    states: list[CachedRequestState]
+    sampled: torch.Tensor | None = None  # [S] ids, or [2S] (token, accepted proposals) when verifying
+    num_drafts: list[int] | None = None
+    logprobs: Any = None  # the sampler's LogprobRows (read back at finish), or a verifying step's list
+    accepted_logprobs: list[list[SampledLogprobs]] | None = None
+    prompt_logprobs: dict[str, list[SampledLogprobs]] | None = None
+    pooled: dict[str, list[float]] | None = None
+    host: torch.Tensor | None = None
+    copied: Any = None  # torch.cuda.Event
+    finished: bool = False
+    output: ModelRunnerOutput | None = None
+
+    def is_ready(self) -> bool:
+        """Whether ``finish`` would return without waiting for the device."""
+        return self.finished or self.copied is None or self.copied.query()

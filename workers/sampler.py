@@ -258,9 +258,7 @@ class Sampler:
     The logits passed in are modified in place, to avoid copying [S, V] per stage.
     """
 
-    def __call__(
-        self, logits: Tensor, metadata: SamplingMetadata
-    ) -> tuple[Tensor, list[SampledLogprobs | None] | None]:
+    def __call__(self, logits: Tensor, metadata: SamplingMetadata) -> tuple[Tensor, LogprobRows | None]:
         # Logprobs describe the model's own distribution (vLLM v1's default), so
         # they come from the raw logits, before any processing below.
         raw_logprobs = None if metadata.max_num_logprobs is None else logits.log_softmax(-1)
@@ -273,7 +271,7 @@ class Sampler:
                 sampled = torch.where(metadata.greedy, argmax(logits), sampled)
         if raw_logprobs is None:
             return sampled, None
-        return sampled, _logprobs_out(raw_logprobs, sampled, metadata)
+        return sampled, _logprob_rows(raw_logprobs, sampled, metadata)
 
     def verify(
         self, logits: Tensor, metadata: SamplingMetadata, draft_ids: Tensor, num_drafts: list[int]
@@ -324,7 +322,7 @@ class Sampler:
         if raw_logprobs is None:
             return out, None, None
         chosen = torch.where(has_draft, draft_ids, candidates).index_put_((final_rows,), sampled)
-        entries = _logprobs_out(raw_logprobs, chosen, metadata)
+        entries = _logprob_rows(raw_logprobs, chosen, metadata).to_list()
         first_l, accepted_l = first.tolist(), num_accepted.tolist()
         accepted_entries = [entries[f : f + a] for f, a in zip(first_l, accepted_l)]
         return out, [entries[f + a] for f, a in zip(first_l, accepted_l)], accepted_entries
@@ -421,14 +419,29 @@ def _exponential_race(probs: Tensor, generators: dict[int, torch.Generator]) -> 
     return argmax(probs.div_(q))
 
 
-def _logprobs_out(raw_logprobs: Tensor, sampled: Tensor, metadata: SamplingMetadata) -> list[SampledLogprobs | None]:
+@dataclass(slots=True)
+class LogprobRows:
+    """Each row's logprob of its token and its top ``max(num_logprobs)``, on the device until ``to_list`` reads
+    them back (after the step's sampled ids, so that reading them is no extra sync while the next step is built:
+    ModelRunner.finish)."""
+
+    chosen: Tensor
+    top_values: Tensor
+    top_ids: Tensor
+    num_logprobs: list[int | None]  # per row: how many of the top it asked for (None: no logprobs)
+
+    def to_list(self) -> list[SampledLogprobs | None]:
+        # One transfer per tensor; per-row Python only touches plain lists.
+        chosen, values, ids = self.chosen.tolist(), self.top_values.tolist(), self.top_ids.tolist()
+        return [
+            None
+            if k is None
+            else SampledLogprobs(logprob=chosen[i], top_token_ids=ids[i][:k], top_logprobs=values[i][:k])
+            for i, k in enumerate(self.num_logprobs)
+        ]
+
+
+def _logprob_rows(raw_logprobs: Tensor, sampled: Tensor, metadata: SamplingMetadata) -> LogprobRows:
     top_values, top_ids = raw_logprobs.topk(metadata.max_num_logprobs, dim=-1)
     chosen = raw_logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
-    # One transfer per tensor; per-row Python only touches plain lists.
-    chosen_list, values_list, ids_list = chosen.tolist(), top_values.tolist(), top_ids.tolist()
-    return [
-        None
-        if k is None
-        else SampledLogprobs(logprob=chosen_list[i], top_token_ids=ids_list[i][:k], top_logprobs=values_list[i][:k])
-        for i, k in enumerate(metadata.num_logprobs)
-    ]
+    return LogprobRows(chosen, top_values, top_ids, metadata.num_logprobs)

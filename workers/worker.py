@@ -26,7 +26,7 @@ from workers.model_spec import ModelSpec
 from workers.no_work import NoWorkRunner
 from workers.parallel import PipelineStage, StageLink, partition_layers, pipeline_stage, set_parallel
 from workers.quantization import fp8_products_where_supported
-from workers.runner_inputs import graph_batch_sizes
+from workers.runner_inputs import PendingStep, graph_batch_sizes
 from workers.structured_output import GrammarBitmasks
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -439,6 +439,11 @@ class Worker:
             self.runner.capture_decode_graphs()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.finish(self.launch(scheduler_output))
+
+    def launch(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """Queue the step on the device (ModelRunner.launch): its swaps, its forward and sampling, and the read of
+        the KV it exports; ``finish`` gives its output."""
         so = scheduler_output
         start = time.perf_counter()
         waited = self.link.wait_s if self.link is not None else 0.0
@@ -449,10 +454,18 @@ class Worker:
                     self.draft.swap(so.blocks_to_swap_out, so.blocks_to_swap_in)
         if self.staged_kv:
             self._import_kv(so)
-        out = self.runner.execute_model(so)
+        pending = self.runner.launch(so)
         if so.kv_exports:
             self.kv_exported = {rid: self.cache.read_blocks(ids) for rid, ids in so.kv_exports.items()}
         self.busy_s += time.perf_counter() - start - ((self.link.wait_s - waited) if self.link is not None else 0.0)
+        return pending
+
+    def finish(self, pending: PendingStep) -> ModelRunnerOutput | None:
+        """A launched step's output, once its sampled ids are on the host (every step launched before it
+        finishes first)."""
+        start = time.perf_counter()
+        out = self.runner.finish(pending)
+        self.busy_s += time.perf_counter() - start
         return out
 
     # ---- prefill/decode disaggregation: this rank's share of a request's KV ------------------------

@@ -131,14 +131,18 @@ class EngineCore:
         self.outboxes: dict[str, _Outbox] = defaultdict(_Outbox)
         self.wake = asyncio.Event()
         self.error: str | None = None
+        # Sent and not yet applied, oldest first; kept across ``run`` calls (the in-process engine's ``step``
+        # returns with the next step still in flight).
+        self.in_flight: deque[tuple[SchedulerOutput, asyncio.Future]] = deque()
 
     # ---- the step loop --------------------------------------------------------------
 
     async def run(self, max_steps: int | None = None) -> None:
         """Step for as long as there are requests, sleeping while there are none: forever (the actor's task), or
-        until ``max_steps`` steps are applied (the in-process engine's ``step``), returning where it would sleep."""
+        until ``max_steps`` steps are applied (the in-process engine's ``step``), returning where it would sleep or
+        with up to ``depth`` - 1 steps still in flight, which the next call goes on with."""
         scheduler = self.scheduler
-        in_flight: deque[tuple[SchedulerOutput, asyncio.Future]] = deque()
+        in_flight = self.in_flight
         outputs: list[RequestOutput] = []
         idle = max_steps is None
         applied = 0
@@ -168,10 +172,17 @@ class EngineCore:
                 if not done.is_empty:
                     idle = False  # its tokens, finishes and freed blocks may let the next plan run something
             self._route(outputs)
-        finally:
-            for _, output in in_flight:  # a failed loop's other step: cancelled, and its outcome retrieved
-                output.cancel()
-                output.add_done_callback(retrieve)
+        except BaseException:
+            self.drop_in_flight()
+            raise
+
+    def drop_in_flight(self) -> None:
+        """Cancel the steps in flight (a failed loop's others, or an engine shutting down), their outcomes
+        retrieved."""
+        for _, output in self.in_flight:
+            output.cancel()
+            output.add_done_callback(retrieve)
+        self.in_flight.clear()
 
     async def _output(self, output: asyncio.Future, step_id: int) -> ModelRunnerOutput | None:
         try:

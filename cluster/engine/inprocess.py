@@ -4,6 +4,7 @@ machines without Ray: nothing here imports it)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 
 from cluster.config import EngineConfig, derive_scheduler_config, derive_worker_config
 from cluster.engine.core import EngineCore
@@ -19,15 +20,19 @@ from scheduler import (
     SchedulerStats,
 )
 from workers.model_loader import read_model_spec
+from workers.runner_inputs import PendingStep
 from workers.worker import Worker
 
 
 class InProcessEngine:
     """The engine core (cluster/engine/core.py) and a single worker in one process, stepped by the caller.
 
-    The same core and step loop the Ray engine's scheduler actor runs, one step
-    in flight, its worker called directly: what tests and `--executor inprocess`
-    use to debug the model path. ``scheduler`` is the core's. Implements
+    The same core and step loop the Ray engine's scheduler actor runs, its
+    worker called directly: what tests and `--executor inprocess` use to debug
+    the model path, and the GPU benches measure. With async scheduling (on by
+    default on a GPU) two steps are in flight: each ``step`` applies one while
+    the device runs the next, which the worker launched before the first one's
+    sampled ids reached the host. ``scheduler`` is the core's. Implements
     interface.Engine.
     """
 
@@ -81,12 +86,21 @@ class InProcessEngine:
             self.scheduler,
             self._execute,
             lora_names=tuple(lora.adapters) if lora is not None else (),
+            depth=self.scheduler.config.steps_in_flight,
             publish_kv_events=None if self.kv_events is None else self.kv_events.publish,
         )
         self.loop = asyncio.new_event_loop()  # where step() runs the core's loop, one step at a time
 
-    async def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        out = self.worker.execute_model(scheduler_output)
+    def _execute(self, scheduler_output: SchedulerOutput) -> Awaitable[ModelRunnerOutput | None]:
+        """Launch the step on the worker now; the returned coroutine gives its output."""
+        return self._output(self.worker.launch(scheduler_output), scheduler_output)
+
+    async def _output(self, pending: PendingStep, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        # Yield while the device runs the step: the core meanwhile applies the step before it and launches the
+        # next one (with async scheduling), which a blocking wait here would hold up.
+        while not pending.is_ready():
+            await asyncio.sleep(0)
+        out = self.worker.finish(pending)
         if scheduler_output.kv_exports:  # the arrays themselves: a KV transfer within this process
             head_start, num_heads = self.worker.kv_heads()
             out.kv_exports = {
@@ -148,6 +162,8 @@ class InProcessEngine:
     def shutdown(self) -> None:
         """Drop the model and KV cache now rather than at garbage collection (a process building several
         engines, like the benchmarks, would otherwise hold two at once), and send the KV events still queued."""
+        self.core.drop_in_flight()
+        self.loop.run_until_complete(asyncio.sleep(0))  # the cancelled steps' tasks end
         self.worker = None
         self.loop.close()
         if self.kv_events is not None:

@@ -1,5 +1,6 @@
 """The whole step on one GPU with the in-process executor: greedy equality with transformers, memory at
-gpu_memory_utilization 0.9, CUDA-graph decodes against eager ones, a step free of hidden host syncs, and FP8 KV
+gpu_memory_utilization 0.9, CUDA-graph decodes against eager ones, steps overlapped (async scheduling) against the
+serial loop, a step free of hidden host syncs, and FP8 KV
 pages (twice the blocks, the Triton kernels reading them as the torch path does)."""
 
 import gc
@@ -129,6 +130,23 @@ def test_graph_decode_equals_eager_decode(default_model_dir, backend):
         assert min(first) >= 4
 
 
+def test_steps_launched_before_the_last_ones_ids_are_read_give_the_serial_loops_tokens(default_model_dir):
+    """Async scheduling on CUDA (its default there): a step is launched while the one before still runs, with that
+    step's sampled ids fed to its inputs on the device; greedy fp32 tokens equal the serial loop's."""
+    from tests.workers.test_model_runner import late_tokens
+
+    ids = prompts(12)
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + i, ignore_eos=True) for i in range(12)]
+    serial = cuda_engine(default_model_dir, dtype="float32", async_scheduling=False)
+    assert serial.core.depth == 1
+    want = run_and_free(serial, ids, params)
+    overlapped = cuda_engine(default_model_dir, dtype="float32")
+    assert overlapped.core.depth == 2
+    counts = late_tokens(overlapped)
+    assert run_and_free(overlapped, ids, params) == want
+    assert sum(counts) > 0
+
+
 def test_a_decode_step_makes_no_hidden_host_sync(default_model_dir):
     engine = cuda_engine(default_model_dir)
     params = [
@@ -138,16 +156,23 @@ def test_a_decode_step_makes_no_hidden_host_sync(default_model_dir):
         engine.add_request(EngineRequest(request_id=str(i), prompt_token_ids=p, sampling_params=params[i]))
     engine.step()  # prefill
     runner = engine.worker.runner
-    to_host, reads = runner._to_host, []
+    to_host, writable, reads = runner._to_host, runner.buffers.writable, []
 
-    def expected_sync(sampled):  # the step's one sync: reading the sampled ids back
+    def expected_sync(pending):  # the step's one sync: reading the sampled ids back
         torch.cuda.set_sync_debug_mode("default")
-        reads.append(sampled.shape[0])
-        ids = to_host(sampled)
+        reads.append(pending.sampled.shape[0])
+        ids = to_host(pending)
         torch.cuda.set_sync_debug_mode("error")
         return ids
 
+    def upload_done():  # rewriting the input buffers waits for the last upload's copies (if still queued)
+        torch.cuda.set_sync_debug_mode("default")
+        buf = writable()
+        torch.cuda.set_sync_debug_mode("error")
+        return buf
+
     runner._to_host = expected_sync
+    runner.buffers.writable = upload_done
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):

@@ -196,3 +196,137 @@ def test_a_capture_that_raises_leaves_the_runner_decoding_eagerly(tiny_model_dir
         runner.capture_decode_graphs()
     assert runner.decode_graphs.sizes == [] and not runner.decode_graphs.graphs
     assert run(eng, ids, params) == expected
+
+
+def collect(eng: InProcessEngine, requests: list[EngineRequest], on_step=None) -> dict:
+    """Every delta's fields per (request, sample), stepping until all finish; ``on_step(eng, k)`` after step k."""
+    for r in requests:
+        eng.add_request(r)
+    got: dict = {}
+    k = 0
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            entry = got.setdefault((o.request_id, o.index), {"tokens": [], "logprobs": [], "prompt": None})
+            entry["tokens"] += o.new_token_ids
+            # Rounded: a batch split otherwise (async scheduling plans a step earlier) rounds the last bits otherwise.
+            entry["logprobs"] += [(round(lp.logprob, 4), lp.top_token_ids) for lp in o.new_logprobs or []]
+            entry["prompt"] = entry["prompt"] or [(round(lp.logprob, 4), lp.rank) for lp in o.prompt_logprobs or []]
+            entry["finish"] = o.finish_reason
+        k += 1
+        if on_step is not None:
+            on_step(eng, k)
+    return got
+
+
+def late_tokens(eng: InProcessEngine) -> list[int]:
+    """How many input ids each step took from the unfinished step's sampled ids on the device (recorded)."""
+    counts, upload = [], eng.worker.runner.buffers.upload
+
+    def record(num_tokens, num_reqs, num_logits, num_late=0):
+        counts.append(num_late)
+        return upload(num_tokens, num_reqs, num_logits, num_late)
+
+    eng.worker.runner.buffers.upload = record
+    return counts
+
+
+def slow_device(monkeypatch, runner) -> None:
+    """A launched step reads as ready only once a later one was launched (or after 20 polls, the last step's), as
+    on a GPU still running it while the host builds the next: on CPU a step's work is done at its launch."""
+    from workers.runner_inputs import PendingStep
+
+    polls: dict[int, int] = {}
+
+    def is_ready(self) -> bool:
+        polls[id(self)] = polls.get(id(self), 0) + 1
+        return self.finished or self is not runner.unfinished[-1] or polls[id(self)] >= 20
+
+    monkeypatch.setattr(PendingStep, "is_ready", is_ready)
+
+
+def test_async_scheduling_launches_each_step_before_the_last_ones_ids_reach_the_host(tiny_model_dir, monkeypatch):
+    """Two steps in flight in-process: step N+1 is launched with step N's sampled ids still on the device (as on
+    CUDA: copying buffers, a device a step behind), and every request's tokens, logprobs and finish are those of one
+    step at a time."""
+    path = tiny_model_dir("llama")
+    ids = prompts(6, seed=4)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=12, logprobs=3),
+        SamplingParams(temperature=1.0, top_k=20, seed=5, max_tokens=10, n=2, ignore_eos=True),
+        SamplingParams(temperature=0.7, seed=2, repetition_penalty=1.3, frequency_penalty=0.4, max_tokens=11),
+        SamplingParams(temperature=0.0, max_tokens=8, min_tokens=6, prompt_logprobs=2, stop_token_ids=[7, 9, 11]),
+        SamplingParams(temperature=0.9, seed=8, max_tokens=14, ignore_eos=True),
+    ]
+    requests = [
+        EngineRequest(request_id=str(i), prompt_token_ids=p, sampling_params=sp)
+        for i, (p, sp) in enumerate(zip(ids, params))
+    ]
+    expected = collect(engine(path, max_num_batched_tokens=40), requests)
+    eng = engine(path, max_num_batched_tokens=40, async_scheduling=True)
+    assert eng.core.depth == 2
+    copying_buffers(eng.worker.runner)
+    slow_device(monkeypatch, eng.worker.runner)
+    counts = late_tokens(eng)
+    assert collect(eng, requests) == expected
+    # Decode steps of all the requests took each one's newest token from the device.
+    assert max(counts) >= 5 and sum(counts) > 40
+    assert not eng.worker.runner.unfinished or eng.worker.runner.unfinished[-1].states == []
+
+
+def test_async_scheduling_finishes_the_step_first_where_the_host_needs_its_tokens(default_model_dir):
+    """A grammar's matcher and bad words need a request's tokens on the host before its next sampling: the step
+    that sampled it is finished before the next one is launched, and the outputs are those of one step at a time."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    prompt = tok.encode("Do you want tea? Answer:")
+    choices = ["yes please, with milk", "no thanks"]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=StructuredOutputsParams(choice=choices)),
+        SamplingParams(temperature=0.0, max_tokens=8, bad_words_token_ids=[tok.encode(" yes"), tok.encode(" no")]),
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+    ]
+    requests = [
+        EngineRequest(request_id=str(i), prompt_token_ids=prompt, sampling_params=p) for i, p in enumerate(params)
+    ]
+    sync = engine(default_model_dir)
+    expected = collect(sync, requests)
+    eng = engine(default_model_dir, async_scheduling=True)
+    counts = late_tokens(eng)
+    assert collect(eng, requests) == expected
+    assert tok.decode(expected[("0", 0)]["tokens"], skip_special_tokens=True) in choices
+    assert sum(counts) == 0  # the grammar's request ran every step: none took a token from the device
+
+
+def test_a_request_finished_while_its_step_is_unfinished_leaves_its_reused_row_alone(tiny_model_dir, monkeypatch):
+    """Aborted with a step that sampled it still unfinished, a request's row goes to the next request at once;
+    that step's late token for it must not land in the new request's prompt (chunked, read step by step)."""
+    path = tiny_model_dir("llama")
+    first = EngineRequest(
+        request_id="a",
+        prompt_token_ids=prompts(4, seed=6)[3][:40],
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+    )
+    long_prompt = prompts(9, seed=7)[8][:100]
+    after = EngineRequest(
+        request_id="c",
+        prompt_token_ids=long_prompt,
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+    )
+    expected = collect(engine(path, max_num_batched_tokens=32), [after])[("c", 0)]["tokens"]
+    eng = engine(path, max_num_batched_tokens=32, async_scheduling=True)
+    copying_buffers(eng.worker.runner)
+    slow_device(monkeypatch, eng.worker.runner)
+
+    def abort_then_add(eng, k):
+        if k == 8:  # "a" holds ~46 tokens: inside the long prompt's second and third chunks
+            assert eng.core.in_flight and eng.worker.runner.unfinished
+            assert [o.finish_reason for o in eng.abort("a")] == ["abort"]
+            eng.add_request(after)
+        if k == 9:  # "a"'s step finished after "c" took its row: the row still holds c's prompt
+            runner = eng.worker.runner
+            assert runner.token_ids[runner.requests["c"].row, : len(long_prompt)].tolist() == long_prompt
+
+    got = collect(eng, [first], on_step=abort_then_add)
+    assert got[("c", 0)]["tokens"] == expected

@@ -307,7 +307,8 @@ def test_logprobs_come_from_raw_logits():
         SamplingParams(),
         SamplingParams(logprobs=0, temperature=0.0),
     ]
-    sampled, out = Sampler()(logits.clone(), build(params, outputs=[[1, 2], [], []]))
+    sampled, rows = Sampler()(logits.clone(), build(params, outputs=[[1, 2], [], []]))
+    out = rows.to_list()
     assert out[1] is None
     assert out[2] == SampledLogprobs(
         logprob=pytest.approx(raw[2, sampled[2]].item(), abs=1e-6), top_token_ids=[], top_logprobs=[]
