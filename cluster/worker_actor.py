@@ -9,6 +9,7 @@ and imports workers/ only in its constructor, inside the rank's process.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -85,11 +86,13 @@ class WorkerActor:
     def execute_model(self, scheduler_output: Any) -> Any:
         """The hot path: one step; rank 0 returns the sampled tokens, the others None. A step that exports KV
         (``kv_exports``) returns (that, {request id: KVPart}): this rank's share, put in the object store once."""
+        return self._reply(scheduler_output, self.worker.execute_model(scheduler_output))
+
+    def _reply(self, scheduler_output: Any, out: Any) -> Any:
         import ray
 
         from scheduler import KVPart
 
-        out = self.worker.execute_model(scheduler_output)
         if not scheduler_output.kv_exports:
             return out
         head_start, num_heads = self.worker.kv_heads()
@@ -122,3 +125,36 @@ class WorkerActor:
     def call(self, method: str, *args: Any) -> Any:
         """Any other Worker method, by name: start-up steps, run once per engine."""
         return getattr(self.worker, method)(*args)
+
+
+class OverlappingWorkerActor(WorkerActor):
+    """A rank whose steps overlap, for async scheduling with one pipeline stage: ``execute_model`` launches its
+    step on the device and yields while the device runs it, so the next step (already sent: the scheduler keeps
+    two in flight) is built and launched before this one's sampled ids reach the host (ModelRunner.launch).
+
+    Invariants: steps are launched in step-id order, each once, starting at 1 (every step the scheduler makes is
+    sent to every rank), and finished in that order (the runner's rule): Ray runs an async actor's calls
+    concurrently on one event loop and does not promise to start them in the order sent (an argument held in the
+    object store may resolve late), so a step waits for its predecessor's launch. The other methods run as in
+    WorkerActor, on the event loop's thread (or their concurrency group's).
+    """
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(rank)
+        self.launched = 0  # the id of the last step launched
+        self.turn: asyncio.Condition | None = None  # made on the actor's event loop, at the first step
+
+    async def execute_model(self, scheduler_output: Any) -> Any:
+        so = scheduler_output
+        if self.turn is None:
+            self.turn = asyncio.Condition()
+        async with self.turn:
+            await self.turn.wait_for(lambda: so.step_id == self.launched + 1)
+            try:
+                pending = self.worker.launch(so)
+            finally:  # a failed launch fails the engine; the steps after it must not wait forever meanwhile
+                self.launched = so.step_id
+                self.turn.notify_all()
+        while not pending.is_ready():
+            await asyncio.sleep(0)
+        return self._reply(so, self.worker.finish(pending))

@@ -15,14 +15,16 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config import EngineConfig
+from cluster.config.derive import steps_in_flight
 from cluster.engine.network import free_port, interface_of
-from cluster.worker_actor import KV_TRANSFERS, LORA_READS, WorkerActor, share_node_gpus
+from cluster.worker_actor import KV_TRANSFERS, LORA_READS, OverlappingWorkerActor, WorkerActor, share_node_gpus
 
 if TYPE_CHECKING:
     from workers.worker import WorkerConfig
 
 # A thread of its own reads LoRA adapters from disk while the default one runs steps (worker_actor.py).
 RayWorker = ray.remote(concurrency_groups={LORA_READS: 1, KV_TRANSFERS: 1})(WorkerActor)
+OverlappingRayWorker = ray.remote(concurrency_groups={LORA_READS: 1, KV_TRANSFERS: 1})(OverlappingWorkerActor)
 SOCKET_IFNAME = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
 
 
@@ -93,9 +95,13 @@ def thread_binding(infos: list[NodeInfo], spec: str, num_threads: int | None, on
 
 def start_workers(config: EngineConfig, pg: PlacementGroup, first_bundle: int, device: str) -> list:
     """Rank r (tensor-parallel rank r % tp of stage r // tp) goes to bundle ``first_bundle + 1 + r``
-    (``first_bundle`` is the scheduler's); each starts its process, to be configured by init_workers."""
+    (``first_bundle`` is the scheduler's); each starts its process, to be configured by init_workers. With two
+    steps in flight and one stage, a rank overlaps its steps (OverlappingWorkerActor); a pipeline's stages run
+    theirs one at a time, since each stage's next step waits on the link anyway."""
+    overlap = config.pipeline_parallel_size == 1 and steps_in_flight(config, device == "cuda") > 1
+    actor = OverlappingRayWorker if overlap else RayWorker
     return [
-        RayWorker.options(
+        actor.options(
             num_cpus=config.num_threads or 1,
             num_gpus=1 if device == "cuda" else 0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + 1 + r),
