@@ -116,7 +116,7 @@ class WorkerConfig:
     max_lora_rank: int
     lora_modules: dict[str, str]  # adapters loaded at start: name -> PEFT directory
     draft_model: str | None  # speculative decoding's draft model (hub id or directory), on the driver; None: none
-    num_speculative_tokens: int  # the draft's proposals per request and step (0 without a draft)
+    num_speculative_tokens: int  # proposals per request and step, of the draft or the n-gram lookup (0: none)
     # What the engine read from the checkpoints before any rank was configured (read_model_spec, for this tp and
     # quantization), so no rank reads config.json through transformers again.
     model_spec: ModelSpec
@@ -395,7 +395,7 @@ class Worker:
     @torch.inference_mode()
     def profile_forward(self) -> int:
         """The largest step the scheduler may send (a forward over max_num_batched_tokens tokens), then logits
-        and the sampler at max_num_seqs rows with every sampling feature on, and prompt logprobs of every token;
+        and the sampler at max_num_seqs rows (1 + k each with k proposals to verify) with every sampling feature on, and prompt logprobs of every token;
         the KV cache bound to the layers must hold `_profile_blocks()` blocks. Its peak memory is what a busy
         step needs beside the cache. Returns the forward's own peak (bytes over what was allocated at its
         start; 0 off CUDA), from which the graphs' pool is estimated."""
@@ -425,8 +425,19 @@ class Worker:
         hidden = self.model(torch.zeros(sum(lens), dtype=torch.long, device=dev), positions, md, intermediate)
         forward_peak = torch.cuda.max_memory_allocated() - start if cuda else 0
         if stage.is_last:
-            self.runner.profile_sampling(hidden, cfg.max_num_seqs)
+            self.runner.profile_sampling(hidden, self._max_logits_rows())
         return forward_peak
+
+    def _max_logits_rows(self) -> int:
+        """The most logits rows a step samples: one per request, or 1 + k per request verifying k proposals (as
+        many as the step's tokens allow)."""
+        cfg = self.config
+        k = cfg.num_speculative_tokens
+        return (
+            min(cfg.max_num_seqs * (1 + k), max(cfg.max_num_batched_tokens, cfg.max_num_seqs))
+            if k
+            else cfg.max_num_seqs
+        )
 
     def init_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         if self.model is None:  # the no-work runner reads no KV

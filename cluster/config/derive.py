@@ -57,7 +57,7 @@ def derive_worker_config(
         max_lora_rank=engine.max_lora_rank,
         lora_modules=engine.lora_paths,
         draft_model=speculative.get("model"),
-        num_speculative_tokens=speculative.get("num_speculative_tokens", 0) if "model" in speculative else 0,
+        num_speculative_tokens=speculative.get("num_speculative_tokens", 0),
         model_spec=model_spec,
         draft_spec=draft_spec,
     )

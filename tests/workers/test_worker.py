@@ -1,6 +1,7 @@
 """A rank's start-up decisions, checked on CPU: its dtype, its GPU, and how large its KV cache may be."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -131,6 +132,32 @@ def test_profile_runs_the_sampler_at_full_width_with_every_feature(tiny_model_di
     assert all(stage is not None for stage in (md.temperature, md.penalties, md.top_k, md.top_p, md.min_p))
     assert md.max_num_logprobs == 20 and md.generators
     assert md.penalties.output_counts.shape == (96, worker.spec.vocab_size)
+
+
+@pytest.mark.parametrize(
+    "spec, max_num_seqs, expected",
+    [
+        ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}, 16, 64),
+        ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}, 32, 80),
+        (None, 32, 32),
+    ],
+)
+def test_the_profile_samples_every_verification_row_a_step_can_have(tiny_model_dir, spec, max_num_seqs, expected):
+    """With k proposals a request verifies 1 + k rows: the profile's sampler takes that many for max_num_seqs
+    requests, or as many as max_num_batched_tokens (80) allows."""
+    settings = {"speculative_config": json.dumps(spec)} if spec else {}
+    worker = Worker(
+        worker_config(tiny_model_dir("llama"), 64, max_num_seqs=max_num_seqs, max_num_batched_tokens=80, **settings)
+    )
+    worker.init_device()
+    worker.load_model()
+    cache = worker._new_cache(worker._profile_blocks())
+    cache.bind(worker.model.attention_layers)
+    rows = []
+    sampler = worker.runner.sampler
+    worker.runner.sampler = lambda logits, md: rows.append(logits.shape[0]) or sampler(logits, md)
+    worker.profile_forward()
+    assert rows == [expected]
 
 
 def test_a_rank_refuses_a_host_tier_its_host_cannot_give_before_loading_the_model():
