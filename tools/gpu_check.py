@@ -16,7 +16,9 @@ of tests/gpu, then `raylm bench throughput` in-process on CUDA (the GPU figures)
 of Llama-3.1-8B's shape on the GPU (tools/random_model.py), runs the same bench on it, and deletes it. Each
 phase's log and summary.md go into DIR. Every phase has a time limit and runs whether or not the ones before
 it passed (one that needs an earlier one's result says so), so the whole ends inside 10 minutes;
-`--phases install,model-8b,bench-8b` runs only those, for a session with little device time. `--device cpu`
+`--phases install,model-8b,bench-8b` runs only those, for a session with little device time. The phases that
+would take the run past 10 minutes run only when --phases names them (OPTIONAL_LIMITS: the 8B's profile, the MoE
+layers' bench, LoRA's and speculation's step costs on the 8B shape). `--device cpu`
 runs the phases a CPU can run (tests/tools/test_gpu_check.py does, in a venv holding only the GPU machine's
 packages).
 """
@@ -68,8 +70,11 @@ LIMITS = {"install": 10, "imports": 20, "model": 25, "tests": 330, "bench": 50, 
 # Not in the default run (it would pass the 10 minutes), for a session that names them: the 8B shape's decode step
 # profiled with and without the fused kernels, two engines of 15 GB each (`--phases install,model-8b,profile-8b`);
 # 8 of Qwen3-30B-A3B's 48 layers (about 10 GB) and their bench, without transformers' baseline, whose experts run in
-# a loop (`--phases install,model-moe,bench-moe`).
-OPTIONAL_LIMITS = {"profile-8b": 150, "model-moe": 40, "bench-moe": 120}
+# a loop (`--phases install,model-moe,bench-moe`); LoRA's batched op on the 8B shape and the small model, and
+# speculation's step costs on the 8B shape with Qwen2.5-0.5B's as the draft: three engines of 15 to 30 GB (the 8B
+# drafting for itself holds it twice), whose figures print only at the end, so its limit is generous
+# (`--phases install,model,model-8b,bench-lora,bench-spec`). Estimates: neither has run on a GPU.
+OPTIONAL_LIMITS = {"profile-8b": 150, "model-moe": 40, "bench-moe": 120, "bench-lora": 120, "bench-spec": 180}
 CPU_LIMIT_FACTOR = 6
 CPU_BENCH_8B = (
     "bench-8b needs CUDA: on CPU the bench of the 8B shape's one-layer build takes 21 s and 5 GB of memory "
@@ -231,6 +236,28 @@ def profile_command(py: str, model: Path) -> list[str]:
     return ["bash", "-c", f"RAYLM_FUSED_KERNELS=0 {run} && {run}"]
 
 
+def lora_command(py: str, work: Path) -> list[str]:
+    """`raylm bench lora` on the 8B shape, then on the small model: rank-16 adapters on every q/k/v/o/gate/up/down,
+    1, 4 and 16 of them mixed in one batch and looped, against the base model; the other runs even if one fails.
+    Sized for the phase's limit: the 8B's 16 random adapters are 2.7 GB of fp32 generated on the CPU and loaded,
+    and 16 adapters looped over 64 requests are 16 batches of 4, each decoding 32 tokens."""
+    lora = [py, "-m", "cluster.cli", "bench", "lora", "--executor", "inprocess", "--device", "cuda", "--rank", "16"]
+    lora += ["--mixes", "1", "4", "16", "--prompt-len", "64", "--max-tokens", "32"]
+    big = shlex.join([*lora, "--model", str(work / "model-8b"), "--max-model-len", "4096", "--num-requests", "64"])
+    small = shlex.join([*lora, "--model", str(work / "model"), "--num-requests", "256"])
+    return ["bash", "-c", f"{big}; status=$?; {small} && exit $status"]
+
+
+def spec_command(py: str, build_draft: list[str], work: Path) -> list[str]:
+    """`build_draft` (Qwen2.5-0.5B's shape with the 8B's vocabulary, on the GPU), then `raylm bench spec
+    --step-costs` with the 8B shape as the target and it as the draft, k = 3. --max-model-len 4096: a draft must
+    reach every position the target serves, and the 0.5B's are 32,768 where the 8B's are 131,072."""
+    bench = [py, "-m", "cluster.cli", "bench", "spec", "--step-costs", "--device", "cuda", "--max-model-len", "4096"]
+    bench += ["--model", str(work / "model-8b"), "--draft-model", str(work / "model-draft")]
+    bench += ["--num-speculative-tokens", "3"]
+    return ["bash", "-c", f"{shlex.join(build_draft)} && {shlex.join(bench)}"]
+
+
 def say(line: str) -> list[str]:
     """A phase that only says why it does nothing here."""
     return [sys.executable, "-c", f"print({line!r})"]
@@ -247,6 +274,7 @@ def phases(folder: Path, device: str, work: Path) -> list[Phase]:
     on_device = ["--tokenizer", str(folder / "model"), "--device", device, "--dtype", "bfloat16"]
     build_8b = [*build, "Llama-3.1-8B", str(work / "model-8b"), *on_device]
     build_moe = [*build, "Qwen3-30B-A3B", str(work / "model-moe"), *on_device, "--layers", "8" if cuda else "1"]
+    build_draft = [*build, "Qwen2.5-0.5B", str(work / "model-draft"), *on_device]
     return [
         Phase("install", [*pip, "--target", str(work / "site"), *wheels], limits["install"]),
         Phase("imports", [py, "-c", IMPORTS, *NOT_NEEDED], limits["imports"], needs=("install",)),
@@ -286,6 +314,20 @@ def phases(folder: Path, device: str, work: Path) -> list[Phase]:
             needs=("install", "model-moe"),
             optional=True,
         ),
+        Phase(
+            "bench-lora",
+            lora_command(py, work) if cuda else say("bench-lora needs CUDA"),
+            limits["bench-lora"],
+            needs=("install", "model", "model-8b"),
+            optional=True,
+        ),
+        Phase(
+            "bench-spec",
+            spec_command(py, build_draft, work) if cuda else say("bench-spec needs CUDA"),
+            limits["bench-spec"],
+            needs=("install", "model-8b"),
+            optional=True,
+        ),
     ]
 
 
@@ -322,7 +364,7 @@ def check(folder: Path, out: Path, device: str, work: Path, names: list[str] | N
     started = time.monotonic()
     for phase in chosen:
         run_phase(phase, env, out, done)
-    for big in ("model-8b", "model-moe"):  # 15 and 10 GB of a 64 GB disk
+    for big in ("model-8b", "model-moe", "model-draft"):  # 15, 10 and 0.8 GB of a 64 GB disk
         shutil.rmtree(work / big, ignore_errors=True)
     total = time.monotonic() - started
     lines = [

@@ -1,5 +1,6 @@
 """Random-weight checkpoints of named real model shapes, built in seconds with nothing downloaded: what a
-borrowed GPU machine (no network, no hub, 64 MiB carried) can have of Llama-3.1-8B or Qwen3-30B-A3B.
+borrowed GPU machine (no network, no hub, 64 MiB carried) can have of Llama-3.1-8B, Qwen3-30B-A3B or
+Qwen2.5-0.5B (a draft for the 8B shape: every shape takes DIR's vocabulary, so any two share it).
 
     python tools/random_model.py Llama-3.1-8B TARGET --tokenizer DIR [--device cuda] [--dtype bfloat16] [--layers N]
 
@@ -84,6 +85,28 @@ SHAPES: dict[str, dict] = {
         "router_aux_loss_coef": 0.001,
         "sliding_window": None,
         "tie_word_embeddings": False,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+    # Qwen/Qwen2.5-0.5B (the base model): Qwen2 always has q/k/v biases; its window is off (use_sliding_window).
+    "Qwen2.5-0.5B": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "hidden_size": 896,
+        "initializer_range": 0.02,
+        "intermediate_size": 4864,
+        "max_position_embeddings": 32768,
+        "max_window_layers": 24,
+        "model_type": "qwen2",
+        "num_attention_heads": 14,
+        "num_hidden_layers": 24,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "sliding_window": 32768,
+        "tie_word_embeddings": True,
         "use_cache": True,
         "use_sliding_window": False,
         "vocab_size": 151936,

@@ -1,14 +1,27 @@
 """`raylm bench spec`: speculative decoding (n-gram prompt lookup, and a draft model when one is given) against
 none, on a copy-heavy workload (the model is asked to repeat paragraphs of this repository's own documentation, real
 text it copies from) and on free chat, at several concurrencies: TPOT, output tokens per second and the acceptance
-rate."""
+rate.
+
+``--step-costs`` times instead the steps speculation is made of, at batch 1 on in-process engines, so that random
+weights of a real shape give the costs (a random draft's proposals are never the target's, so its speedup cannot
+be measured end to end): a plain decode step; a step verifying k proposals, with the target as its own draft so
+that greedy verification accepts every one (the acceptance printed is the bookkeeping's check, and anything short
+of 1 fails the run after the figures); and a draft model's pass and its catch-up. From them, the speedup at
+per-token acceptance 0.6 and 0.8 by the standard formula, printed beside it."""
 
 from __future__ import annotations
 
+import gc
+import random
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from cluster.bench.throughput import start_decoding
 from scheduler import EngineRequest, SamplingParams
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -164,3 +177,251 @@ def run_cell(engine, pool: list[list[int]], c: int, max_tokens: int, tag: str) -
     drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
     accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
     return statistics.median(tpots), tokens / wall, accepted / drafted if drafted else 0.0
+
+
+# ---- --step-costs: what a step of each kind costs, and the speedup those costs allow -------------------------
+
+ACCEPTANCE_RATES = (0.6, 0.8)
+
+
+@dataclass(slots=True)
+class StepTimes:
+    """One engine step's wall seconds, and of them the seconds its draft spent catching up (its forward over the
+    step's tokens, for its KV) and proposing (`passes` single-token passes); zeros for an engine without a draft."""
+
+    wall: float
+    catch_up: float = 0.0
+    propose: float = 0.0
+    passes: int = 0
+
+    @property
+    def without_draft(self) -> float:
+        return self.wall - self.catch_up - self.propose
+
+    @property
+    def per_pass(self) -> float:
+        return self.propose / self.passes
+
+
+class DraftClock:
+    """Times a draft model's two calls in each step (workers/draft.py's DraftModel: `catch_up`, `propose`), put on
+    the draft object in place of its bound methods. The device is synchronised on entering and leaving each call,
+    so each figure is the draft's own work, not the target's queued before it; that costs the step the overlap of
+    host and device at those points, so the rest of the step (the verification) is an upper bound by that much.
+
+    Invariant: `current` holds only the calls made since the last `take`."""
+
+    def __init__(self, draft) -> None:
+        self.current = StepTimes(0.0)
+        self.sync = torch.cuda.synchronize if draft.device.type == "cuda" else lambda: None
+        draft.catch_up = self._timed(draft.catch_up, self._caught_up)
+        draft.propose = self._timed(draft.propose, self._proposed)
+
+    def _timed(self, call, record):
+        def timed(*args):
+            self.sync()
+            start = time.perf_counter()
+            out = call(*args)
+            self.sync()
+            record(time.perf_counter() - start, out)
+            return out
+
+        return timed
+
+    def _caught_up(self, seconds: float, _) -> None:
+        self.current.catch_up += seconds
+
+    def _proposed(self, seconds: float, proposals: dict[str, list[int]]) -> None:
+        self.current.propose += seconds
+        self.current.passes += max(map(len, proposals.values()), default=0)
+
+    def take(self, wall: float) -> StepTimes:
+        step, self.current = self.current, StepTimes(0.0)
+        step.wall = wall
+        return step
+
+
+def timed_steps(engine, steps: int, clock: DraftClock | None) -> list[StepTimes]:
+    """`steps` engine steps, each timed by the wall clock around `engine.step()` (a step reads its sampled ids
+    back, so it has ended on the device when it returns), with its draft's share when `clock` times one."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - start
+        times.append(clock.take(wall) if clock else StepTimes(wall))
+    return times
+
+
+def release_device_memory() -> None:
+    """Hand a dropped engine's memory back to the device: the next engine sizes its KV cache from what is free."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@dataclass(slots=True)
+class EngineRun:
+    """What one engine measured (one_request_steps): its timed steps, the share of its proposals accepted over its
+    life (None without a draft), and what it ran, in words."""
+
+    times: list[StepTimes]
+    acceptance: float | None
+    what: str
+
+    def median(self, figure) -> float:
+        return statistics.median(figure(t) for t in self.times)
+
+
+def describe(engine) -> str:
+    spec, worker, runner = engine.spec, engine.worker, engine.worker.runner
+    what = (
+        f"a {spec.num_layers}-layer {spec.architecture}, {worker.dtype} on {engine.device}, "
+        f"{runner.attn_backend.name}, {'CUDA graphs' if runner.decode_graphs.graphs else 'eager'}"
+    )
+    if runner.draft is not None:
+        what += f"; the draft a {runner.draft.spec.num_layers}-layer {runner.draft.spec.architecture}"
+    return what
+
+
+def one_request_steps(engine_kwargs: dict, draft: str | None, k: int, context: int, steps: int) -> EngineRun:
+    """One request of `context` random tokens decoding on a fresh in-process engine (`draft` proposing k tokens a
+    step when given), `steps` of its steps timed; the engine's memory is handed back before it returns."""
+    from cluster.config import EngineConfig
+    from cluster.engine.inprocess import InProcessEngine
+
+    speculative = {"method": "draft_model", "model": draft, "num_speculative_tokens": k} if draft else None
+    engine = InProcessEngine(EngineConfig(**engine_kwargs, speculative_config=speculative))
+    try:
+        run = _decode_one_request(engine, k if draft else 0, context, steps)
+    finally:
+        engine.shutdown()
+    del engine  # nothing else holds it: its memory goes back now
+    release_device_memory()
+    return run
+
+
+def _decode_one_request(engine, k: int, context: int, steps: int) -> EngineRun:
+    draft = engine.worker.runner.draft
+    clock = DraftClock(draft) if draft is not None else None
+    start_decoding(engine, 1, context, steps, random.Random(0), tokens_per_step=k + 1)
+    times = timed_steps(engine, steps, clock)
+    while engine.has_unfinished_requests():
+        engine.step()
+    acceptance = None
+    if draft is not None:
+        stats = engine.stats()
+        drafted = stats.spec_decode_num_draft_tokens
+        acceptance = stats.spec_decode_num_accepted_tokens / drafted if drafted else 0.0
+    return EngineRun(times, acceptance, describe(engine))
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens one verification yields on average when each of k proposals is accepted with probability a until
+    the first rejection, with the target's own token after them: (1 - a^(k+1)) / (1 - a)."""
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+@dataclass(slots=True)
+class StepCosts:
+    """Median seconds at batch 1 of a plain decode step (`plain`), of a step verifying k proposals less its
+    draft's share (`verify`), of one pass of the target as its own draft (`self_pass`), and, with a draft model,
+    of one of its passes (`draft_pass`) and of its catch-up over a step's k + 1 tokens (`catch_up`); `acceptance`:
+    the share of the target's own proposals it accepted, which greedy verification makes 1 whenever the
+    bookkeeping is right."""
+
+    k: int
+    plain: float
+    verify: float
+    self_pass: float
+    acceptance: float
+    draft_pass: float | None = None
+    catch_up: float | None = None
+
+    def speedup(self, a: float, with_catch_up: bool = False) -> float:
+        """Tokens per plain step's time, at per-token acceptance a, against the one token of a plain step."""
+        draft = 0.0 if self.draft_pass is None else self.k * self.draft_pass
+        if with_catch_up and self.catch_up is not None:
+            draft += self.catch_up
+        return expected_tokens(a, self.k) / ((self.verify + draft) / self.plain)
+
+
+def measure_step_costs(
+    model: str | None, draft_model: str | None, k: int, context: int, steps: int, **engine_kwargs
+) -> tuple[StepCosts, list[str]]:
+    """The costs, from engines run one after another (a device may hold only one): the target alone, the target
+    drafting for itself, and the target with `draft_model` when given; and what each engine ran."""
+    from cluster.config import EngineConfig
+
+    target = EngineConfig(model=model, **engine_kwargs).resolved_model()
+    kwargs = {"max_num_seqs": 1, **engine_kwargs, "model": target}  # batch 1: one decode graph to capture
+    plain = one_request_steps(kwargs, None, k, context, steps)
+    itself = one_request_steps(kwargs, target, k, context, steps)
+    costs = StepCosts(
+        k,
+        plain.median(lambda t: t.wall),
+        itself.median(lambda t: t.without_draft),
+        itself.median(lambda t: t.per_pass),
+        itself.acceptance,
+    )
+    whats = [f"target {target}: {plain.what}"]
+    if draft_model:
+        drafted = one_request_steps(kwargs, draft_model, k, context, steps)
+        costs.draft_pass = drafted.median(lambda t: t.per_pass)
+        costs.catch_up = drafted.median(lambda t: t.catch_up)
+        whats.append(f"with draft {draft_model}: {drafted.what}")
+    return costs, whats
+
+
+def bench_step_costs(
+    model: str | None, draft_model: str | None, k: int, context: int, steps: int, **engine_kwargs
+) -> StepCosts:
+    """Time the steps speculation is made of (measure_step_costs) and print them with the speedups they give;
+    RuntimeError, after printing, if the target drafting for itself had a proposal rejected."""
+    costs, whats = measure_step_costs(model, draft_model, k, context, steps, **engine_kwargs)
+    print(
+        f"raylm bench spec --step-costs: k = {k}, one request of {context} random prompt tokens, greedy, {steps} "
+        "steps timed per engine (medians), in-process engines"
+    )
+    for what in whats:
+        print(f"  {what}")
+    _print_costs(costs)
+    if costs.acceptance != 1.0:
+        raise RuntimeError(
+            f"the target drafting for itself had {costs.acceptance:.4f} of its proposals accepted, not all: greedy "
+            "verification of the target's own tokens accepts every one, unless the draft's KV or the verification's "
+            "bookkeeping is wrong (or, in half precision, a (k + 1)-token verification and the draft's one-token "
+            "passes rounded a near tie apart)"
+        )
+    return costs
+
+
+def _row(label: str, seconds: float, plain: float | None = None, note: str = "") -> None:
+    ratio = f" = {seconds / plain:5.3f}x the plain step" if plain else ""
+    print(f"  {label + ':':40s}{seconds * 1e3:8.3f} ms{ratio}{note}")
+
+
+def _print_costs(c: StepCosts) -> None:
+    _row("plain decode step", c.plain)
+    note = " (the target as its own draft, the draft's share of the step taken out)"
+    _row(f"verification step, {c.k + 1} tokens", c.verify, c.plain, note)
+    print(f"  {'acceptance, the target as its own draft:':40s}{c.acceptance:8.3f} (greedy: must be 1)")
+    _row("the target's own draft pass", c.self_pass, c.plain)
+    if c.draft_pass is None:
+        print("  no --draft-model: the speedups below are a proposer's that costs nothing (n-gram), an upper bound")
+    else:
+        _row("draft pass", c.draft_pass, c.plain)
+        _row(f"draft catch-up, {c.k + 1} tokens", c.catch_up, c.plain)
+    draft_ratio = 0.0 if c.draft_pass is None else c.draft_pass / c.plain
+    print(
+        "  speedup = E(a) / (verify/plain + k * draft/plain), E(a) = (1 - a^(k+1)) / (1 - a) the expected tokens "
+        f"per verification at per-token acceptance a; k = {c.k}"
+    )
+    for a in ACCEPTANCE_RATES:
+        line = (
+            f"  a = {a:.1f}: E = {expected_tokens(a, c.k):.3f}, speedup = {expected_tokens(a, c.k):.3f} / "
+            f"({c.verify / c.plain:.3f} + {c.k} * {draft_ratio:.3f}) = {c.speedup(a):.3f}x"
+        )
+        if c.catch_up is not None:
+            line += f"; with raylm's draft catch-up (+ {c.catch_up / c.plain:.3f}): {c.speedup(a, True):.3f}x"
+        print(line)

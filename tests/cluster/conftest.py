@@ -40,13 +40,13 @@ def ray_session():
 
 @pytest.fixture(scope="session")
 def servable_tiny_model(tiny_model_dir, default_model_dir):
-    """`servable_tiny_model(**config_overrides)` -> a tiny random Llama holding the default model's tokenizer and
-    chat template, and a vocabulary as large as that tokenizer's, so Serve can take any text for a model that
-    generates in milliseconds."""
+    """`servable_tiny_model(model_type="llama", **config_overrides)` -> a tiny random model (a Llama by default)
+    holding the default model's tokenizer and chat template, and a vocabulary as large as that tokenizer's, so Serve
+    can take any text for a model that generates in milliseconds."""
     vocab_size = json.loads((Path(default_model_dir) / "config.json").read_text())["vocab_size"]
 
-    def make(**overrides) -> str:
-        path = tiny_model_dir("llama", **{"vocab_size": vocab_size, **overrides})
+    def make(model_type: str = "llama", **overrides) -> str:
+        path = tiny_model_dir(model_type, **{"vocab_size": vocab_size, **overrides})
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             if (Path(default_model_dir) / name).exists():
                 shutil.copy(Path(default_model_dir) / name, Path(path) / name)

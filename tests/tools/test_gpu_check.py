@@ -8,6 +8,7 @@ The venv is built once per package list and kept under the raylm cache ($RAYLM_C
 
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -172,3 +173,32 @@ def test_the_moe_shape_builds_eight_layers_and_benches_without_transformers_only
     assert "Qwen3-30B-A3B" in build.command and build.command[-2:] == ["--layers", "8"]
     assert bench.command[bench.command.index("--compare") + 1 :] == []
     assert bench.command[bench.command.index("--model") + 1] == str(tmp_path / "work" / "model-moe")
+
+
+def test_lora_and_speculation_bench_the_8b_shape_only_when_named(tmp_path):
+    """bench-lora: the 8B shape, then the small model, the second run whatever the first's outcome; bench-spec: the
+    0.5B draft built on the GPU with the tokenizer every shape shares, then the step costs with the 8B as target."""
+    from cluster.cli import build_parser
+    from tools.gpu_check import LIMITS, OPTIONAL_LIMITS, phases, select
+
+    work = tmp_path / "work"
+    everything = phases(tmp_path, "cuda", work)
+    assert not {"bench-lora", "bench-spec"} & {p.name for p in select(everything, None)}
+    assert sum(LIMITS.values()) == 560  # the default run's limits stay as they were
+    assert (OPTIONAL_LIMITS["bench-lora"], OPTIONAL_LIMITS["bench-spec"]) == (120, 180)
+    names = ["install", "model", "model-8b", "bench-lora", "bench-spec"]
+    lora, spec = select(everything, names)[3:]
+    big, small = lora.command[-1].split("; status=$?; ")
+    assert f"--model {work / 'model-8b'}" in big and "bench lora --executor inprocess --device cuda --rank 16" in big
+    assert "--mixes 1 4 16" in big and "--num-requests 64" in big
+    assert small.endswith(" && exit $status") and f"--model {work / 'model'} " in small
+    build, bench = spec.command[-1].split(" && ")
+    assert f"Qwen2.5-0.5B {work / 'model-draft'} --tokenizer {tmp_path / 'model'} --device cuda" in build
+    assert "bench spec --step-costs --device cuda --max-model-len 4096" in bench
+    assert f"--model {work / 'model-8b'} --draft-model {work / 'model-draft'}" in bench
+    assert bench.endswith("--num-speculative-tokens 3")
+    for command in (big, small.removesuffix(" && exit $status"), bench):  # every flag one the CLI takes
+        argv = shlex.split(command)
+        build_parser().parse_args(argv[argv.index("cluster.cli") + 1 :])
+    with pytest.raises(SystemExit, match="bench-lora needs model"):
+        select(everything, ["install", "model-8b", "bench-lora"])

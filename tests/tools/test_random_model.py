@@ -3,6 +3,7 @@ allocated), one-layer builds of them on CPU as the hub lays checkpoints out, and
 token for token as transformers does."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from kernels import select_backend
 from tests.workers.test_families import transformers_greedy
 from tests.workers.test_model_runner import engine, prompts, run
 from tools.random_model import INDEX, SHAPES, build, checkpoint_shapes, shape_config
+from workers.draft import check_draft
 from workers.model_loader import _checkpoint_names, load_model, read_model_spec
 from workers.models import MODEL_REGISTRY
 
@@ -34,6 +36,13 @@ def qwen3_30b_a3b_params() -> int:
     attention = 2 * h * q_dim + 2 * h * kv_dim + 2 * 128  # q, o; k, v; q and k norms
     layer = attention + experts * 3 * h * unit + experts * h + 2 * h  # experts, router, two norms
     return layers * layer + h + 2 * VOCAB * h
+
+
+def qwen25_05b_params() -> int:
+    """Qwen2.5-0.5B's with the default model's vocabulary, its table tied: 0.40B (0.49B with its own 151936)."""
+    h, layers, q_dim, kv_dim, mlp = 896, 24, 14 * 64, 2 * 64, 4864
+    attention = 2 * h * q_dim + 2 * h * kv_dim + q_dim + 2 * kv_dim  # q, o; k, v; the q, k and v biases
+    return layers * (attention + 3 * h * mlp + 2 * h) + h + VOCAB * h
 
 
 def write_config(folder: Path, shape: str, tokenizer: str) -> AutoConfig:
@@ -59,6 +68,10 @@ def test_each_full_shape_names_the_tensors_raylm_loads(shape, default_model_dir,
         assert params == qwen3_30b_a3b_params() == 30_111_119_360
         assert spec.moe.num_experts == 128 and spec.moe.top_k == 8 and spec.moe.sparse_layers == tuple(range(48))
         assert shapes["model.layers.47.mlp.experts.127.down_proj.weight"] == (2048, 768)
+    if shape == "Qwen2.5-0.5B":
+        assert params == qwen25_05b_params() == 401_938_304
+        assert spec.qkv_bias and spec.tie_word_embeddings and spec.layer_windows == ()  # its window is off
+        assert (spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rope.theta) == (14, 2, 64, 1e6)
 
 
 @pytest.mark.parametrize("shape", ["Llama-3.1-8B", "Qwen3-30B-A3B"])
@@ -85,15 +98,29 @@ def test_a_one_layer_build_is_sharded_as_the_hub_shards(shape, default_model_dir
     load_model(tmp_path, dtype=torch.bfloat16, device="meta", attn_backend=backend)
 
 
-def test_raylm_serves_a_small_build_as_transformers_does(default_model_dir, tmp_path):
-    """SmolLM2-135M's shape with 2 layers in 40 MB shards: transformers finds every tensor it expects and no
-    other, and raylm's engine generates greedily the tokens transformers generates."""
-    built = build(
-        "SmolLM2-135M", tmp_path, Path(default_model_dir), dtype=torch.float32, layers=2, shard_bytes=40 << 20
-    )
+@pytest.mark.parametrize("shape", ["SmolLM2-135M", "Qwen2.5-0.5B"])
+def test_raylm_serves_a_small_build_as_transformers_does(shape, default_model_dir, tmp_path):
+    """The shape with 2 layers in 40 MB shards: transformers finds every tensor it expects and no other, and
+    raylm's engine generates greedily the tokens transformers generates."""
+    built = build(shape, tmp_path, Path(default_model_dir), dtype=torch.float32, layers=2, shard_bytes=40 << 20)
     assert len(built.shards) > 1
     _, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not any(info.values()), info
     ids = prompts(3)
     params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)] * 3
     assert run(engine(str(tmp_path)), ids, params) == transformers_greedy(str(tmp_path), ids, 8)
+
+
+def test_the_qwen2_5_shape_drafts_for_the_8b_shape_up_to_its_positions(default_model_dir, tmp_path):
+    """Every shape takes the default model's tokenizer, so raylm takes Qwen2.5-0.5B's (0.40B parameters) as a draft
+    for Llama-3.1-8B's (7.38B), up to the 0.5B's 32,768 positions: serving the 8B's own 131,072 is refused, so the
+    pair runs with --max-model-len."""
+    target, draft = tmp_path / "8b", tmp_path / "0.5b"
+    for folder, shape in ((target, "Llama-3.1-8B"), (draft, "Qwen2.5-0.5B")):
+        folder.mkdir()
+        write_config(folder, shape, default_model_dir)
+        shutil.copy(Path(default_model_dir) / "tokenizer.json", folder)
+    spec = read_model_spec(target)
+    assert check_draft(spec, str(target), str(draft), 32768).architecture == "Qwen2ForCausalLM"
+    with pytest.raises(ValueError, match="max_position_embeddings=32768, under max_model_len=131072"):
+        check_draft(spec, str(target), str(draft), spec.max_position_embeddings)
