@@ -1,4 +1,5 @@
-"""CUDA graphs of the decode forward: a decode-only step padded to one of a few batch sizes, each captured once."""
+"""CUDA graphs of the decode forward: a decode-only step (or one verifying k proposals a request) padded to one of a
+few batch sizes, each captured once."""
 
 from __future__ import annotations
 
@@ -12,28 +13,45 @@ from workers.runner_inputs import InputBuffers
 
 
 class DecodeGraphs:
-    """The decode forward captured at each of ``sizes`` (ascending), replayed in place of the forward.
+    """The forward of steps whose requests all have ``q`` tokens, q in ``query_lens`` (1: decodes; 1 + k: steps
+    verifying k proposals a request), captured at each of ``sizes`` (ascending) requests and replayed in place of
+    the forward.
 
-    A decode-only step of n <= max(sizes) requests is padded to the next size (``InputBuffers.pad_decode``: one-token
-    requests on the null block, which write slot 0 and read only block 0), so that its forward is one of a few
-    fixed shapes. A graph reads its inputs from the runner's buffers in place (their addresses never change) and
-    the KV cache at the address it had when captured, so capture comes after the cache is bound. ``graphs[size]``
-    is the captured graph and the hidden states it writes.
+    Such a step of n <= max(sizes) requests is padded to the next size (``InputBuffers.pad_decode``: q-token requests
+    on the null block, which write slot 0 and read only block 0), so that its forward is one of a few fixed shapes;
+    a size whose tokens (size * q) exceed the input buffers' ``max_tokens`` is not captured for that q. A graph
+    reads its inputs from the runner's buffers in place (their addresses never change) and the KV cache at the
+    address it had when captured, so capture comes after the cache is bound; the attention backend's plan is made
+    inside the graph, from those buffers. ``graphs[(size, q)]`` is the captured graph and the hidden states it
+    writes.
     """
 
-    def __init__(self, sizes: list[int] | None) -> None:
+    def __init__(self, sizes: list[int] | None, query_lens: tuple[int, ...] = (1,), max_tokens: int = 0) -> None:
         self.sizes = sorted(sizes or [])
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.query_lens = query_lens
+        self.max_tokens = max_tokens
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
-    def padded_size(self, num_reqs: int, num_tokens: int) -> int:
-        """The padded size of a decode-only step that fits a captured size, else 0."""
-        if num_tokens != num_reqs or not self.sizes or num_reqs > self.sizes[-1]:
+    def shapes(self) -> list[tuple[int, int]]:
+        """The (size, q) pairs to capture, the most tokens first (the smaller graphs reuse its memory pool)."""
+        fits = [(s, q) for q in self.query_lens for s in self.sizes if not self.max_tokens or s * q <= self.max_tokens]
+        return sorted(fits, key=lambda shape: (shape[0] * shape[1], shape), reverse=True)
+
+    def max_graph_tokens(self) -> int:
+        return max((s * q for s, q in self.shapes()), default=0)
+
+    def padded_size(self, num_reqs: int, num_tokens: int, query_len: int = 1) -> int:
+        """The padded size of a step of ``num_reqs`` requests of ``query_len`` tokens each that fits a captured
+        shape, else 0."""
+        if query_len not in self.query_lens or num_tokens != num_reqs * query_len:
             return 0
-        return next(s for s in self.sizes if s >= num_reqs)
+        size = next((s for s in self.sizes if s >= num_reqs), 0)
+        return size if not self.max_tokens or size * query_len <= self.max_tokens else 0
 
-    def replay(self, size: int) -> torch.Tensor | None:
-        """The hidden states of the graph of ``size`` replayed; None when none is captured (an eager step)."""
-        captured = self.graphs.get(size)
+    def replay(self, size: int, query_len: int = 1) -> torch.Tensor | None:
+        """The hidden states of the graph of ``(size, query_len)`` replayed; None when none is captured (an eager
+        step)."""
+        captured = self.graphs.get((size, query_len))
         if captured is None:
             return None
         graph, hidden = captured
@@ -41,15 +59,15 @@ class DecodeGraphs:
         return hidden
 
     def capture(self, model: torch.nn.Module, buffers: InputBuffers, attn_backend: Any, max_model_len: int) -> None:
-        """Capture every size, largest first so that the smaller graphs reuse its memory pool.
+        """Capture every shape, the most tokens first so that the smaller graphs reuse its memory pool.
 
         A backend that cannot be captured (a flash-attn build that syncs with the host in its decode path, say)
         makes the capture raise: every graph is then dropped and decodes run eagerly, with a warning naming the
         error, rather than failing the engine at start."""
         try:
             pool = None
-            for size in reversed(self.sizes):
-                pool = self._capture(size, pool, model, buffers, attn_backend, max_model_len)
+            for size, query_len in self.shapes():
+                pool = self._capture(size, query_len, pool, model, buffers, attn_backend, max_model_len)
             torch.cuda.synchronize()
         except Exception as e:  # whatever broke the capture, eager decodes are the remedy
             warnings.warn(
@@ -60,25 +78,38 @@ class DecodeGraphs:
             self.sizes = []
 
     def _capture(
-        self, size: int, pool: Any, model: torch.nn.Module, buffers: InputBuffers, attn_backend: Any, max_model_len: int
+        self,
+        size: int,
+        query_len: int,
+        pool: Any,
+        model: torch.nn.Module,
+        buffers: InputBuffers,
+        attn_backend: Any,
+        max_model_len: int,
     ) -> Any:
         dev = buffers.dev
-        buffers.pad_decode(0, size)
-        buffers.upload(size, size, 0)
-        md = AttentionMetadata.build(
-            query_start_loc=dev["query_start_loc"][: size + 1],
-            seq_lens=dev["seq_lens"][:size],
-            block_tables=dev["block_tables"][:size],
-            slot_mapping=dev["slot_mapping"][:size],
-            max_query_len=1,
-            max_seq_len=max_model_len,
-            backend=attn_backend,
-        )
-        args = (dev["input_ids"][:size], dev["positions"][:size], md)
-        model(*args)  # outside the capture: Triton compiles, cuBLAS picks its kernels
+        num_tokens = size * query_len
+        buffers.pad_decode(0, size, query_len)
+        buffers.upload(num_tokens, size, 0)
+
+        def forward() -> torch.Tensor:
+            # The metadata is built in the graph: a backend's plan (flash-attn's key offsets) is then recomputed
+            # from the buffers at each replay, not frozen at its capture-time values.
+            md = AttentionMetadata.build(
+                query_start_loc=dev["query_start_loc"][: size + 1],
+                seq_lens=dev["seq_lens"][:size],
+                block_tables=dev["block_tables"][:size],
+                slot_mapping=dev["slot_mapping"][:num_tokens],
+                max_query_len=query_len,
+                max_seq_len=max_model_len,
+                backend=attn_backend,
+            )
+            return model(dev["input_ids"][:num_tokens], dev["positions"][:num_tokens], md)
+
+        forward()  # outside the capture: Triton compiles, cuBLAS picks its kernels
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            hidden = model(*args)
-        self.graphs[size] = (graph, hidden)
+            hidden = forward()
+        self.graphs[(size, query_len)] = (graph, hidden)
         return graph.pool()

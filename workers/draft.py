@@ -11,10 +11,11 @@ import torch
 
 from kernels import AttentionBackend, AttentionMetadata
 from workers.cache_engine import CacheEngine
+from workers.decode_graphs import DecodeGraphs
 from workers.layers import can_pack, pack_for_cpu
 from workers.model_loader import load_model, read_model_spec
 from workers.model_spec import ModelSpec
-from workers.runner_inputs import CachedRequestState, StepInputs
+from workers.runner_inputs import CachedRequestState, InputBuffers, StepInputs
 
 
 def check_draft(target: ModelSpec, target_dir: str, draft_dir: str, max_model_len: int) -> ModelSpec:
@@ -68,7 +69,11 @@ class DraftModel:
     - ``propose`` runs k greedy single-token passes per speculable sampled request, from its newest token, each
       writing the KV of its input position: only positions below max_model_len in blocks the request holds (the
       scheduler allocates k lookahead slots for them). Those are past the computed tokens: the next steps
-      rewrite them before anything reads them as context.
+      rewrite them before anything reads them as context;
+    - it runs on the target runner's input buffers (``use_buffers``): the catch-up reads the target's step
+      inputs in place, and the passes write theirs after the target's step has read them, so on CUDA both replay
+      graphs of the target's shapes (their private pool is not in the KV budget: a draft's decode activations
+      are a few MB).
     Greedy proposals are a one-hot draft distribution, for which the sampler's rejection rule (accept with
     probability p(t)) is exact. The GPU memory profile runs the target alone: the draft's weights are loaded
     before it (so counted), and its forwards run after the target's activations are freed, a smaller model's
@@ -94,6 +99,8 @@ class DraftModel:
         self.backend, self.dtype, self.device = backend, dtype, device
         self.block_size, self.max_model_len = block_size, max_model_len
         self.cache: CacheEngine | None = None
+        self.buffers: InputBuffers | None = None  # the target runner's (use_buffers)
+        self.graphs = DecodeGraphs(None)
 
     def block_bytes(self) -> int:
         spec = self.spec
@@ -113,47 +120,108 @@ class DraftModel:
         )
         self.cache.bind(self.model.attention_layers)
 
+    def use_buffers(self, buffers: InputBuffers, graphs: DecodeGraphs) -> None:
+        """Run on the target runner's input buffers, with graphs of the target's shapes (``graphs``' sizes and
+        query lengths), once captured: the catch-up reads the target's step inputs in place, and the proposal
+        passes write their own into the same buffers once the target's step no longer needs them."""
+        self.buffers = buffers
+        self.graphs = DecodeGraphs(graphs.sizes, graphs.query_lens, graphs.max_tokens)
+
+    def capture_graphs(self, max_model_len: int) -> None:
+        """The draft's forward captured at the target's shapes (needs its cache bound), in a pool of its own: a
+        draft graph replays while the target's hidden states, in the target's pool, are still to be read."""
+        self.graphs.capture(self.model, self.buffers, self.backend, max_model_len)
+
     def catch_up(self, inputs: StepInputs) -> None:
-        """The step's tokens through the draft, for their KV (the outputs are not needed)."""
-        self.model(inputs.input_ids, inputs.positions, inputs.metadata, None)
+        """The step's tokens through the draft, for their KV (the outputs are not needed): the graph of the
+        target's step shape when captured, else eagerly."""
+        if self.graphs.replay(inputs.graph_size, inputs.graph_query_len) is None:
+            self.model(inputs.input_ids, inputs.positions, inputs.metadata, None)
 
     def propose(
         self, states: list[CachedRequestState], token_ids: np.ndarray, block_table: np.ndarray
     ) -> dict[str, list[int]]:
         """Up to k proposals after each speculable request's newest token (``token_ids[row, num_tokens - 1]``),
-        as many as its held slots and max_model_len allow; one host transfer at the end."""
+        as many as its held slots and max_model_len allow; one host transfer at the end.
+
+        Every pass runs every request, padded to a captured size (one graph replay a pass): a request past its
+        last pass computes position 0 on the null slot, and its proposal there is dropped. The passes' inputs are
+        uploaded once and copied into the buffers on the device, so no pass waits for the host."""
         states = [s for s in states if s.sampling_params.speculable]
         if not states:
             return {}
-        bs = self.block_size
+        n, bs = len(states), self.block_size
         rows = np.array([s.row for s in states], dtype=np.int64)
         first = np.array([s.num_tokens - 1 for s in states], dtype=np.int64)  # the newest token's position
         room = np.minimum(np.array([s.num_blocks * bs for s in states]), self.max_model_len) - first
         num_passes = np.clip(room, 0, self.k)
-        dev = self.device
-        tokens = torch.from_numpy(token_ids[rows, first]).to(dev)
-        out = torch.full((len(states), self.k), -1, dtype=torch.int64, device=dev)
-        for j in range(int(num_passes.max())):
-            active = np.flatnonzero(num_passes > j)
-            positions = first[active] + j
-            tables = block_table[rows[active]]
-            slots = tables[np.arange(len(active)), positions // bs].astype(np.int64) * bs + positions % bs
-            md = AttentionMetadata.build(
-                query_start_loc=torch.arange(len(active) + 1, dtype=torch.int32).to(dev),
-                seq_lens=torch.from_numpy((positions + 1).astype(np.int32)).to(dev),
-                block_tables=torch.from_numpy(tables).to(dev),
-                slot_mapping=torch.from_numpy(slots).to(dev),
-                max_query_len=1,
-                max_seq_len=int(positions.max()) + 1,
-                backend=self.backend,
-            )
-            index = torch.from_numpy(active).to(dev)
-            hidden = self.model(tokens[index], torch.from_numpy(positions).to(dev), md, None)
-            proposed = self.model.compute_logits(hidden).argmax(-1)
-            tokens[index] = proposed
-            out[index, j] = proposed
-        proposals = out.tolist()
+        passes = int(num_passes.max())
+        if passes == 0:
+            return {}
+        size = self.graphs.padded_size(n, n) or n
+        staged, max_seq_len = self._stage(rows, first, num_passes, passes, size, token_ids, block_table)
+        dev = self.buffers.dev
+        for name in ("block_tables", "query_start_loc"):
+            dev[name][: staged[name].shape[0]].copy_(staged[name], non_blocking=True)
+        tokens = staged["input_ids"]
+        out = []
+        for j in range(passes):
+            dev["input_ids"][:size].copy_(tokens, non_blocking=True)
+            for name in ("positions", "slot_mapping", "seq_lens"):
+                dev[name][:size].copy_(staged[name][j], non_blocking=True)
+            hidden = self.graphs.replay(size, 1)
+            if hidden is None:
+                md = AttentionMetadata.build(
+                    query_start_loc=dev["query_start_loc"][: size + 1],
+                    seq_lens=dev["seq_lens"][:size],
+                    block_tables=dev["block_tables"][:size],
+                    slot_mapping=dev["slot_mapping"][:size],
+                    max_query_len=1,
+                    max_seq_len=max_seq_len,
+                    backend=self.backend,
+                )
+                hidden = self.model(dev["input_ids"][:size], dev["positions"][:size], md, None)
+            tokens = self.model.compute_logits(hidden[:size]).argmax(-1)
+            out.append(tokens)
+        proposals = torch.stack(out, 1)[:n].tolist()
         return {s.req_id: proposals[i][: num_passes[i]] for i, s in enumerate(states)}
+
+    def _stage(
+        self,
+        rows: np.ndarray,
+        first: np.ndarray,
+        num_passes: np.ndarray,
+        passes: int,
+        size: int,
+        token_ids: np.ndarray,
+        block_table: np.ndarray,
+    ) -> tuple[dict[str, torch.Tensor], int]:
+        """Every pass's inputs for ``size`` rows (the requests', then padding on the null block), on the device:
+        [passes, size] positions, slots and context lengths, and the rows' block tables, query offsets and first
+        input ids; and the longest context (an eager pass's max_seq_len)."""
+        n, bs = len(rows), self.block_size
+        j = np.arange(passes)[:, None]
+        active = np.zeros((passes, size), dtype=bool)
+        active[:, :n] = j < num_passes[None, :]
+        positions = np.zeros((passes, size), dtype=np.int64)
+        positions[:, :n] = first[None, :] + j
+        positions[~active] = 0
+        tables = np.zeros((size, block_table.shape[1]), dtype=np.int32)
+        tables[:n] = block_table[rows]
+        slots = tables[np.arange(size)[None, :], positions // bs].astype(np.int64) * bs + positions % bs
+        slots[~active] = 0
+        host = {
+            "positions": positions,
+            "slot_mapping": slots,
+            "seq_lens": np.where(active, positions + 1, 1).astype(np.int32),
+            "block_tables": tables,
+            "query_start_loc": np.arange(size + 1, dtype=np.int32),
+            "input_ids": np.zeros(size, dtype=np.int64),
+        }
+        host["input_ids"][:n] = token_ids[rows, first]
+        # Pageable copies, not pinned: the host has nothing to do until the proposals' read-back anyway.
+        staged = {name: torch.from_numpy(a).to(self.device, non_blocking=True) for name, a in host.items()}
+        return staged, int(host["seq_lens"].max())
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         self.cache.swap(swap_out, swap_in)

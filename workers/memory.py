@@ -64,10 +64,11 @@ def profile_peak(allocated_start: int, allocated_peak: int, reserved_start: int,
     return max(allocated_peak - allocated_start, reserved_peak - reserved_start)
 
 
-def graph_pool_bytes(forward_peak: int, forward_tokens: int, max_graph_size: int) -> int:
-    """An estimate of the CUDA graphs' private pool: the activations of the largest captured decode (one token
-    per request), scaled from the profile forward's peak over `forward_tokens` tokens (activations grow with
-    tokens; the smaller graphs share the largest one's pool). 0 without graphs."""
-    if not max_graph_size or forward_tokens <= 0:
+def graph_pool_bytes(forward_peak: int, forward_tokens: int, max_graph_tokens: int) -> int:
+    """An estimate of the CUDA graphs' private pool: the activations of the captured graph of the most tokens (a
+    decode's one a request, or a verification's 1 + k), scaled from the profile forward's peak over
+    `forward_tokens` tokens (activations grow with tokens; the smaller graphs share the largest one's pool). 0
+    without graphs."""
+    if not max_graph_tokens or forward_tokens <= 0:
         return 0
-    return forward_peak * min(max_graph_size, forward_tokens) // forward_tokens
+    return forward_peak * min(max_graph_tokens, forward_tokens) // forward_tokens

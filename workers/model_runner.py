@@ -74,6 +74,7 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 2048,
         decode_sizes: list[int] | None = None,
+        graph_query_lens: tuple[int, ...] = (1,),
         grammar: GrammarBitmasks | None = None,
         link: StageLink | None = None,
         lora: LoraManager | None = None,
@@ -104,8 +105,8 @@ class ModelRunner:
         self.token_ids = np.zeros((max_rows, max_model_len), dtype=np.int64)
         self.block_table = np.zeros((max_rows, self.max_blocks_per_req), dtype=np.int32)
         self.free_rows = list(range(max_rows - 1, -1, -1))
-        self.decode_graphs = DecodeGraphs(decode_sizes)
-        max_reqs = max(max_num_seqs, *self.decode_graphs.sizes, 1)
+        max_reqs = max(max_num_seqs, *(decode_sizes or []), 1)
+        self.decode_graphs = DecodeGraphs(decode_sizes, graph_query_lens, max(max_num_batched_tokens, max_reqs))
         self.buffers = InputBuffers(
             max(max_num_batched_tokens, max_reqs),
             max_reqs,
@@ -113,6 +114,8 @@ class ModelRunner:
             device,
             token_slots=lora is not None and device.type == "cuda",
         )
+        if draft is not None:
+            draft.use_buffers(self.buffers, self.decode_graphs)
         if "token_slots" in self.buffers.dev:
             lora.batch.token_slots = self.buffers.dev["token_slots"]
         self.sampled_host = torch.zeros((2, 2 * max_reqs), dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -258,10 +261,12 @@ class ModelRunner:
                 buf["token_slots"][:total] = token_slots
             else:
                 self.lora.batch.set(token_slots)
-        graph_size = self.decode_graphs.padded_size(num_reqs, total)
+        # Every request with the same count (decodes; or proposals verified, k each): a captured graph's shape.
+        query_len = int(num_new[0]) if num_reqs and (num_new == num_new[0]).all() else 0
+        graph_size = self.decode_graphs.padded_size(num_reqs, total, query_len)
         if graph_size:
-            self.buffers.pad_decode(num_reqs, graph_size)
-            num_reqs = total = graph_size
+            self.buffers.pad_decode(num_reqs, graph_size, query_len)
+            num_reqs, total = graph_size, graph_size * query_len
         dev = self.buffers.upload(total, num_reqs, num_logits, num_late)
         if num_late:
             sampled = self.unfinished[-1].sampled
@@ -286,6 +291,7 @@ class ModelRunner:
             pool_spans,
             num_drafts,
             draft_ids,
+            query_len if graph_size else 1,
         )
 
     def _write_drafts(self, states: list[CachedRequestState], spec: dict[str, list[int]]) -> None:
@@ -340,7 +346,7 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """Hidden states of the step's tokens (padding rows included), by graph replay when one is captured; None
         on a pipeline stage before the last, which hands its output to the next stage."""
-        hidden = self.decode_graphs.replay(inputs.graph_size)
+        hidden = self.decode_graphs.replay(inputs.graph_size, inputs.graph_query_len)
         if hidden is not None:
             return hidden
         stage = self.stage
@@ -606,3 +612,6 @@ class ModelRunner:
     def capture_decode_graphs(self) -> None:
         """Capture the decode forward at each padded size; needs the KV cache bound (the graphs hold its address)."""
         self.decode_graphs.capture(self.model, self.buffers, self.attn_backend, self.max_model_len)
+        if self.draft is not None:
+            self.draft.graphs.sizes = self.decode_graphs.sizes  # none where the target's capture failed
+            self.draft.capture_graphs(self.max_model_len)

@@ -152,16 +152,20 @@ class InputBuffers:
             self.uploaded.record()
         return out
 
-    def pad_decode(self, start: int, end: int) -> None:
-        """Rows start..end-1 become one-token requests on the null block (slot 0, context of 1): a decode batch
-        padded to a captured graph's size."""
+    def pad_decode(self, start: int, end: int, query_len: int = 1) -> None:
+        """Rows start..end-1 become requests of ``query_len`` tokens (positions 0..query_len-1) on the null block
+        (slot 0, context of ``query_len``), after rows of ``query_len`` tokens each: a step whose requests all have
+        that many padded to a captured graph's size."""
         buf = self.writable()
-        for name in ("input_ids", "positions", "slot_mapping", "block_tables"):
-            buf[name][start:end] = 0
-        buf["seq_lens"][start:end] = 1
-        buf["query_start_loc"][start + 1 : end + 1] = np.arange(start + 1, end + 1)
+        first, last = start * query_len, end * query_len
+        for name in ("input_ids", "slot_mapping"):
+            buf[name][first:last] = 0
+        buf["positions"][first:last] = np.tile(np.arange(query_len), end - start)
+        buf["block_tables"][start:end] = 0
+        buf["seq_lens"][start:end] = query_len
+        buf["query_start_loc"][start + 1 : end + 1] = np.arange(start + 1, end + 1) * query_len
         if "token_slots" in buf:
-            buf["token_slots"][start:end] = -1  # the base model: no adapter's product
+            buf["token_slots"][first:last] = -1  # the base model: no adapter's product
 
 
 def logprob_stats(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
@@ -177,7 +181,8 @@ def logprob_stats(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[
 @dataclass(slots=True)
 class StepInputs:
     """One step's model inputs (device tensors, views of InputBuffers) and what sampling needs.
-    ``graph_size`` is the padded decode batch a captured graph can run, or 0 for an eager step."""
+    ``graph_size`` is the padded batch a captured graph of ``graph_query_len`` tokens a request can run, or 0 for an
+    eager step."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -192,6 +197,7 @@ class StepInputs:
     # and 1 + num_drafts[i] logits rows; draft_ids (device) holds the proposal each row verifies, -1 on the last.
     num_drafts: list[int] | None = None
     draft_ids: torch.Tensor | None = None
+    graph_query_len: int = 1
 
 
 @dataclass(slots=True)

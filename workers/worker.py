@@ -287,6 +287,8 @@ class Worker:
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             decode_sizes=graph_batch_sizes(cfg.max_num_seqs) if graphs else None,
+            # Steps verifying k proposals a request replay graphs too (when every request has k).
+            graph_query_lens=(1, 1 + cfg.num_speculative_tokens) if cfg.num_speculative_tokens else (1,),
         )
 
     def _load_draft(self, backend: AttentionBackend) -> None:
@@ -351,9 +353,7 @@ class Worker:
             layer.kv_cache = torch.empty(0)
         del cache
         torch.cuda.empty_cache()  # hand the profile's blocks back, for the real cache
-        graphs = graph_pool_bytes(
-            forward_peak, sum(self._profile_lens()), max(self.runner.decode_graphs.sizes, default=0)
-        )
+        graphs = graph_pool_bytes(forward_peak, sum(self._profile_lens()), self.runner.decode_graphs.max_graph_tokens())
         budget = kv_cache_budget(
             torch.cuda.mem_get_info()[1],
             self.config.gpu_memory_utilization,

@@ -49,9 +49,22 @@ def test_lora_adapters_mixed_with_the_base_match_peft(lora_adapters):
     assert got == [expected[n][lora_prompts.index(p)] for n, p in mixed]
 
 
+def record_replays(graphs) -> list[tuple[int, int, bool]]:
+    """Each replay's (size, tokens a request, whether a graph of that shape was captured), as it happens."""
+    replayed, replay = [], graphs.replay
+
+    def recorded(size: int, query_len: int = 1):
+        replayed.append((size, query_len, (size, query_len) in graphs.graphs))
+        return replay(size, query_len)
+
+    graphs.replay = recorded
+    return replayed
+
+
 def test_speculation_gives_the_output_without_it(tiny_model_dir):
-    """k + 1 rows verified per speculating request, eagerly (never a captured graph): greedy output equal to no
-    speculation, and a draft that is the target has every proposal accepted."""
+    """k + 1 rows verified per speculating request, by a captured graph where every request verifies k (the draft
+    model's steps) and eagerly otherwise, the draft's catch-up and passes by its own graphs: greedy output equal to
+    no speculation, and a draft that is the target has every proposal accepted."""
     path = tiny_model_dir("llama")
     rng = torch.Generator().manual_seed(6)
     ids = [[7, 8, 9, 10] * 3 + torch.randint(3, 256, (1 + 9 * i,), generator=rng).tolist() for i in range(3)]
@@ -64,6 +77,9 @@ def test_speculation_gives_the_output_without_it(tiny_model_dir):
         free(baseline)
     for spec in (NGRAM, draft_config(path)):
         engine = cuda_engine(path, **common, speculative_config=spec)
+        runner = engine.worker.runner
+        replayed = record_replays(runner.decode_graphs)
+        draft_replayed = record_replays(runner.draft.graphs) if runner.draft is not None else []
         try:
             got = run_keyed(engine, ids, params)
             stats = engine.stats()
@@ -75,6 +91,9 @@ def test_speculation_gives_the_output_without_it(tiny_model_dir):
         assert stats.spec_decode_num_draft_tokens > 0, spec["method"]
         if spec["method"] == "draft_model":
             assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+            assert any(q == 4 and captured for _, q, captured in replayed), replayed  # a verification's graph
+            # The draft's catch-up of those steps and its proposal passes replay its own graphs.
+            assert {q for _, q, captured in draft_replayed if captured} == {1, 4}, draft_replayed
 
 
 @pytest.mark.parametrize("pooling", ["last", "mean"])

@@ -50,6 +50,37 @@ def test_decodes_padded_to_graph_sizes_give_the_same_tokens(tiny_model_dir):
     assert {(5, 8, 8), (3, 4, 4), (2, 2, 2), (1, 1, 1)} <= set(shapes)
 
 
+def test_verification_steps_padded_to_graph_shapes_give_the_same_tokens(tiny_model_dir):
+    """With k = 3 proposals a request (the target as its own draft: all accepted), steps where every request
+    verifies 3 are padded to a captured size of 4-token requests, and the draft's passes to a captured size of
+    one-token requests, as their CUDA graphs replay them."""
+    import json
+
+    path = tiny_model_dir("llama")
+    ids = prompts(3, seed=5)
+    params = [SamplingParams(temperature=0.0, max_tokens=10 + 4 * i, ignore_eos=True) for i in range(3)]
+    expected = run(engine(path), ids, params)
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    padded = engine(path, speculative_config=json.dumps(spec))
+    runner = padded.worker.runner
+    assert runner.decode_graphs.query_lens == runner.draft.graphs.query_lens == (1, 4)
+    runner.decode_graphs.sizes = runner.draft.graphs.sizes = [1, 2, 4, 8]  # the draft's passes padded too
+    shapes = []
+    forward = runner.forward
+
+    def record(inputs):
+        shapes.append(
+            (len(inputs.sampling_states), inputs.input_ids.shape[0], inputs.graph_size, inputs.graph_query_len)
+        )
+        return forward(inputs)
+
+    runner.forward = record
+    assert run(padded, ids, params) == expected
+    assert (3, 16, 4, 4) in shapes  # three requests verifying 3 proposals each, as four of 4 tokens
+    stats = padded.stats()
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+
+
 def test_repetition_penalty_matches_transformers_across_steps_and_reused_rows(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
