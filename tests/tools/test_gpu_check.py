@@ -149,7 +149,7 @@ def test_the_gpu_check_refuses_a_phase_without_the_ones_it_needs(tmp_path):
 
 def test_the_8b_profile_runs_only_when_named_and_profiles_without_then_with_the_fused_kernels(tmp_path):
     """profile-8b would take the default run past a borrowed machine's 10 minutes: only --phases runs it, after the
-    8B build, and its one command profiles the unfused step before the fused one."""
+    8B build, and its one command profiles the unfused serial step, the fused one, then the fused one overlapped."""
     from tools.gpu_check import LIMITS, phases, select
 
     everything = phases(tmp_path, "cuda", tmp_path / "work")
@@ -157,10 +157,11 @@ def test_the_8b_profile_runs_only_when_named_and_profiles_without_then_with_the_
     chosen = select(everything, ["install", "model-8b", "profile-8b"])
     assert [p.name for p in chosen] == ["install", "model-8b", "profile-8b"]
     script = chosen[-1].command[-1]
-    unfused, fused = script.split(" && ")
+    unfused, fused, overlapped = script.split(" && ")
     assert unfused.startswith("RAYLM_FUSED_KERNELS=0 ") and "bench profile" in unfused
     assert fused == unfused.removeprefix("RAYLM_FUSED_KERNELS=0 ")
-    assert str(tmp_path / "work" / "model-8b") in fused
+    assert fused == overlapped + " --no-async-scheduling"
+    assert str(tmp_path / "work" / "model-8b") in overlapped
 
 
 def test_the_moe_shape_builds_eight_layers_and_benches_without_transformers_only_when_named(tmp_path):
