@@ -4,12 +4,18 @@ decode replays one like a dense one; never run on a GPU yet).
 
 out = fused_moe(x, w13, w2, topk_weights, topk_ids, first_expert)   # as kernels.moe.fused_moe
 
-The tests run it on CPU tensors under TRITON_INTERPRET=1 against the torch path.
+The tile sizes come from a table per expert shape, GPU and dtype measured on that GPU (`raylm bench moe --tune`
+writes it into kernels/moe_configs/, as vLLM's fused_moe configs are), by the step's pair count; a shape with no
+table takes TileConfig's defaults. The tests run it on CPU tensors under TRITON_INTERPRET=1 against the torch path.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -18,7 +24,62 @@ from torch import Tensor
 
 from kernels.fused import silu_and_mul
 
-_ROWS, _COLS, _DEPTH = 32, 64, 32  # tile of output rows x output columns, and the reduction step; tl.dot needs >= 16
+# Where the measured tables live; RAYLM_MOE_CONFIG_DIR names another folder (a tuning run's output, tests).
+CONFIG_DIR = Path(__file__).resolve().parent / "moe_configs"
+
+
+@dataclass(frozen=True, slots=True)
+class TileConfig:
+    """One launch's tiles: output rows x output columns and the reduction step (each >= 16, as tl.dot needs; rows
+    also sets the alignment of the experts' groups), and Triton's warps and pipeline stages. The defaults are what
+    ran before any table was measured."""
+
+    rows: int = 32
+    cols: int = 64
+    depth: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def config_name(num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: str) -> str:
+    """The table's file name for an expert shape (E local experts of `intermediate_size` units on `hidden_size`)."""
+    gpu = device.replace(" ", "_").replace("/", "_")
+    return f"E={num_experts},H={hidden_size},I={intermediate_size},device={gpu},dtype={str(dtype).removeprefix('torch.')}.json"
+
+
+@functools.cache
+def _table(name: str) -> tuple[tuple[int, TileConfig], ...]:
+    """A table's (pair count, config) rows, ascending; empty where none was measured. A malformed table is an error
+    naming its file, never silently the defaults."""
+    path = Path(os.environ.get("RAYLM_MOE_CONFIG_DIR") or CONFIG_DIR) / name
+    if not path.is_file():
+        return ()
+    try:
+        rows = sorted((int(m), TileConfig(**c)) for m, c in json.loads(path.read_text()).items())
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: not a table of pair count -> {TileConfig.__name__} fields ({e})") from None
+    return tuple(rows)
+
+
+def tile_config(num_pairs: int, w13: Tensor) -> TileConfig:
+    """The measured config whose pair count is nearest `num_pairs` (T * top_k) for these experts on this GPU, else
+    the defaults. Depends on shapes only, so a captured graph keeps its launch."""
+    device = _device_name(w13.device.index if w13.is_cuda else None)
+    num_experts, two_i, hidden = w13.shape
+    table = _table(config_name(num_experts, hidden, two_i // 2, w13.dtype, device))
+    if not table:
+        return TileConfig()
+    return min(table, key=lambda row: (abs(row[0] - num_pairs), row[0]))[1]
+
+
+@functools.cache
+def _device_name(cuda_index: int | None) -> str:
+    return "cpu" if cuda_index is None else torch.cuda.get_device_name(cuda_index)
+
+
+def write_table(path: Path, table: dict[int, TileConfig]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({str(m): asdict(c) for m, c in sorted(table.items())}, indent=1) + "\n")
 
 
 @dataclass(slots=True)
@@ -40,7 +101,7 @@ class Tiles:
     tile_row: Tensor
 
 
-def align(topk_ids: Tensor, num_local: int, first_expert: int | None, rows: int = _ROWS) -> Tiles:
+def align(topk_ids: Tensor, num_local: int, first_expert: int | None, rows: int = TileConfig().rows) -> Tiles:
     """The pairs of `topk_ids` [T, k] sorted by local expert (experts first_expert .. first_expert + num_local - 1,
     or 0 .. num_local - 1 when `first_expert` is None) and their tiles of `rows` rows, with static-shape ops only:
     no host read, no output whose size depends on the routing."""
@@ -108,15 +169,16 @@ def _grouped_mm_kernel(
     tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask)
 
 
-def grouped_mm(x: Tensor, w: Tensor, tiles: Tiles) -> Tensor:
-    """x [M, K] (rows grouped as `tiles` says) times w [G, N, K] transposed per group -> [M, N], over the fixed
-    grid (max_tiles, cdiv(N, COLS)). Rows no tile covers (other ranks' pairs) are left unwritten."""
+def grouped_mm(x: Tensor, w: Tensor, tiles: Tiles, config: TileConfig = TileConfig()) -> Tensor:
+    """x [M, K] (rows grouped as `tiles` says, in tiles of config.rows) times w [G, N, K] transposed per group ->
+    [M, N], over the fixed grid (max_tiles, cdiv(N, config.cols)). Rows no tile covers (other ranks' pairs) are
+    left unwritten."""
     x, w = x.contiguous(), w.contiguous()
     num_rows, k = x.shape
     n = w.shape[1]
     out = x.new_empty(num_rows, n)
     if tiles.tile_group.numel():
-        _grouped_mm_kernel[(tiles.tile_group.numel(), triton.cdiv(n, _COLS))](
+        _grouped_mm_kernel[(tiles.tile_group.numel(), triton.cdiv(n, config.cols))](
             out,
             x,
             w,
@@ -126,24 +188,33 @@ def grouped_mm(x: Tensor, w: Tensor, tiles: Tiles) -> Tensor:
             w.shape[0],
             N=n,
             K=k,
-            ROWS=_ROWS,
-            COLS=_COLS,
-            DEPTH=_DEPTH,
+            ROWS=config.rows,
+            COLS=config.cols,
+            DEPTH=config.depth,
             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )
     return out
 
 
 def fused_moe(
-    x: Tensor, w13: Tensor, w2: Tensor, topk_weights: Tensor, topk_ids: Tensor, first_expert: int | None = None
+    x: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    first_expert: int | None = None,
+    config: TileConfig | None = None,
 ) -> Tensor:
     """kernels.moe.fused_moe's sum with every buffer sized by T * top_k pairs, other ranks' pairs included: their
     rows go through the products unwritten and are masked out (not multiplied: garbage times 0 may be NaN)
-    before the sum."""
-    tiles = align(topk_ids, w13.shape[0], first_expert)
+    before the sum. `config`: these tiles rather than the table's (the tuner's candidates)."""
+    config = config or tile_config(topk_ids.numel(), w13)
+    tiles = align(topk_ids, w13.shape[0], first_expert, config.rows)
     tokens = tiles.pairs // topk_ids.shape[1]
-    h = grouped_mm(x.index_select(0, tokens), w13, tiles)
-    y = grouped_mm(silu_and_mul(h), w2, tiles)
+    h = grouped_mm(x.index_select(0, tokens), w13, tiles, config)
+    y = grouped_mm(silu_and_mul(h), w2, tiles, config)
     weights = topk_weights.flatten().index_select(0, tiles.pairs).to(y.dtype).unsqueeze(1)
     y = torch.where(tiles.local.unsqueeze(1), y * weights, 0)
     return torch.zeros_like(x).index_add_(0, tokens, y)

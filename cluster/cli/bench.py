@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from cluster.cli.engine_flags import add_engine_flags, engine_kwargs
 from cluster.config import SCHEDULING_POLICIES
@@ -269,8 +270,20 @@ def _moe(sub) -> None:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--hidden-size", type=int, default=2048)
     p.add_argument("--moe-intermediate-size", type=int, default=768)
-    p.add_argument("--sizes", type=int, nargs="+", default=[1, 16, 64, 2048], help="tokens per step")
+    p.add_argument(
+        "--sizes", type=int, nargs="+", help="tokens per step (default: 1 16 64 2048; with --tune 1 2 4 ... 4096)"
+    )
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--tune",
+        action="store_true",
+        help="instead, measure the Triton grouped matmul's tiles per step size on this GPU and write the table "
+        "kernels/triton_moe.py reads (--config-dir)",
+    )
+    p.add_argument(
+        "--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="--tune: weights' dtype"
+    )
+    p.add_argument("--config-dir", type=Path, help="--tune: where the table goes (default: kernels/moe_configs/)")
     p.add_argument(
         "--end-to-end",
         action="store_true",
@@ -285,7 +298,16 @@ def _moe(sub) -> None:
         from workers.default_model import default_model_path
 
         shapes = (args.num_experts, args.top_k, args.hidden_size, args.moe_intermediate_size)
-        bench_moe(*shapes, tuple(args.sizes), args.repeats)
+        if args.tune:
+            import torch
+
+            from cluster.bench.moe_tune import TOKENS, tune_tiles
+            from kernels.triton_moe import CONFIG_DIR
+
+            dtype = getattr(torch, args.dtype)
+            tune_tiles(*shapes, dtype, tuple(args.sizes or TOKENS), args.config_dir or CONFIG_DIR)
+            return
+        bench_moe(*shapes, tuple(args.sizes or (1, 16, 64, 2048)), args.repeats)
         if args.end_to_end:
             model = random_moe_checkpoint(default_model_path(), args.num_layers, *shapes)
             bench_throughput(model, args.num_requests, 64, 128, ["vllm"], "inprocess", device="cpu")

@@ -87,8 +87,8 @@ def test_other_ranks_rows_never_reach_the_output(monkeypatch):
     """Rows no tile covers hold whatever the buffer held: NaN here, which a multiplication by 0 would keep."""
     grouped_mm = triton_moe.grouped_mm
 
-    def garbage_in_uncovered_rows(x, w, tiles):
-        return grouped_mm(x, w, tiles).masked_fill(~tiles.local.unsqueeze(1), torch.nan)
+    def garbage_in_uncovered_rows(x, w, tiles, config):
+        return grouped_mm(x, w, tiles, config).masked_fill(~tiles.local.unsqueeze(1), torch.nan)
 
     monkeypatch.setattr(triton_moe, "grouped_mm", garbage_in_uncovered_rows)
     w13, w2 = (w[4:] for w in moe_weights(torch.float32))
@@ -135,3 +135,76 @@ def test_the_op_reads_nothing_on_the_host(first_expert):
     torch.testing.assert_close(out.cpu(), looped_moe(x, w13, w2, topk_weights, topk_ids, first_expert))
     with pytest.raises(AssertionError, match="nonzero"), NoHostReads():
         _grouped(topk_ids, topk_weights, 4, 4)  # the CPU path's grouping: the mode bites
+
+
+@pytest.fixture
+def config_dir(tmp_path, monkeypatch):
+    """An empty folder of measured tables in place of the package's, and the tables' cache forgotten around."""
+    monkeypatch.setenv("RAYLM_MOE_CONFIG_DIR", str(tmp_path))
+    triton_moe._table.cache_clear()
+    yield tmp_path
+    triton_moe._table.cache_clear()
+
+
+def record_configs(monkeypatch) -> list:
+    """The TileConfig of each grouped matmul launched, as it happens."""
+    seen, grouped_mm = [], triton_moe.grouped_mm
+
+    def recorded(x, w, tiles, config):
+        seen.append(config)
+        return grouped_mm(x, w, tiles, config)
+
+    monkeypatch.setattr(triton_moe, "grouped_mm", recorded)
+    return seen
+
+
+def test_a_measured_table_picks_the_tiles_nearest_the_steps_pair_count(config_dir, monkeypatch):
+    small, large = triton_moe.TileConfig(16, 32, 16, 4, 2), triton_moe.TileConfig(64, 32, 32, 8, 3)
+    w13, w2 = moe_weights(torch.float32)
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    triton_moe.write_table(
+        config_dir / triton_moe.config_name(E, H, UNITS, torch.float32, device), {2: small, 64: large}
+    )
+    seen = record_configs(monkeypatch)
+    for tokens, expected_config in ((1, small), (40, large)):  # 2 and 80 pairs
+        x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(3))
+        topk_weights, topk_ids = routing(tokens, 2, list(range(E)))
+        out = triton_moe.fused_moe(*(t.to(DEVICE) for t in (x, w13, w2, topk_weights, topk_ids)))
+        torch.testing.assert_close(out.cpu(), looped_moe(x, w13, w2, topk_weights, topk_ids), rtol=1e-5, atol=1e-5)
+        assert seen[-2:] == [expected_config] * 2
+    other = triton_moe.fused_moe(*(t.to(DEVICE) for t in (x, w13[:4], w2[:4], topk_weights, topk_ids % 4)))
+    assert other.shape == x.shape and seen[-1] == triton_moe.TileConfig()  # 4 experts: no table, the defaults
+
+
+def test_a_malformed_table_is_an_error_naming_its_file(config_dir):
+    w13, _ = moe_weights(torch.float32)
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    name = triton_moe.config_name(E, H, UNITS, torch.float32, device)
+    (config_dir / name).write_text('{"8": {"rows": 16, "colums": 32}}')
+    with pytest.raises(ValueError, match=name.replace("(", r"\(").split(",")[0]):
+        triton_moe.tile_config(8, w13.to(DEVICE))
+
+
+def test_the_tuner_writes_the_fastest_candidate_per_step_size_for_the_op_to_read(config_dir, monkeypatch):
+    """raylm bench moe --tune's table: the fastest candidate per pair count (a stand-in timer here, as the
+    interpreter's times say nothing of a GPU's), which fused_moe then launches."""
+    from cluster.bench.moe_tune import tune_tiles
+
+    default, small = triton_moe.TileConfig(), triton_moe.TileConfig(16, 32, 16, 4, 2)
+    launched = record_configs(monkeypatch)
+
+    def stand_in_timer(fn) -> float:
+        """Small tiles win at 2 pairs (1 token), the defaults at 16 (8 tokens)."""
+        fn()
+        config, pairs = launched[-1], 2 if len(launched) <= 4 else 16
+        return 1.0 if (config == small) == (pairs == 2) else 2.0
+
+    path = tune_tiles(E, 2, H, UNITS, torch.float32, (1, 8), config_dir, stand_in_timer, [default, small])
+    assert path.parent == config_dir and triton_moe._table(path.name) == ((2, small), (16, default))
+    w13, w2 = moe_weights(torch.float32)
+    for tokens, expected in ((1, small), (8, default)):
+        x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(4))
+        topk_weights, topk_ids = routing(tokens, 2, list(range(E)))
+        launched.clear()
+        triton_moe.fused_moe(*(t.to(DEVICE) for t in (x, w13, w2, topk_weights, topk_ids)))
+        assert launched == [expected, expected]

@@ -203,3 +203,14 @@ def test_lora_and_speculation_bench_the_8b_shape_only_when_named(tmp_path):
         build_parser().parse_args(argv[argv.index("cluster.cli") + 1 :])
     with pytest.raises(SystemExit, match="bench-lora needs model"):
         select(everything, ["install", "model-8b", "bench-lora"])
+
+
+def test_the_moe_tiles_are_tuned_only_when_named_and_printed_where_the_logs_come_back(tmp_path):
+    from tools.gpu_check import phases, select
+
+    everything = phases(tmp_path, "cuda", tmp_path / "work")
+    assert "tune-moe" not in {p.name for p in select(everything, None)}
+    tune = select(everything, ["install", "tune-moe"])[-1]
+    assert tune.command[tune.command.index("bench") + 1 :][:2] == ["moe", "--tune"]
+    assert tune.command[tune.command.index("--num-experts") + 1] == "128"
+    assert tune.command[-1] == str(tmp_path / "work" / "moe_configs")
