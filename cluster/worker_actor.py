@@ -129,8 +129,9 @@ class WorkerActor:
 
 class OverlappingWorkerActor(WorkerActor):
     """A rank whose steps overlap, for async scheduling with one pipeline stage: ``execute_model`` launches its
-    step on the device and yields while the device runs it, so the next step (already sent: the scheduler keeps
-    two in flight) is built and launched before this one's sampled ids reach the host (ModelRunner.launch).
+    step on the device and yields while the device runs it (PendingStep.wait), so the next step (already sent: the
+    scheduler keeps two in flight) is built and launched before this one's sampled ids reach the host
+    (ModelRunner.launch).
 
     Invariants: steps are launched in step-id order, each once, starting at 1 (every step the scheduler makes is
     sent to every rank), and finished in that order (the runner's rule): Ray runs an async actor's calls
@@ -155,6 +156,5 @@ class OverlappingWorkerActor(WorkerActor):
             finally:  # a failed launch fails the engine; the steps after it must not wait forever meanwhile
                 self.launched = so.step_id
                 self.turn.notify_all()
-        while not pending.is_ready():
-            await asyncio.sleep(0)
+        await pending.wait()
         return self._reply(so, self.worker.finish(pending))

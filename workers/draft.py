@@ -17,6 +17,17 @@ from workers.model_loader import load_model, read_model_spec
 from workers.model_spec import ModelSpec
 from workers.runner_inputs import CachedRequestState, InputBuffers, StepInputs
 
+# The proposal passes' inputs, staged at once: per pass and row ("T": k passes x R rows), or per row.
+_PER_PASS = ("positions", "slot_mapping", "seq_lens")
+_STAGING = {
+    "positions": (torch.int64, "T"),
+    "slot_mapping": (torch.int64, "T"),
+    "seq_lens": (torch.int32, "T"),
+    "block_tables": (torch.int32, "RxB"),
+    "query_start_loc": (torch.int32, "R+1"),
+    "input_ids": (torch.int64, "R"),
+}
+
 
 def check_draft(target: ModelSpec, target_dir: str, draft_dir: str, max_model_len: int) -> ModelSpec:
     """The draft's spec, or a ValueError naming the setting when it cannot propose for the target: another
@@ -73,7 +84,9 @@ class DraftModel:
     - it runs on the target runner's input buffers (``use_buffers``): the catch-up reads the target's step
       inputs in place, and the passes write theirs after the target's step has read them, so on CUDA both replay
       graphs of the target's shapes (their private pool is not in the KV budget: a draft's decode activations
-      are a few MB).
+      are a few MB);
+    - the passes' inputs are staged in buffers of its own (``staging``: pinned on CUDA, copied without blocking, and
+      rewritten only once the last copies have read them, as the target's inputs are).
     Greedy proposals are a one-hot draft distribution, for which the sampler's rejection rule (accept with
     probability p(t)) is exact. The GPU memory profile runs the target alone: the draft's weights are loaded
     before it (so counted), and its forwards run after the target's activations are freed, a smaller model's
@@ -100,6 +113,7 @@ class DraftModel:
         self.block_size, self.max_model_len = block_size, max_model_len
         self.cache: CacheEngine | None = None
         self.buffers: InputBuffers | None = None  # the target runner's (use_buffers)
+        self.staging: InputBuffers | None = None  # the proposal passes' inputs, sized by the target's (use_buffers)
         self.graphs = DecodeGraphs(None)
 
     def block_bytes(self) -> int:
@@ -126,6 +140,8 @@ class DraftModel:
         passes write their own into the same buffers once the target's step no longer needs them."""
         self.buffers = buffers
         self.graphs = DecodeGraphs(graphs.sizes, graphs.query_lens, graphs.max_tokens)
+        max_reqs, max_blocks = buffers.host["block_tables"].shape
+        self.staging = InputBuffers(self.k * max_reqs, max_reqs, max_blocks, self.device, layout=_STAGING)
 
     def capture_graphs(self, max_model_len: int) -> None:
         """The draft's forward captured at the target's shapes (needs its cache bound), in a pool of its own: a
@@ -167,7 +183,7 @@ class DraftModel:
         out = []
         for j in range(passes):
             dev["input_ids"][:size].copy_(tokens, non_blocking=True)
-            for name in ("positions", "slot_mapping", "seq_lens"):
+            for name in _PER_PASS:
                 dev[name][:size].copy_(staged[name][j], non_blocking=True)
             hidden = self.graphs.replay(size, 1)
             if hidden is None:
@@ -196,32 +212,31 @@ class DraftModel:
         token_ids: np.ndarray,
         block_table: np.ndarray,
     ) -> tuple[dict[str, torch.Tensor], int]:
-        """Every pass's inputs for ``size`` rows (the requests', then padding on the null block), on the device:
-        [passes, size] positions, slots and context lengths, and the rows' block tables, query offsets and first
-        input ids; and the longest context (an eager pass's max_seq_len)."""
-        n, bs = len(rows), self.block_size
+        """Every pass's inputs for ``size`` rows (the requests', then padding on the null block), written into
+        ``staging`` and queued for the device: [passes, size] positions, slots and context lengths, and the rows'
+        block tables, query offsets and first input ids; and the longest context (an eager pass's max_seq_len)."""
+        n, bs, cells = len(rows), self.block_size, passes * size
         j = np.arange(passes)[:, None]
         active = np.zeros((passes, size), dtype=bool)
         active[:, :n] = j < num_passes[None, :]
-        positions = np.zeros((passes, size), dtype=np.int64)
+        buf = self.staging.writable()
+        positions, slots, seq_lens = (buf[name][:cells].reshape(passes, size) for name in _PER_PASS)
+        positions[:] = 0
         positions[:, :n] = first[None, :] + j
         positions[~active] = 0
-        tables = np.zeros((size, block_table.shape[1]), dtype=np.int32)
+        tables = buf["block_tables"][:size]
+        tables[n:] = 0
         tables[:n] = block_table[rows]
-        slots = tables[np.arange(size)[None, :], positions // bs].astype(np.int64) * bs + positions % bs
+        slots[:] = tables[np.arange(size)[None, :], positions // bs].astype(np.int64) * bs + positions % bs
         slots[~active] = 0
-        host = {
-            "positions": positions,
-            "slot_mapping": slots,
-            "seq_lens": np.where(active, positions + 1, 1).astype(np.int32),
-            "block_tables": tables,
-            "query_start_loc": np.arange(size + 1, dtype=np.int32),
-            "input_ids": np.zeros(size, dtype=np.int64),
-        }
-        host["input_ids"][:n] = token_ids[rows, first]
-        # Pageable copies, not pinned: the host has nothing to do until the proposals' read-back anyway.
-        staged = {name: torch.from_numpy(a).to(self.device, non_blocking=True) for name, a in host.items()}
-        return staged, int(host["seq_lens"].max())
+        seq_lens[:] = np.where(active, positions + 1, 1)
+        buf["query_start_loc"][: size + 1] = np.arange(size + 1)
+        input_ids = buf["input_ids"][:size]
+        input_ids[n:] = 0
+        input_ids[:n] = token_ids[rows, first]
+        dev = self.staging.upload(cells, size, 0)
+        staged = {name: t.view(passes, size) if name in _PER_PASS else t for name, t in dev.items()}
+        return staged, int(seq_lens.max())
 
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         self.cache.swap(swap_out, swap_in)

@@ -23,7 +23,7 @@ from workers.runner_inputs import (
     StepInputs,
     logprob_stats,
 )
-from workers.sampler import LogprobRows, PenaltyState, Sampler, SamplingMetadata, has_penalties, skip_draws
+from workers.sampler import PenaltyState, Sampler, SamplingMetadata, has_penalties, skip_draws, verified_logprobs
 from workers.structured_output import GrammarBitmasks
 
 
@@ -219,7 +219,7 @@ class ModelRunner:
         np.subtract(np.arange(total), np.repeat(cu[:num_reqs] - starts, num_new), out=positions)
         buf["input_ids"][:total] = self.token_ids[rows[token_req], positions]
         host_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
-        pending_rows = np.fromiter((s.pending_index for s in states), dtype=np.int64, count=num_reqs)
+        pending_rows = np.fromiter((s.pending[1] if s.pending else -1 for s in states), dtype=np.int64, count=num_reqs)
         # Positions holding a token the unfinished step sampled: their ids are written on the device below. (A
         # proposal's position is past the host's tokens too, but its request has no unfinished step: _overlaps.)
         late = np.flatnonzero((positions == host_tokens[token_req]) & (pending_rows[token_req] >= 0))
@@ -334,7 +334,7 @@ class ModelRunner:
         md = SamplingMetadata.build(
             params,
             [s.generator for s in states],
-            [len(s.output_token_ids) + (s.pending_index >= 0) for s in states],
+            [len(s.output_token_ids) + (s.pending is not None) for s in states],
             self.eos_token_id,
             self.vocab_size,
             self.device,
@@ -392,7 +392,7 @@ class ModelRunner:
                 return PendingStep([], finished=True)
             out = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs, pooled=pooled)
             return PendingStep([], finished=True, output=out)
-        sampled = logprobs = accepted_logprobs = None
+        sampled = logprobs = None
         num_drafts = inputs.num_drafts
         if self.is_driver:
             smd, penalized, penalized_rows = sampling
@@ -403,9 +403,7 @@ class ModelRunner:
             if num_drafts is None:
                 sampled, logprobs = self.sampler(logits.float(), smd)
             else:  # [S, 2]: (token, accepted proposals), flattened for the one broadcast and transfer
-                sampled, logprobs, accepted_logprobs = self.sampler.verify(
-                    logits.float(), smd, inputs.draft_ids, num_drafts
-                )
+                sampled, logprobs = self.sampler.verify(logits.float(), smd, inputs.draft_ids, num_drafts)
                 sampled = sampled.flatten()
             if penalized is not None:
                 tokens = sampled if num_drafts is None else sampled[0::2]
@@ -418,14 +416,13 @@ class ModelRunner:
             self._share(sampled, width * len(states)),
             num_drafts,
             logprobs,
-            accepted_logprobs,
             prompt_logprobs,
             pooled,
         )
         self._start_copy(pending)
         if num_drafts is None:
             for i, state in enumerate(states):
-                state.pending_index, state.pending_step = i, pending
+                state.pending = (pending, i)
         self.unfinished.append(pending)
         return pending
 
@@ -453,8 +450,8 @@ class ModelRunner:
         states = pending.states
         token_ids = self._to_host(pending)
         for state in states:
-            if state.pending_step is pending:  # not launched again since: no other step holds its next token
-                state.pending_index, state.pending_step = -1, None
+            if state.pending is not None and state.pending[0] is pending:  # no later step holds its next token
+                state.pending = None
         num_accepted = None
         if pending.num_drafts is not None:
             token_ids, num_accepted = token_ids[0::2], token_ids[1::2]
@@ -462,9 +459,7 @@ class ModelRunner:
         pending.finished = True
         if not self.is_driver:
             return
-        logprobs = pending.logprobs
-        if isinstance(logprobs, LogprobRows):
-            logprobs = logprobs.to_list()
+        logprobs, accepted_logprobs = self._read_logprobs(pending, num_accepted)
         drafts = self.draft.propose(states, self.token_ids, self.block_table) if self.draft is not None else None
         pending.output = ModelRunnerOutput(
             req_ids=[s.req_id for s in states],
@@ -472,10 +467,23 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs=pending.prompt_logprobs,
             num_accepted_tokens=num_accepted,
-            accepted_logprobs=pending.accepted_logprobs,
+            accepted_logprobs=accepted_logprobs,
             pooled=pending.pooled,
             draft_token_ids=drafts,
         )
+
+    @staticmethod
+    def _read_logprobs(
+        pending: PendingStep, num_accepted: list[int] | None
+    ) -> tuple[list[SampledLogprobs | None] | None, list[list[SampledLogprobs]] | None]:
+        """The step's logprob entries, read back after its sampled ids: one per sampled token, and, when it
+        verified proposals, each request's accepted proposals' (known from ``num_accepted``, on the host now)."""
+        if pending.logprobs is None:
+            return None, None
+        entries = pending.logprobs.to_list()
+        if num_accepted is None:
+            return entries, None
+        return verified_logprobs(entries, pending.num_drafts, num_accepted)
 
     def _share(self, sampled: torch.Tensor | None, num_sampled: int) -> torch.Tensor:
         """Rank 0's sampled ids (``sampled``, None on the other ranks), on every rank: one broadcast of an int64

@@ -3,6 +3,7 @@ buffers, one step's inputs, and the decode sizes captured as CUDA graphs."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 from kernels import AttentionMetadata
 from scheduler.outputs import ModelRunnerOutput, SampledLogprobs
 from scheduler.sampling_params import SamplingParams
+from workers.sampler import LogprobRows
 
 # Decode batch sizes captured as CUDA graphs (vLLM's and nano-vllm's choice): every size up to 4, then
 # every multiple of 8 up to 512. A step of n decodes runs the smallest captured size >= n, padded; a larger
@@ -55,11 +57,10 @@ class CachedRequestState:
     num_prompt_logprobs: int = 0  # prompt positions whose logprobs were returned; kept across preemption
     lora_name: str | None = None  # its LoRA adapter; None: the base model
     pooled_sum: torch.Tensor | None = None  # mean pooling: the sum of the hidden states of the chunks computed
-    # The runner's unfinished step that sampled it last (None: none), and its row in that step's sampled ids:
-    # the token after ``num_tokens``, on the device only until that step finishes. A step launched before the one
+    # The runner's unfinished step that sampled it last and its row in that step's sampled ids (None: none): the
+    # token after ``num_tokens``, on the device only until that step finishes. A step launched before the one
     # before it finished samples it again, so only the latest one's row is kept.
-    pending_index: int = -1
-    pending_step: Any = None  # PendingStep
+    pending: tuple[PendingStep, int] | None = None
 
     def prompt_logprob_span(self, start: int, num_new: int) -> tuple[int, int]:
         """The positions of a chunk [start, start + num_new) whose logits give a prompt token's logprob not yet
@@ -74,7 +75,7 @@ class CachedRequestState:
         return self.num_prompt_tokens + len(self.output_token_ids)
 
 
-_BUFFERS = {  # name: (dtype, sized by tokens (T), requests (R), R + 1, or R x blocks per request)
+_BUFFERS = {  # name: (dtype, sized by tokens (T), requests (R), R + 1, R x blocks per request, or late tokens (L))
     "input_ids": (torch.int64, "T"),
     "positions": (torch.int64, "T"),
     "slot_mapping": (torch.int64, "T"),
@@ -91,7 +92,8 @@ _BUFFERS = {  # name: (dtype, sized by tokens (T), requests (R), R + 1, or R x b
 
 class InputBuffers:
     """A step's input tensors, allocated once for the largest step (`max_tokens` tokens, `max_reqs`
-    requests of up to `max_blocks` blocks) and rewritten in place every step.
+    requests of up to `max_blocks` blocks) and rewritten in place every step: the runner's step inputs
+    (``_BUFFERS``), or another ``layout`` of names, dtypes and sizes (the draft's passes, workers/draft.py).
 
     Invariants: a step writes the host side through the numpy views ``writable()`` returns and
     ``upload`` copies each used prefix once to the device side (``dev``) without blocking; on CPU
@@ -111,6 +113,7 @@ class InputBuffers:
         device: torch.device,
         uploaded: Any = None,
         token_slots: bool = False,
+        layout: dict[str, tuple[torch.dtype, str]] = _BUFFERS,
     ) -> None:
         shapes = {
             "T": (max_tokens,),
@@ -122,7 +125,7 @@ class InputBuffers:
         # `uploaded` (an event: record, query, synchronize) is given only by tests, to copy between CPU tensors.
         self.copies = device.type == "cuda" or uploaded is not None
         # With `token_slots` (LoRA on CUDA) each token's adapter slot is an input too: a graph reads it in place.
-        self.layout = dict(_BUFFERS, **({"token_slots": (torch.int64, "T")} if token_slots else {}))
+        self.layout = dict(layout, **({"token_slots": (torch.int64, "T")} if token_slots else {}))
         host = {
             name: torch.zeros(shapes[size], dtype=dtype, pin_memory=device.type == "cuda")
             for name, (dtype, size) in self.layout.items()
@@ -206,17 +209,17 @@ class PendingStep:
     to the host (``ModelRunner.launch``; ``ModelRunner.finish`` makes its output).
 
     Invariants: steps finish in the order they were launched, each once (``finished``, then ``output`` is final);
-    while it is unfinished and no later step sampled them, each of ``states`` has ``pending_step`` = this step and
-    ``pending_index`` = its row of ``sampled`` (a step verifying proposals sets none: its tokens per request are
-    known only on the host). On
+    while it is unfinished and no later step sampled them, each of ``states`` has ``pending`` = (this step, its row
+    of ``sampled``); a step verifying proposals sets none, as its tokens per request are known only on the host. On
     CUDA ``host`` is the pinned buffer the ids are copied into and ``copied`` the event recorded after the copy.
+    ``logprobs`` is the sampler's LogprobRows either way, read back at finish: one row per sampled id, or, when
+    verifying, one per logits row (a request's accepted proposals', then its sampled token's).
     """
 
     states: list[CachedRequestState]
     sampled: torch.Tensor | None = None  # [S] ids, or [2S] (token, accepted proposals) when verifying
     num_drafts: list[int] | None = None
-    logprobs: Any = None  # the sampler's LogprobRows (read back at finish), or a verifying step's list
-    accepted_logprobs: list[list[SampledLogprobs]] | None = None
+    logprobs: LogprobRows | None = None
     prompt_logprobs: dict[str, list[SampledLogprobs]] | None = None
     pooled: dict[str, list[float]] | None = None
     host: torch.Tensor | None = None
@@ -227,3 +230,16 @@ class PendingStep:
     def is_ready(self) -> bool:
         """Whether ``finish`` would return without waiting for the device."""
         return self.finished or self.copied is None or self.copied.query()
+
+    async def wait(self) -> None:
+        """Until ``is_ready``, leaving the event loop free meanwhile (the next step is launched then): at once
+        where it is (always on CPU: no thread hop), else on a thread blocked on ``copied``, whose synchronize
+        releases the GIL, so no core spins while the device runs the step."""
+        if not self.is_ready():
+            await asyncio.to_thread(self._synchronize)
+
+    def _synchronize(self) -> None:
+        # A new thread's current device is 0: a CUDA call from it would make a context on GPU 0, another rank's on a
+        # node whose ranks see all its GPUs. A CPU tensor's device is -1, which selects nothing.
+        with torch.cuda.device(self.sampled.get_device()):
+            self.copied.synchronize()

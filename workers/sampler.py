@@ -275,7 +275,7 @@ class Sampler:
 
     def verify(
         self, logits: Tensor, metadata: SamplingMetadata, draft_ids: Tensor, num_drafts: list[int]
-    ) -> tuple[Tensor, list[SampledLogprobs | None] | None, list[list[SampledLogprobs]] | None]:
+    ) -> tuple[Tensor, LogprobRows | None]:
         """Speculative decoding: accept a prefix of each request's proposals and sample the token after it.
 
         Request i has ``num_drafts[i] + 1`` consecutive rows (its logits at its last token and at each proposal);
@@ -287,9 +287,10 @@ class Sampler:
           distribution q: min(1, p/q)); the first rejected row samples from p with t removed, renormalized
           (the residual max(0, p - q)), and a request that accepted all samples its last row from p. The
           output is distributed exactly as p's, position by position.
-        Returns, per request, [its sampled token, its number of accepted proposals] as an [S, 2] tensor, the
-        sampled tokens' logprob entries, and each request's accepted proposals' entries (the model's own
-        distribution, as ``__call__`` reports it), both None when nobody asked for logprobs.
+        Returns, per request, [its sampled token, its number of accepted proposals] as an [S, 2] tensor, and the
+        logprobs of every row's token (the model's own distribution, as ``__call__`` reports it; None when nobody
+        asked for logprobs): a request's accepted proposals' rows, then its sampled token's, then rows past it,
+        which ``verified_logprobs`` drops once the counts are read back with the tokens.
         """
         raw_logprobs = None if metadata.max_num_logprobs is None else logits.log_softmax(-1)
         logits = self.process_logits(logits, metadata)
@@ -320,12 +321,9 @@ class Sampler:
         sampled = candidates[final_rows]
         out = torch.stack([sampled, num_accepted], 1)
         if raw_logprobs is None:
-            return out, None, None
+            return out, None
         chosen = torch.where(has_draft, draft_ids, candidates).index_put_((final_rows,), sampled)
-        entries = _logprob_rows(raw_logprobs, chosen, metadata).to_list()
-        first_l, accepted_l = first.tolist(), num_accepted.tolist()
-        accepted_entries = [entries[f : f + a] for f, a in zip(first_l, accepted_l)]
-        return out, [entries[f + a] for f, a in zip(first_l, accepted_l)], accepted_entries
+        return out, _logprob_rows(raw_logprobs, chosen, metadata)
 
     def process_logits(self, logits: Tensor, metadata: SamplingMetadata) -> Tensor:
         """The logits random rows sample from (greedy rows: the logits they argmax)."""
@@ -439,6 +437,20 @@ class LogprobRows:
             else SampledLogprobs(logprob=chosen[i], top_token_ids=ids[i][:k], top_logprobs=values[i][:k])
             for i, k in enumerate(self.num_logprobs)
         ]
+
+
+def verified_logprobs(
+    entries: list[SampledLogprobs | None], num_drafts: list[int], num_accepted: list[int]
+) -> tuple[list[SampledLogprobs | None], list[list[SampledLogprobs]]]:
+    """A verifying step's logprob entries (its ``verify`` rows, read back) per request: its sampled token's, and
+    its accepted proposals' (the rows before it). Request i's rows are the ``num_drafts[i] + 1`` after request
+    i - 1's."""
+    sampled, accepted, first = [], [], 0
+    for k, a in zip(num_drafts, num_accepted):
+        accepted.append(entries[first : first + a])
+        sampled.append(entries[first + a])
+        first += k + 1
+    return sampled, accepted
 
 
 def _logprob_rows(raw_logprobs: Tensor, sampled: Tensor, metadata: SamplingMetadata) -> LogprobRows:

@@ -96,10 +96,9 @@ class InProcessEngine:
         return self._output(self.worker.launch(scheduler_output), scheduler_output)
 
     async def _output(self, pending: PendingStep, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        # Yield while the device runs the step: the core meanwhile applies the step before it and launches the
-        # next one (with async scheduling), which a blocking wait here would hold up.
-        while not pending.is_ready():
-            await asyncio.sleep(0)
+        # Awaited, not blocked on: the core meanwhile applies the step before it and launches the next one (with
+        # async scheduling), which a blocking wait here would hold up.
+        await pending.wait()
         out = self.worker.finish(pending)
         if scheduler_output.kv_exports:  # the arrays themselves: a KV transfer within this process
             head_start, num_heads = self.worker.kv_heads()

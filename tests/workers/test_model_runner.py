@@ -1,6 +1,9 @@
 """The step pipeline on CPU: padded decode steps (what CUDA graphs replay), penalties kept across steps,
 the order of a step's work, and the runner's own samples (what async scheduling rests on)."""
 
+import asyncio
+import json
+import threading
 from collections import deque
 
 import torch
@@ -190,6 +193,36 @@ def copying_buffers(runner, token_slots: bool = False) -> OrderCheckingEvent:
     return event
 
 
+def test_the_drafts_pass_inputs_are_staged_as_the_runners_inputs_are(tiny_model_dir):
+    """The draft's passes' inputs go through buffers of its own: on CPU one tensor, nothing copied; made to copy
+    between CPU tensors as on CUDA (pinned, without blocking), the proposals (the target as its own draft: all
+    accepted) and the output are the same, and no pass's inputs are rewritten under a pending copy."""
+    from workers.runner_inputs import InputBuffers
+
+    path = tiny_model_dir("llama")
+    ids = prompts(3, seed=5)
+    params = [SamplingParams(temperature=0.0, max_tokens=10 + 4 * i, ignore_eos=True) for i in range(3)]
+    expected = run(engine(path), ids, params)
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    eng = engine(path, speculative_config=json.dumps(spec))
+    draft = eng.worker.runner.draft
+    old = draft.staging
+    assert not old.copies and all(old.dev[name] is old.host[name] for name in old.layout)
+    event = OrderCheckingEvent()
+    draft.staging = event.buffers = InputBuffers(
+        old.host["positions"].shape[0],
+        old.host["input_ids"].shape[0],
+        old.host["block_tables"].shape[1],
+        torch.device("cpu"),
+        event,
+        layout=old.layout,
+    )
+    assert run(eng, ids, params) == expected
+    stats = eng.stats()
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+    assert event.waits > 1
+
+
 def test_input_buffers_are_rewritten_only_after_the_last_uploads_copies(tiny_model_dir):
     eng = engine(tiny_model_dir("llama"), max_num_batched_tokens=32)
     event = copying_buffers(eng.worker.runner)
@@ -261,21 +294,109 @@ def late_tokens(eng: InProcessEngine) -> list[int]:
     return counts
 
 
-def slow_device(monkeypatch, runner) -> None:
-    """A launched step reads as ready only once a later one was launched (or after 20 polls, the last step's), as
-    on a GPU still running it while the host builds the next: on CPU a step's work is done at its launch."""
+class LaterLaunchEvent:
+    """Stands in for a step's copy event on a device a step behind: done once a later step is launched, or, for
+    the last step, a moment after it is first waited for, as a GPU still running the step while the host builds
+    the next (on CPU a step's work is done at its launch)."""
+
+    def __init__(self):
+        self.later = threading.Event()
+
+    def query(self) -> bool:
+        return self.later.is_set()
+
+    def synchronize(self) -> None:
+        self.later.wait(0.01)
+
+
+def slow_device(runner) -> None:
+    """Each sampling step's ids copied (as themselves, on CPU) under a LaterLaunchEvent: the engine waits for a
+    step not ready yet on a thread (PendingStep.wait), and the runner's finish on the event."""
+    events = []
+
+    def start_copy(pending):
+        if events:
+            events[-1].later.set()
+        pending.host, pending.copied = pending.sampled, LaterLaunchEvent()
+        events.append(pending.copied)
+
+    runner._start_copy = start_copy
+
+
+class PendingRowsCheck:
+    """After each step: a live request's ``pending`` names the latest unfinished step that sampled it and its row
+    there, or is None where none did (steps without proposals); ``seen`` counts the requests that had one."""
+
+    def __init__(self):
+        self.seen = 0
+
+    def __call__(self, eng: InProcessEngine, _step: int) -> None:
+        runner = eng.worker.runner
+        latest = {id(state): (step, i) for step in runner.unfinished for i, state in enumerate(step.states)}
+        for state in runner.requests.values():
+            expected = latest.get(id(state))
+            if expected is None:
+                assert state.pending is None
+            else:
+                assert state.pending[0] is expected[0] and state.pending[1] == expected[1]
+                self.seen += 1
+
+
+class CopyEvent:
+    """A step's copy event the test completes (``done``), counting its polls and the threads that waited on it."""
+
+    def __init__(self):
+        self.done, self.queries, self.waiters = threading.Event(), 0, []
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.done.is_set()
+
+    def synchronize(self) -> None:
+        self.waiters.append(threading.current_thread())
+        assert self.done.wait(5), "the step was waited for on the event loop's thread: nothing could complete it"
+
+
+def test_a_step_not_ready_is_awaited_on_a_thread_with_the_event_loop_free():
     from workers.runner_inputs import PendingStep
 
-    polls: dict[int, int] = {}
+    event = CopyEvent()
+    step = PendingStep([], sampled=torch.zeros(1, dtype=torch.int64), copied=event)
 
-    def is_ready(self) -> bool:
-        polls[id(self)] = polls.get(id(self), 0) + 1
-        return self.finished or self is not runner.unfinished[-1] or polls[id(self)] >= 20
+    async def scenario():
+        waiting = asyncio.ensure_future(step.wait())
+        for _ in range(20):  # the loop runs other work while the device runs the step
+            await asyncio.sleep(0)
+        assert not waiting.done()
+        event.done.set()
+        await asyncio.wait_for(waiting, 5)
 
-    monkeypatch.setattr(PendingStep, "is_ready", is_ready)
+    asyncio.run(scenario())
+    # Polled once, then blocked on the event: a loop polling is_ready would have queried it at every turn.
+    assert event.queries == 1 and len(event.waiters) == 1 and event.waiters[0] is not threading.main_thread()
 
 
-def test_async_scheduling_launches_each_step_before_the_last_ones_ids_reach_the_host(tiny_model_dir, monkeypatch):
+def test_a_ready_step_is_awaited_without_a_thread(tiny_model_dir, monkeypatch):
+    """A finished step, one without a copy (always on CPU), or one whose copy is done returns at once: a CPU
+    engine with async scheduling never pays a thread round-trip."""
+    from workers.runner_inputs import PendingStep
+
+    path = tiny_model_dir("llama")
+    ids, params = prompts(3), [SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)] * 3
+    expected = run(engine(path), ids, params)
+
+    def no_thread(*args):
+        raise AssertionError("a ready step was waited for on a thread")
+
+    monkeypatch.setattr(asyncio, "to_thread", no_thread)
+    done = CopyEvent()
+    done.done.set()
+    for step in (PendingStep([], finished=True), PendingStep([]), PendingStep([], copied=done)):
+        asyncio.run(step.wait())
+    assert run(engine(path, async_scheduling=True), ids, params) == expected
+
+
+def test_async_scheduling_launches_each_step_before_the_last_ones_ids_reach_the_host(tiny_model_dir):
     """Two steps in flight in-process: step N+1 is launched with step N's sampled ids still on the device (as on
     CUDA: copying buffers, a device a step behind), and every request's tokens, logprobs and finish are those of one
     step at a time."""
@@ -297,11 +418,12 @@ def test_async_scheduling_launches_each_step_before_the_last_ones_ids_reach_the_
     eng = engine(path, max_num_batched_tokens=40, async_scheduling=True)
     assert eng.core.depth == 2
     copying_buffers(eng.worker.runner)
-    slow_device(monkeypatch, eng.worker.runner)
+    slow_device(eng.worker.runner)
     counts = late_tokens(eng)
-    assert collect(eng, requests) == expected
+    pending_rows = PendingRowsCheck()
+    assert collect(eng, requests, on_step=pending_rows) == expected
     # Decode steps of all the requests took each one's newest token from the device.
-    assert max(counts) >= 5 and sum(counts) > 40
+    assert max(counts) >= 5 and sum(counts) > 40 and pending_rows.seen > 40
     assert not eng.worker.runner.unfinished or eng.worker.runner.unfinished[-1].states == []
 
 
@@ -330,7 +452,7 @@ def test_async_scheduling_finishes_the_step_first_where_the_host_needs_its_token
     assert sum(counts) == 0  # the grammar's request ran every step: none took a token from the device
 
 
-def test_a_request_finished_while_its_step_is_unfinished_leaves_its_reused_row_alone(tiny_model_dir, monkeypatch):
+def test_a_request_finished_while_its_step_is_unfinished_leaves_its_reused_row_alone(tiny_model_dir):
     """Aborted with a step that sampled it still unfinished, a request's row goes to the next request at once;
     that step's late token for it must not land in the new request's prompt (chunked, read step by step)."""
     path = tiny_model_dir("llama")
@@ -348,7 +470,7 @@ def test_a_request_finished_while_its_step_is_unfinished_leaves_its_reused_row_a
     expected = collect(engine(path, max_num_batched_tokens=32), [after])[("c", 0)]["tokens"]
     eng = engine(path, max_num_batched_tokens=32, async_scheduling=True)
     copying_buffers(eng.worker.runner)
-    slow_device(monkeypatch, eng.worker.runner)
+    slow_device(eng.worker.runner)
 
     def abort_then_add(eng, k):
         if k == 8:  # "a" holds ~46 tokens: inside the long prompt's second and third chunks

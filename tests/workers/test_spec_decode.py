@@ -10,7 +10,7 @@ from cluster import EngineConfig, SamplingParams
 from cluster.engine.inprocess import InProcessEngine
 from scheduler import EngineRequest, StructuredOutputsParams
 from tests.workers.test_models import TINY_MODELS
-from workers.sampler import Sampler, SamplingMetadata
+from workers.sampler import LogprobRows, Sampler, SamplingMetadata, verified_logprobs
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -111,7 +111,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
         .softmax(-1)
     )
     draft_ids = torch.tensor(drafts + [-1]).repeat(num_requests)
-    out, _, _ = Sampler().verify(logits, md, draft_ids, [2] * num_requests)
+    out, _ = Sampler().verify(logits, md, draft_ids, [2] * num_requests)
     token, accepted = out[:, 0], out[:, 1]
     first = torch.where(accepted >= 1, drafts[0], token)
     second = torch.where(accepted >= 2, drafts[1], token)[accepted >= 1]
@@ -119,6 +119,33 @@ def test_rejection_sampling_keeps_the_target_distribution():
     for observed, probs in ((first, target[0]), (second, target[1]), (third, target[2])):
         stat, dof = chi_square(torch.bincount(observed, minlength=vocab).float(), probs)
         assert stat < CHI2_CRITICAL[dof], (stat, dof)
+
+
+def test_verification_logprobs_are_the_plain_samplers_rows_split_per_request_once_read_back():
+    """Verification returns its logprobs in the plain sampler's shape (LogprobRows, read back at finish): a row
+    per logits row with its proposal's entry, or its sampled token's on the row that samples; per request, the
+    accepted proposals' rows and the sampled token's row, dropping rows past it."""
+    torch.manual_seed(3)
+    vocab = 8
+    logits = torch.randn(4, vocab)
+    raw = logits.log_softmax(-1)
+    greedy = logits.argmax(-1)
+    # Request 0: two proposals, the first the argmax (accepted), the second not (rejected); request 1: none, and
+    # asks for no logprobs (its entry is None).
+    draft_ids = torch.tensor([greedy[0].item(), (greedy[1].item() + 1) % vocab, -1, -1])
+    num_drafts = [2, 0]
+    rows_of = [0, 0, 0, 1]
+    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.0)]
+    md = SamplingMetadata.build([params[r] for r in rows_of], [None] * 4, [0] * 4, None, vocab, "cpu")
+    out, rows = Sampler().verify(logits.clone(), md, draft_ids, num_drafts)
+    assert out.tolist() == [[greedy[1].item(), 1], [greedy[3].item(), 0]]
+    assert isinstance(rows, LogprobRows)
+    token_ids, num_accepted = out[:, 0].tolist(), out[:, 1].tolist()
+    sampled, accepted = verified_logprobs(rows.to_list(), num_drafts, num_accepted)
+    assert [e.logprob for e in accepted[0]] == pytest.approx([raw[0, draft_ids[0]].item()], abs=1e-6)
+    assert accepted[1] == [] and sampled[1] is None
+    assert sampled[0].logprob == pytest.approx(raw[1, token_ids[0]].item(), abs=1e-6)
+    assert sampled[0].top_token_ids == raw[1].topk(2).indices.tolist()
 
 
 def draft_config(path: str, k: int = 3) -> dict:
