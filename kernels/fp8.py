@@ -1,12 +1,19 @@
-"""FP8 products (W8A8): x W^T + b with W float8_e4m3fn and one float32 scale per output row, and x quantized per
-token as it comes (dynamic: each row's largest magnitude / 448 is its scale), then one `torch._scaled_mm` that
-reads both FP8 operands, multiplies by the row-wise scales and writes x's dtype.
+"""FP8 products (W8A8): x W^T + b with W float8_e4m3fn and its float32 scales, x quantized per token as it comes
+(dynamic: each row's largest magnitude / 448 is its scale), output in x's dtype. Two weight layouts:
 
-The quantization is one Triton kernel on CUDA (kernels/triton_fp8.py), torch's ops elsewhere; CPU runs the same
-numerics through torch's own `_scaled_mm`. On CUDA, `_scaled_mm` with row-wise scales needs compute capability
-8.9 or above, K and N multiples of 16 (its operands 16-byte aligned), and, depending on the torch build, a bf16
-output (fp16 and fp32 came later): `unsupported` probes it once for a device and dtype, and `shape_unsupported`
-names a layer whose shape it cannot take.
+- one scale per output row: x quantized per token, then one `torch._scaled_mm` that reads both FP8 operands,
+  multiplies by the row-wise scales and writes x's dtype. On CUDA it needs compute capability 8.9 or above, K
+  and N multiples of 16 (its operands 16-byte aligned), and, depending on the torch build, a bf16 output (fp16
+  and fp32 came later): `unsupported` probes it once for a device and dtype, and `shape_unsupported` names a
+  layer whose shape it cannot take.
+- one scale per [rows, cols] tile (`block`: Qwen3-FP8's and DeepSeek-V3's 128x128): x quantized per token and
+  group of `cols` columns, as those checkpoints were made to run (DeepSeek-V3's recipe), so that each step of the
+  reduction multiplies two FP8 tiles that each have one scale per row; a Triton kernel on CUDA
+  (kernels/triton_fp8.py: `_scaled_mm` takes no tile scales), the same sums in fp32 through torch elsewhere.
+  `block_unsupported` names a tile the kernel cannot step through.
+
+The quantization is one Triton kernel on CUDA (kernels/triton_fp8.py), torch's ops elsewhere; CPU runs the row-wise
+numerics through torch's own `_scaled_mm`.
 """
 
 from __future__ import annotations
@@ -18,29 +25,80 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 MIN_SCALE = 1e-12
 MIN_CAPABILITY = (8, 9)
 ALIGNMENT = 16
+# The block kernel steps through K in powers of two that divide a tile's columns; tl.dot needs at least 16.
+MIN_BLOCK_STEP = 16
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] as (float8_e4m3fn [T, K], float32 scales [T, 1]): x ~ out * scale, each row scaled so that its
-    largest magnitude is 448."""
+def quantize_per_token(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] as (float8_e4m3fn [T, K], float32 scales [T, G]): x ~ out * scale, each row's groups of `group`
+    columns (G = ceil(K / group); the whole row, G = 1, when `group` is None) scaled so that the group's largest
+    magnitude is 448."""
     if x.is_cuda and x.stride(-1) == 1:
         from kernels.triton_fp8 import quantize_per_token as triton_quantize  # triton only where it runs
 
-        return triton_quantize(x)
-    xf = x.float()
-    scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+        return triton_quantize(x, group)
+    rows, k = x.shape
+    group = group or k
+    groups = -(-k // group)
+    xf = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(rows, groups, group)
+    scale = (xf.abs().amax(dim=2, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+    out = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return out.view(rows, groups * group)[:, :k], scale.view(rows, groups)
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """x [T, K] (bf16 or fp16; fp32 where the build takes it) times `weight` [N, K] float8_e4m3fn with
-    `weight_scale` [N] float32, plus `bias` [N] of x's dtype: [T, N] in x's dtype."""
+    """x [T, K] (bf16 or fp16; fp32 where the build takes it) times `weight` [N, K] float8_e4m3fn, plus `bias` [N]
+    of x's dtype: [T, N] in x's dtype. `weight_scale`: float32 [N] (one per row), or [ceil(N / rows),
+    ceil(K / cols)] with `block` = (rows, cols)."""
+    if block is not None:
+        return block_fp8_linear(x, weight, weight_scale, block, bias)
     x_fp8, x_scale = quantize_per_token(x)
     return torch._scaled_mm(
         x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), bias=bias, out_dtype=x.dtype
     )
+
+
+def block_fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp8_linear with tile scales: x quantized per token and group of block[1] columns, then the sum over K's
+    groups of each group's FP8 product times its two scales, in fp32."""
+    x_fp8, x_scale = quantize_per_token(x, block[1])
+    if x.is_cuda:
+        from kernels.triton_fp8 import block_scaled_mm
+
+        return block_scaled_mm(x_fp8, x_scale, weight, weight_scale, block, bias, x.dtype)
+    n, k = weight.shape
+    xd = x_fp8.float() * x_scale.repeat_interleave(block[1], dim=1)[:, :k]
+    wd = weight.float() * weight_scale.repeat_interleave(block[0], dim=0)[:n].repeat_interleave(block[1], dim=1)[:, :k]
+    y = xd @ wd.T
+    return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+def block_step(cols: int) -> int:
+    """The block kernel's step through K for tiles of `cols` columns: the largest power of two dividing it, at most
+    128, so that no step straddles two tiles' scales."""
+    return min(cols & -cols, 128)
+
+
+def block_unsupported(block: tuple[int, int]) -> str | None:
+    """Why the block kernel cannot take [rows, cols] tiles, or None."""
+    if block_step(block[1]) < MIN_BLOCK_STEP:
+        return (
+            f"the FP8 block kernel steps through a tile's columns in powers of two of at least {MIN_BLOCK_STEP} "
+            f"that divide them, and {block[1]} has none"
+        )
+    return None
 
 
 def shape_unsupported(out_features: int, in_features: int) -> str | None:
@@ -53,19 +111,26 @@ def shape_unsupported(out_features: int, in_features: int) -> str | None:
     return None
 
 
-def unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why FP8 products with an output of `dtype` cannot run on CUDA `device`, or None: its compute capability,
-    or `_scaled_mm` refusing a small row-wise product (with a bias) in this torch build."""
+def unsupported(device: torch.device, dtype: torch.dtype, block: tuple[int, int] | None = None) -> str | None:
+    """Why FP8 products with an output of `dtype` (row-wise scales, or `block` tile scales) cannot run on CUDA
+    `device`, or None: its compute capability, or a small product with a bias failing in this build (`_scaled_mm`
+    refusing the dtype, the block kernel failing to compile)."""
     capability = torch.cuda.get_device_capability(device)
     if capability < MIN_CAPABILITY:
         have, need = ".".join(map(str, capability)), ".".join(map(str, MIN_CAPABILITY))
         return f"compute capability {have} has no FP8 tensor cores (FP8 products need {need} or above)"
-    weight = torch.ones(ALIGNMENT, ALIGNMENT, dtype=torch.float8_e4m3fn, device=device)
-    scale = torch.ones(ALIGNMENT, dtype=torch.float32, device=device)
-    x = torch.ones(1, ALIGNMENT, dtype=dtype, device=device)
+    size = ALIGNMENT if block is None else max(ALIGNMENT, *block)
+    weight = torch.ones(size, size, dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.ones(size if block is None else (1, 1), dtype=torch.float32, device=device)
+    x = torch.ones(1, size, dtype=dtype, device=device)
     try:
-        fp8_linear(x, weight, scale, torch.zeros(ALIGNMENT, dtype=dtype, device=device))
+        fp8_linear(x, weight, scale, torch.zeros(size, dtype=dtype, device=device), block)
         torch.cuda.synchronize(device)
     except Exception as e:  # whatever the build raises (a missing kernel, a Triton compile error): not here
-        return f"FP8 products (torch._scaled_mm with row-wise scales) with a {dtype} output fail on this build: {e}"
+        how = (
+            "torch._scaled_mm with row-wise scales"
+            if block is None
+            else f"the Triton kernel, {block[0]}x{block[1]} tiles"
+        )
+        return f"FP8 products ({how}) with a {dtype} output fail on this build: {e}"
     return None

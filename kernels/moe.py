@@ -2,6 +2,7 @@
 
 weights, ids = route(router_logits, top_k, renormalize)             # [T, k] fp32, [T, k] int64
 out = fused_moe(x, w13, w2, weights, ids, first_expert)              # [T, H]: this rank's experts' share
+out = fused_moe(x, w13, w2, weights, ids, first_expert, w13_scale, w2_scale, block)   # FP8 experts
 
 `w13` [E_local, 2 * I, H] stacks each expert's gate and up projections, `w2` [E_local, H, I] its down
 projection; E_local and I are whatever this rank holds: every expert's slice of units (`first_expert` None),
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_ops import silu_and_mul, small_mm_applies
+from kernels.fp8 import quantize_per_token
 from kernels.fused import has_triton
 
 # Rows per expert up to which raylm's CPU op (`grouped_small_mm`) beats torch's grouped_mm, which runs each
@@ -65,6 +67,9 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     first_expert: int | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """sum over each token's chosen experts held here of weight * down(silu(gate(x)) * up(x)), [T, H].
 
@@ -73,11 +78,19 @@ def fused_moe(
     T * top_k pairs, so a decode step allocates a decode's worth. On CUDA (with Triton) it is
     `kernels.triton_moe.fused_moe`: grouping and tiling on the device, no host read and no shape that depends on
     the routing, so a CUDA graph could capture it. Elsewhere the pairs are grouped by `_grouped`, whose shapes
-    depend on the routing (a host read on CUDA without Triton; on CPU it costs no sync)."""
+    depend on the routing (a host read on CUDA without Triton; on CPU it costs no sync).
+
+    FP8 experts: w13 and w2 float8_e4m3fn with float32 `w13_scale`, `w2_scale`, one per expert and output row
+    ([E_local, N]) or one per `block` (rows, cols) tile of each expert's matrix ([E_local, ceil(N / rows),
+    ceil(K / cols)]); each product's input quantized per token (per group of `cols` columns with tiles). Off
+    CUDA the weights are dequantized to fp32 on every call, the numerics of the Triton kernel for its tests:
+    serving never makes CPU experts FP8."""
     if x.is_cuda and has_triton():
         from kernels import triton_moe
 
-        return triton_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, first_expert)
+        return triton_moe.fused_moe(
+            x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale=w13_scale, w2_scale=w2_scale, block=block
+        )
     out = torch.zeros_like(x)
     tokens, weights, counts = _grouped(topk_ids, topk_weights, w13.shape[0], first_expert)
     if tokens.numel() == 0:
@@ -85,10 +98,39 @@ def fused_moe(
     offs = counts.cumsum(0, dtype=torch.int32)
     # Read on the host only where it decides something: on CUDA (without Triton) it would be one more sync.
     small_groups = not x.is_cuda and int(counts.max()) <= SMALL_GROUP_ROWS
-    h = _grouped_mm(x.index_select(0, tokens), w13, offs, small_groups)
-    y = _grouped_mm(silu_and_mul(h), w2, offs, small_groups)
+    h = _products(x.index_select(0, tokens), w13, w13_scale, block, offs, small_groups)
+    y = _products(silu_and_mul(h), w2, w2_scale, block, offs, small_groups)
     y *= weights.to(y.dtype).unsqueeze(1)
     return out.index_add_(0, tokens, y)
+
+
+def _products(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor | None,
+    block: tuple[int, int] | None,
+    offs: torch.Tensor,
+    small_groups: bool,
+) -> torch.Tensor:
+    """One grouped product in x's dtype: of plain weights as they are; of FP8 ones (with `w_scale`) as the values
+    both FP8 operands stand for, summed in fp32."""
+    if w_scale is None:
+        return _grouped_mm(x, w, offs, small_groups)
+    x_values, w_values = _fp8_values(x, w, w_scale, block)
+    return _grouped_mm(x_values, w_values, offs, small_groups).to(x.dtype)
+
+
+def _fp8_values(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] quantized per token (per group of block[1] columns with tiles) and w [G, N, K] float8_e4m3fn, both
+    as the fp32 values they stand for."""
+    (n, k), cols = w.shape[1:], None if block is None else block[1]
+    x_fp8, x_scale = quantize_per_token(x, cols)
+    if block is None:
+        return x_fp8.float() * x_scale, w.float() * w_scale.unsqueeze(2)
+    w_scale = w_scale.repeat_interleave(block[0], dim=1)[:, :n].repeat_interleave(cols, dim=2)[:, :, :k]
+    return x_fp8.float() * x_scale.repeat_interleave(cols, dim=1)[:, :k], w.float() * w_scale
 
 
 def looped_moe(

@@ -7,6 +7,12 @@ out = fused_moe(x, w13, w2, topk_weights, topk_ids, first_expert)   # as kernels
 The tile sizes come from a table per expert shape, GPU and dtype measured on that GPU (`raylm bench moe --tune`
 writes it into kernels/moe_configs/, as vLLM's fused_moe configs are), by the step's pair count; a shape with no
 table takes TileConfig's defaults. The tests run it on CPU tensors under TRITON_INTERPRET=1 against the torch path.
+
+FP8 experts (float8_e4m3fn weights with float32 scales per expert and output row, or per tile of each expert's
+matrix: workers/models/moe.py's `to_fp8`) run W8A8: each product's input quantized per token (per group of a
+tile's columns with tiles) by kernels/fp8.py, then tl.dot of FP8 tiles summed in fp32 and multiplied by both
+scales, as kernels/triton_fp8.py's block product does. Their tables are those of dtype float8_e4m3fn. Checked
+under the interpreter only, like the rest: untested on a GPU.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.fp8 import block_step, quantize_per_token
 from kernels.fused import silu_and_mul
 
 # Where the measured tables live; RAYLM_MOE_CONFIG_DIR names another folder (a tuning run's output, tests).
@@ -134,6 +141,8 @@ def _grouped_mm_kernel(
     out_ptr,
     x_ptr,
     w_ptr,
+    x_scale_ptr,
+    w_scale_ptr,
     tile_group_ptr,
     tile_row_ptr,
     group_end_ptr,
@@ -144,10 +153,19 @@ def _grouped_mm_kernel(
     COLS: tl.constexpr,
     DEPTH: tl.constexpr,
     PRECISION: tl.constexpr,
+    SCALES: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    TILE_COLS: tl.constexpr,
 ):
     """One program: output rows [row, min(row + ROWS, end of its group)) x columns [c * COLS, (c + 1) * COLS) of
     x @ w[group]^T, where x is [rows, K] and w is [num_groups, N, K] contiguous. A tile of group num_groups (past
-    the real tiles) does nothing."""
+    the real tiles) does nothing.
+
+    SCALES says what x and w are: "none", plain ones; "rows", FP8 with x_scale [rows, 1] and w_scale
+    [num_groups, N] (the fp32 sum of the FP8 products, times both scales once); "tiles", FP8 with x_scale
+    [rows, cdiv(K, TILE_COLS)] and w_scale [num_groups, cdiv(N, TILE_ROWS), cdiv(K, TILE_COLS)] (each step's
+    sum times its two scales, as kernels/triton_fp8.py's block product: DEPTH divides TILE_COLS, so a step
+    never straddles two tiles)."""
     tile = tl.program_id(0)
     group = tl.load(tile_group_ptr + tile)
     if group >= num_groups:
@@ -159,29 +177,64 @@ def _grouped_mm_kernel(
     row_ok, col_ok = rows < end, cols < N
     acc = tl.zeros([ROWS, COLS], tl.float32)
     w_base = w_ptr + group.to(tl.int64) * N * K
+    k_tiles: tl.constexpr = (K + TILE_COLS - 1) // TILE_COLS
+    n_tiles: tl.constexpr = (N + TILE_ROWS - 1) // TILE_ROWS
+    w_scale_tiles = w_scale_ptr + group.to(tl.int64) * n_tiles * k_tiles + (cols // TILE_ROWS) * k_tiles
     for k0 in range(0, K, DEPTH):
         depth = k0 + tl.arange(0, DEPTH)
         depth_ok = depth < K
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + depth[None, :], row_ok[:, None] & depth_ok[None, :], 0.0)
         w = tl.load(w_base + cols[None, :] * K + depth[:, None], col_ok[None, :] & depth_ok[:, None], 0.0)
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        if SCALES == "tiles":
+            x_scale = tl.load(x_scale_ptr + rows.to(tl.int64) * k_tiles + k0 // TILE_COLS, row_ok, 0.0)
+            w_scale = tl.load(w_scale_tiles + k0 // TILE_COLS, col_ok, 0.0)
+            acc += tl.dot(x, w) * x_scale[:, None] * w_scale[None, :]
+        elif SCALES == "rows":
+            acc = tl.dot(x, w, acc)
+        else:
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    if SCALES == "rows":
+        x_scale = tl.load(x_scale_ptr + rows, row_ok, 0.0)
+        w_scale = tl.load(w_scale_ptr + group.to(tl.int64) * N + cols, col_ok, 0.0)
+        acc = acc * x_scale[:, None] * w_scale[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask)
 
 
-def grouped_mm(x: Tensor, w: Tensor, tiles: Tiles, config: TileConfig = TileConfig()) -> Tensor:
+def grouped_mm(
+    x: Tensor,
+    w: Tensor,
+    tiles: Tiles,
+    config: TileConfig = TileConfig(),
+    w_scale: Tensor | None = None,
+    block: tuple[int, int] | None = None,
+) -> Tensor:
     """x [M, K] (rows grouped as `tiles` says, in tiles of config.rows) times w [G, N, K] transposed per group ->
-    [M, N], over the fixed grid (max_tiles, cdiv(N, config.cols)). Rows no tile covers (other ranks' pairs) are
-    left unwritten."""
+    [M, N] in x's dtype, over the fixed grid (max_tiles, cdiv(N, config.cols)). Rows no tile covers (other ranks'
+    pairs) are left unwritten.
+
+    With `w_scale`, w is float8_e4m3fn and x is quantized per token (kernels/fp8.py), W8A8: w_scale float32
+    [G, N], one per (group, output row), with x's rows quantized whole; or, with `block` (rows, cols), one per
+    tile [G, ceil(N / rows), ceil(K / cols)], with x's rows quantized per group of `cols` columns and the
+    reduction stepping by a power of two that divides `cols` (at most config.depth: block_step must be 16 or
+    more, as tl.dot needs). Shapes still depend only on x's and w's: no host read."""
+    out = x.new_empty(x.shape[0], w.shape[1])
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    scales, x_scale, depth, tile = "none", None, config.depth, (1, 1)
+    if w_scale is not None:
+        scales = "rows" if block is None else "tiles"
+        x, x_scale = quantize_per_token(x, None if block is None else block[1])
+        if block is not None:
+            depth, tile = min(depth, block_step(block[1])), block
     x, w = x.contiguous(), w.contiguous()
-    num_rows, k = x.shape
-    n = w.shape[1]
-    out = x.new_empty(num_rows, n)
+    n, k = w.shape[1:]
     if tiles.tile_group.numel():
         _grouped_mm_kernel[(tiles.tile_group.numel(), triton.cdiv(n, config.cols))](
             out,
             x,
             w,
+            x if x_scale is None else x_scale.contiguous(),
+            w if w_scale is None else w_scale.contiguous(),
             tiles.tile_group,
             tiles.tile_row,
             tiles.group_end,
@@ -190,8 +243,11 @@ def grouped_mm(x: Tensor, w: Tensor, tiles: Tiles, config: TileConfig = TileConf
             K=k,
             ROWS=config.rows,
             COLS=config.cols,
-            DEPTH=config.depth,
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            DEPTH=depth,
+            PRECISION=precision,
+            SCALES=scales,
+            TILE_ROWS=tile[0],
+            TILE_COLS=tile[1],
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
@@ -206,15 +262,20 @@ def fused_moe(
     topk_ids: Tensor,
     first_expert: int | None = None,
     config: TileConfig | None = None,
+    w13_scale: Tensor | None = None,
+    w2_scale: Tensor | None = None,
+    block: tuple[int, int] | None = None,
 ) -> Tensor:
     """kernels.moe.fused_moe's sum with every buffer sized by T * top_k pairs, other ranks' pairs included: their
     rows go through the products unwritten and are masked out (not multiplied: garbage times 0 may be NaN)
-    before the sum. `config`: these tiles rather than the table's (the tuner's candidates)."""
+    before the sum. `config`: these tiles rather than the table's (the tuner's candidates). FP8 experts (w13, w2
+    float8_e4m3fn with `w13_scale`, `w2_scale`, per row or per `block` tile as `grouped_mm` takes them): the
+    gathered tokens are quantized before the first product and the SiLU's output before the second."""
     config = config or tile_config(topk_ids.numel(), w13)
     tiles = align(topk_ids, w13.shape[0], first_expert, config.rows)
     tokens = tiles.pairs // topk_ids.shape[1]
-    h = grouped_mm(x.index_select(0, tokens), w13, tiles, config)
-    y = grouped_mm(silu_and_mul(h), w2, tiles, config)
+    h = grouped_mm(x.index_select(0, tokens), w13, tiles, config, w13_scale, block)
+    y = grouped_mm(silu_and_mul(h), w2, tiles, config, w2_scale, block)
     weights = topk_weights.flatten().index_select(0, tiles.pairs).to(y.dtype).unsqueeze(1)
     y = torch.where(tiles.local.unsqueeze(1), y * weights, 0)
     return torch.zeros_like(x).index_add_(0, tokens, y)

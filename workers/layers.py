@@ -59,11 +59,13 @@ def linear(
     packed: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
+    weight_block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """x W^T + b: an FP8 weight (one with its `weight_scale`) through FP8 products; else at FEW_ROWS rows or fewer
+    """x W^T + b: an FP8 weight (one with its `weight_scale`, per row or per `weight_block` tile) through FP8
+    products; else at FEW_ROWS rows or fewer
     through raylm's CPU op, else through the packed weight when there is one."""
     if weight_scale is not None:
-        return fp8_linear(x, weight, weight_scale, bias)
+        return fp8_linear(x, weight, weight_scale, bias, weight_block)
     if weight is not None and x.shape[0] <= FEW_ROWS and small_mm_applies(x, weight):
         y = torch.ops.raylm.small_mm(x, weight)
         return y if bias is None else y.add_(bias)
@@ -142,7 +144,9 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
         self.weight.weight_loader = self._load
         self.packed: torch.Tensor | None = None  # set by pack_for_cpu
-        self.weight_scale: torch.Tensor | None = None  # float32 [out] beside an FP8 weight: set by fp8_products
+        # Beside an FP8 weight, set by fp8_products: float32 scales [out], or [out / rows, in / cols] per tile.
+        self.weight_scale: torch.Tensor | None = None
+        self.weight_block: tuple[int, int] | None = None  # the tile [rows, cols] of block scales
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
         if bias:
             self.bias.weight_loader = self._load
@@ -154,7 +158,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[s.offset : s.offset + s.size].copy_(tensor[s.start : s.start + s.size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.packed, self.bias, self.weight_scale)
+        y = linear(x, self.weight, self.packed, self.bias, self.weight_scale, self.weight_block)
         if self.lora is not None:
             self.lora.apply(y, x)
         return y
@@ -172,7 +176,9 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, input_size // tp_size), requires_grad=False)
         self.weight.weight_loader = self._load_weight
         self.packed: torch.Tensor | None = None  # set by pack_for_cpu
-        self.weight_scale: torch.Tensor | None = None  # float32 [out] beside an FP8 weight: set by fp8_products
+        # Beside an FP8 weight, set by fp8_products: float32 scales [out], or [out / rows, in / cols] per tile.
+        self.weight_scale: torch.Tensor | None = None
+        self.weight_block: tuple[int, int] | None = None  # the tile [rows, cols] of block scales
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.output_size = output_size
         self.lora: LinearLora | None = None  # set by workers.lora.LoraManager when LoRA is enabled
@@ -183,7 +189,7 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(tensor[:, self.rank * cols : (self.rank + 1) * cols])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.packed, weight_scale=self.weight_scale)
+        y = linear(x, self.weight, self.packed, weight_scale=self.weight_scale, weight_block=self.weight_block)
         if self.lora is not None:  # this rank's partial adapter product: the all-reduce sums it with the rest
             self.lora.apply(y, x)
         if self.tp_size > 1:

@@ -18,18 +18,27 @@ The weights are dequantized at load, on every device, into the model's compute d
 activation scheme are not used). On CPU they stay so: FP8's numerics at bf16's (or fp32's) memory and speed.
 
 On a CUDA GPU of compute capability 8.9 or above, once the model is loaded (and its LoRA slots made, in the model's
-dtype), `fp8_products` makes every linear layer whose checkpoint modules are quantized per tensor or per channel,
-or by `--quantization fp8`, an FP8 one, layer by layer: its weight requantized per output row (`quantize_rows`:
-a per-channel checkpoint's and --quantization fp8's own FP8 values come back, a per-tensor one's land on a finer
-per-row grid) and held as float8_e4m3fn with float32 scales [out], its products W8A8 (kernels/fp8.py: activations
-quantized per token as they come, one `torch._scaled_mm` with row-wise scales, output in the model's dtype): half
-the bytes a decode step reads. A row-parallel rank's columns keep their whole rows' scales (reduced over the
-tensor-parallel group), so the ranks together hold what one rank would. Kept dequantized, and logged once with
-why: layers with block-wise scales (Qwen3-FP8's and DeepSeek-V3's 128x128 tiles: a row-wise scaled matmul takes no
-tile scales), a fused layer (qkv_proj, gate_up_proj) one of whose checkpoint modules the config leaves plain, a
-layer whose dimensions are not multiples of 16, and every layer on a GPU below 8.9 or where this torch build's
-`_scaled_mm` refuses the model's dtype (fp32, on older builds fp16). MoE experts, the embeddings, the LM head and
-the routers are never FP8: dequantized in the model's dtype. Untested on a GPU (tests/gpu/test_fp8.py).
+dtype), `fp8_products` makes every linear layer whose checkpoint modules are quantized an FP8 one, layer by layer,
+its products W8A8 (kernels/fp8.py): half the bytes a decode step reads. Its weight is requantized from the
+dequantized one as the checkpoint laid it out, so a checkpoint's own FP8 values come back:
+- per tensor, per channel, or by `--quantization fp8`: per output row (`quantize_rows`; a per-tensor checkpoint's
+  values land on a finer per-row grid), float32 scales [out], activations quantized per token, one
+  `torch._scaled_mm` with row-wise scales. A row-parallel rank's columns keep their whole rows' scales (reduced
+  over the tensor-parallel group), so the ranks together hold what one rank would;
+- per block (Qwen3-FP8's and DeepSeek-V3's 128x128 tiles): per tile (`quantize_tiles`), float32 scales
+  [out / rows, in / cols], activations quantized per token and group of `cols` columns, a Triton kernel.
+Kept dequantized, and logged once with why: a fused layer (qkv_proj, gate_up_proj) one of whose checkpoint modules
+the config leaves plain or lays out otherwise; a row-wise layer whose dimensions are not multiples of 16; a block
+layer whose tensor-parallel slice (or fused part) starts or ends inside a tile, or whose tile's columns the kernel
+cannot step through; and every layer on a GPU below 8.9, or where this build's `_scaled_mm` refuses the model's
+dtype (fp32, on older builds fp16) or the block kernel fails to compile. The ranks of a tensor-parallel group
+agree on those probes. A MoE block's experts become FP8 alike (`SparseMoeBlock.to_fp8`), all of them in one layout:
+per expert and output row (float32 scales [E_local, rows], any shape) or per tile of each expert's matrix, their
+products W8A8 in raylm's Triton grouped matmul (kernels/triton_moe.py); kept dequantized, and logged with why, where
+a checkpoint module feeding them is plain or laid out otherwise, where this rank's units cut the tiles
+(`SparseMoeBlock.tiles_cut`), or where the tile's columns are ones the kernel cannot step through. The embeddings,
+the LM head and the routers are never FP8: dequantized in the model's dtype. Untested on a GPU
+(tests/gpu/test_fp8.py; the experts' kernel has run only under Triton's interpreter).
 """
 
 import json
@@ -37,16 +46,20 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels.fp8 import shape_unsupported, unsupported
+from kernels.fp8 import block_unsupported, shape_unsupported, unsupported
 from workers.layers import ColumnParallelLinear, RowParallelLinear, TensorSlice
 from workers.parallel import tp_group
+
+if TYPE_CHECKING:
+    from workers.models.moe import SparseMoeBlock
 
 logger = logging.getLogger(__name__)
 
@@ -194,58 +207,143 @@ def fp8_products_where_supported(
     model: nn.Module, quantization: WeightQuantization, device: torch.device, dtype: torch.dtype
 ) -> None:
     """fp8_products on a CUDA `device` that runs FP8 products in `dtype`; elsewhere the weights stay dequantized,
-    and why is logged."""
-    why = unsupported(device, dtype)
+    and why is logged. The tensor-parallel ranks agree first (a rank that cannot counts for all): one converting a
+    row-parallel layer that another keeps would wait forever in its all-reduce, and their sums would differ."""
+    why = _agreed(unsupported(device, dtype), "FP8 products fail on another tensor-parallel rank's GPU")
     if why is None:
-        converted = fp8_products(model, quantization)
+        probes: dict[tuple[int, int], str | None] = {}
+
+        def block_unsupported_here(block: tuple[int, int]) -> str | None:
+            if block not in probes:
+                found = block_unsupported(block) or unsupported(device, dtype, block)
+                probes[block] = _agreed(found, f"the {block[0]}x{block[1]} block kernel fails on another rank's GPU")
+            return probes[block]
+
+        converted = fp8_products(model, quantization, block_unsupported_here)
         torch.cuda.empty_cache()  # the dequantized weights' memory back to the driver, for the KV cache's budget
-        logger.info("raylm: %d linear layers hold FP8 weights and run FP8 products on %s", len(converted), device)
+        logger.info(
+            "raylm: %d linear layers and MoE blocks hold FP8 weights and run FP8 products on %s", len(converted), device
+        )
     else:
         logger.warning("raylm: FP8 weights stay dequantized in %s on %s: %s", dtype, device, why)
 
 
-def fp8_products(model: nn.Module, quantization: WeightQuantization) -> list[str]:
+def _agreed(why: str | None, elsewhere: str) -> str | None:
+    """`why` where this rank has a reason; `elsewhere` where only another rank of its tensor-parallel group has
+    one; None where none has."""
+    if not dist.is_initialized() or dist.get_world_size(tp_group()) == 1:
+        return why
+    # MIN over the group: 0 wherever a rank found a reason. gloo and NCCL both take a CPU tensor through
+    # all_reduce only on their own device, so the flag lives where the group reduces.
+    flag = torch.tensor([int(why is None)], device=_group_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=tp_group())
+    return why or (None if int(flag.item()) else elsewhere)
+
+
+def _group_device() -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(tp_group()) == "nccl"
+        else torch.device("cpu")
+    )
+
+
+def fp8_products(
+    model: nn.Module,
+    quantization: WeightQuantization,
+    kernel_unsupported: Callable[[tuple[int, int]], str | None] = block_unsupported,
+) -> list[str]:
     """Give every linear layer of `model` (loaded, its weights dequantized) whose checkpoint modules `quantization`
-    quantizes per tensor or per channel (or at load) an FP8 weight: each row requantized by `quantize_rows`, the
-    float8_e4m3fn weight and its float32 scales [out] (`weight_scale`) replacing the dequantized one layer by layer,
-    so the conversion needs one layer's worth of memory beside the model. The layers kept dequantized are logged,
-    one line per reason. Returns the converted layers' names. Any device: the caller decides where it pays."""
-    kept: dict[str, list[str]] = {}
+    quantizes an FP8 weight, requantized from the dequantized one (`_to_fp8`): per output row where the checkpoint
+    has one scale per tensor or per channel (or quantizes at load), per tile where it has block scales and
+    `kernel_unsupported(block)` has no reason against them. Every MoE block's experts likewise
+    (`SparseMoeBlock.to_fp8`). Layer by layer, so the conversion needs one layer's worth of memory beside the
+    model. The layers kept dequantized are logged, one line per reason. Returns the converted layers' and MoE
+    blocks' names. Any device: the caller decides where it pays."""
+    from workers.models.moe import SparseMoeBlock  # not at the top: it imports ModelSpec, whose module imports this
+
+    kept: dict[tuple[str, torch.dtype, str], list[str]] = {}  # (what they are, their dtype, why) -> their names
     converted = []
     for name, layer in model.named_modules():
-        if not isinstance(layer, ColumnParallelLinear | RowParallelLinear):
+        if isinstance(layer, ColumnParallelLinear | RowParallelLinear):
+            what, weight, convert = "linear layers", layer.weight, partial(_to_fp8, layer)
+            block, why = _fp8_layout(quantization, name, layer)
+        elif isinstance(layer, SparseMoeBlock):
+            what, weight, convert = "MoE blocks", layer.w13, layer.to_fp8
+            block, why = _experts_fp8_layout(quantization, name, layer)
+        else:
             continue
-        why = _why_dequantized(quantization, name, layer)
+        if why is None and block is not None:
+            why = kernel_unsupported(block)
         if why is None:
-            _to_fp8(layer)
+            convert(block)
             converted.append(name)
         else:
-            kept.setdefault(why, []).append(name)
-    for why, names in kept.items():
+            kept.setdefault((what, weight.dtype, why), []).append(name)
+    for (what, dtype, why), names in kept.items():
         logger.warning(
-            "raylm: %d linear layers (%s, ...) keep their weights dequantized in %s: %s",
-            len(names),
-            names[0],
-            model.get_submodule(names[0]).weight.dtype,
-            why,
+            "raylm: %d %s (%s, ...) keep their weights dequantized in %s: %s", len(names), what, names[0], dtype, why
         )
     return converted
 
 
-def _why_dequantized(quantization: WeightQuantization, name: str, layer: nn.Module) -> str | None:
-    """Why `layer` (module `name`) cannot take FP8 products, or None. A fused layer (qkv_proj) is fed by several
-    checkpoint modules (q_proj, k_proj, v_proj): every one must be quantized."""
-    schemes = [quantization.scheme(module) for module in checkpoint_modules(name, layer)]
+def _fp8_layout(
+    quantization: WeightQuantization, name: str, layer: ColumnParallelLinear | RowParallelLinear
+) -> tuple[tuple[int, int] | None, str | None]:
+    """(the tile of `layer`'s block scales, None for row-wise ones; why it cannot take FP8 products, or None). A
+    fused layer (qkv_proj) is fed by several checkpoint modules (q_proj, k_proj, v_proj): every one must be
+    quantized, and block-quantized ones alike."""
+    block, why = _one_layout(quantization, checkpoint_modules(name, layer))
+    if why is not None:
+        return None, why
+    if block is None:
+        return None, shape_unsupported(*layer.weight.shape)
+    return block, _tiles_cut(layer, block)
+
+
+def _experts_fp8_layout(
+    quantization: WeightQuantization, name: str, moe: "SparseMoeBlock"
+) -> tuple[tuple[int, int] | None, str | None]:
+    """_fp8_layout for MoE block `name`'s experts, fed by every local expert's gate, up and down projections. Rows
+    take any shape (the grouped kernel masks its tiles; `_scaled_mm` is not used); tiles must not be cut by this
+    rank's units."""
+    block, why = _one_layout(quantization, moe.expert_modules(name))
+    if why is None and block is not None:
+        why = moe.tiles_cut(block)
+    return block, why
+
+
+def _one_layout(quantization: WeightQuantization, modules: list[str]) -> tuple[tuple[int, int] | None, str | None]:
+    """(the tile of the block scales of checkpoint `modules`, None for row-wise ones; why the weight they feed has no
+    one FP8 layout, or None): every one must be quantized, and block-quantized ones alike."""
+    schemes = [quantization.scheme(module) for module in modules]
     if None in schemes:
-        return f"quantization_config ({quantization.method}) leaves a checkpoint module feeding them unquantized"
-    blocks = sorted({s.block for s in schemes if s.strategy == "block"})
-    if blocks:
-        tiles = ", ".join(f"{rows}x{cols}" for rows, cols in blocks)
-        return (
-            f"their FP8 scales are per {tiles} block, and torch._scaled_mm's row-wise scaling takes one scale per "
-            "output row"
-        )
-    return shape_unsupported(*layer.weight.shape)
+        return None, f"quantization_config ({quantization.method}) leaves a checkpoint module feeding them unquantized"
+    blocks = {s.block for s in schemes}
+    if len(blocks) > 1:
+        tiles = ", ".join("rows" if b is None else f"{b[0]}x{b[1]} blocks" for b in sorted(blocks, key=str))
+        return None, f"their checkpoint modules are quantized in different layouts ({tiles})"
+    return blocks.pop(), None
+
+
+def _tiles_cut(layer: ColumnParallelLinear | RowParallelLinear, block: tuple[int, int]) -> str | None:
+    """Why this rank's weight, tiled from its first row and column, would not lay its tiles on the checkpoint's
+    (a tensor-parallel slice, or a fused layer's part, starting or ending inside a tile), or None: requantized per
+    tile, it then holds the checkpoint's FP8 values and scales."""
+    rows, cols = block
+    if isinstance(layer, RowParallelLinear):
+        local = layer.weight.shape[1]
+        if layer.rank * local % cols or (local % cols and layer.rank < layer.tp_size - 1):
+            return f"this rank's {local} of their {layer.input_size} input columns cut their {rows}x{cols} blocks"
+        return None
+    for module, s in layer.shards.items():
+        if s.offset % rows:
+            return f"{module} starts at row {s.offset} of the fused weight, inside one of its {rows}x{cols} blocks"
+        if s.start % rows or (s.size % rows and s.start + s.size < s.rows):
+            return (
+                f"this rank's rows {s.start}..{s.start + s.size} of {module} (of {s.rows}) cut its {rows}x{cols} blocks"
+            )
+    return None
 
 
 def checkpoint_modules(name: str, layer: ColumnParallelLinear | RowParallelLinear) -> list[str]:
@@ -256,15 +354,32 @@ def checkpoint_modules(name: str, layer: ColumnParallelLinear | RowParallelLinea
     return [f"{parent}.{shard}" for shard in sorted(layer.shards, key=lambda s: layer.shards[s].offset)]
 
 
-def _to_fp8(layer: ColumnParallelLinear | RowParallelLinear) -> None:
+def _to_fp8(layer: ColumnParallelLinear | RowParallelLinear, block: tuple[int, int] | None) -> None:
     weight = layer.weight.detach()
-    amax = weight.abs().amax(dim=1, keepdim=True).float()
-    if isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
-        # This rank holds some columns of each row: the row's scale is the whole row's, as one rank's would be.
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group())
-    stored, scale = quantize_rows(weight, amax)
+    if block is None:
+        amax = weight.abs().amax(dim=1, keepdim=True).float()
+        if isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
+            # This rank holds some columns of each row: the row's scale is the whole row's, as one rank's would be.
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group())
+        stored, scale = quantize_rows(weight, amax)
+        scale = scale.view(-1)
+    else:
+        stored, scale = quantize_tiles(weight, block)
     layer.weight = nn.Parameter(stored, requires_grad=False)
-    layer.weight_scale = scale.view(-1)
+    layer.weight_scale, layer.weight_block = scale, block
+
+
+def quantize_tiles(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scales [ceil(out / rows), ceil(in / cols)]): each `block` [rows, cols] tile
+    (smaller at the ends) scaled so that its largest magnitude is 448, as `quantize_rows` scales rows."""
+    (out, cols), (tile_rows, tile_cols) = weight.shape, block
+    grid_rows, grid_cols = -(-out // tile_rows), -(-cols // tile_cols)
+    padded = torch.nn.functional.pad(weight, (0, grid_cols * tile_cols - cols, 0, grid_rows * tile_rows - out))
+    tiles = padded.view(grid_rows, tile_rows, grid_cols, tile_cols)
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale = (amax.double().clamp(min=1e-12) / FP8_MAX).float()
+    stored = (tiles.double() / scale.double()[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return stored.view(grid_rows * tile_rows, grid_cols * tile_cols)[:out, :cols].contiguous(), scale
 
 
 def read_weight(

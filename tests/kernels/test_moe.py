@@ -1,13 +1,19 @@
-"""The MoE ops against a token-by-token float64 reference: routing edge cases, and the shares ranks hold
-(units of every expert, or whole experts) summing to the whole."""
+"""The MoE ops against a token-by-token float64 reference: routing edge cases, the shares ranks hold (units of
+every expert, or whole experts) summing to the whole, and FP8 experts (the torch path's numerics, which
+test_triton_moe.py holds the Triton kernel to)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.fp8 import quantize_per_token
 from kernels.moe import fused_moe, looped_moe, route
+from workers.quantization import quantize_rows, quantize_tiles
 
 E, H, UNITS = 8, 32, 24  # experts, hidden size, units per expert
+# FP8 experts' layouts. Tiles of w13 [48, 32] and w2 [32, 24]: ragged at the ends of rows and of columns (32x16),
+# several per row (16x32: 3 of w13's, 2 of w2's).
+FP8_LAYOUTS = {"rows": None, "32x16 blocks": (32, 16), "16x32 blocks": (16, 32)}
 
 
 def weights(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -15,14 +21,35 @@ def weights(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(E, 2 * UNITS, H, generator=g) * 0.3, torch.randn(E, H, UNITS, generator=g) * 0.3
 
 
-def reference(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+def reference(x, w13, w2, topk_weights, topk_ids, activations=lambda v: v) -> torch.Tensor:
+    """`activations`: what each product's input [K] becomes first (FP8 experts quantize it)."""
     x, w13, w2 = x.double(), w13.double(), w2.double()
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for w, e in zip(topk_weights[t].tolist(), topk_ids[t].tolist()):
-            gate, up = (w13[e] @ x[t]).chunk(2)
-            out[t] += w * (w2[e] @ (F.silu(gate) * up))
+            gate, up = (w13[e] @ activations(x[t])).chunk(2)
+            out[t] += w * (w2[e] @ activations(F.silu(gate) * up))
     return out.float()
+
+
+def fp8_experts(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Experts w [E, N, K] quantized per expert and row, or per `block` tile of each: (float8_e4m3fn values,
+    float32 scales [E, N] or [E, ceil(N / rows), ceil(K / cols)], the float64 weights they stand for)."""
+    quantized = [quantize_rows(m) if block is None else quantize_tiles(m, block) for m in w]
+    stored = torch.stack([q for q, _ in quantized])
+    scales = torch.stack([s.view(-1) if block is None else s for _, s in quantized])
+    if block is None:
+        return stored, scales, stored.double() * scales.double()[:, :, None]
+    n, k = w.shape[1:]
+    per_element = scales.double().repeat_interleave(block[0], 1)[:, :n].repeat_interleave(block[1], 2)[:, :, :k]
+    return stored, scales, stored.double() * per_element
+
+
+def quantized(x: torch.Tensor, cols: int | None) -> torch.Tensor:
+    """x [..., K] quantized per token (per group of `cols` columns), as the float64 values it then stands for."""
+    x_fp8, scale = quantize_per_token(x.reshape(-1, x.shape[-1]).float(), cols)
+    k = x.shape[-1]
+    return (x_fp8.double() * scale.double().repeat_interleave(cols or k, 1)[:, :k]).view(x.shape)
 
 
 def routing(case: str, tokens: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,6 +99,19 @@ def test_shares_of_ranks_sum_to_the_whole():
         for s in (slice(0, 12), slice(12, 24))
     ]
     torch.testing.assert_close(slices[0] + slices[1], whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block", FP8_LAYOUTS.values(), ids=FP8_LAYOUTS)
+def test_fp8_experts_sum_the_values_their_operands_stand_for(block):
+    """The torch path of FP8 experts: the weights' FP8 values times their scales, and each product's input
+    quantized per token (per group of a tile's columns) as it comes."""
+    (w13, w13_scale, w13_values), (w2, w2_scale, w2_values) = (fp8_experts(w, block) for w in weights())
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(2))
+    topk_weights, topk_ids = routing("experts 2, 6 get no token", 9, top_k=2)
+    cols = None if block is None else block[1]
+    expected = reference(x, w13_values, w2_values, topk_weights, topk_ids, lambda v: quantized(v, cols))
+    got = fused_moe(x, w13, w2, topk_weights, topk_ids, None, w13_scale, w2_scale, block)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_routing_normalisations():

@@ -1,7 +1,8 @@
-"""FP8 products: the per-token quantization kernel against the torch path (bit for bit), and `fp8_linear` against
-float64 products of the values it stands for and of the unquantized operands. Compiled on CUDA when there is a
-GPU (of compute capability 8.9 or above), else on CPU tensors under the Triton interpreter; `fp8_linear`'s
-`torch._scaled_mm` is torch's own CPU op there."""
+"""FP8 products: the per-token (and per token group) quantization kernel against the torch path (bit for bit), and
+`fp8_linear` (row-wise scales) and the block kernel (tile scales) against float64 products of the values they
+stand for and of the unquantized operands. Compiled on CUDA when there is a GPU (of compute capability 8.9 or
+above), else on CPU tensors under the Triton interpreter; `fp8_linear`'s `torch._scaled_mm` is torch's own CPU op
+there, and the block kernel is called directly (on CPU `fp8_linear` takes the torch path, checked beside it)."""
 
 import os
 import sys
@@ -20,14 +21,15 @@ elif torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("FP8 products need compute capability 8.9 or above", allow_module_level=True)
 
 from kernels import fp8  # noqa: E402
-from kernels.triton_fp8 import quantize_per_token  # noqa: E402
+from kernels.triton_fp8 import block_scaled_mm, quantize_per_token  # noqa: E402
+from workers.quantization import quantize_tiles  # noqa: E402
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
-def torch_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_quantize(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch path of kernels/fp8.py, whatever the device (a CPU copy of x takes it)."""
-    x_fp8, scale = fp8.quantize_per_token(x.cpu())
+    x_fp8, scale = fp8.quantize_per_token(x.cpu(), group)
     return x_fp8.to(x.device), scale.to(x.device)
 
 
@@ -105,3 +107,86 @@ def test_fp8_linear_is_close_to_the_unquantized_product(dtype):
     # Rounding errors of random signs mostly cancel: typically a few percent of the product, per row.
     relative = (got - exact).norm(dim=1) / exact.norm(dim=1)
     assert float(relative.max()) < 0.05, relative
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cols, group", [(200, 64), (96, 48), (64, 128)])  # ragged last group; group past K
+def test_the_kernel_quantizes_each_group_as_the_torch_path_does(dtype, cols, group):
+    x = activations(7, cols, dtype, cols)
+    x[3, min(group, cols) - 1] = 1e4  # one group of row 3 scaled far from its other groups
+    got, got_scale = quantize_per_token(x, group)
+    want, want_scale = torch_quantize(x, group)
+    groups = -(-cols // group)
+    assert got_scale.shape == (7, groups)
+    assert torch.equal(got_scale.cpu(), want_scale.cpu()) and torch.equal(got.float().cpu(), want.float().cpu())
+    # Each group's largest magnitude is 448: its scale is its own, not the row's.
+    for g in range(groups):
+        amax = got.float()[:, g * group : (g + 1) * group].abs().amax(dim=1)
+        assert bool((amax[torch.arange(7) != 1] == FP8_MAX).all())
+    assert float(got_scale[3, 0]) > 100 * float(got_scale[3, -1]) or groups == 1
+
+
+def block_operands(dtype: torch.dtype, block: tuple[int, int], seed: int = 0):
+    """x [5, 112] and a weight [72, 112] quantized per `block` tile (the edge tiles ragged for 32x48), and a bias.
+    Along K the weight's magnitudes fall 10^6-fold and x's rise as much, so every column adds about as much to
+    the products, and the weight's rows differ 1000-fold."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (
+        torch.randn(5, 112, generator=gen)
+        * torch.tensor([[0.01], [1.0], [3.0], [50.0], [0.5]])
+        * torch.logspace(-3, 3, 112)
+    )
+    w = torch.randn(72, 112, generator=gen) * torch.logspace(-2, 1, 72)[:, None] * torch.logspace(3, -3, 112)
+    x = x.to(dtype)
+    w_fp8, w_scale = quantize_tiles(w, block)
+    bias = torch.randn(72, generator=gen).to(dtype)
+    return x.to(DEVICE), w, w_fp8.to(DEVICE), w_scale.to(DEVICE), bias.to(DEVICE)
+
+
+def block_product(x, w_fp8, w_scale, block, bias):
+    """The block kernel: fp8_linear on CUDA, called directly on CPU (where fp8_linear takes the torch path)."""
+    if DEVICE == "cuda":
+        return fp8.fp8_linear(x, w_fp8, w_scale, bias, block)
+    x_fp8, x_scale = quantize_per_token(x, block[1])
+    return block_scaled_mm(x_fp8, x_scale, w_fp8, w_scale, block, bias, x.dtype)
+
+
+BLOCKS = [(32, 48), (16, 16), (128, 128)]  # ragged tiles, the smallest step, the published checkpoints' (one tile)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_block_kernel_is_the_product_of_the_values_its_operands_stand_for(dtype, block):
+    x, _, w_fp8, w_scale, bias = block_operands(dtype, block)
+    x_fp8, x_scale = torch_quantize(x, block[1])
+    rows, cols = block
+    xd = x_fp8.double().cpu() * x_scale.double().cpu().repeat_interleave(cols, dim=1)[:, :112]
+    wd = (
+        w_fp8.double().cpu()
+        * w_scale.double().cpu().repeat_interleave(rows, 0)[:72].repeat_interleave(cols, 1)[:, :112]
+    )
+    product = xd @ wd.T + bias.double().cpu()
+    # Each step's FP8 products are exact in fp32; the steps' sums and scalings round by 2^-24 of what they add.
+    bound = torch.finfo(dtype).eps * product.abs() + 112 * 2**-23 * (xd.abs() @ wd.abs().T) + 1e-30
+    for got in (
+        block_product(x, w_fp8, w_scale, block, bias),
+        fp8.block_fp8_linear(x.cpu(), w_fp8.cpu(), w_scale.cpu(), block, bias.cpu()),
+    ):
+        assert got.dtype == dtype and got.shape == (5, 72)
+        assert bool(((got.double().cpu() - product).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("block", BLOCKS[:2])
+def test_tile_scales_keep_small_tiles_finer_than_row_scales_would(block):
+    """Along each row the weight spans 10^6 (and x as much the other way), beyond FP8's range (448 down to 2^-9):
+    one scale per token and per weight row flushes the small ends of both to zero or a coarse subnormal grid,
+    where a scale per tile and group keeps every part to FP8's relative precision."""
+    x, w, w_fp8, w_scale, _ = block_operands(torch.float32, block, seed=1)
+    got = block_product(x, w_fp8, w_scale, block, None).double().cpu()
+    xd, wd = x.double().cpu(), w.double()
+    exact = xd @ wd.T
+    bound = (2**-3 + 2**-8) * (xd.abs() @ wd.abs().T) + torch.finfo(torch.float32).eps * exact.abs()
+    assert bool(((got - exact).abs() <= bound).all())
+    rows_fp8, rows_scale = fp8.quantize_per_token(w)  # the same weight with one scale per row
+    by_rows = fp8.fp8_linear(x.cpu(), rows_fp8, rows_scale.view(-1)).double()
+    assert float((got - exact).norm()) < 0.5 * float((by_rows - exact).norm())

@@ -1,5 +1,7 @@
 """The CUDA path of the experts' op (device-side alignment, the Triton grouped matmul over a fixed grid) against
-torch's (the CPU path), under the Triton interpreter on CPU; and the alignment reads nothing back to the host."""
+torch's (the CPU path), under the Triton interpreter on CPU; and the alignment reads nothing back to the host.
+FP8 experts likewise: the grouped matmul against float64 products of the values its FP8 operands stand for, the
+op against the torch path's FP8 numerics (tests/kernels/test_moe.py holds those to a float64 reference)."""
 
 import os
 import sys
@@ -17,8 +19,9 @@ if DEVICE == "cpu":
     )
     os.environ["TRITON_INTERPRET"] = "1"
 
-from kernels import triton_moe  # noqa: E402
+from kernels import moe, triton_moe  # noqa: E402
 from kernels.moe import _grouped, looped_moe  # noqa: E402
+from tests.kernels.test_moe import FP8_LAYOUTS, fp8_experts, quantized  # noqa: E402
 
 E, H, UNITS = 8, 32, 24  # experts, hidden size, units per expert
 # The interpreter multiplies bfloat16's bit patterns in tl.dot (triton-lang/triton#11584): fp16 stands in there.
@@ -40,6 +43,25 @@ def test_grouped_mm_matches_torch(counts):
     tiles = triton_moe.align(ids.to(DEVICE), len(counts), None)
     out = triton_moe.grouped_mm(x.to(DEVICE), w.to(DEVICE), tiles).cpu()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "block",
+    [None, (32, 32), (16, 48)],
+    ids=["rows", "32x32 blocks, ragged at both ends", "16x48 blocks, 3 steps of 16 per tile"],
+)
+@pytest.mark.parametrize("counts", [[0, 1, 0, 0], [5, 0, 33, 0]], ids=["one token", "groups of 0 rows"])
+def test_fp8_grouped_mm_sums_the_values_its_operands_stand_for(counts, block):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(counts), 80, generator=g)
+    w, w_scale, w_values = fp8_experts(torch.randn(len(counts), 72, 80, generator=g), block)
+    ids = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts)).unsqueeze(1)  # already sorted
+    tiles = triton_moe.align(ids.to(DEVICE), len(counts), None)
+    config = triton_moe.TileConfig()
+    out = triton_moe.grouped_mm(x.to(DEVICE), w.to(DEVICE), tiles, config, w_scale.to(DEVICE), block).cpu()
+    x_values, ends = quantized(x, None if block is None else block[1]), torch.tensor(counts).cumsum(0).tolist()
+    expected = torch.cat([x_values[end - n : end] @ w_values[e].T for e, (n, end) in enumerate(zip(counts, ends))])
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_tiles_cover_each_group_once_and_mark_the_rest():
@@ -83,12 +105,32 @@ def test_aligned_moe_matches_the_loop(tokens, experts, first_expert, dtype):
     torch.testing.assert_close(out.cpu().float(), expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("block", FP8_LAYOUTS.values(), ids=FP8_LAYOUTS)
+@pytest.mark.parametrize(
+    "tokens, experts, first_expert",
+    [(1, range(E), None), (5, [0, 1, 3, 4, 5, 7], 4), (40, range(E), None)],
+    ids=["one", "ep rank 1, an expert without tokens", "many"],
+)
+def test_fp8_moe_matches_the_torch_path(tokens, experts, first_expert, block, dtype):
+    local = slice(first_expert or 0, (first_expert or 0) + (E if first_expert is None else 4))
+    (w13, w13_scale, _), (w2, w2_scale, _) = (fp8_experts(w[local], block) for w in moe_weights(torch.float32))
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(2)).to(dtype)
+    topk_weights, topk_ids = routing(tokens, 2, list(experts))
+    expected = moe.fused_moe(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, block)
+    args = (t.to(DEVICE) for t in (x, w13, w2, topk_weights, topk_ids))
+    scales = {"w13_scale": w13_scale.to(DEVICE), "w2_scale": w2_scale.to(DEVICE), "block": block}
+    out = triton_moe.fused_moe(*args, first_expert, **scales)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.cpu(), expected, rtol=tol, atol=tol)
+
+
 def test_other_ranks_rows_never_reach_the_output(monkeypatch):
     """Rows no tile covers hold whatever the buffer held: NaN here, which a multiplication by 0 would keep."""
     grouped_mm = triton_moe.grouped_mm
 
-    def garbage_in_uncovered_rows(x, w, tiles, config):
-        return grouped_mm(x, w, tiles, config).masked_fill(~tiles.local.unsqueeze(1), torch.nan)
+    def garbage_in_uncovered_rows(x, w, tiles, config, *fp8):
+        return grouped_mm(x, w, tiles, config, *fp8).masked_fill(~tiles.local.unsqueeze(1), torch.nan)
 
     monkeypatch.setattr(triton_moe, "grouped_mm", garbage_in_uncovered_rows)
     w13, w2 = (w[4:] for w in moe_weights(torch.float32))
@@ -137,6 +179,19 @@ def test_the_op_reads_nothing_on_the_host(first_expert):
         _grouped(topk_ids, topk_weights, 4, 4)  # the CPU path's grouping: the mode bites
 
 
+def test_the_fp8_op_reads_nothing_on_the_host():
+    (w13, w13_scale, _), (w2, w2_scale, _) = (fp8_experts(w[4:], (32, 16)) for w in moe_weights(torch.float32))
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(2))
+    topk_weights, topk_ids = routing(9, 3, list(range(E)))
+    args = [t.to(DEVICE) for t in (x, w13, w2, topk_weights, topk_ids)]
+    with NoHostReads():
+        out = triton_moe.fused_moe(
+            *args, 4, w13_scale=w13_scale.to(DEVICE), w2_scale=w2_scale.to(DEVICE), block=(32, 16)
+        )
+    expected = moe.fused_moe(x, w13, w2, topk_weights, topk_ids, 4, w13_scale, w2_scale, (32, 16))
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture
 def config_dir(tmp_path, monkeypatch):
     """An empty folder of measured tables in place of the package's, and the tables' cache forgotten around."""
@@ -150,9 +205,9 @@ def record_configs(monkeypatch) -> list:
     """The TileConfig of each grouped matmul launched, as it happens."""
     seen, grouped_mm = [], triton_moe.grouped_mm
 
-    def recorded(x, w, tiles, config):
+    def recorded(x, w, tiles, config, *fp8):
         seen.append(config)
-        return grouped_mm(x, w, tiles, config)
+        return grouped_mm(x, w, tiles, config, *fp8)
 
     monkeypatch.setattr(triton_moe, "grouped_mm", recorded)
     return seen

@@ -28,6 +28,7 @@ from workers.model_spec import ModelSpec
 from workers.quantization import (
     Fp8Scheme,
     WeightQuantization,
+    _agreed,
     checkpoint_modules,
     fp8_products,
     fp8_products_where_supported,
@@ -279,8 +280,14 @@ def test_quantization_fp8_on_a_quantized_checkpoint(fp8_checkpoint, tiny_model_d
         read_model_spec(tiny_model_dir("llama"), quantization="gptq")
 
 
-# FP8 products (W8A8): fp8_products on CPU, whose torch._scaled_mm takes row-wise scales as CUDA's does.
-PRODUCT_SCHEMES = ["fp8 per tensor (static activations)", "compressed-tensors per channel", "quantization=fp8"]
+# FP8 products (W8A8): fp8_products on CPU, whose torch._scaled_mm takes row-wise scales as CUDA's does, and whose
+# block products are kernels/fp8.py's torch path (the Triton kernel's sums, tests/kernels/test_triton_fp8.py).
+PRODUCT_SCHEMES = [
+    "fp8 per tensor (static activations)",
+    "compressed-tensors per channel",
+    "quantization=fp8",
+    "fp8 blocks 32x32",
+]
 LINEARS = [
     f"model.layers.{i}.{m}"
     for i in (0, 1)
@@ -314,8 +321,21 @@ def test_fp8_products_hold_the_checkpoints_float8_weights(fp8_checkpoint, scheme
     stored = load_file(per_channel / "model.safetensors")
     for name in LINEARS:
         layer = model.get_submodule(name)
-        assert layer.weight.dtype == torch.float8_e4m3fn
-        assert layer.weight_scale.dtype == torch.float32 and layer.weight_scale.shape == (layer.weight.shape[0],)
+        assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.dtype == torch.float32
+        modules = checkpoint_modules(name, layer)
+        if scheme == "fp8 blocks 32x32":
+            # Requantized per 32x32 tile of the layer: the checkpoint's own tiles (a fused layer's parts start on
+            # tile boundaries), so its FP8 values come back, and its scales within the dtype's rounding.
+            blocks = load_file(Path(path) / "model.safetensors")
+            assert layer.weight_block == (32, 32) and layer.weight_scale.shape == (
+                layer.weight.shape[0] // 32,
+                layer.weight.shape[1] // 32,
+            )
+            assert torch.equal(layer.weight.float(), torch.cat([blocks[f"{m}.weight"] for m in modules]).float())
+            want = torch.cat([blocks[f"{m}.weight_scale_inv"] for m in modules])
+            torch.testing.assert_close(layer.weight_scale, want, rtol=torch.finfo(dtype).eps, atol=0)
+            continue
+        assert layer.weight_block is None and layer.weight_scale.shape == (layer.weight.shape[0],)
         if scheme == "fp8 per tensor (static activations)":
             # Requantized per row, on a grid at least as fine as the tensor's: within its rounding (2^-4 relative
             # to a normal value, half the subnormals' spacing below them) of the values the checkpoint stands for.
@@ -325,7 +345,6 @@ def test_fp8_products_hold_the_checkpoints_float8_weights(fp8_checkpoint, scheme
             continue
         # Per channel, and --quantization fp8 (which stores what a per-channel checkpoint of the same weights
         # does): the stored FP8 values come back, their scales within the model dtype's rounding of 448 x scale.
-        modules = checkpoint_modules(name, layer)
         assert torch.equal(layer.weight.float(), torch.cat([stored[f"{m}.weight"] for m in modules]).float()), name
         want = torch.cat([stored[f"{m}.weight_scale"] for m in modules]).view(-1)
         torch.testing.assert_close(layer.weight_scale, want, rtol=torch.finfo(dtype).eps, atol=0)
@@ -362,20 +381,44 @@ def test_fp8_products_move_the_logits_as_little_as_the_weights_quantization_did(
     assert 1e-3 < deviation <= 2 * by_weights
 
 
-def test_block_scaled_and_partly_unquantized_layers_stay_dequantized(fp8_checkpoint, tiny_model_dir, caplog):
-    _, blocks, _ = fp8_checkpoint("llama", "fp8 blocks 32x32")
+def test_layers_whose_tiles_the_layout_cuts_stay_dequantized(fp8_checkpoint, tiny_model_dir, caplog):
+    """48x48 tiles: q_proj's 64 rows end in a 16-row tile, so qkv_proj's k_proj part starts inside one, as up_proj
+    does in gate_up_proj (gate's 128 rows: 48 + 48 + 32); o_proj and down_proj convert, ragged edge tiles and all."""
+    _, blocks, _ = fp8_checkpoint("llama", "compressed-tensors blocks 48x48 (ragged)")
     with caplog.at_level(logging.WARNING, logger="workers.quantization"):
         model, converted = fp8_model(blocks)
-    assert converted == []
-    assert all(model.get_submodule(n).weight.dtype == torch.float32 for n in LINEARS)
-    assert all(model.get_submodule(n).weight_scale is None for n in LINEARS)
+    assert converted == [n for n in LINEARS if n.endswith(("o_proj", "down_proj"))]
+    assert model.get_submodule("model.layers.0.mlp.down_proj").weight_scale.shape == (2, 3)
+    assert all(model.get_submodule(n).weight.dtype == torch.float32 for n in LINEARS if n not in converted)
+    assert sorted(caplog.messages) == [
+        "raylm: 2 linear layers (model.layers.0.mlp.gate_up_proj, ...) keep their weights dequantized in "
+        "torch.float32: up_proj starts at row 128 of the fused weight, inside one of its 48x48 blocks",
+        "raylm: 2 linear layers (model.layers.0.self_attn.qkv_proj, ...) keep their weights dequantized in "
+        "torch.float32: k_proj starts at row 64 of the fused weight, inside one of its 48x48 blocks",
+    ]
+    # Tiles whose columns the kernel cannot step through (24: no power of two of at least 16 divides it).
+    model = load_model(tiny_model_dir("llama"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="workers.quantization"):
+        tiles = Fp8Scheme("block", "weight_scale", (32, 24))
+        assert fp8_products(model, WeightQuantization("fp8", ((("Linear",), tiles),))) == []
     [line] = caplog.messages
-    assert "8 linear layers" in line and "per 32x32 block" in line and "one scale per output row" in line
+    assert "8 linear layers" in line and "steps through a tile's columns in powers of two of at least 16" in line
+    # Parts of one fused layer quantized in two layouts: one product cannot take both.
+    caplog.clear()
+    model = load_model(tiny_model_dir("llama"))
+    mixed = ((("re:.*up_proj",), Fp8Scheme("channel", "")), (("Linear",), Fp8Scheme("block", "", (32, 32))))
+    with caplog.at_level(logging.WARNING, logger="workers.quantization"):
+        converted = fp8_products(model, WeightQuantization("fp8", mixed))
+    assert "model.layers.0.mlp.gate_up_proj" not in converted and len(converted) == 6
+    assert "quantized in different layouts (32x32 blocks, rows)" in caplog.text
+
+
+def test_partly_unquantized_fused_layers_stay_dequantized(tiny_model_dir, caplog):
     # A fused layer converts only when every checkpoint module feeding it is quantized: up_proj left plain keeps
     # gate_up_proj in the model's dtype, the rest converts.
     model = load_model(tiny_model_dir("llama"))
     channel = Fp8Scheme("channel", "weight_scale")
-    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="workers.quantization"):
         converted = fp8_products(model, WeightQuantization("fp8", ((("Linear",), channel),), (r"\.up_proj$",)))
     assert converted == [n for n in LINEARS if "gate_up" not in n]
@@ -474,3 +517,44 @@ def test_tensor_parallel_ranks_hold_the_whole_models_fp8_rows(tiny_model_dir, tm
                 rows = rank_rows([64, 32, 32] if name.endswith("qkv_proj") else [128, 128], r)
                 assert torch.equal(weight.float(), whole[rows].float()), name
                 assert torch.equal(scale, whole_scale[rows]), name
+
+
+def _block_rank(rank: int, port: int, path: str, spec: ModelSpec, out_dir: str) -> None:
+    """Tensor-parallel rank `rank` of 2 (gloo): its 32x32-block shard converted, and the group's agreement on
+    reasons to stay dequantized that one rank or none has."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        model = load_model(path, tp_rank=rank, tp_size=2, spec=spec)
+        converted = fp8_products(model, spec.quantization)
+        weights = {n: (model.get_submodule(n).weight, model.get_submodule(n).weight_scale) for n in converted}
+        agreed = [_agreed("rank 0 cannot" if rank == 0 else None, "another rank cannot"), _agreed(None, "-")]
+        torch.save((converted, weights, agreed), Path(out_dir) / f"{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+    os._exit(0)
+
+
+def test_tensor_parallel_ranks_hold_their_slices_of_the_checkpoints_tiles(fp8_checkpoint, tmp_path):
+    """32x32 tiles over 2 ranks: o_proj's and down_proj's column halves and gate_up_proj's row halves start on tile
+    boundaries, so each rank holds the whole model's FP8 values and tile scales there; qkv_proj's k_proj half (16
+    of 32 rows) cuts a tile and stays dequantized. A reason found on one rank keeps every rank dequantized."""
+    _, path, _ = fp8_checkpoint("llama", "fp8 blocks 32x32")
+    spec = read_model_spec(str(path), 2)
+    mp.spawn(_block_rank, args=(_free_port(), str(path), spec, str(tmp_path)), nprocs=2, join=True)
+    whole, _ = fp8_model(str(path))
+    for r in (0, 1):
+        converted, weights, agreed = torch.load(tmp_path / f"{r}.pt")
+        assert converted == [n for n in LINEARS if "qkv" not in n]
+        assert agreed == ["rank 0 cannot" if r == 0 else "another rank cannot", None]
+        for name, (weight, scale) in weights.items():
+            full = whole.get_submodule(name)
+            if name.endswith(("o_proj", "down_proj")):
+                cols = weight.shape[1]
+                want = full.weight[:, r * cols : (r + 1) * cols]
+                want_scale = full.weight_scale[:, r * cols // 32 : (r + 1) * cols // 32]
+            else:
+                rows = rank_rows([128, 128], r)
+                want, want_scale = full.weight[rows], full.weight_scale[rows[::32] // 32]
+            assert torch.equal(weight.float(), want.float()), name
+            assert torch.equal(scale, want_scale), name

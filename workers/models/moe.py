@@ -11,6 +11,7 @@ from kernels.moe import fused_moe, route
 from workers.layers import TensorSlice, check_shape
 from workers.model_spec import ModelSpec
 from workers.parallel import tp_group
+from workers.quantization import quantize_rows, quantize_tiles
 
 
 class SparseMoeBlock(nn.Module):
@@ -21,7 +22,9 @@ class SparseMoeBlock(nn.Module):
     [T, hidden] sums the shares: the same collective as a dense MLP's down projection.
 
     `w13` [E_local, 2 * I_local, hidden] holds each local expert's gate rows then up rows, `w2`
-    [E_local, hidden, I_local] its down projection; each rank reads only those slices of the checkpoint.
+    [E_local, hidden, I_local] its down projection; each rank reads only those slices of the checkpoint. After
+    `to_fp8` both are float8_e4m3fn with float32 scales `w13_scale`, `w2_scale`: one per expert and row, or one
+    per `weight_block` tile of each expert's matrix.
     """
 
     def __init__(self, spec: ModelSpec, rank: int, tp_size: int, expert_parallel: bool):
@@ -43,6 +46,10 @@ class SparseMoeBlock(nn.Module):
         self.w13.weight_loader = self._load_w13
         self.w2 = nn.Parameter(torch.empty(self.num_local, hidden, self.units), requires_grad=False)
         self.w2.weight_loader = self._load_w2
+        # Beside FP8 experts, set by to_fp8: float32 [E_local, rows], or [E_local, rows / tile rows, cols / tile cols].
+        self.w13_scale: torch.Tensor | None = None
+        self.w2_scale: torch.Tensor | None = None
+        self.weight_block: tuple[int, int] | None = None  # the tile [rows, cols] of block scales
 
     def checkpoint_names(self, prefix: str) -> dict[str, tuple[str, Any]]:
         """checkpoint tensor name -> (parameter name, shard) for the tensors this rank reads: the router and its
@@ -58,6 +65,47 @@ class SparseMoeBlock(nn.Module):
             names[f"{expert}.{down}.weight"] = (f"{prefix}.w2", (local, None))
         return names
 
+    def expert_modules(self, prefix: str) -> list[str]:
+        """The checkpoint modules (as quantization_config names them) whose weights this rank's experts hold: each
+        local expert's gate, up and down projections; not the router."""
+        router = f"{prefix}.gate.weight"
+        return [
+            name.removesuffix(".weight")
+            for name, (param, _) in self.checkpoint_names(prefix).items()
+            if param != router
+        ]
+
+    def tiles_cut(self, block: tuple[int, int]) -> str | None:
+        """Why this rank's experts, tiled from each matrix's first row and column, would not lay their tiles on the
+        checkpoint's, or None: then requantized per tile they hold the checkpoint's FP8 values and scales. w13
+        stacks this rank's units of gate then of up, so both halves start on a tile only when the units' count
+        (and so their start, rank * units) is a multiple of the tile's rows: a ragged last tile of gate would
+        share a tile with up's first rows. w2's columns are those units, cut unless they start on a tile and
+        end on one or at the last unit."""
+        rows, cols = block
+        start, end, total = self.unit_start, self.unit_start + self.units, self.moe.intermediate_size
+        if self.units % rows:
+            what = "rows of gate, then of up"
+        elif start % cols or (self.units % cols and end < total):
+            what = "columns of down"
+        else:
+            return None
+        return f"this rank's units {start}..{end} of each expert's {total} ({what}) cut the {rows}x{cols} blocks"
+
+    def to_fp8(self, block: tuple[int, int] | None) -> None:
+        """w13 and w2 requantized into float8_e4m3fn from their dequantized values, per expert and output row
+        (`block` None) or per `block` tile of each expert's matrix (where `tiles_cut` has no reason against it);
+        then `forward` runs FP8 products. One expert at a time: the conversion needs this layer's FP8 experts and
+        one expert's temporaries beside the model. Tensor parallel, w2 holds some columns of each row: its rows'
+        scales are the whole rows' (reduced over the group), so the ranks together hold what one rank would."""
+        amax = None
+        if block is None and self.first_expert is None and self.tp_size > 1:
+            amax = torch.stack([w.abs().amax(dim=1, keepdim=True) for w in self.w2.detach()]).float()
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group())
+        self.w13, self.w13_scale = _quantized_experts(self.w13, block)
+        self.w2, self.w2_scale = _quantized_experts(self.w2, block, amax)
+        self.weight_block = block
+
     def _load_w13(self, param: nn.Parameter, tensor: TensorSlice, name: str, shard: tuple[int, int]) -> None:
         local, half = shard
         check_shape(name, tensor, (self.moe.intermediate_size, param.shape[2]))
@@ -70,7 +118,27 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(F.linear(x, self.gate.weight), self.moe.top_k, self.moe.renormalize)
-        out = fused_moe(x, self.w13, self.w2, weights, ids, self.first_expert)
+        out = fused_moe(
+            x, self.w13, self.w2, weights, ids, self.first_expert, self.w13_scale, self.w2_scale, self.weight_block
+        )
         if self.tp_size > 1:
             dist.all_reduce(out, group=tp_group())  # this pipeline stage's ranks only
         return out
+
+
+def _quantized_experts(
+    weights: torch.Tensor, block: tuple[int, int] | None, amax: torch.Tensor | None = None
+) -> tuple[nn.Parameter, torch.Tensor]:
+    """(float8_e4m3fn experts [E, N, K], float32 scales [E, N] per row or [E, ceil(N / rows), ceil(K / cols)] per
+    `block` tile) of `weights`, an expert at a time. `amax` [E, N, 1]: the rows' largest magnitudes where the
+    weights hold only some columns of them."""
+    stored = torch.empty(weights.shape, dtype=torch.float8_e4m3fn, device=weights.device)
+    scales = []
+    for expert, weight in enumerate(weights.detach()):
+        if block is None:
+            stored[expert], scale = quantize_rows(weight, None if amax is None else amax[expert])
+            scales.append(scale.view(-1))
+        else:
+            stored[expert], scale = quantize_tiles(weight, block)
+            scales.append(scale)
+    return nn.Parameter(stored, requires_grad=False), torch.stack(scales)
