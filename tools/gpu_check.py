@@ -18,7 +18,7 @@ phase's log and summary.md go into DIR. Every phase has a time limit and runs wh
 it passed (one that needs an earlier one's result says so), so the whole ends inside 10 minutes;
 `--phases install,model-8b,bench-8b` runs only those, for a session with little device time. The phases that
 would take the run past 10 minutes run only when --phases names them (OPTIONAL_LIMITS: the 8B's profile, the MoE
-layers' bench, LoRA's and speculation's step costs on the 8B shape). `--device cpu`
+layers' bench, LoRA's and speculation's step costs and FP8's figures on the 8B shape). `--device cpu`
 runs the phases a CPU can run (tests/tools/test_gpu_check.py does, in a venv holding only the GPU machine's
 packages).
 """
@@ -75,8 +75,10 @@ LIMITS = {"install": 10, "imports": 20, "model": 25, "tests": 330, "bench": 50, 
 # speculation's step costs on the 8B shape with Qwen2.5-0.5B's as the draft: three engines of 15 to 30 GB (the 8B
 # drafting for itself holds it twice), whose figures print only at the end, so its limit is generous
 # (`--phases install,model,model-8b,bench-lora,bench-spec`); the MoE grouped matmul's tiles measured for
-# Qwen3-30B-A3B's experts at 13 step sizes, 144 candidates each (`--phases install,tune-moe`). Estimates: none of
-# these has run on a GPU.
+# Qwen3-30B-A3B's experts at 13 step sizes, 144 candidates each (`--phases install,tune-moe`); the 8B shape in
+# bf16, with --quantization fp8 and with --kv-cache-dtype fp8 (three engines of 15 GB, each running 256 requests,
+# decode steps at 1, 32 and 256 requests, and the bf16 and FP8 caches' 256 x 2,048-token steps, whose prefill is
+# half a million tokens: `--phases install,model-8b,bench-fp8`). Estimates: none of these has run on a GPU.
 OPTIONAL_LIMITS = {
     "profile-8b": 210,
     "model-moe": 40,
@@ -84,6 +86,7 @@ OPTIONAL_LIMITS = {
     "tune-moe": 300,
     "bench-lora": 120,
     "bench-spec": 180,
+    "bench-fp8": 240,
 }
 CPU_LIMIT_FACTOR = 6
 CPU_BENCH_8B = (
@@ -270,6 +273,13 @@ def spec_command(py: str, build_draft: list[str], work: Path) -> list[str]:
     return ["bash", "-c", f"{shlex.join(build_draft)} && {shlex.join(bench)}"]
 
 
+def fp8_command(py: str, model: Path) -> list[str]:
+    """`raylm bench fp8` on `model`: as it is, with FP8 weights, with an FP8 KV cache; --max-model-len 4096 (the
+    8B's 131,072 would be the profile's and the graphs' size, not the bench's)."""
+    bench = [py, "-m", "cluster.cli", "bench", "fp8", "--device", "cuda", "--model", str(model)]
+    return [*bench, "--max-model-len", "4096", "--num-requests", "256", "--long-batch", "256", "--long-context", "2048"]
+
+
 def say(line: str) -> list[str]:
     """A phase that only says why it does nothing here."""
     return [sys.executable, "-c", f"print({line!r})"]
@@ -341,6 +351,13 @@ def phases(folder: Path, device: str, work: Path) -> list[Phase]:
             lora_command(py, work) if cuda else say("bench-lora needs CUDA"),
             limits["bench-lora"],
             needs=("install", "model", "model-8b"),
+            optional=True,
+        ),
+        Phase(
+            "bench-fp8",
+            fp8_command(py, work / "model-8b") if cuda else say("bench-fp8 needs CUDA: FP8 products and pages"),
+            limits["bench-fp8"],
+            needs=("install", "model-8b"),
             optional=True,
         ),
         Phase(

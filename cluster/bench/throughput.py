@@ -141,9 +141,11 @@ def step_read_bytes(model, batch: int, context: int, kv_dtype) -> StepReads:
     return StepReads(weights, kv, experts)
 
 
-def gpu_decode_figures(engine, batches: tuple[int, ...] = (1, 32, 256), context: int = 512, steps: int = 50) -> None:
+def gpu_decode_figures(
+    engine, batches: tuple[int, ...] = (1, 32, 256), context: int = 512, steps: int = 50
+) -> dict[int, float]:
     """Decode step time of an in-process CUDA engine at a few batch sizes, against the HBM floor: the time the
-    bytes a step must read (step_read_bytes) take at the measured bandwidth."""
+    bytes a step must read (step_read_bytes) take at the measured bandwidth. Returns the seconds a step by batch."""
     import torch
 
     worker = engine.worker
@@ -155,10 +157,11 @@ def gpu_decode_figures(engine, batches: tuple[int, ...] = (1, 32, 256), context:
         f"{'CUDA graphs' if worker.runner.decode_graphs.graphs else 'eager'}"
     )
     rng = random.Random(0)
+    step_seconds = {}
     for batch in batches:
         if batch > engine.config.max_num_seqs or batch >= engine.config.max_num_batched_tokens:
             continue
-        step_s = decode_step_seconds(engine, batch, context, steps, rng)
+        step_seconds[batch] = step_s = decode_step_seconds(engine, batch, context, steps, rng)
         reads = step_read_bytes(worker.model, batch, context + steps // 2, worker.kv_dtype)
         floor = reads.total / bandwidth
         print(
@@ -167,6 +170,7 @@ def gpu_decode_figures(engine, batches: tuple[int, ...] = (1, 32, 256), context:
             f"{'; ' + reads.experts if reads.experts else ''}), HBM floor {floor * 1e3:6.3f} ms "
             f"({floor / step_s:.0%} of the floor's speed)"
         )
+    return step_seconds
 
 
 def start_decoding(engine, batch: int, context: int, steps: int, rng: random.Random, tokens_per_step: int = 1) -> None:

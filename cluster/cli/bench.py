@@ -26,6 +26,7 @@ def add_parser(sub) -> None:
         _engine_steps,
         _moe,
         _lora,
+        _fp8,
         _pipeline,
         _embed,
         _soak,
@@ -311,6 +312,39 @@ def _moe(sub) -> None:
         if args.end_to_end:
             model = random_moe_checkpoint(default_model_path(), args.num_layers, *shapes)
             bench_throughput(model, args.num_requests, 64, 128, ["vllm"], "inprocess", device="cpu")
+
+    p.set_defaults(run=run)
+
+
+def _fp8(sub) -> None:
+    p = sub.add_parser(
+        "fp8", help="a model as it is, with FP8 weights and with an FP8 KV cache: throughput, decode steps, KV blocks"
+    )
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--long-context", type=int, default=2048, help="the long-context decode step's tokens a request")
+    p.add_argument("--long-batch", type=int, default=256, help="the long-context decode step's requests")
+    p.add_argument("--steps", type=int, default=20, help="decode steps timed per figure")
+    p.add_argument("--context", type=int, default=512, help="the decode steps' tokens a request")
+    add_engine_flags(p, exclude=("quantization", "kv_cache_dtype"))
+
+    def run(args: argparse.Namespace) -> None:
+        from cluster.bench.fp8 import bench_fp8
+
+        kwargs = engine_kwargs(args)
+        model = kwargs.pop("model", None)
+        bench_fp8(
+            model,
+            args.num_requests,
+            args.min_len,
+            args.max_len,
+            args.long_context,
+            args.long_batch,
+            args.steps,
+            args.context,
+            **kwargs,
+        )
 
     p.set_defaults(run=run)
 

@@ -214,3 +214,19 @@ def test_the_moe_tiles_are_tuned_only_when_named_and_printed_where_the_logs_come
     assert tune.command[tune.command.index("bench") + 1 :][:2] == ["moe", "--tune"]
     assert tune.command[tune.command.index("--num-experts") + 1] == "128"
     assert tune.command[-1] == str(tmp_path / "work" / "moe_configs")
+
+
+def test_fp8_is_benched_on_the_8b_shape_only_when_named(tmp_path):
+    from cluster.cli import build_parser
+    from tools.gpu_check import phases, select
+
+    work = tmp_path / "work"
+    everything = phases(tmp_path, "cuda", work)
+    assert "bench-fp8" not in {p.name for p in select(everything, None)}
+    bench = select(everything, ["install", "model-8b", "bench-fp8"])[-1]
+    argv = bench.command[bench.command.index("cluster.cli") + 1 :]
+    assert argv[:2] == ["bench", "fp8"] and argv[argv.index("--model") + 1] == str(work / "model-8b")
+    args = build_parser().parse_args(argv)  # every flag one the CLI takes
+    assert (args.num_requests, args.long_batch, args.long_context, args.max_model_len) == (256, 256, 2048, 4096)
+    with pytest.raises(SystemExit, match="bench-fp8 needs model-8b"):
+        select(everything, ["install", "bench-fp8"])
