@@ -20,6 +20,7 @@ from workers.runner_inputs import (
     CachedRequestState,
     InputBuffers,
     PendingStep,
+    PromptLogprobRows,
     StepInputs,
     logprob_stats,
 )
@@ -390,7 +391,9 @@ class ModelRunner:
         if not states:
             if not self.is_driver:
                 return PendingStep([], finished=True)
-            out = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=prompt_logprobs, pooled=pooled)
+            # Nothing sampled, so nothing to wait for but these: read at once (a step of prompt chunks only).
+            read = prompt_logprobs.to_dict() if prompt_logprobs is not None else None
+            out = ModelRunnerOutput(req_ids=[], sampled_token_ids=[], prompt_logprobs=read, pooled=pooled)
             return PendingStep([], finished=True, output=out)
         sampled = logprobs = None
         num_drafts = inputs.num_drafts
@@ -465,7 +468,7 @@ class ModelRunner:
             req_ids=[s.req_id for s in states],
             sampled_token_ids=token_ids,
             logprobs=logprobs,
-            prompt_logprobs=pending.prompt_logprobs,
+            prompt_logprobs=pending.prompt_logprobs.to_dict() if pending.prompt_logprobs is not None else None,
             num_accepted_tokens=num_accepted,
             accepted_logprobs=accepted_logprobs,
             pooled=pending.pooled,
@@ -515,9 +518,9 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, spans: list[tuple[CachedRequestState, int, int, int]]
-    ) -> dict[str, list[SampledLogprobs]] | None:
-        """Logprobs of the prompt tokens this step's chunks predict, with each one's rank and top-k (rank 0
-        only; every rank joins the vocabulary-parallel logits)."""
+    ) -> PromptLogprobRows | None:
+        """Logprobs of the prompt tokens this step's chunks predict, with each one's rank and top-k, left on the
+        device (rank 0 only; every rank joins the vocabulary-parallel logits)."""
         index = np.concatenate([np.arange(b, b + n) for _, _, n, b in spans])
         logits = self.model.compute_logits(hidden[torch.from_numpy(index).to(self.device)])
         for state, first, count, _ in spans:
@@ -526,20 +529,8 @@ class ModelRunner:
             return None
         targets = np.concatenate([self.token_ids[s.row, first + 1 : first + 1 + n] for s, first, n, _ in spans])
         k = max(s.sampling_params.prompt_logprobs for s, *_ in spans)
-        chosen, ranks, top_values, top_ids = logprob_stats(logits, torch.from_numpy(targets).to(self.device), k)
-        chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
-        values_l, ids_l = top_values.tolist(), top_ids.tolist()
-        out, i = {}, 0
-        for state, _, count, _ in spans:
-            k = state.sampling_params.prompt_logprobs
-            out[state.req_id] = [
-                SampledLogprobs(
-                    logprob=chosen_l[j], top_token_ids=ids_l[j][:k], top_logprobs=values_l[j][:k], rank=ranks_l[j]
-                )
-                for j in range(i, i + count)
-            ]
-            i += count
-        return out
+        stats = logprob_stats(logits, torch.from_numpy(targets).to(self.device), k)
+        return PromptLogprobRows(*stats, [(s.req_id, n, s.sampling_params.prompt_logprobs) for s, _, n, _ in spans])
 
     def _pool(
         self, hidden: torch.Tensor, spans: list[tuple[CachedRequestState, int, int, int, bool]]

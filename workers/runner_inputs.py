@@ -182,6 +182,33 @@ def logprob_stats(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[
 
 
 @dataclass(slots=True)
+class PromptLogprobRows:
+    """The logprobs of the prompt tokens a step's chunks predict (``logprob_stats``' tensors, a row a position), on
+    the device until ``to_dict`` reads them back: at the step's finish, after its sampled ids, so that a step with
+    a prompt_logprobs chunk is launched, like any other, before the one before it has finished. ``spans``: each
+    request's id, rows and how many of the top it asked for, in row order."""
+
+    chosen: torch.Tensor
+    ranks: torch.Tensor
+    top_values: torch.Tensor
+    top_ids: torch.Tensor
+    spans: list[tuple[str, int, int]]
+
+    def to_dict(self) -> dict[str, list[SampledLogprobs]]:
+        # One transfer per tensor; per-row Python only touches plain lists.
+        chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
+        values, ids = self.top_values.tolist(), self.top_ids.tolist()
+        out, first = {}, 0
+        for req_id, count, k in self.spans:
+            out[req_id] = [
+                SampledLogprobs(logprob=chosen[j], top_token_ids=ids[j][:k], top_logprobs=values[j][:k], rank=ranks[j])
+                for j in range(first, first + count)
+            ]
+            first += count
+        return out
+
+
+@dataclass(slots=True)
 class StepInputs:
     """One step's model inputs (device tensors, views of InputBuffers) and what sampling needs.
     ``graph_size`` is the padded batch a captured graph of ``graph_query_len`` tokens a request can run, or 0 for an
@@ -220,7 +247,7 @@ class PendingStep:
     sampled: torch.Tensor | None = None  # [S] ids, or [2S] (token, accepted proposals) when verifying
     num_drafts: list[int] | None = None
     logprobs: LogprobRows | None = None
-    prompt_logprobs: dict[str, list[SampledLogprobs]] | None = None
+    prompt_logprobs: PromptLogprobRows | None = None
     pooled: dict[str, list[float]] | None = None
     host: torch.Tensor | None = None
     copied: Any = None  # torch.cuda.Event

@@ -11,6 +11,7 @@ import torch
 from cluster import EngineConfig, SamplingParams
 from cluster.engine.inprocess import InProcessEngine
 from scheduler import EngineRequest, StructuredOutputsParams
+from workers.runner_inputs import PromptLogprobRows
 
 
 def run(engine: InProcessEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
@@ -396,10 +397,10 @@ def test_a_ready_step_is_awaited_without_a_thread(tiny_model_dir, monkeypatch):
     assert run(engine(path, async_scheduling=True), ids, params) == expected
 
 
-def test_async_scheduling_launches_each_step_before_the_last_ones_ids_reach_the_host(tiny_model_dir):
+def test_async_scheduling_launches_each_step_before_the_last_ones_ids_reach_the_host(tiny_model_dir, monkeypatch):
     """Two steps in flight in-process: step N+1 is launched with step N's sampled ids still on the device (as on
-    CUDA: copying buffers, a device a step behind), and every request's tokens, logprobs and finish are those of one
-    step at a time."""
+    CUDA: copying buffers, a device a step behind), and every request's tokens, logprobs (prompt ones too, read back
+    only as their step finishes) and finish are those of one step at a time."""
     path = tiny_model_dir("llama")
     ids = prompts(6, seed=4)
     params = [
@@ -421,7 +422,23 @@ def test_async_scheduling_launches_each_step_before_the_last_ones_ids_reach_the_
     slow_device(eng.worker.runner)
     counts = late_tokens(eng)
     pending_rows = PendingRowsCheck()
+    # Prompt logprobs are read back as their step finishes (in _complete), the next step already launched.
+    runner, completing, reads = eng.worker.runner, [], []
+    complete, to_dict = type(runner)._complete, PromptLogprobRows.to_dict
+
+    def completing_step(self, pending):
+        completing.append(pending)
+        complete(self, pending)
+        completing.pop()
+
+    def read(rows):
+        reads.append((bool(completing), len(runner.unfinished)))
+        return to_dict(rows)
+
+    monkeypatch.setattr(type(runner), "_complete", completing_step)
+    monkeypatch.setattr(PromptLogprobRows, "to_dict", read)
     assert collect(eng, requests, on_step=pending_rows) == expected
+    assert reads and all(inside for inside, _ in reads) and max(n for _, n in reads) >= 1, reads
     # Decode steps of all the requests took each one's newest token from the device.
     assert max(counts) >= 5 and sum(counts) > 40 and pending_rows.seen > 40
     assert not eng.worker.runner.unfinished or eng.worker.runner.unfinished[-1].states == []
