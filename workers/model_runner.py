@@ -210,14 +210,20 @@ class ModelRunner:
         spec = so.scheduled_spec_decode_tokens
         if spec:  # before the input ids are gathered from the rows
             self._write_drafts(states, spec)
+        # Each request's tokens in the batch: its scheduled ones, and in a verification step whose requests verify
+        # different counts, padding after them up to a captured graph's 1 + k.
+        counts = num_new
+        verify_len = self._verify_padding(states, num_new, starts, spec) if spec else 0
+        if verify_len:
+            counts = np.full(num_reqs, verify_len, dtype=np.int64)
         buf = self.buffers.writable()
         cu = buf["query_start_loc"]
         cu[0] = 0
-        np.cumsum(num_new, out=cu[1 : num_reqs + 1])
+        np.cumsum(counts, out=cu[1 : num_reqs + 1])
         total = int(cu[num_reqs])
-        token_req = np.repeat(np.arange(num_reqs), num_new)
+        token_req = np.repeat(np.arange(num_reqs), counts)
         positions = buf["positions"][:total]
-        np.subtract(np.arange(total), np.repeat(cu[:num_reqs] - starts, num_new), out=positions)
+        np.subtract(np.arange(total), np.repeat(cu[:num_reqs] - starts, counts), out=positions)
         buf["input_ids"][:total] = self.token_ids[rows[token_req], positions]
         host_tokens = np.fromiter((s.num_tokens for s in states), dtype=np.int64, count=num_reqs)
         pending_rows = np.fromiter((s.pending[1] if s.pending else -1 for s in states), dtype=np.int64, count=num_reqs)
@@ -227,16 +233,18 @@ class ModelRunner:
         num_late = len(late)
         buf["late_positions"][:num_late] = late
         buf["late_rows"][:num_late] = pending_rows[token_req[late]]
-        seq_lens = starts + num_new
+        seq_lens = starts + counts
         buf["seq_lens"][:num_reqs] = seq_lens
         block_tables = buf["block_tables"]
         np.take(self.block_table, rows, axis=0, out=block_tables[:num_reqs])
         bs = self.block_size
         buf["slot_mapping"][:total] = block_tables[token_req, positions // bs].astype(np.int64) * bs + positions % bs
+        if verify_len:  # the padding's keys and values go to the null slot; the tokens before them never read them
+            buf["slot_mapping"][:total][positions >= (starts + num_new)[token_req]] = 0
         num_tokens = host_tokens + (pending_rows >= 0)
         if spec:
             num_tokens += np.fromiter((len(spec.get(s.req_id, ())) for s in states), dtype=np.int64, count=num_reqs)
-        sampling = np.nonzero(seq_lens == num_tokens)[0]
+        sampling = np.nonzero(starts + num_new == num_tokens)[0]
         prompt_spans, pool_spans = [], []
         for i, s in enumerate(states):
             first, count = s.prompt_logprob_span(int(starts[i]), int(num_new[i]))
@@ -247,7 +255,7 @@ class ModelRunner:
                 pool_spans.append((s, int(cu[i]), int(num_new[i]), int(starts[i]), done))
         if pool_spans:  # an embedding request samples nothing: no logits
             sampling = sampling[[states[i].sampling_params.pooling is None for i in sampling]]
-        ends = cu[1 : num_reqs + 1][sampling]
+        ends = (cu[:num_reqs] + num_new)[sampling]
         num_drafts = draft_ids = None
         if spec:
             num_drafts, draft_ids, index = self._draft_rows([states[i] for i in sampling], spec, ends)
@@ -257,13 +265,13 @@ class ModelRunner:
             num_logits = len(sampling)
             buf["logits_indices"][:num_logits] = ends - 1
         if self.lora is not None:  # request i's num_new[i] tokens use slot req_slots[i]
-            token_slots = np.repeat(req_slots, num_new)
+            token_slots = np.repeat(req_slots, counts)
             if "token_slots" in buf:
                 buf["token_slots"][:total] = token_slots
             else:
                 self.lora.batch.set(token_slots)
         # Every request with the same count (decodes; or proposals verified, k each): a captured graph's shape.
-        query_len = int(num_new[0]) if num_reqs and (num_new == num_new[0]).all() else 0
+        query_len = int(counts[0]) if num_reqs and (counts == counts[0]).all() else 0
         graph_size = self.decode_graphs.padded_size(num_reqs, total, query_len)
         if graph_size:
             self.buffers.pad_decode(num_reqs, graph_size, query_len)
@@ -277,7 +285,7 @@ class ModelRunner:
             seq_lens=dev["seq_lens"],
             block_tables=dev["block_tables"],
             slot_mapping=dev["slot_mapping"],
-            max_query_len=int(num_new.max()),
+            max_query_len=int(counts.max()),
             max_seq_len=int(seq_lens.max()),
             backend=self.attn_backend,
         )
@@ -294,6 +302,23 @@ class ModelRunner:
             draft_ids,
             query_len if graph_size else 1,
         )
+
+    def _verify_padding(
+        self, states: list[CachedRequestState], num_new: np.ndarray, starts: np.ndarray, spec: dict[str, list[int]]
+    ) -> int:
+        """The tokens a request to pad a verification step to (1 + k, a captured graph's), or 0: only a step whose
+        requests all decode, verifying between 0 and k proposals but not all the same count (n-gram proposals;
+        a draft model's catch-up reads the step's inputs as they are scheduled), whose padding stays below
+        max_model_len, and whose batch a graph captures. Padding after a request's tokens changes none of its
+        hidden states: attention is causal, and the padding's KV goes to the null slot."""
+        query_len = max(self.decode_graphs.query_lens)
+        if self.draft is not None or query_len == 1 or (num_new == num_new[0]).all() or (num_new > query_len).any():
+            return 0
+        proposals = np.fromiter((len(spec.get(s.req_id, ())) for s in states), dtype=np.int64, count=len(states))
+        decoding = num_new == proposals + 1
+        if not decoding.all() or (starts + query_len > self.max_model_len).any():
+            return 0
+        return query_len if self.decode_graphs.padded_size(len(states), len(states) * query_len, query_len) else 0
 
     def _write_drafts(self, states: list[CachedRequestState], spec: dict[str, list[int]]) -> None:
         """Each proposal into its request's row after its tokens (the step's input ids there). Accepted ones

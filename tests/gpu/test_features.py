@@ -62,9 +62,10 @@ def record_replays(graphs) -> list[tuple[int, int, bool]]:
 
 
 def test_speculation_gives_the_output_without_it(tiny_model_dir):
-    """k + 1 rows verified per speculating request, by a captured graph where every request verifies k (the draft
-    model's steps) and eagerly otherwise, the draft's catch-up and passes by its own graphs: greedy output equal to
-    no speculation, and a draft that is the target has every proposal accepted."""
+    """k + 1 rows verified per speculating request, by a captured graph of (1 + k)-token requests (the draft
+    model's steps, where every request verifies k; n-gram's, whose counts differ, padded to it), the draft's
+    catch-up and passes by its own graphs: greedy output equal to no speculation, and a draft that is the target
+    has every proposal accepted."""
     path = tiny_model_dir("llama")
     rng = torch.Generator().manual_seed(6)
     ids = [[7, 8, 9, 10] * 3 + torch.randint(3, 256, (1 + 9 * i,), generator=rng).tolist() for i in range(3)]
@@ -89,9 +90,10 @@ def test_speculation_gives_the_output_without_it(tiny_model_dir):
         for key, entry in got.items():
             assert entry["logprobs"] == pytest.approx(expected[key]["logprobs"], abs=1e-4)
         assert stats.spec_decode_num_draft_tokens > 0, spec["method"]
+        verify_len = 1 + spec["num_speculative_tokens"]
+        assert any(q == verify_len and captured for _, q, captured in replayed), (spec["method"], replayed)
         if spec["method"] == "draft_model":
             assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
-            assert any(q == 4 and captured for _, q, captured in replayed), replayed  # a verification's graph
             # The draft's catch-up of those steps and its proposal passes replay its own graphs.
             assert {q for _, q, captured in draft_replayed if captured} == {1, 4}, draft_replayed
 

@@ -85,6 +85,35 @@ def test_verification_steps_padded_to_graph_shapes_give_the_same_tokens(tiny_mod
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
 
 
+def test_verification_steps_of_uneven_proposals_are_padded_to_graph_shapes_and_give_the_same_tokens(tiny_model_dir):
+    """n-gram proposals differ in count from request to request and step to step: a step verifying 0 to 3 a
+    request is padded after each request's tokens to 4 (a captured graph's shape), the padding's KV on the null
+    slot, and gives the tokens of no speculation; every request's logits rows are its own."""
+    path = tiny_model_dir("llama")
+    # Repetitive prompts, so that n-gram lookup finds continuations for some requests and not for others.
+    ids = [(p[:6] * 4)[: 12 + 5 * i] for i, p in enumerate(prompts(4, seed=9))]
+    params = [SamplingParams(temperature=0.0, max_tokens=14 + 3 * i, ignore_eos=True) for i in range(4)]
+    expected = run(engine(path), ids, params)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    padded = engine(path, speculative_config=json.dumps(spec))
+    runner = padded.worker.runner
+    assert runner.decode_graphs.query_lens == (1, 4)
+    runner.decode_graphs.sizes = [1, 2, 4, 8]
+    uneven = []
+    forward = runner.forward
+
+    def record(inputs):
+        drafts = inputs.num_drafts
+        if drafts is not None and len(set(drafts)) > 1:
+            uneven.append((inputs.graph_size, inputs.graph_query_len, inputs.input_ids.shape[0]))
+        return forward(inputs)
+
+    runner.forward = record
+    assert run(padded, ids, params) == expected
+    assert uneven and all(q == 4 and tokens == 4 * size for size, q, tokens in uneven), uneven
+    assert padded.stats().spec_decode_num_draft_tokens > 0
+
+
 def test_repetition_penalty_matches_transformers_across_steps_and_reused_rows(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
