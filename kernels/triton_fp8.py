@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8_MAX, MIN_SCALE, block_step
+from kernels.fp8 import FP8_MAX, MIN_SCALE, block_step, block_unsupported
 from kernels.triton_fused import _num_warps
 
 # float8_e4m3fn: 3 mantissa bits; its smallest normal exponent, below which the spacing stays that binade's.
@@ -149,7 +149,10 @@ def block_scaled_mm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """x [M, K] float8_e4m3fn with x_scale [M, ceil(K / block[1])], times weight [N, K] float8_e4m3fn with
-    weight_scale [ceil(N / block[0]), ceil(K / block[1])] transposed, plus bias [N]: [M, N] in `out_dtype`."""
+    weight_scale [ceil(N / block[0]), ceil(K / block[1])] transposed, plus bias [N]: [M, N] in `out_dtype`;
+    ValueError for tiles whose step is too short for a GPU's 8-bit dot (kernels/fp8.py `block_unsupported`)."""
+    if why := block_unsupported(block):
+        raise ValueError(why)
     x, weight, x_scale, weight_scale = (
         x.contiguous(),
         weight.contiguous(),

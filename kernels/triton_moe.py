@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.fp8 import block_step, quantize_per_token
+from kernels.fp8 import block_step, block_unsupported, quantize_per_token
 from kernels.fused import silu_and_mul
 
 # Where the measured tables live; RAYLM_MOE_CONFIG_DIR names another folder (a tuning run's output, tests).
@@ -216,8 +216,9 @@ def grouped_mm(
     With `w_scale`, w is float8_e4m3fn and x is quantized per token (kernels/fp8.py), W8A8: w_scale float32
     [G, N], one per (group, output row), with x's rows quantized whole; or, with `block` (rows, cols), one per
     tile [G, ceil(N / rows), ceil(K / cols)], with x's rows quantized per group of `cols` columns and the
-    reduction stepping by a power of two that divides `cols` (at most config.depth: block_step must be 16 or
-    more, as tl.dot needs). Shapes still depend only on x's and w's: no host read."""
+    reduction stepping by a power of two that divides `cols` (at most config.depth); ValueError for tiles whose
+    step is too short for a GPU's 8-bit dot (kernels/fp8.py `block_unsupported`). Shapes still depend only on x's
+    and w's: no host read."""
     out = x.new_empty(x.shape[0], w.shape[1])
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     scales, x_scale, depth, tile = "none", None, config.depth, (1, 1)
@@ -225,6 +226,8 @@ def grouped_mm(
         scales = "rows" if block is None else "tiles"
         x, x_scale = quantize_per_token(x, None if block is None else block[1])
         if block is not None:
+            if why := block_unsupported(block):
+                raise ValueError(why)
             depth, tile = min(depth, block_step(block[1])), block
     x, w = x.contiguous(), w.contiguous()
     n, k = w.shape[1:]

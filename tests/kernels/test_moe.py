@@ -11,9 +11,10 @@ from kernels.moe import fused_moe, looped_moe, route
 from workers.quantization import quantize_rows, quantize_tiles
 
 E, H, UNITS = 8, 32, 24  # experts, hidden size, units per expert
-# FP8 experts' layouts. Tiles of w13 [48, 32] and w2 [32, 24]: ragged at the ends of rows and of columns (32x16),
-# several per row (16x32: 3 of w13's, 2 of w2's).
-FP8_LAYOUTS = {"rows": None, "32x16 blocks": (32, 16), "16x32 blocks": (16, 32)}
+# FP8 experts' layouts. Tiles of w13 [48, 32] and w2 [32, 24]: one per matrix, w2's ragged in rows and columns
+# (48x32); several down the rows (16x32: 3 of w13's, 2 of w2's). Tiles are 32 columns or more: a GPU's 8-bit dot
+# takes K >= 32.
+FP8_LAYOUTS = {"rows": None, "48x32 blocks": (48, 32), "16x32 blocks": (16, 32)}
 
 
 def weights(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,8 +47,8 @@ def test_grouped_mm_matches_torch(counts):
 
 @pytest.mark.parametrize(
     "block",
-    [None, (32, 32), (16, 48)],
-    ids=["rows", "32x32 blocks, ragged at both ends", "16x48 blocks, 3 steps of 16 per tile"],
+    [None, (32, 32), (16, 64)],
+    ids=["rows", "32x32 blocks, ragged at both ends", "16x64 blocks, 2 steps of 32 per tile, ragged"],
 )
 @pytest.mark.parametrize("counts", [[0, 1, 0, 0], [5, 0, 33, 0]], ids=["one token", "groups of 0 rows"])
 def test_fp8_grouped_mm_sums_the_values_its_operands_stand_for(counts, block):
@@ -180,15 +180,15 @@ def test_the_op_reads_nothing_on_the_host(first_expert):
 
 
 def test_the_fp8_op_reads_nothing_on_the_host():
-    (w13, w13_scale, _), (w2, w2_scale, _) = (fp8_experts(w[4:], (32, 16)) for w in moe_weights(torch.float32))
+    (w13, w13_scale, _), (w2, w2_scale, _) = (fp8_experts(w[4:], (32, 32)) for w in moe_weights(torch.float32))
     x = torch.randn(9, H, generator=torch.Generator().manual_seed(2))
     topk_weights, topk_ids = routing(9, 3, list(range(E)))
     args = [t.to(DEVICE) for t in (x, w13, w2, topk_weights, topk_ids)]
     with NoHostReads():
         out = triton_moe.fused_moe(
-            *args, 4, w13_scale=w13_scale.to(DEVICE), w2_scale=w2_scale.to(DEVICE), block=(32, 16)
+            *args, 4, w13_scale=w13_scale.to(DEVICE), w2_scale=w2_scale.to(DEVICE), block=(32, 32)
         )
-    expected = moe.fused_moe(x, w13, w2, topk_weights, topk_ids, 4, w13_scale, w2_scale, (32, 16))
+    expected = moe.fused_moe(x, w13, w2, topk_weights, topk_ids, 4, w13_scale, w2_scale, (32, 32))
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
 
 

@@ -36,7 +36,6 @@ def blocks(rows: int, cols: int) -> Scheme:
 LAYOUTS = {
     "rows": SCHEMES["compressed-tensors per channel"],
     "32x32 blocks": SCHEMES["fp8 blocks 32x32"],
-    "16x16 blocks": blocks(16, 16),
     "16x32 blocks": blocks(16, 32),
     "48x48 blocks (ragged)": SCHEMES["compressed-tensors blocks 48x48 (ragged)"],
 }
@@ -44,16 +43,17 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def checkpoint(tiny_model_dir, tmp_path_factory):
-    """`checkpoint(layout)` -> (float dir, FP8 dir, the FP8 dir's tensors as stored), made once."""
+    """`checkpoint(layout, units)` -> (float dir, FP8 dir, the FP8 dir's tensors as stored), made once: the tiny
+    Qwen3-MoE with `units` per expert (default UNITS)."""
     made = {}
 
-    def make(layout: str):
-        if layout not in made:
-            src = tiny_model_dir("qwen3_moe", None, **QWEN3_MOE)
+    def make(layout: str, units: int = UNITS):
+        if (layout, units) not in made:
+            src = tiny_model_dir("qwen3_moe", None, **{**QWEN3_MOE, "moe_intermediate_size": units})
             dst = tmp_path_factory.mktemp("moe-fp8")
             write_fp8_checkpoint(src, dst, LAYOUTS[layout])
-            made[layout] = src, dst, load_file(dst / "model.safetensors")
-        return made[layout]
+            made[layout, units] = src, dst, load_file(dst / "model.safetensors")
+        return made[layout, units]
 
     return make
 
@@ -114,21 +114,22 @@ def test_fp8_experts_hold_the_checkpoints_float8_values(checkpoint, layout, dtyp
 
 
 def test_tensor_and_expert_parallel_ranks_hold_their_share_of_the_checkpoints_tiles(checkpoint):
-    """16x16 tiles: a tensor-parallel rank's 16 units of each expert start and end on tiles. Expert parallel: whole
-    experts, 4 of the 8 per rank. Rank 1 of 2 either way (tiles need no collective to requantize)."""
-    _, path, stored = checkpoint("16x16 blocks")
+    """32x32 tiles of experts of 64 units: a tensor-parallel rank's 32 units of each expert start and end on tiles
+    (tiles need at least 32 columns: a GPU's 8-bit dot takes K >= 32). Expert parallel: whole experts, 4 of the 8
+    per rank. Rank 1 of 2 either way (tiles need no collective to requantize)."""
+    _, path, stored = checkpoint("32x32 blocks", 64)
     model, converted = converted_model(path, tp_rank=1, tp_size=2)
     assert set(MOE_BLOCKS) <= set(converted)
     assert_holds(
         held(model.get_submodule(MOE_BLOCKS[1])),
-        checkpoint_experts(stored, "16x16 blocks", MOE_BLOCKS[1], range(8), slice(16, 32)),
+        checkpoint_experts(stored, "32x32 blocks", MOE_BLOCKS[1], range(8), slice(32, 64)),
         torch.float32,
     )
     model, converted = converted_model(path, tp_rank=1, tp_size=2, expert_parallel=True)
     assert set(MOE_BLOCKS) <= set(converted)
     assert_holds(
         held(model.get_submodule(MOE_BLOCKS[1])),
-        checkpoint_experts(stored, "16x16 blocks", MOE_BLOCKS[1], range(4, 8), slice(0, UNITS)),
+        checkpoint_experts(stored, "32x32 blocks", MOE_BLOCKS[1], range(4, 8), slice(0, 64)),
         torch.float32,
     )
 

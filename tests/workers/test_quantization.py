@@ -381,31 +381,38 @@ def test_fp8_products_move_the_logits_as_little_as_the_weights_quantization_did(
     assert 1e-3 < deviation <= 2 * by_weights
 
 
-def test_layers_whose_tiles_the_layout_cuts_stay_dequantized(fp8_checkpoint, tiny_model_dir, caplog):
+def test_layers_whose_tiles_the_layout_cuts_or_the_kernel_cannot_step_stay_dequantized(fp8_checkpoint, caplog):
     """48x48 tiles: q_proj's 64 rows end in a 16-row tile, so qkv_proj's k_proj part starts inside one, as up_proj
-    does in gate_up_proj (gate's 128 rows: 48 + 48 + 32); o_proj and down_proj convert, ragged edge tiles and all."""
+    does in gate_up_proj (gate's 128 rows: 48 + 48 + 32); o_proj and down_proj lay out whole, but 48 columns are
+    stepped through 16 at a time, and a GPU's 8-bit dot takes at least 32."""
     _, blocks, _ = fp8_checkpoint("llama", "compressed-tensors blocks 48x48 (ragged)")
     with caplog.at_level(logging.WARNING, logger="workers.quantization"):
         model, converted = fp8_model(blocks)
-    assert converted == [n for n in LINEARS if n.endswith(("o_proj", "down_proj"))]
-    assert model.get_submodule("model.layers.0.mlp.down_proj").weight_scale.shape == (2, 3)
-    assert all(model.get_submodule(n).weight.dtype == torch.float32 for n in LINEARS if n not in converted)
+    assert converted == []
+    assert all(model.get_submodule(n).weight.dtype == torch.float32 for n in LINEARS)
+    kept = "raylm: {} linear layers ({}, ...) keep their weights dequantized in torch.float32: {}"
     assert sorted(caplog.messages) == [
-        "raylm: 2 linear layers (model.layers.0.mlp.gate_up_proj, ...) keep their weights dequantized in "
-        "torch.float32: up_proj starts at row 128 of the fused weight, inside one of its 48x48 blocks",
-        "raylm: 2 linear layers (model.layers.0.self_attn.qkv_proj, ...) keep their weights dequantized in "
-        "torch.float32: k_proj starts at row 64 of the fused weight, inside one of its 48x48 blocks",
+        kept.format(
+            2,
+            "model.layers.0.mlp.gate_up_proj",
+            "up_proj starts at row 128 of the fused weight, inside one of its 48x48 blocks",
+        ),
+        kept.format(
+            2,
+            "model.layers.0.self_attn.qkv_proj",
+            "k_proj starts at row 64 of the fused weight, inside one of its 48x48 blocks",
+        ),
+        kept.format(
+            4,
+            "model.layers.0.self_attn.o_proj",
+            "the FP8 block kernel steps through a tile's columns in powers of two of at least 32 that divide them, "
+            "and 48 has none",
+        ),
     ]
-    # Tiles whose columns the kernel cannot step through (24: no power of two of at least 16 divides it).
-    model = load_model(tiny_model_dir("llama"))
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="workers.quantization"):
-        tiles = Fp8Scheme("block", "weight_scale", (32, 24))
-        assert fp8_products(model, WeightQuantization("fp8", ((("Linear",), tiles),))) == []
-    [line] = caplog.messages
-    assert "8 linear layers" in line and "steps through a tile's columns in powers of two of at least 16" in line
-    # Parts of one fused layer quantized in two layouts: one product cannot take both.
-    caplog.clear()
+
+
+def test_a_fused_layer_whose_parts_are_laid_out_differently_stays_dequantized(tiny_model_dir, caplog):
+    """Parts of one fused layer quantized in two layouts: one product cannot take both."""
     model = load_model(tiny_model_dir("llama"))
     mixed = ((("re:.*up_proj",), Fp8Scheme("channel", "")), (("Linear",), Fp8Scheme("block", "", (32, 32))))
     with caplog.at_level(logging.WARNING, logger="workers.quantization"):
