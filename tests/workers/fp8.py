@@ -2,12 +2,13 @@
 magnitude / 448, the stored weight = weight / scale in float8_e4m3fn), for the loader's tests; and, run as a
 script, the quality of each scheme against the float model:
 
-    python -m tests.workers.fp8 MODEL_DIR [--dtype bfloat16] [SCHEME ...]
+    python -m tests.workers.fp8 MODEL_DIR [--dtype bfloat16] [--products] [SCHEME ...]
 
 prints, per scheme (the checkpoints'; quantization=fp8, raylm's `--quantization fp8`; kv_cache_dtype=fp8, its
 `--kv-cache-dtype fp8`), the greedy agreement with the model in --dtype (default float32) over a few prompts, where
 each prompt first diverges, and the mean absolute error of its logits (teacher-forced on the reference model's own
-continuations)."""
+continuations). With --products the FP8 layers run FP8 products (W8A8, fp8_products), as a GPU runs them, rather
+than the dequantized weights' products."""
 
 import argparse
 import json
@@ -152,10 +153,13 @@ PROMPTS = [
 AT_LOAD = ("quantization=fp8", "kv_cache_dtype=fp8")
 
 
-def main(model_dir: str, dtype: torch.dtype, names: list[str]) -> None:
-    """The quality report of the module docstring; a model without a tokenizer gets 8 random 6-token prompts."""
+def main(model_dir: str, dtype: torch.dtype, names: list[str], products: bool = False) -> None:
+    """The quality report of the module docstring; a model without a tokenizer gets 8 random 6-token prompts.
+    `products`: the FP8 weights converted by fp8_products, so that the products are W8A8 as on a GPU (activations
+    quantized too), not the dequantized weights' products."""
     from kernels import TorchBackend
-    from workers.model_loader import load_model
+    from workers.model_loader import load_model, read_model_spec
+    from workers.quantization import fp8_products
 
     prompts = [torch.randint(100, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(8)]
     if (Path(model_dir) / "tokenizer.json").is_file():
@@ -168,12 +172,15 @@ def main(model_dir: str, dtype: torch.dtype, names: list[str]) -> None:
     for name in names or [*schemes, *AT_LOAD]:
         with tempfile.TemporaryDirectory() as dst:
             kv_dtype = torch.float8_e4m3fn if name == "kv_cache_dtype=fp8" else None
-            if name in AT_LOAD:
-                quantization = "fp8" if name == "quantization=fp8" else None
-                model = load_model(model_dir, dtype, attn_backend=TorchBackend(), quantization=quantization)
-            else:
+            quantization = "fp8" if name == "quantization=fp8" else None
+            path = model_dir
+            if name not in AT_LOAD:
                 write_fp8_checkpoint(model_dir, Path(dst), schemes[name])
-                model = load_model(dst, dtype, attn_backend=TorchBackend())
+                path = dst
+            model = load_model(path, dtype, attn_backend=TorchBackend(), quantization=quantization)
+            weights = read_model_spec(path, quantization=quantization).quantization
+            if products and weights is not None:
+                name += f" (W8A8: {len(fp8_products(model, weights))} layers)"
             agree, error, size, divergence = quality(plain, model, prompts, 16, kv_dtype)
         print(
             f"{name} vs {dtype}: greedy {agree}/{len(prompts)} prompts equal over 16 tokens (first divergence "
@@ -186,5 +193,8 @@ if __name__ == "__main__":
     parser.add_argument("model_dir")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("schemes", nargs="*", help=f"default: all ({[*SCHEMES, *PUBLISHED_BLOCKS, *AT_LOAD]})")
+    parser.add_argument(
+        "--products", action="store_true", help="FP8 products (W8A8, as on a GPU) rather than dequantized weights"
+    )
     args = parser.parse_intermixed_args()
-    main(args.model_dir, getattr(torch, args.dtype), args.schemes)
+    main(args.model_dir, getattr(torch, args.dtype), args.schemes, args.products)
