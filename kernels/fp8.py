@@ -79,11 +79,18 @@ def block_fp8_linear(
         from kernels.triton_fp8 import block_scaled_mm
 
         return block_scaled_mm(x_fp8, x_scale, weight, weight_scale, block, bias, x.dtype)
-    n, k = weight.shape
-    xd = x_fp8.float() * x_scale.repeat_interleave(block[1], dim=1)[:, :k]
-    wd = weight.float() * weight_scale.repeat_interleave(block[0], dim=0)[:n].repeat_interleave(block[1], dim=1)[:, :k]
-    y = xd @ wd.T
+    y = fp8_values(x_fp8, x_scale, (1, block[1])) @ fp8_values(weight, weight_scale, block).T
     return (y if bias is None else y + bias.float()).to(x.dtype)
+
+
+def fp8_values(stored: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int] | None = None) -> torch.Tensor:
+    """The fp32 values float8 `stored` [..., N, K] stands for: times `scale` [..., N], one per row (`tile` None),
+    or [..., ceil(N / rows), ceil(K / cols)], one per `tile` [rows, cols] (the last ones of a dimension smaller)."""
+    if tile is None:
+        return stored.float() * scale.unsqueeze(-1)
+    n, k = stored.shape[-2:]
+    per_element = scale.repeat_interleave(tile[0], dim=-2)[..., :n, :].repeat_interleave(tile[1], dim=-1)[..., :k]
+    return stored.float() * per_element
 
 
 def block_step(cols: int) -> int:

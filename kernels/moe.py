@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_ops import silu_and_mul, small_mm_applies
-from kernels.fp8 import quantize_per_token
+from kernels.fp8 import fp8_values, quantize_per_token
 from kernels.fused import has_triton
 
 # Rows per expert up to which raylm's CPU op (`grouped_small_mm`) beats torch's grouped_mm, which runs each
@@ -125,12 +125,9 @@ def _fp8_values(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] quantized per token (per group of block[1] columns with tiles) and w [G, N, K] float8_e4m3fn, both
     as the fp32 values they stand for."""
-    (n, k), cols = w.shape[1:], None if block is None else block[1]
-    x_fp8, x_scale = quantize_per_token(x, cols)
-    if block is None:
-        return x_fp8.float() * x_scale, w.float() * w_scale.unsqueeze(2)
-    w_scale = w_scale.repeat_interleave(block[0], dim=1)[:, :n].repeat_interleave(cols, dim=2)[:, :, :k]
-    return x_fp8.float() * x_scale.repeat_interleave(cols, dim=1)[:, :k], w.float() * w_scale
+    cols = w.shape[2] if block is None else block[1]
+    x_fp8, x_scale = quantize_per_token(x, None if block is None else cols)
+    return fp8_values(x_fp8, x_scale, (1, cols)), fp8_values(w, w_scale, block)
 
 
 def looped_moe(
