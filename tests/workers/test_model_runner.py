@@ -57,7 +57,9 @@ def test_decodes_padded_to_graph_sizes_give_the_same_tokens(tiny_model_dir):
 def test_verification_steps_padded_to_graph_shapes_give_the_same_tokens(tiny_model_dir):
     """With k = 3 proposals a request (the target as its own draft: all accepted), steps where every request
     verifies 3 are padded to a captured size of 4-token requests, and the draft's passes to a captured size of
-    one-token requests, as their CUDA graphs replay them."""
+    one-token requests, as their CUDA graphs replay them. Near its max_tokens a request is proposed fewer: that
+    step is padded after its tokens to 4 a request as well, and the draft, catching up on the padded inputs, keeps
+    proposing what the target accepts."""
     import json
 
     path = tiny_model_dir("llama")
@@ -76,11 +78,15 @@ def test_verification_steps_padded_to_graph_shapes_give_the_same_tokens(tiny_mod
         shapes.append(
             (len(inputs.sampling_states), inputs.input_ids.shape[0], inputs.graph_size, inputs.graph_query_len)
         )
+        if inputs.num_drafts is not None and len(set(inputs.num_drafts)) > 1:
+            uneven.append(shapes[-1])
         return forward(inputs)
 
+    uneven = []
     runner.forward = record
     assert run(padded, ids, params) == expected
     assert (3, 16, 4, 4) in shapes  # three requests verifying 3 proposals each, as four of 4 tokens
+    assert uneven and all(q == 4 and tokens == 4 * size for _, tokens, size, q in uneven), uneven
     stats = padded.stats()
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
 
