@@ -12,8 +12,9 @@
   (kernels/triton_fp8.py: `_scaled_mm` takes no tile scales), the same sums in fp32 through torch elsewhere.
   `block_unsupported` names a tile the kernel cannot step through.
 
-The quantization is one Triton kernel on CUDA (kernels/triton_fp8.py), torch's ops elsewhere; CPU runs the row-wise
-numerics through torch's own `_scaled_mm`.
+A weight becomes FP8 in either layout through `quantize_rows` and `quantize_tiles` (any device, in float64, so
+its FP8 values do not depend on the dtype it was held in). The activations' quantization is one Triton kernel on
+CUDA (kernels/triton_fp8.py), torch's ops elsewhere; CPU runs the row-wise numerics through torch's own `_scaled_mm`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,34 @@ ALIGNMENT = 16
 # The block kernel steps through K in powers of two that divide a tile's columns; a GPU's 8-bit tl.dot takes K >= 32
 # (Triton's NVIDIA backend; its interpreter takes 16).
 MIN_BLOCK_STEP = 32
+
+
+def quantize_rows(weight: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scales [out, 1]): each row scaled so that its largest magnitude is FP8's
+    largest value, 448. Divisions are made in float64, so the FP8 values do not depend on the input's dtype.
+    `amax` [out, 1]: the rows' largest magnitudes where `weight` holds only some columns of them (default: its
+    own)."""
+    amax = weight.abs().amax(dim=1, keepdim=True) if amax is None else amax
+    scale = (amax.double().clamp(min=MIN_SCALE) / FP8_MAX).float()
+    stored = (weight.double() / scale.double()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return stored, scale
+
+
+def dequantize_rows(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return stored.to(torch.float32) * scale
+
+
+def quantize_tiles(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scales [ceil(out / rows), ceil(in / cols)]): each `block` [rows, cols] tile
+    (smaller at the ends) scaled so that its largest magnitude is 448, as `quantize_rows` scales rows."""
+    (out, cols), (tile_rows, tile_cols) = weight.shape, block
+    grid_rows, grid_cols = -(-out // tile_rows), -(-cols // tile_cols)
+    padded = torch.nn.functional.pad(weight, (0, grid_cols * tile_cols - cols, 0, grid_rows * tile_rows - out))
+    tiles = padded.view(grid_rows, tile_rows, grid_cols, tile_cols)
+    amax = tiles.abs().amax(dim=(1, 3))
+    scale = (amax.double().clamp(min=MIN_SCALE) / FP8_MAX).float()
+    stored = (tiles.double() / scale.double()[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return stored.view(grid_rows * tile_rows, grid_cols * tile_cols)[:out, :cols].contiguous(), scale
 
 
 def quantize_per_token(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from workers.layers import RopeConfig
-from workers.quantization import WeightQuantization
+
+if TYPE_CHECKING:  # at run time the module would import this one back through the models
+    from workers.quantization import WeightQuantization
 
 
 @dataclass(slots=True, frozen=True)

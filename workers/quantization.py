@@ -48,24 +48,28 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from kernels.fp8 import block_unsupported, shape_unsupported, unsupported
+from kernels.fp8 import (
+    block_unsupported,
+    dequantize_rows,
+    quantize_rows,
+    quantize_tiles,
+    shape_unsupported,
+    unsupported,
+)
 from workers.layers import ColumnParallelLinear, RowParallelLinear, TensorSlice
+from workers.models.moe import SparseMoeBlock
 from workers.parallel import tp_group
-
-if TYPE_CHECKING:
-    from workers.models.moe import SparseMoeBlock
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_METHODS = ("fp8", "compressed-tensors (float 8-bit weights)")
 AT_LOAD_METHODS = ("fp8",)  # --quantization's values: cluster.config.choices.QUANTIZATIONS
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 PLAIN_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes a plain weight may be stored in
 FP8_DTYPE = "F8_E4M3"
 STRATEGIES = ("tensor", "channel", "block")
@@ -174,21 +178,6 @@ class QuantizedAtLoad:
         return dequantize_rows(*quantize_rows(self.weight[r0:r1]))[:, c0:c1]
 
 
-def quantize_rows(weight: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn weight, float32 scales [out, 1]): each row scaled so that its largest magnitude is FP8's
-    largest value, 448. Divisions are made in float64, so the FP8 values do not depend on the input's dtype.
-    `amax` [out, 1]: the rows' largest magnitudes where `weight` holds only some columns of them (default: its
-    own)."""
-    amax = weight.abs().amax(dim=1, keepdim=True) if amax is None else amax
-    scale = (amax.double().clamp(min=1e-12) / FP8_MAX).float()
-    stored = (weight.double() / scale.double()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return stored, scale
-
-
-def dequantize_rows(stored: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return stored.to(torch.float32) * scale
-
-
 def _ranges(index: Any, shape: list[int]) -> tuple[int, int, int, int]:
     """Rows [r0, r1) and columns [c0, c1) that `index` (a slice of rows, optionally a slice of columns) reads."""
     index = index if isinstance(index, tuple) else (index,)
@@ -260,8 +249,6 @@ def fp8_products(
     (`SparseMoeBlock.to_fp8`). Layer by layer, so the conversion needs one layer's worth of memory beside the
     model. The layers kept dequantized are logged, one line per reason. Returns the converted layers' and MoE
     blocks' names. Any device: the caller decides where it pays."""
-    from workers.models.moe import SparseMoeBlock  # not at the top: it imports ModelSpec, whose module imports this
-
     kept: dict[tuple[str, torch.dtype, str], list[str]] = {}  # (what they are, their dtype, why) -> their names
     converted = []
     for name, layer in model.named_modules():
@@ -367,19 +354,6 @@ def _to_fp8(layer: ColumnParallelLinear | RowParallelLinear, block: tuple[int, i
         stored, scale = quantize_tiles(weight, block)
     layer.weight = nn.Parameter(stored, requires_grad=False)
     layer.weight_scale, layer.weight_block = scale, block
-
-
-def quantize_tiles(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn weight, float32 scales [ceil(out / rows), ceil(in / cols)]): each `block` [rows, cols] tile
-    (smaller at the ends) scaled so that its largest magnitude is 448, as `quantize_rows` scales rows."""
-    (out, cols), (tile_rows, tile_cols) = weight.shape, block
-    grid_rows, grid_cols = -(-out // tile_rows), -(-cols // tile_cols)
-    padded = torch.nn.functional.pad(weight, (0, grid_cols * tile_cols - cols, 0, grid_rows * tile_rows - out))
-    tiles = padded.view(grid_rows, tile_rows, grid_cols, tile_cols)
-    amax = tiles.abs().amax(dim=(1, 3))
-    scale = (amax.double().clamp(min=1e-12) / FP8_MAX).float()
-    stored = (tiles.double() / scale.double()[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return stored.view(grid_rows * tile_rows, grid_cols * tile_cols)[:out, :cols].contiguous(), scale
 
 
 def read_weight(

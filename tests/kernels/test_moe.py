@@ -6,9 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8 import quantize_per_token
+from kernels.fp8 import quantize_per_token, quantize_rows, quantize_tiles
 from kernels.moe import fused_moe, looped_moe, route
-from workers.quantization import quantize_rows, quantize_tiles
 
 E, H, UNITS = 8, 32, 24  # experts, hidden size, units per expert
 # FP8 experts' layouts. Tiles of w13 [48, 32] and w2 [32, 24]: one per matrix, w2's ragged in rows and columns

@@ -21,8 +21,8 @@ elif torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("FP8 products need compute capability 8.9 or above", allow_module_level=True)
 
 from kernels import fp8  # noqa: E402
+from kernels.fp8 import quantize_tiles  # noqa: E402
 from kernels.triton_fp8 import block_scaled_mm, quantize_per_token  # noqa: E402
-from workers.quantization import quantize_tiles  # noqa: E402
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 

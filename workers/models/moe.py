@@ -7,11 +7,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.fp8 import quantize_rows, quantize_tiles
 from kernels.moe import fused_moe, route
 from workers.layers import TensorSlice, check_shape
 from workers.model_spec import ModelSpec
 from workers.parallel import tp_group
-from workers.quantization import quantize_rows, quantize_tiles
 
 
 class SparseMoeBlock(nn.Module):
