@@ -20,8 +20,8 @@ import torch
 
 from cluster.bench.throughput import (
     _report,
+    decode_figures,
     decode_step_seconds,
-    gpu_decode_figures,
     run_raylm,
     throughput_workload,
 )
@@ -83,17 +83,10 @@ def _measure(name: str, llm: LLM, work: list, context: int, long_batch: int, lon
     seconds = run_raylm(llm, work)
     out = Figures(num_blocks=engine.num_blocks - 1)
     out.tokens_per_s = _report(name, seconds, len(work), sum(len(p) for p, _ in work), sum(n for _, n in work))
-    rng = random.Random(0)
-    if str(engine.device).startswith("cuda"):
-        out.step_s = gpu_decode_figures(engine, BATCHES, context, steps)
-    else:
-        batches = [b for b in BATCHES if b <= engine.config.max_num_seqs and b < engine.config.max_num_batched_tokens]
-        out.step_s = {b: decode_step_seconds(engine, b, context, steps, rng) for b in batches}
-        for batch, step_s in out.step_s.items():
-            print(f"    {batch:4d} requests at ~{context + steps // 2} tokens: {step_s * 1e3:7.3f} ms per step")
+    out.step_s = decode_figures(engine, BATCHES, context, steps)
     if name != "fp8 weights":
         try:
-            out.long_step_s = decode_step_seconds(engine, long_batch, long_context, steps, rng)
+            out.long_step_s = decode_step_seconds(engine, long_batch, long_context, steps, random.Random(1))
             print(f"    {long_batch:4d} requests at ~{long_context} tokens: {out.long_step_s * 1e3:7.3f} ms per step")
         except ValueError as e:  # the cache cannot hold them: said, not measured
             print(f"    {long_batch} requests at {long_context} tokens: not run: {e}")

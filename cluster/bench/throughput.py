@@ -141,35 +141,40 @@ def step_read_bytes(model, batch: int, context: int, kv_dtype) -> StepReads:
     return StepReads(weights, kv, experts)
 
 
-def gpu_decode_figures(
+def decode_figures(
     engine, batches: tuple[int, ...] = (1, 32, 256), context: int = 512, steps: int = 50
 ) -> dict[int, float]:
-    """Decode step time of an in-process CUDA engine at a few batch sizes, against the HBM floor: the time the
-    bytes a step must read (step_read_bytes) take at the measured bandwidth. Returns the seconds a step by batch."""
+    """Decode step time of an in-process engine at each of `batches` it can hold, and on CUDA against the HBM
+    floor: the time the bytes a step must read (step_read_bytes) take at the measured bandwidth. Returns the
+    seconds a step by batch."""
     import torch
 
     worker = engine.worker
-    weight_bytes = _nbytes(worker.model.parameters())
-    bandwidth = hbm_bandwidth()
-    print(
-        f"  GPU decode: {torch.cuda.get_device_name()}, {bandwidth / 1e9:.0f} GB/s measured (copy), weights "
-        f"{weight_bytes / 1e9:.2f} GB, {worker.dtype}, backend {worker.runner.attn_backend.name}, "
-        f"{'CUDA graphs' if worker.runner.decode_graphs.graphs else 'eager'}"
-    )
+    cuda = str(engine.device).startswith("cuda")
+    if cuda:
+        weight_bytes = _nbytes(worker.model.parameters())
+        bandwidth = hbm_bandwidth()
+        print(
+            f"  GPU decode: {torch.cuda.get_device_name()}, {bandwidth / 1e9:.0f} GB/s measured (copy), weights "
+            f"{weight_bytes / 1e9:.2f} GB, {worker.dtype}, backend {worker.runner.attn_backend.name}, "
+            f"{'CUDA graphs' if worker.runner.decode_graphs.graphs else 'eager'}"
+        )
     rng = random.Random(0)
     step_seconds = {}
     for batch in batches:
         if batch > engine.config.max_num_seqs or batch >= engine.config.max_num_batched_tokens:
             continue
         step_seconds[batch] = step_s = decode_step_seconds(engine, batch, context, steps, rng)
-        reads = step_read_bytes(worker.model, batch, context + steps // 2, worker.kv_dtype)
-        floor = reads.total / bandwidth
-        print(
-            f"    {batch:4d} requests at ~{context + steps // 2} tokens: {step_s * 1e3:7.3f} ms per step; a step "
-            f"reads {reads.total / 1e9:.3f} GB (weights {reads.weights / 1e9:.3f}, KV {reads.kv / 1e9:.3f}"
-            f"{'; ' + reads.experts if reads.experts else ''}), HBM floor {floor * 1e3:6.3f} ms "
-            f"({floor / step_s:.0%} of the floor's speed)"
-        )
+        line = f"    {batch:4d} requests at ~{context + steps // 2} tokens: {step_s * 1e3:7.3f} ms per step"
+        if cuda:
+            reads = step_read_bytes(worker.model, batch, context + steps // 2, worker.kv_dtype)
+            floor = reads.total / bandwidth
+            line += (
+                f"; a step reads {reads.total / 1e9:.3f} GB (weights {reads.weights / 1e9:.3f}, KV "
+                f"{reads.kv / 1e9:.3f}{'; ' + reads.experts if reads.experts else ''}), HBM floor "
+                f"{floor * 1e3:6.3f} ms ({floor / step_s:.0%} of the floor's speed)"
+            )
+        print(line)
     return step_seconds
 
 
@@ -292,7 +297,7 @@ def bench_throughput(
         cuda = str(llm.engine.device).startswith("cuda")
         if cuda and name == "inprocess":
             dtype = llm.engine.worker.dtype
-            gpu_decode_figures(llm.engine)
+            decode_figures(llm.engine)
         llm.shutdown()
     if "vllm" in compare:
         from cluster.bench.vllm import run_vllm
