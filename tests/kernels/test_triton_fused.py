@@ -101,7 +101,9 @@ def rotary_case(dtype, head_dim, qk_norm, cache_dtype=None):
     if qk_norm:
         qw, kw = (torch.rand(head_dim, generator=gen) + 0.5 for _ in range(2))
         norms = (qw.to(dtype).to(DEVICE), kw.to(dtype).to(DEVICE), 1e-6)
-    cache = torch.full((2, 5, 8, kv_heads, head_dim), POISON, dtype=dtype).to(cache_dtype or dtype).to(DEVICE)
+    # Torch before 2.13 casts a value past FP8's range to NaN rather than its largest: an FP8 cache's poison is that.
+    poison = POISON if cache_dtype is None else torch.finfo(cache_dtype).max
+    cache = torch.full((2, 5, 8, kv_heads, head_dim), poison, dtype=dtype).to(cache_dtype or dtype).to(DEVICE)
     slots = torch.tensor([9, 8, 31, 17, 39, 10], device=DEVICE)
     return qk, v, cos, sin, cache, slots, heads, norms
 
