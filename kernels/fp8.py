@@ -59,6 +59,24 @@ def quantize_tiles(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.
     return stored.view(grid_rows * tile_rows, grid_cols * tile_cols)[:out, :cols].contiguous(), scale
 
 
+def quantize_experts(
+    weights: torch.Tensor, block: tuple[int, int] | None, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn experts [E, N, K], float32 scales [E, N] per row or [E, ceil(N / rows), ceil(K / cols)] per
+    `block` tile) of `weights`, an expert at a time (one expert's float64 copy beside them). `amax` [E, N, 1]: the
+    rows' largest magnitudes where the weights hold only some columns of them."""
+    stored = torch.empty(weights.shape, dtype=torch.float8_e4m3fn, device=weights.device)
+    scales = []
+    for expert, weight in enumerate(weights):
+        if block is None:
+            stored[expert], scale = quantize_rows(weight, None if amax is None else amax[expert])
+            scales.append(scale.view(-1))
+        else:
+            stored[expert], scale = quantize_tiles(weight, block)
+            scales.append(scale)
+    return stored, torch.stack(scales)
+
+
 def quantize_per_token(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] as (float8_e4m3fn [T, K], float32 scales [T, G]): x ~ out * scale, each row's groups of `group`
     columns (G = ceil(K / group); the whole row, G = 1, when `group` is None) scaled so that the group's largest

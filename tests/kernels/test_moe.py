@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.fp8 import quantize_per_token, quantize_rows, quantize_tiles
+from kernels.fp8 import quantize_experts, quantize_per_token
 from kernels.moe import fused_moe, looped_moe, route
 
 E, H, UNITS = 8, 32, 24  # experts, hidden size, units per expert
@@ -35,9 +35,7 @@ def reference(x, w13, w2, topk_weights, topk_ids, activations=lambda v: v) -> to
 def fp8_experts(w: torch.Tensor, block: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Experts w [E, N, K] quantized per expert and row, or per `block` tile of each: (float8_e4m3fn values,
     float32 scales [E, N] or [E, ceil(N / rows), ceil(K / cols)], the float64 weights they stand for)."""
-    quantized = [quantize_rows(m) if block is None else quantize_tiles(m, block) for m in w]
-    stored = torch.stack([q for q, _ in quantized])
-    scales = torch.stack([s.view(-1) if block is None else s for _, s in quantized])
+    stored, scales = quantize_experts(w, block)
     if block is None:
         return stored, scales, stored.double() * scales.double()[:, :, None]
     n, k = w.shape[1:]

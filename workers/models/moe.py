@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fp8 import quantize_rows, quantize_tiles
+from kernels.fp8 import quantize_experts
 from kernels.moe import fused_moe, route
 from workers.layers import TensorSlice, check_shape
 from workers.model_spec import ModelSpec
@@ -102,8 +102,9 @@ class SparseMoeBlock(nn.Module):
         if block is None and self.first_expert is None and self.tp_size > 1:
             amax = torch.stack([w.abs().amax(dim=1, keepdim=True) for w in self.w2.detach()]).float()
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group())
-        self.w13, self.w13_scale = _quantized_experts(self.w13, block)
-        self.w2, self.w2_scale = _quantized_experts(self.w2, block, amax)
+        w13, self.w13_scale = quantize_experts(self.w13.detach(), block)
+        w2, self.w2_scale = quantize_experts(self.w2.detach(), block, amax)
+        self.w13, self.w2 = nn.Parameter(w13, requires_grad=False), nn.Parameter(w2, requires_grad=False)
         self.weight_block = block
 
     def _load_w13(self, param: nn.Parameter, tensor: TensorSlice, name: str, shard: tuple[int, int]) -> None:
@@ -124,21 +125,3 @@ class SparseMoeBlock(nn.Module):
         if self.tp_size > 1:
             dist.all_reduce(out, group=tp_group())  # this pipeline stage's ranks only
         return out
-
-
-def _quantized_experts(
-    weights: torch.Tensor, block: tuple[int, int] | None, amax: torch.Tensor | None = None
-) -> tuple[nn.Parameter, torch.Tensor]:
-    """(float8_e4m3fn experts [E, N, K], float32 scales [E, N] per row or [E, ceil(N / rows), ceil(K / cols)] per
-    `block` tile) of `weights`, an expert at a time. `amax` [E, N, 1]: the rows' largest magnitudes where the
-    weights hold only some columns of them."""
-    stored = torch.empty(weights.shape, dtype=torch.float8_e4m3fn, device=weights.device)
-    scales = []
-    for expert, weight in enumerate(weights.detach()):
-        if block is None:
-            stored[expert], scale = quantize_rows(weight, None if amax is None else amax[expert])
-            scales.append(scale.view(-1))
-        else:
-            stored[expert], scale = quantize_tiles(weight, block)
-            scales.append(scale)
-    return nn.Parameter(stored, requires_grad=False), torch.stack(scales)
