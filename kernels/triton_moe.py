@@ -11,8 +11,9 @@ table takes TileConfig's defaults. The tests run it on CPU tensors under TRITON_
 FP8 experts (float8_e4m3fn weights with float32 scales per expert and output row, or per tile of each expert's
 matrix: workers/models/moe.py's `to_fp8`) run W8A8: each product's input quantized per token (per group of a
 tile's columns with tiles) by kernels/fp8.py, then tl.dot of FP8 tiles summed in fp32 and multiplied by both
-scales, as kernels/triton_fp8.py's block product does. Their tables are those of dtype float8_e4m3fn. Checked
-under the interpreter only, like the rest: untested on a GPU.
+scales, as kernels/triton_fp8.py's block product does. Their tables are those of dtype float8_e4m3fn, and of
+their tile where the scales are per tile (`raylm bench moe --tune --dtype float8_e4m3fn --fp8-block 128 128`).
+Checked under the interpreter only, like the rest: untested on a GPU.
 """
 
 from __future__ import annotations
@@ -48,10 +49,22 @@ class TileConfig:
     num_stages: int = 2
 
 
-def config_name(num_experts: int, hidden_size: int, intermediate_size: int, dtype: torch.dtype, device: str) -> str:
-    """The table's file name for an expert shape (E local experts of `intermediate_size` units on `hidden_size`)."""
+def config_name(
+    num_experts: int,
+    hidden_size: int,
+    intermediate_size: int,
+    dtype: torch.dtype,
+    device: str,
+    block: tuple[int, int] | None = None,
+) -> str:
+    """The table's file name for an expert shape (E local experts of `intermediate_size` units on `hidden_size`),
+    weights' dtype and, for FP8 experts with tile scales, their tile: the reduction's step is the tile's there."""
     gpu = device.replace(" ", "_").replace("/", "_")
-    return f"E={num_experts},H={hidden_size},I={intermediate_size},device={gpu},dtype={str(dtype).removeprefix('torch.')}.json"
+    tile = "" if block is None else f",block={block[0]}x{block[1]}"
+    return (
+        f"E={num_experts},H={hidden_size},I={intermediate_size},device={gpu},"
+        f"dtype={str(dtype).removeprefix('torch.')}{tile}.json"
+    )
 
 
 @functools.cache
@@ -68,12 +81,12 @@ def _table(name: str) -> tuple[tuple[int, TileConfig], ...]:
     return tuple(rows)
 
 
-def tile_config(num_pairs: int, w13: Tensor) -> TileConfig:
-    """The measured config whose pair count is nearest `num_pairs` (T * top_k) for these experts on this GPU, else
-    the defaults. Depends on shapes only, so a captured graph keeps its launch."""
+def tile_config(num_pairs: int, w13: Tensor, block: tuple[int, int] | None = None) -> TileConfig:
+    """The measured config whose pair count is nearest `num_pairs` (T * top_k) for these experts (FP8 ones of
+    `block` tiles) on this GPU, else the defaults. Depends on shapes only, so a captured graph keeps its launch."""
     device = _device_name(w13.device.index if w13.is_cuda else None)
     num_experts, two_i, hidden = w13.shape
-    table = _table(config_name(num_experts, hidden, two_i // 2, w13.dtype, device))
+    table = _table(config_name(num_experts, hidden, two_i // 2, w13.dtype, device, block))
     if not table:
         return TileConfig()
     return min(table, key=lambda row: (abs(row[0] - num_pairs), row[0]))[1]
@@ -274,7 +287,7 @@ def fused_moe(
     before the sum. `config`: these tiles rather than the table's (the tuner's candidates). FP8 experts (w13, w2
     float8_e4m3fn with `w13_scale`, `w2_scale`, per row or per `block` tile as `grouped_mm` takes them): the
     gathered tokens are quantized before the first product and the SiLU's output before the second."""
-    config = config or tile_config(topk_ids.numel(), w13)
+    config = config or tile_config(topk_ids.numel(), w13, block)
     tiles = align(topk_ids, w13.shape[0], first_expert, config.rows)
     tokens = tiles.pairs // topk_ids.shape[1]
     h = grouped_mm(x.index_select(0, tokens), w13, tiles, config, w13_scale, block)

@@ -75,7 +75,8 @@ LIMITS = {"install": 10, "imports": 20, "model": 25, "tests": 330, "bench": 50, 
 # speculation's step costs on the 8B shape with Qwen2.5-0.5B's as the draft: three engines of 15 to 30 GB (the 8B
 # drafting for itself holds it twice), whose figures print only at the end, so its limit is generous
 # (`--phases install,model,model-8b,bench-lora,bench-spec`); the MoE grouped matmul's tiles measured for
-# Qwen3-30B-A3B's experts at 13 step sizes, 144 candidates each (`--phases install,tune-moe`); the 8B shape in
+# Qwen3-30B-A3B's experts at 13 step sizes, 144 candidates each (`--phases install,tune-moe`), and the same in FP8
+# with 128 x 128 tile scales (`--phases install,tune-moe-fp8`); the 8B shape in
 # bf16, with --quantization fp8 and with --kv-cache-dtype fp8 (three engines of 15 GB, each running 256 requests,
 # decode steps at 1, 32 and 256 requests, and the bf16 and FP8 caches' 256 x 2,048-token steps, whose prefill is
 # half a million tokens: `--phases install,model-8b,bench-fp8`). Estimates: none of these has run on a GPU.
@@ -84,6 +85,7 @@ OPTIONAL_LIMITS = {
     "model-moe": 40,
     "bench-moe": 120,
     "tune-moe": 300,
+    "tune-moe-fp8": 300,
     "bench-lora": 120,
     "bench-spec": 180,
     "bench-fp8": 240,
@@ -300,6 +302,8 @@ def phases(folder: Path, device: str, work: Path) -> list[Phase]:
     # Qwen3-30B-A3B's experts, bf16: the table goes to the phase's log (and work/moe_configs) for a session to commit.
     tune_moe = [py, "-m", "cluster.cli", "bench", "moe", "--tune", "--num-experts", "128", "--dtype", "bfloat16"]
     tune_moe += ["--config-dir", str(work / "moe_configs")]
+    # The same experts in FP8 with 128 x 128 tile scales, as Qwen3-30B-A3B-FP8 ships them: a table of their own.
+    tune_moe_fp8 = [*tune_moe, "--fp8-block", "128", "128"]
     return [
         Phase("install", [*pip, "--target", str(work / "site"), *wheels], limits["install"]),
         Phase("imports", [py, "-c", IMPORTS, *NOT_NEEDED], limits["imports"], needs=("install",)),
@@ -343,6 +347,13 @@ def phases(folder: Path, device: str, work: Path) -> list[Phase]:
             "tune-moe",
             tune_moe if cuda else say("tune-moe needs CUDA: it times Triton kernels"),
             limits["tune-moe"],
+            needs=("install",),
+            optional=True,
+        ),
+        Phase(
+            "tune-moe-fp8",
+            tune_moe_fp8 if cuda else say("tune-moe-fp8 needs CUDA: it times Triton kernels"),
+            limits["tune-moe-fp8"],
             needs=("install",),
             optional=True,
         ),

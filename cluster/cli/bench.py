@@ -284,6 +284,18 @@ def _moe(sub) -> None:
     p.add_argument(
         "--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="--tune: weights' dtype"
     )
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="--tune: the experts float8_e4m3fn, scaled per output row (--quantization fp8), activations --dtype",
+    )
+    p.add_argument(
+        "--fp8-block",
+        type=int,
+        nargs=2,
+        metavar=("ROWS", "COLS"),
+        help="--tune: the FP8 experts scaled per tile of this shape (Qwen3-30B-A3B-FP8's: 128 128); implies --fp8",
+    )
     p.add_argument("--config-dir", type=Path, help="--tune: where the table goes (default: kernels/moe_configs/)")
     p.add_argument(
         "--end-to-end",
@@ -306,7 +318,9 @@ def _moe(sub) -> None:
             from kernels.triton_moe import CONFIG_DIR
 
             dtype = getattr(torch, args.dtype)
-            tune_tiles(*shapes, dtype, tuple(args.sizes or TOKENS), args.config_dir or CONFIG_DIR)
+            block = tuple(args.fp8_block) if args.fp8_block else None
+            fp8 = args.fp8 or block is not None
+            tune_tiles(*shapes, dtype, tuple(args.sizes or TOKENS), args.config_dir or CONFIG_DIR, fp8=fp8, block=block)
             return
         bench_moe(*shapes, tuple(args.sizes or (1, 16, 64, 2048)), args.repeats)
         if args.end_to_end:

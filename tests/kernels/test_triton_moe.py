@@ -240,12 +240,17 @@ def test_a_malformed_table_is_an_error_naming_its_file(config_dir):
         triton_moe.tile_config(8, w13.to(DEVICE))
 
 
-def test_the_tuner_writes_the_fastest_candidate_per_step_size_for_the_op_to_read(config_dir, monkeypatch):
+@pytest.mark.parametrize(
+    ("fp8", "block"), [(False, None), (True, None), (True, (16, 32))], ids=["plain", "fp8 rows", "fp8 16x32 tiles"]
+)
+def test_the_tuner_writes_the_fastest_candidate_per_step_size_for_the_op_to_read(config_dir, monkeypatch, fp8, block):
     """raylm bench moe --tune's table: the fastest candidate per pair count (a stand-in timer here, as the
-    interpreter's times say nothing of a GPU's), which fused_moe then launches."""
+    interpreter's times say nothing of a GPU's), which fused_moe then launches; FP8 experts' own table, named by
+    their dtype and tile, read by FP8 experts of that layout only."""
     from cluster.bench.moe_tune import tune_tiles
+    from kernels.fp8 import quantize_experts
 
-    default, small = triton_moe.TileConfig(), triton_moe.TileConfig(16, 32, 16, 4, 2)
+    default, small = triton_moe.TileConfig(), triton_moe.TileConfig(16, 32, 32, 4, 2)  # an 8-bit dot needs K >= 32
     launched = record_configs(monkeypatch)
 
     def stand_in_timer(fn) -> float:
@@ -254,12 +259,26 @@ def test_the_tuner_writes_the_fastest_candidate_per_step_size_for_the_op_to_read
         config, pairs = launched[-1], 2 if len(launched) <= 4 else 16
         return 1.0 if (config == small) == (pairs == 2) else 2.0
 
-    path = tune_tiles(E, 2, H, UNITS, torch.float32, (1, 8), config_dir, stand_in_timer, [default, small])
+    path = tune_tiles(
+        E, 2, H, UNITS, torch.float32, (1, 8), config_dir, stand_in_timer, [default, small], fp8=fp8, block=block
+    )
     assert path.parent == config_dir and triton_moe._table(path.name) == ((2, small), (16, default))
+    assert ("float8_e4m3fn" in path.name) == fp8 and ("16x32" in path.name) == (block is not None)
     w13, w2 = moe_weights(torch.float32)
+    scales = {}
+    if fp8:
+        (w13, w13_scale), (w2, w2_scale) = quantize_experts(w13, block), quantize_experts(w2, block)
+        scales = {"w13_scale": w13_scale.to(DEVICE), "w2_scale": w2_scale.to(DEVICE), "block": block}
     for tokens, expected in ((1, small), (8, default)):
         x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(4))
         topk_weights, topk_ids = routing(tokens, 2, list(range(E)))
         launched.clear()
-        triton_moe.fused_moe(*(t.to(DEVICE) for t in (x, w13, w2, topk_weights, topk_ids)))
+        triton_moe.fused_moe(*(t.to(DEVICE) for t in (x, w13, w2, topk_weights, topk_ids)), **scales)
         assert launched == [expected, expected]
+    if fp8:  # experts of another layout have no table: the defaults
+        other = None if block else (16, 32)
+        (w13, w13_scale), (w2, w2_scale) = (quantize_experts(w.float(), other) for w in moe_weights(torch.float32))
+        launched.clear()
+        scales = {"w13_scale": w13_scale.to(DEVICE), "w2_scale": w2_scale.to(DEVICE), "block": other}
+        triton_moe.fused_moe(*(t.to(DEVICE) for t in (x, w13, w2, topk_weights, topk_ids)), **scales)
+        assert launched == [default, default]

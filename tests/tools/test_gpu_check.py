@@ -206,6 +206,7 @@ def test_lora_and_speculation_bench_the_8b_shape_only_when_named(tmp_path):
 
 
 def test_the_moe_tiles_are_tuned_only_when_named_and_printed_where_the_logs_come_back(tmp_path):
+    from cluster.cli import build_parser
     from tools.gpu_check import phases, select
 
     everything = phases(tmp_path, "cuda", tmp_path / "work")
@@ -214,6 +215,16 @@ def test_the_moe_tiles_are_tuned_only_when_named_and_printed_where_the_logs_come
     assert tune.command[tune.command.index("bench") + 1 :][:2] == ["moe", "--tune"]
     assert tune.command[tune.command.index("--num-experts") + 1] == "128"
     assert tune.command[-1] == str(tmp_path / "work" / "moe_configs")
+    assert "tune-moe-fp8" not in {p.name for p in select(everything, None)}
+    fp8 = select(everything, ["install", "tune-moe-fp8"])[-1]
+    assert fp8.command[: len(tune.command)] == tune.command and fp8.command[len(tune.command) :] == [
+        "--fp8-block",
+        "128",
+        "128",
+    ]
+    argv = fp8.command[fp8.command.index("cluster.cli") + 1 :]
+    args = build_parser().parse_args(argv)  # every flag one the CLI takes
+    assert args.fp8_block == [128, 128] and args.tune
 
 
 def test_fp8_is_benched_on_the_8b_shape_only_when_named(tmp_path):
