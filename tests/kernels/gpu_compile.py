@@ -110,8 +110,9 @@ def fp8_cases() -> dict[str, Callable[[], object]]:
 
 def moe_cases() -> dict[str, Callable[[], object]]:
     """kernels/triton_moe.py: the experts' op plain, with FP8 experts per row and per 128x128 tile, and with a
-    rank's slice of the experts; its quantization and SiLU go through their CUDA kernels, as on a GPU."""
-    from kernels import triton_fp8, triton_fused, triton_moe
+    rank's slice of the experts; its quantization and SiLU go through their CUDA kernels, as on a GPU. And
+    kernels/triton_route.py's router top-k, of Qwen3-30B-A3B's 128 experts and of an expert count no power of two."""
+    from kernels import triton_fp8, triton_fused, triton_moe, triton_route
 
     def experts(dtype, scales=None, first_expert=None):
         def case():
@@ -140,6 +141,12 @@ def moe_cases() -> dict[str, Callable[[], object]]:
         "moe fp8 per row bf16": experts(torch.bfloat16, "rows"),
         "moe fp8 per 128x128 tile bf16": experts(torch.bfloat16, "tiles"),
         "moe fp8 per 128x128 tile expert-parallel fp16": experts(torch.float16, "tiles", EXPERTS),
+        "route bf16, 128 experts top-8": lambda: triton_route.route(torch.randn(4, 128, dtype=torch.bfloat16), 8, True),
+        "route fp32, 60 experts top-2": lambda: triton_route.route(torch.randn(4, 60), 2, False),
+        # The one program's largest: 4,096 pairs sorted at once, 258 groups' histogram (its shared memory).
+        "align, 512 tokens of top-8 over 128 experts": lambda: triton_moe.align(
+            torch.randint(0, 128, (512, TOP_K)), 128, None, 16
+        ),
     }
 
 
