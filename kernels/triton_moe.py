@@ -4,6 +4,12 @@ decode replays one like a dense one; never run on a GPU yet).
 
 out = fused_moe(x, w13, w2, topk_weights, topk_ids, first_expert)   # as kernels.moe.fused_moe
 
+A decode's op is five launches, whatever the expert count: one program sorts the pairs and lays out the tiles
+(vLLM's moe_align_block_size idea), the first product reads each pair's token where it is, the SiLU, the second
+product writes each pair's row times its routing weight at the pair's place in [T, k], and a sum over k. A MoE
+layer's graph nodes are what a decode step pays on a GPU when its bytes are few: eight of Qwen3-30B-A3B's
+layers at one token read about 0.25 ms of weights.
+
 The tile sizes come from a table per expert shape, GPU and dtype measured on that GPU (`raylm bench moe --tune`
 writes it into kernels/moe_configs/, as vLLM's fused_moe configs are), by the step's pair count; a shape with no
 table takes TileConfig's defaults. The tests run it on CPU tensors under TRITON_INTERPRET=1 against the torch path.
@@ -12,7 +18,7 @@ FP8 experts (float8_e4m3fn weights with float32 scales per expert and output row
 matrix: workers/models/moe.py's `to_fp8`) run W8A8: each product's input quantized per token (per group of a
 tile's columns with tiles) by kernels/fp8.py, then tl.dot of FP8 tiles summed in fp32 and multiplied by both
 scales, as kernels/triton_fp8.py's block product does. Their tables are those of dtype float8_e4m3fn, and of
-their tile where the scales are per tile (`raylm bench moe --tune --dtype float8_e4m3fn --fp8-block 128 128`).
+their tile where the scales are per tile (`raylm bench moe --tune --fp8-block 128 128`).
 Checked under the interpreter only, like the rest: untested on a GPU.
 """
 
@@ -102,20 +108,27 @@ def write_table(path: Path, table: dict[int, TileConfig]) -> None:
     path.write_text(json.dumps({str(m): asdict(c) for m, c in sorted(table.items())}, indent=1) + "\n")
 
 
+# Pairs (T * top_k) up to which one program sorts them and lays out their tiles: every decode a captured graph
+# replays (512 tokens of top-8). A larger step, a prefill chunk, sorts with torch's ops: its products outweigh
+# a few more launches, and one program's bitonic sort would grow with it.
+MAX_ONE_PROGRAM_PAIRS = 4096
+# Tiles laid out per iteration of the one program's loop, each against every group: [TILE_CHUNK, groups] values.
+TILE_CHUNK = 32
+
+
 @dataclass(slots=True)
 class Tiles:
     """The T * k (token, choice) pairs sorted by local expert, and the row tiles of one grouped matmul over them.
 
-    Every shape depends only on (T, k, num_local): `pairs` [T * k] holds flat pair indices (token * k + choice)
-    in row order, local experts' groups first, then the pairs routed to other ranks' experts (one last group that
-    no tile covers); `local` [T * k] says which rows are in a local group. `group_end` [num_local] int32 is the
-    end row of each local group. Tile t covers rows [tile_row[t], min(tile_row[t] + ROWS, group_end[g])) of group
-    g = tile_group[t]; a tile never spans two groups, and tiles past the real count have group num_local, so
-    their programs return at once. `max_tiles` = min(T * k, cdiv(T * k, ROWS) + num_local) bounds the real count:
-    each group adds at most one partial tile, and each tile holds at least one row."""
+    Every shape depends only on (T, k, num_local): `pairs` [T * k] int32 holds flat pair indices (token * k +
+    choice) in row order, local experts' groups first, then the pairs routed to other ranks' experts (one last
+    group that no tile covers). `group_end` [num_local] int32 is the end row of each local group. Tile t covers
+    rows [tile_row[t], min(tile_row[t] + ROWS, group_end[g])) of group g = tile_group[t]; a tile never spans two
+    groups, and tiles past the real count have group num_local, so their programs return at once (their rows
+    mean nothing). `max_tiles` = min(T * k, cdiv(T * k, ROWS) + num_local) bounds the real count: each group adds
+    at most one partial tile, and each tile holds at least one row."""
 
     pairs: Tensor
-    local: Tensor
     group_end: Tensor
     tile_group: Tensor
     tile_row: Tensor
@@ -123,30 +136,107 @@ class Tiles:
 
 def align(topk_ids: Tensor, num_local: int, first_expert: int | None, rows: int = TileConfig().rows) -> Tiles:
     """The pairs of `topk_ids` [T, k] sorted by local expert (experts first_expert .. first_expert + num_local - 1,
-    or 0 .. num_local - 1 when `first_expert` is None) and their tiles of `rows` rows, with static-shape ops only:
-    no host read, no output whose size depends on the routing."""
-    expert = topk_ids.flatten()
-    if first_expert is not None:
-        expert = expert - first_expert
-        expert = torch.where((expert >= 0) & (expert < num_local), expert, num_local)
+    or 0 .. num_local - 1 when `first_expert` is None), stably, and their tiles of `rows` rows: no host read, no
+    output whose size depends on the routing. One Triton program up to MAX_ONE_PROGRAM_PAIRS pairs (a decode's
+    graph then launches one kernel where torch's sort, searches and index arithmetic launch about 20), torch's
+    ops above."""
+    n = topk_ids.numel()
+    max_tiles = min(n, triton.cdiv(n, rows) + num_local)
+    if 0 < n <= MAX_ONE_PROGRAM_PAIRS:
+        return _align_one_program(topk_ids, num_local, first_expert, rows, max_tiles)
+    return _align_sorting(topk_ids, num_local, first_expert, rows, max_tiles)
+
+
+def _align_sorting(topk_ids: Tensor, num_local: int, first_expert: int | None, rows: int, max_tiles: int) -> Tiles:
+    expert = topk_ids.flatten() - (first_expert or 0)
+    expert = torch.where((expert >= 0) & (expert < num_local), expert, num_local)
     sorted_expert, pairs = torch.sort(expert, stable=True)
     bounds = torch.arange(num_local + 1, device=expert.device)
     group_start = torch.searchsorted(sorted_expert, bounds)  # [num_local + 1]: the last is the first foreign row
     counts = group_start[1:] - group_start[:-1]
     tiles_end = torch.cumsum((counts + rows - 1) // rows, 0)
     tiles_start = torch.cat([tiles_end.new_zeros(1), tiles_end])  # index num_local: the past-the-end tiles' start
-    n = expert.numel()
-    max_tiles = min(n, triton.cdiv(n, rows) + num_local)
     tile = torch.arange(max_tiles, device=expert.device)
     tile_group = torch.searchsorted(tiles_end, tile, right=True)
     tile_row = group_start.index_select(0, tile_group) + (tile - tiles_start.index_select(0, tile_group)) * rows
-    return Tiles(
-        pairs,
-        sorted_expert < num_local,
-        group_start[1:].to(torch.int32),
-        tile_group.to(torch.int32),
-        tile_row.to(torch.int32),
+    i32 = torch.int32
+    return Tiles(pairs.to(i32), group_start[1:].to(i32), tile_group.to(i32), tile_row.to(i32))
+
+
+def _align_one_program(topk_ids: Tensor, num_local: int, first_expert: int | None, rows: int, max_tiles: int) -> Tiles:
+    n, device = topk_ids.numel(), topk_ids.device
+    tiles = Tiles(
+        torch.empty(n, dtype=torch.int32, device=device),
+        torch.empty(num_local, dtype=torch.int32, device=device),
+        torch.empty(max_tiles, dtype=torch.int32, device=device),
+        torch.empty(max_tiles, dtype=torch.int32, device=device),
     )
+    pairs = triton.next_power_of_2(n)
+    _align_kernel[(1,)](
+        topk_ids.contiguous(),
+        tiles.pairs,
+        tiles.group_end,
+        tiles.tile_group,
+        tiles.tile_row,
+        n,
+        num_local,
+        first_expert or 0,
+        max_tiles,
+        PAIRS=pairs,
+        # Two groups past the local ones: the other ranks' pairs, then the padding past n (a bin it can count in).
+        GROUPS=triton.next_power_of_2(num_local + 2),
+        ROWS=rows,
+        TILE_CHUNK=TILE_CHUNK,
+        num_warps=8 if pairs >= 1024 else 4,
+    )
+    return tiles
+
+
+@triton.jit
+def _align_kernel(
+    topk_ids_ptr,
+    pairs_ptr,
+    group_end_ptr,
+    tile_group_ptr,
+    tile_row_ptr,
+    n,
+    num_local,
+    first_expert,
+    max_tiles,
+    PAIRS: tl.constexpr,
+    GROUPS: tl.constexpr,
+    ROWS: tl.constexpr,
+    TILE_CHUNK: tl.constexpr,
+):
+    """The whole of `align` in one program: each pair's group (its local expert; num_local for another rank's; the
+    last group for the padding past n) and index make one key, whose sort orders the pairs by group and, within
+    one, by index (a stable sort); a histogram of the groups gives their starts and ends, and each tile its group
+    and first row by comparing it with every group's tiles."""
+    i = tl.arange(0, PAIRS)
+    valid = i < n
+    group = tl.load(topk_ids_ptr + i, valid, 0).to(tl.int32) - first_expert
+    group = tl.where((group >= 0) & (group < num_local), group, num_local)
+    group = tl.where(valid, group, GROUPS - 1)
+    ordered = tl.sort(group * PAIRS + i)
+    tl.store(pairs_ptr + i, ordered % PAIRS, valid)
+
+    counts = tl.histogram(group, GROUPS)
+    g = tl.arange(0, GROUPS)
+    group_start = tl.cumsum(counts, 0) - counts
+    local = g < num_local
+    tl.store(group_end_ptr + g, group_start + counts, local)
+    group_tiles = tl.where(local, (counts + ROWS - 1) // ROWS, 0)
+    tiles_end = tl.cumsum(group_tiles, 0)
+    tiles_start = tiles_end - group_tiles
+    for t0 in range(0, max_tiles, TILE_CHUNK):
+        t = t0 + tl.arange(0, TILE_CHUNK)
+        # Past the last real tile every local group has ended: group num_local, which the products skip.
+        ended = (tiles_end[None, :] <= t[:, None]) & local[None, :]
+        inside = (tiles_start[None, :] <= t[:, None]) & (t[:, None] < tiles_end[None, :])
+        first_row = group_start[None, :] + (t[:, None] - tiles_start[None, :]) * ROWS
+        t_ok = t < max_tiles
+        tl.store(tile_group_ptr + t, tl.sum(ended.to(tl.int32), 1), t_ok)
+        tl.store(tile_row_ptr + t, tl.sum(tl.where(inside, first_row, 0), 1), t_ok)
 
 
 @triton.jit
@@ -156,6 +246,8 @@ def _grouped_mm_kernel(
     w_ptr,
     x_scale_ptr,
     w_scale_ptr,
+    pairs_ptr,
+    pair_weights_ptr,
     tile_group_ptr,
     tile_row_ptr,
     group_end_ptr,
@@ -169,14 +261,18 @@ def _grouped_mm_kernel(
     SCALES: tl.constexpr,
     TILE_ROWS: tl.constexpr,
     TILE_COLS: tl.constexpr,
+    GATHER_TOP_K: tl.constexpr,
+    SCATTER: tl.constexpr,
 ):
     """One program: output rows [row, min(row + ROWS, end of its group)) x columns [c * COLS, (c + 1) * COLS) of
-    x @ w[group]^T, where x is [rows, K] and w is [num_groups, N, K] contiguous. A tile of group num_groups (past
-    the real tiles) does nothing.
+    x @ w[group]^T, where w is [num_groups, N, K] contiguous. A tile of group num_groups (past the real tiles)
+    does nothing. Row r's input is x's row r, or with GATHER_TOP_K its pair's token's, pairs[r] // GATHER_TOP_K
+    (x is then the tokens [T, K], not a copy per pair). Its output goes to out's row r, or with SCATTER to its
+    pair's row pairs[r], times the pair's routing weight (fp32 [T * k]).
 
-    SCALES says what x and w are: "none", plain ones; "rows", FP8 with x_scale [rows, 1] and w_scale
+    SCALES says what x and w are: "none", plain ones; "rows", FP8 with x_scale [x's rows, 1] and w_scale
     [num_groups, N] (the fp32 sum of the FP8 products, times both scales once); "tiles", FP8 with x_scale
-    [rows, cdiv(K, TILE_COLS)] and w_scale [num_groups, cdiv(N, TILE_ROWS), cdiv(K, TILE_COLS)] (each step's
+    [x's rows, cdiv(K, TILE_COLS)] and w_scale [num_groups, cdiv(N, TILE_ROWS), cdiv(K, TILE_COLS)] (each step's
     sum times its two scales, as kernels/triton_fp8.py's block product: DEPTH divides TILE_COLS, so a step
     never straddles two tiles)."""
     tile = tl.program_id(0)
@@ -188,6 +284,13 @@ def _grouped_mm_kernel(
     rows = row0 + tl.arange(0, ROWS)
     cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
     row_ok, col_ok = rows < end, cols < N
+    out_rows, x_rows = rows, rows
+    if GATHER_TOP_K > 0 or SCATTER:
+        pair = tl.load(pairs_ptr + rows, row_ok, 0)
+        if GATHER_TOP_K > 0:
+            x_rows = pair // GATHER_TOP_K
+        if SCATTER:
+            out_rows = pair
     acc = tl.zeros([ROWS, COLS], tl.float32)
     w_base = w_ptr + group.to(tl.int64) * N * K
     k_tiles: tl.constexpr = (K + TILE_COLS - 1) // TILE_COLS
@@ -196,10 +299,10 @@ def _grouped_mm_kernel(
     for k0 in range(0, K, DEPTH):
         depth = k0 + tl.arange(0, DEPTH)
         depth_ok = depth < K
-        x = tl.load(x_ptr + rows[:, None].to(tl.int64) * K + depth[None, :], row_ok[:, None] & depth_ok[None, :], 0.0)
+        x = tl.load(x_ptr + x_rows[:, None].to(tl.int64) * K + depth[None, :], row_ok[:, None] & depth_ok[None, :], 0.0)
         w = tl.load(w_base + cols[None, :] * K + depth[:, None], col_ok[None, :] & depth_ok[:, None], 0.0)
         if SCALES == "tiles":
-            x_scale = tl.load(x_scale_ptr + rows.to(tl.int64) * k_tiles + k0 // TILE_COLS, row_ok, 0.0)
+            x_scale = tl.load(x_scale_ptr + x_rows.to(tl.int64) * k_tiles + k0 // TILE_COLS, row_ok, 0.0)
             w_scale = tl.load(w_scale_tiles + k0 // TILE_COLS, col_ok, 0.0)
             acc += tl.dot(x, w) * x_scale[:, None] * w_scale[None, :]
         elif SCALES == "rows":
@@ -207,11 +310,13 @@ def _grouped_mm_kernel(
         else:
             acc = tl.dot(x, w, acc, input_precision=PRECISION)
     if SCALES == "rows":
-        x_scale = tl.load(x_scale_ptr + rows, row_ok, 0.0)
+        x_scale = tl.load(x_scale_ptr + x_rows, row_ok, 0.0)
         w_scale = tl.load(w_scale_ptr + group.to(tl.int64) * N + cols, col_ok, 0.0)
         acc = acc * x_scale[:, None] * w_scale[None, :]
+    if SCATTER:
+        acc = acc * tl.load(pair_weights_ptr + out_rows, row_ok, 0.0)[:, None]
     mask = row_ok[:, None] & col_ok[None, :]
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask)
+    tl.store(out_ptr + out_rows[:, None].to(tl.int64) * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask)
 
 
 def grouped_mm(
@@ -221,10 +326,15 @@ def grouped_mm(
     config: TileConfig = TileConfig(),
     w_scale: Tensor | None = None,
     block: tuple[int, int] | None = None,
+    gather_top_k: int = 0,
+    pair_weights: Tensor | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
-    """x [M, K] (rows grouped as `tiles` says, in tiles of config.rows) times w [G, N, K] transposed per group ->
-    [M, N] in x's dtype, over the fixed grid (max_tiles, cdiv(N, config.cols)). Rows no tile covers (other ranks'
-    pairs) are left unwritten.
+    """x's rows (grouped as `tiles` says, in tiles of config.rows) times w [G, N, K] transposed per group -> [M, N]
+    in x's dtype, M = tiles.pairs' count, over the fixed grid (max_tiles, cdiv(N, config.cols)). x is [M, K] in
+    row order, or with `gather_top_k` k the tokens [M / k, K], each row reading its pair's token. With
+    `pair_weights` (fp32 [M], by pair) row r's output lands on row tiles.pairs[r], times its pair's weight. Rows
+    no tile covers (other ranks' pairs) are left as `out` (default: a new [M, N] buffer) holds them.
 
     With `w_scale`, w is float8_e4m3fn and x is quantized per token (kernels/fp8.py), W8A8: w_scale float32
     [G, N], one per (group, output row), with x's rows quantized whole; or, with `block` (rows, cols), one per
@@ -232,7 +342,7 @@ def grouped_mm(
     reduction stepping by a power of two that divides `cols` (at most config.depth); ValueError for tiles whose
     step is too short for a GPU's 8-bit dot (kernels/fp8.py `block_unsupported`). Shapes still depend only on x's
     and w's: no host read."""
-    out = x.new_empty(x.shape[0], w.shape[1])
+    out = x.new_empty(tiles.pairs.numel(), w.shape[1]) if out is None else out
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     scales, x_scale, depth, tile = "none", None, config.depth, (1, 1)
     if w_scale is not None:
@@ -251,6 +361,8 @@ def grouped_mm(
             w,
             x if x_scale is None else x_scale.contiguous(),
             w if w_scale is None else w_scale.contiguous(),
+            tiles.pairs,
+            out if pair_weights is None else pair_weights.contiguous(),
             tiles.tile_group,
             tiles.tile_row,
             tiles.group_end,
@@ -264,6 +376,8 @@ def grouped_mm(
             SCALES=scales,
             TILE_ROWS=tile[0],
             TILE_COLS=tile[1],
+            GATHER_TOP_K=gather_top_k,
+            SCATTER=pair_weights is not None,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
@@ -282,16 +396,18 @@ def fused_moe(
     w2_scale: Tensor | None = None,
     block: tuple[int, int] | None = None,
 ) -> Tensor:
-    """kernels.moe.fused_moe's sum with every buffer sized by T * top_k pairs, other ranks' pairs included: their
-    rows go through the products unwritten and are masked out (not multiplied: garbage times 0 may be NaN)
-    before the sum. `config`: these tiles rather than the table's (the tuner's candidates). FP8 experts (w13, w2
-    float8_e4m3fn with `w13_scale`, `w2_scale`, per row or per `block` tile as `grouped_mm` takes them): the
-    gathered tokens are quantized before the first product and the SiLU's output before the second."""
+    """kernels.moe.fused_moe's sum with every buffer sized by T * top_k pairs, other ranks' pairs included, in
+    about five launches: the alignment, the first product reading each pair's token in place, the SiLU, the
+    second product writing each pair's row times its weight where the pair stands in [T, k], and the sum over
+    k. Other ranks' pairs go through the products unwritten; their rows of the second product's output start at
+    zero (never garbage: garbage times a weight of 0 may be NaN). `config`: these tiles rather than the table's
+    (the tuner's candidates). FP8 experts (w13, w2 float8_e4m3fn with `w13_scale`, `w2_scale`, per row or per
+    `block` tile as `grouped_mm` takes them): the tokens are quantized before the first product and the SiLU's
+    output before the second."""
     config = config or tile_config(topk_ids.numel(), w13, block)
     tiles = align(topk_ids, w13.shape[0], first_expert, config.rows)
-    tokens = tiles.pairs // topk_ids.shape[1]
-    h = grouped_mm(x.index_select(0, tokens), w13, tiles, config, w13_scale, block)
-    y = grouped_mm(silu_and_mul(h), w2, tiles, config, w2_scale, block)
-    weights = topk_weights.flatten().index_select(0, tiles.pairs).to(y.dtype).unsqueeze(1)
-    y = torch.where(tiles.local.unsqueeze(1), y * weights, 0)
-    return torch.zeros_like(x).index_add_(0, tokens, y)
+    h = grouped_mm(x, w13, tiles, config, w13_scale, block, gather_top_k=topk_ids.shape[1])
+    out = None if first_expert is None else x.new_zeros(topk_ids.numel(), w2.shape[1])
+    weights = topk_weights.flatten().float()
+    y = grouped_mm(silu_and_mul(h), w2, tiles, config, w2_scale, block, pair_weights=weights, out=out)
+    return y.view(*topk_ids.shape, w2.shape[1]).sum(1)

@@ -64,14 +64,39 @@ def test_fp8_grouped_mm_sums_the_values_its_operands_stand_for(counts, block):
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_tiles_cover_each_group_once_and_mark_the_rest():
+ALIGNERS = {"one program": triton_moe._align_one_program, "torch's sort": triton_moe._align_sorting}
+
+
+@pytest.mark.parametrize("aligner", ALIGNERS.values(), ids=ALIGNERS)
+def test_tiles_cover_each_group_once_and_mark_the_rest(aligner):
     ids = torch.tensor([[3], [0], [3], [9], [3], [0]])  # expert 9 is another rank's (first_expert 2: local 1, 7)
-    tiles = triton_moe.align(ids + 2, 4, first_expert=2, rows=2)
-    assert tiles.pairs.tolist() == [1, 5, 0, 2, 4, 3] and tiles.local.tolist() == [True] * 5 + [False]
-    assert tiles.group_end.tolist() == [2, 2, 2, 5]
     # min(6 pairs, cdiv(6, 2) + 4 groups) = 6 tiles: expert 0's rows 0-1, expert 3's 2-3 and 4, then 3 unused.
+    tiles = aligner((ids + 2).to(DEVICE), 4, 2, 2, 6)
+    assert tiles.pairs.tolist() == [1, 5, 0, 2, 4, 3]
+    assert tiles.group_end.tolist() == [2, 2, 2, 5]
     assert tiles.tile_group.tolist() == [0, 3, 3, 4, 4, 4]
     assert tiles.tile_row.tolist()[:3] == [0, 2, 4]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "experts", "first_expert", "rows"),
+    [(1, 8, 128, None, 16), (37, 2, 8, None, 32), (64, 8, 60, None, 16), (33, 4, 16, 8, 16), (512, 8, 128, 64, 64)],
+    ids=["decode of one, 128 experts", "Mixtral's top-2", "60 experts", "expert parallel", "a graph's largest"],
+)
+def test_one_program_lays_out_the_tiles_torchs_sort_does(tokens, top_k, experts, first_expert, rows):
+    """The alignment a decode's graph launches against the one a prefill runs: the same pairs in the same order,
+    the same groups and the same real tiles (past them, only the group matters: their programs return)."""
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEVICE)
+    num_local = experts if first_expert is None else experts - first_expert
+    n = ids.numel()
+    max_tiles = min(n, -(-n // rows) + num_local)
+    one, sorting = (a(ids, num_local, first_expert, rows, max_tiles) for a in ALIGNERS.values())
+    assert torch.equal(one.pairs, sorting.pairs) and torch.equal(one.group_end, sorting.group_end)
+    assert torch.equal(one.tile_group, sorting.tile_group)
+    real = sorting.tile_group < num_local
+    assert torch.equal(one.tile_row[real], sorting.tile_row[real])
+    assert int(real.sum()) == sum(-(-int(c) // rows) for c in torch.diff(sorting.group_end, prepend=torch.zeros(1)))
 
 
 def moe_weights(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,8 +154,13 @@ def test_other_ranks_rows_never_reach_the_output(monkeypatch):
     """Rows no tile covers hold whatever the buffer held: NaN here, which a multiplication by 0 would keep."""
     grouped_mm = triton_moe.grouped_mm
 
-    def garbage_in_uncovered_rows(x, w, tiles, config, *fp8):
-        return grouped_mm(x, w, tiles, config, *fp8).masked_fill(~tiles.local.unsqueeze(1), torch.nan)
+    def garbage_in_uncovered_rows(x, w, tiles, config, *fp8, **kwargs):
+        out = grouped_mm(x, w, tiles, config, *fp8, **kwargs)
+        if "pair_weights" in kwargs:
+            return out
+        # Local groups first, other ranks' pairs after the last one's end.
+        uncovered = torch.arange(out.shape[0], device=out.device) >= tiles.group_end[-1]
+        return out.masked_fill(uncovered.unsqueeze(1), torch.nan)
 
     monkeypatch.setattr(triton_moe, "grouped_mm", garbage_in_uncovered_rows)
     w13, w2 = (w[4:] for w in moe_weights(torch.float32))
@@ -168,7 +198,7 @@ def test_the_op_reads_nothing_on_the_host(first_expert):
     local = slice(first_expert or 0, (first_expert or 0) + 4)
     w13, w2 = (w[local] for w in moe_weights(torch.float32))
     x = torch.randn(9, H, generator=torch.Generator().manual_seed(2))
-    topk_weights, topk_ids = routing(9, 3, list(range(E)))
+    topk_weights, topk_ids = routing(9, 3, list(range(E if first_expert else 4)))
     args = [t.to(DEVICE) for t in (x, w13, w2, topk_weights, topk_ids)]
     with NoHostReads():
         tiles = triton_moe.align(args[-1], 4, first_expert)
@@ -177,6 +207,56 @@ def test_the_op_reads_nothing_on_the_host(first_expert):
     torch.testing.assert_close(out.cpu(), looped_moe(x, w13, w2, topk_weights, topk_ids, first_expert))
     with pytest.raises(AssertionError, match="nonzero"), NoHostReads():
         _grouped(topk_ids, topk_weights, 4, 4)  # the CPU path's grouping: the mode bites
+
+
+class Launches:
+    """A jitted kernel standing in for itself, noting its name at each launch."""
+
+    def __init__(self, kernel, names: list[str]):
+        self.kernel, self.names = kernel, names
+
+    def __getitem__(self, grid):
+        self.names.append(self.kernel.fn.__name__)
+        return self.kernel[grid]
+
+
+class TorchCompute(TorchDispatchMode):
+    """Notes each torch op that computes something: not allocations and views, nor the copies and storage swaps of
+    the interpreter's handling of a kernel's arguments (never issued on CUDA)."""
+
+    QUIET = {"empty", "new_empty", "view", "set_", "copy_", "detach", "alias"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in self.QUIET:
+            self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("first_expert", [None, 4])
+def test_a_decode_launches_the_alignment_two_products_and_one_sum(monkeypatch, first_expert):
+    """What a captured decode replays for a MoE layer's experts: one kernel sorts and tiles the pairs, the first
+    product reads each pair's token in place, the second writes each pair's weighted row where the token's sum
+    reads it, and torch only sums over the choices (and zeroes other ranks' rows). Before, torch's sort,
+    searches, index arithmetic, gathers and scatter-add came to about thirty launches."""
+    names: list[str] = []
+    for kernel in ("_align_kernel", "_grouped_mm_kernel"):
+        monkeypatch.setattr(triton_moe, kernel, Launches(getattr(triton_moe, kernel), names))
+    local = slice(first_expert or 0, (first_expert or 0) + 4)
+    w13, w2 = (w[local] for w in moe_weights(torch.float32))
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(2))
+    topk_weights, topk_ids = routing(3, 2, list(range(E if first_expert else 4)))
+    args = [t.to(DEVICE) for t in (x, w13, w2, topk_weights, topk_ids)]
+    with TorchCompute() as torch_ops:
+        out = triton_moe.fused_moe(*args, first_expert)
+    torch.testing.assert_close(out.cpu(), looped_moe(x, w13, w2, topk_weights, topk_ids, first_expert))
+    assert names == ["_align_kernel", "_grouped_mm_kernel", "_grouped_mm_kernel"]
+    silu = [] if DEVICE == "cuda" else ["raylm.silu_and_mul"]  # a Triton kernel on CUDA
+    zeros = [] if first_expert is None else ["aten.new_zeros"]
+    assert sorted(torch_ops.ops) == sorted([*silu, *zeros, "aten.sum"]), torch_ops.ops
 
 
 def test_the_fp8_op_reads_nothing_on_the_host():
@@ -205,9 +285,9 @@ def record_configs(monkeypatch) -> list:
     """The TileConfig of each grouped matmul launched, as it happens."""
     seen, grouped_mm = [], triton_moe.grouped_mm
 
-    def recorded(x, w, tiles, config, *fp8):
+    def recorded(x, w, tiles, config, *fp8, **kwargs):
         seen.append(config)
-        return grouped_mm(x, w, tiles, config, *fp8)
+        return grouped_mm(x, w, tiles, config, *fp8, **kwargs)
 
     monkeypatch.setattr(triton_moe, "grouped_mm", recorded)
     return seen
