@@ -1,11 +1,19 @@
-"""The batched LoRA op on CUDA (kernels/lora.py states it): per token, gather its slot's A and B.
+"""The batched LoRA op on CUDA (kernels/lora.py states it), in two launches a layer whatever its fused outputs.
 
-Two kernels per layer: a shrink, one program per token, h[t] = A[slot(t)] x[t] over the layer's n stacked
-down-projections; then an expand per fused output j, one program per (token, column tile), y[t, cols] +=
-h[t, j] B_j[slot(t)][:, cols]. A token of the base model (slot -1) adds nothing and reads no adapter weights. No host
-work: the slots are a device tensor, so the op never syncs and a decode step stays one fixed shape, which a CUDA
-graph captures once for every mix of adapters. The tests run it on CPU tensors under
-TRITON_INTERPRET=1 against the torch path.
+Both kernels work on tiles of BLOCK_M consecutive tokens, and within a tile take each adapter slot its tokens use
+in turn: one tl.dot for all the tile's tokens of that slot, the others' rows masked, so each adapter's weights are
+read once per tile rather than once per token. The model runner groups a step's tokens by slot, so most tiles hold
+one slot (one dot); a tile across a boundary between adapters takes one dot per slot. A token of the base model
+(slot -1) adds nothing and reads no adapter weights: a tile of base tokens only reads its slots.
+
+- shrink: h[tile] = x[tile] A[slot]^T over the layer's n stacked down-projections (fp32 [T, n * R]);
+- expand: one program per (token tile, column tile), the column tiles of all the layer's fused outputs (q/k/v: 3,
+  gate/up: 2) in one grid, each program finding its output j from its column tile: y[tile, offset_j + cols] +=
+  h[tile, j * R : (j + 1) * R] B_j[slot][:, cols].
+
+No host work: the slots are a device tensor, read only by the kernels, and the grid depends on the token count and
+the shapes only, so the op never syncs and a decode step stays one fixed shape, which a CUDA graph captures once
+for every mix of adapters. The tests run it on CPU tensors under TRITON_INTERPRET=1 against the torch path.
 """
 
 from __future__ import annotations
@@ -14,59 +22,115 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK_K, _BLOCK_N = 64, 64  # the shrink's reduction step, the expand's column tile
+_BLOCK_M, _BLOCK_N = 16, 64  # a tile's tokens, the expand's column tile
+_MIN_DOT = 16  # tl.dot's least size on any dimension: smaller ranks are padded to it by masked loads
+# The shrink's A tile per reduction step: the pipeline keeps a few in shared memory, which must fit sm89's 100 KiB
+# in fp32 too.
+_STEP_BYTES = 16384
+_MAX_OUTPUTS = 3  # the expand's B pointers: q/k/v
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _shrink_kernel(
-    h_ptr, x_ptr, a_ptr, slots_ptr, K: tl.constexpr, NR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr
+    h_ptr,
+    x_ptr,
+    a_ptr,
+    slots_ptr,
+    num_tokens,
+    K: tl.constexpr,
+    NR: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """h[t, :NR] = A[slot] [NR, K] x[t] [K], zeros for slot -1; x is [T, K], A [slots, NR, K], h [T, NR]."""
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + t)
-    base = tl.maximum(slot, 0).to(tl.int64) * NR * K
+    """h[rows, :NR] = x[rows] [BLOCK_M, K] A[slot]^T [K, NR] for one tile of BLOCK_M tokens, one dot over K per
+    slot among the tile's rows; zeros for slot -1 rows and none for rows past T. x is [T, K], A [slots, NR, K],
+    h float32 [T, NR]."""
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = rows < num_tokens
     r = tl.arange(0, BLOCK_R)
-    r_ok = (r < NR) & (slot >= 0)  # a base-model token reads no adapter weights
-    acc = tl.zeros([BLOCK_R], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        x = tl.load(x_ptr + t * K + k, k_ok, 0.0).to(tl.float32)
-        a = tl.load(a_ptr + base + r[:, None] * K + k[None, :], r_ok[:, None] & k_ok[None, :], 0.0).to(tl.float32)
-        acc += tl.sum(a * x[None, :], axis=1)
-    acc = tl.where(slot >= 0, acc, 0.0)
-    tl.store(h_ptr + t * NR + r, acc, r_ok)
+    r_ok = r < NR
+    left = tl.load(slots_ptr + rows, row_ok, -1)  # each row's slot until its product is in acc, then -1
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    slot = tl.max(left, 0)
+    while slot >= 0:
+        mine = left == slot
+        a_base = a_ptr + slot * NR * K
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            # Other slots' rows load zeros: their part of this dot adds exact zeros to their sums.
+            x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mine[:, None] & k_ok[None, :], 0.0)
+            a = tl.load(a_base + r[None, :] * K + k[:, None], k_ok[:, None] & r_ok[None, :], 0.0)
+            acc = tl.dot(x, a, acc, input_precision=PRECISION)
+        left = tl.where(mine, -1, left)
+        slot = tl.max(left, 0)
+    tl.store(h_ptr + rows[:, None] * NR + r[None, :], acc, row_ok[:, None] & r_ok[None, :])
 
 
 @triton.jit
+def _pick(j, v0, v1, v2):
+    """v0, v1 or v2 as j is 0, 1 or 2."""
+    return tl.where(j == 0, v0, tl.where(j == 1, v1, v2))
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
 def _expand_kernel(
     y_ptr,
     h_ptr,
-    b_ptr,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
     slots_ptr,
+    num_tokens,
     y_stride,
-    offset,
-    h_start,
-    N: tl.constexpr,
+    offset0,
+    offset1,
+    offset2,
+    N0: tl.constexpr,
+    N1: tl.constexpr,
+    N2: tl.constexpr,
     R: tl.constexpr,
     NR: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """y[t, offset + cols] += h[t, h_start : h_start + R] B[slot] [R, N] for the tile's cols; nothing for slot -1."""
-    t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + t)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """y[rows, offset_j + cols] += h[rows, j * R : (j + 1) * R] B_j[slot] [R, N_j][:, cols] for one token tile
+    and one column tile of output j, one dot per slot among the tile's rows; slot -1 rows and rows past T
+    untouched. The column tiles run over the layer's outputs in turn: [0, tiles(N0)) are output 0's, the next
+    tiles(N1) output 1's, the rest output 2's (an output the layer lacks has N_j = 0: no tiles)."""
+    c = tl.program_id(1)
+    tiles0: tl.constexpr = (N0 + BLOCK_N - 1) // BLOCK_N
+    tiles01: tl.constexpr = tiles0 + (N1 + BLOCK_N - 1) // BLOCK_N
+    j = tl.where(c < tiles0, 0, tl.where(c < tiles01, 1, 2))
+    b_ptr, n, offset = _pick(j, b0_ptr, b1_ptr, b2_ptr), _pick(j, N0, N1, N2), _pick(j, offset0, offset1, offset2)
+    cols = (c - _pick(j, 0, tiles0, tiles01)) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    left = tl.load(slots_ptr + rows, rows < num_tokens, -1)  # each row's slot until its product is in acc, then -1
+    adapted = left >= 0
     r = tl.arange(0, BLOCK_R)
-    col_ok, r_ok = cols < N, (r < R) & (slot >= 0)
-    h = tl.load(h_ptr + t * NR + h_start + r, r_ok, 0.0)
-    base = tl.maximum(slot, 0).to(tl.int64) * N * R
-    b = tl.load(b_ptr + base + r[None, :] * N + cols[:, None], col_ok[:, None] & r_ok[None, :], 0.0).to(tl.float32)
-    delta = tl.sum(b * h[None, :], axis=1)
-    out = y_ptr + t * y_stride + offset + cols
-    mask = col_ok & ((cols * 0 + slot) >= 0)  # a block, not a scalar: the interpreter takes only block masks
+    col_ok, r_ok = cols < n, r < R
+    h = tl.load(h_ptr + rows[:, None] * NR + j * R + r[None, :], adapted[:, None] & r_ok[None, :], 0.0)
+    h = h.to(b0_ptr.dtype.element_ty)  # the torch path's shrink also rounds to the model's dtype
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    slot = tl.max(left, 0)
+    while slot >= 0:
+        mine = left == slot
+        b = tl.load(b_ptr + slot * R * n + r[:, None] * n + cols[None, :], r_ok[:, None] & col_ok[None, :], 0.0)
+        acc = tl.dot(tl.where(mine[:, None], h, 0.0), b, acc, input_precision=PRECISION)
+        left = tl.where(mine, -1, left)
+        slot = tl.max(left, 0)
+    out = y_ptr + rows[:, None] * y_stride + offset + cols[None, :]
+    mask = adapted[:, None] & col_ok[None, :]
     y = tl.load(out, mask, 0.0)
-    tl.store(out, (y.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask)
+    tl.store(out, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask)
+
+
+def _dot_size(n: int) -> int:
+    return max(_MIN_DOT, triton.next_power_of_2(n))
 
 
 def triton_add_lora(
@@ -78,29 +142,41 @@ def triton_add_lora(
     token_slots: torch.Tensor,
 ) -> None:
     """y [T, out] += each token's adapter product, in place; `token_slots` [T] (int64, -1: none) on y's device.
-    Shapes as kernels/lora.py's add_lora; y's rows may be strided (a view), its columns contiguous."""
+    Shapes as kernels/lora.py's add_lora, with at most 3 fused outputs; y's rows may be strided (a view), its
+    columns contiguous."""
+    if len(lora_bs) > _MAX_OUTPUTS:
+        raise ValueError(f"{len(lora_bs)} fused outputs: the expand takes at most {_MAX_OUTPUTS}")
     num_tokens = x.shape[0]
     if num_tokens == 0:
         return
     x, lora_a = x.contiguous(), lora_a.contiguous()
+    bs = [b.contiguous() for b in lora_bs]
     nr, k = lora_a.shape[1], lora_a.shape[2]
-    rank = lora_bs[0].shape[1]
+    rank = bs[0].shape[1]
+    block_r = _dot_size(nr)
+    block_k = min(128, max(_MIN_DOT, _STEP_BYTES // (block_r * x.element_size())))
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 stays exact: the tests compare it so
+    tiles = triton.cdiv(num_tokens, _BLOCK_M)
     h = torch.empty(num_tokens, nr, dtype=torch.float32, device=x.device)
-    _shrink_kernel[(num_tokens,)](h, x, lora_a, token_slots, k, nr, triton.next_power_of_2(nr), _BLOCK_K)
-    for j, (b, offset) in enumerate(zip(lora_bs, offsets)):
-        n = b.shape[2]
-        grid = (num_tokens, triton.cdiv(n, _BLOCK_N))
-        _expand_kernel[grid](
-            y,
-            h,
-            b.contiguous(),
-            token_slots,
-            y.stride(0),
-            offset,
-            j * rank,
-            n,
-            rank,
-            nr,
-            triton.next_power_of_2(rank),
-            _BLOCK_N,
-        )
+    _shrink_kernel[(tiles,)](h, x, lora_a, token_slots, num_tokens, k, nr, _BLOCK_M, block_r, block_k, precision)
+    missing = _MAX_OUTPUTS - len(bs)  # unused pointers and sizes: the kernel never reads them
+    sizes = [b.shape[2] for b in bs] + [0] * missing
+    col_tiles = sum(triton.cdiv(n, _BLOCK_N) for n in sizes)
+    _expand_kernel[(tiles, col_tiles)](
+        y,
+        h,
+        *bs,
+        *bs[:1] * missing,
+        token_slots,
+        num_tokens,
+        y.stride(0),
+        *offsets,
+        *[0] * missing,
+        *sizes,
+        rank,
+        nr,
+        _BLOCK_M,
+        _dot_size(rank),
+        _BLOCK_N,
+        precision,
+    )

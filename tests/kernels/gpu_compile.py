@@ -192,20 +192,34 @@ def fused_cases() -> dict[str, Callable[[], object]]:
 
 
 def lora_cases() -> dict[str, Callable[[], object]]:
-    """kernels/triton_lora.py: a fused q/k/v projection's adapters, tokens of two adapters and of the base model."""
+    """kernels/triton_lora.py: Llama-3-8B's fused q/k/v (3 outputs), gate/up (2) and down (1, K the MLP's width)
+    layers' adapters at rank 16 in either half, q/k/v in fp32 (the ieee dot the CUDA tests run) and at rank 64
+    (the shrink's widest tile); a decode step of 40 tokens whose tiles mix two adapters and the base model."""
     from kernels.triton_lora import triton_add_lora
 
-    def case(dtype):
-        tokens, slots, rank, outs = 4, 2, 16, (HIDDEN, 1024, 1024)
-        y = torch.zeros(tokens, sum(outs), dtype=dtype)
-        lora_a = torch.zeros(slots, len(outs) * rank, HIDDEN, dtype=dtype)
-        lora_bs = [torch.zeros(slots, rank, n, dtype=dtype) for n in outs]
-        offsets = [0, outs[0], outs[0] + outs[1]]
-        triton_add_lora(
-            y, torch.randn(tokens, HIDDEN, dtype=dtype), lora_a, lora_bs, offsets, torch.tensor([0, 1, -1, 0])
-        )
+    layers = {
+        "q/k/v": (HIDDEN, (HIDDEN, 1024, 1024)),
+        "gate/up": (HIDDEN, (INTERMEDIATE,) * 2),
+        "down": (INTERMEDIATE, (HIDDEN,)),
+    }
 
-    return {f"lora {d}": lambda d=d: case(d) for d in HALVES}
+    def case(layer, dtype, rank=16):
+        def run():
+            k, outs = layers[layer]
+            slots = torch.tensor([0] * 20 + [-1] * 4 + [1] * 16)
+            y = torch.zeros(len(slots), sum(outs), dtype=dtype)
+            lora_a = torch.zeros(2, len(outs) * rank, k, dtype=dtype)
+            lora_bs = [torch.zeros(2, rank, n, dtype=dtype) for n in outs]
+            offsets = [sum(outs[:j]) for j in range(len(outs))]
+            triton_add_lora(y, torch.randn(len(slots), k, dtype=dtype), lora_a, lora_bs, offsets, slots)
+
+        return run
+
+    cases = {f"lora {layer} {d}": case(layer, d) for layer in layers for d in HALVES}
+    return cases | {
+        "lora q/k/v fp32 (ieee dot)": case("q/k/v", torch.float32),
+        "lora q/k/v bf16, rank 64": case("q/k/v", torch.bfloat16, 64),
+    }
 
 
 def attention_cases() -> dict[str, Callable[[], object]]:

@@ -1,4 +1,5 @@
-"""The Triton batched LoRA op against the torch path (kernels/lora.py), under the Triton interpreter on CPU."""
+"""The Triton batched LoRA op against the torch path (kernels/lora.py), under the Triton interpreter on CPU: tiles
+of one adapter, of several, of the base model and past the step's end, every fused output in one launch."""
 
 import os
 import sys
@@ -15,8 +16,14 @@ if DEVICE == "cpu":
     )
     os.environ["TRITON_INTERPRET"] = "1"
 
+import triton  # noqa: E402
+
+from kernels import triton_lora  # noqa: E402
 from kernels.lora import LoraBatch, add_lora  # noqa: E402
 from kernels.triton_lora import triton_add_lora  # noqa: E402
+
+# The interpreter multiplies bfloat16's bit patterns in tl.dot (triton-lang/triton#11584): fp16 stands in there.
+HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16
 
 
 @pytest.mark.parametrize(
@@ -43,6 +50,95 @@ def test_triton_lora_matches_torch(slots):
     if -1 in slots:
         base_rows = [i for i, s in enumerate(slots) if s < 0]
         assert torch.equal(y.cpu()[base_rows], y0[base_rows])
+
+
+SLOTS = {  # slot 0 is NaN: a base token's -1 read as slot 0 would show
+    "one token": [2],
+    "one adapter, the last tile past the step's end": [1] * 37,
+    "adapters changing mid-tile": [1] * 10 + [2] * 13 + [3] * 9,
+    "base tokens inside an adapter's tile, and whole base tiles": [-1] * 16 + [3] * 5 + [-1] * 3 + [3] * 8 + [-1] * 20,
+    "a slot per token, the base among them": [3, -1, 1, 3, 2, -1, 2, 1] * 3,
+    "base only": [-1] * 20,
+}
+# (rank, fused outputs' sizes): ragged column tiles; ranks below tl.dot's 16 (padded), not a power of two, the
+# default max_lora_rank, and one whose shrink is 256 wide (its shortest reduction step).
+LAYERS = {
+    "rank 8, q/k/v-like": (8, [80, 24, 40]),
+    "rank 12, gate/up-like": (12, [80, 24]),
+    "rank 16, down-like": (16, [72]),
+    "rank 64, q/k/v-like": (64, [80, 24, 40]),
+}
+K = 136  # x's width: a multiple of no reduction step, so each layer's last step is ragged
+
+
+def make_layer(rank: int, sizes: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A and the Bs of 4 slots, scaled so the products stay near 1; slot 0, which no token uses, is NaN: a read
+    of it would show in y."""
+    g = torch.Generator().manual_seed(0)
+    lora_a = torch.randn(4, len(sizes) * rank, K, generator=g) / K**0.5
+    lora_bs = [torch.randn(4, rank, n, generator=g) / rank**0.5 for n in sizes]
+    for w in (lora_a, *lora_bs):
+        w[0] = float("nan")
+    return lora_a.to(dtype), [b.to(dtype) for b in lora_bs]
+
+
+def run_layer(slots: list[int], lora_a: torch.Tensor, lora_bs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """(y0, y, x), in the weights' dtype: y0 a random [T, outputs], y the Triton op's result on y0 as a strided view
+    of a wider buffer (whose other columns it checks untouched), x the op's input."""
+    g = torch.Generator().manual_seed(1)
+    sizes = [b.shape[2] for b in lora_bs]
+    x = torch.randn(len(slots), K, generator=g).to(lora_a.dtype)
+    buffer = torch.randn(len(slots), sum(sizes) + 24, generator=g).to(lora_a.dtype)
+    y0 = buffer[:, 8:-8]  # 8 more columns past the outputs, and 8 before: untouched
+    out = buffer.to(DEVICE, copy=True)
+    offsets = [sum(sizes[:j]) for j in range(len(sizes))]
+    args = [t.to(DEVICE) for t in (x, lora_a, *lora_bs, torch.tensor(slots))]
+    triton_add_lora(out[:, 8:-8], args[0], args[1], args[2:-1], offsets, args[-1])
+    out = out.cpu()
+    assert torch.equal(out[:, :8], buffer[:, :8]) and torch.equal(out[:, -8:], buffer[:, -8:])
+    return y0.clone(), out[:, 8:-8], x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("layer", LAYERS.values(), ids=LAYERS)
+@pytest.mark.parametrize("slots", SLOTS.values(), ids=SLOTS)
+def test_every_tile_matches_the_torch_path(slots, layer, dtype):
+    """Against the torch path in fp32 on the same inputs: fp32 within 1e-5, halves within their rounding (the
+    shrink's result rounds to the half before the expand, as the torch path's does); the base's rows exact."""
+    rank, sizes = layer
+    lora_a, lora_bs = make_layer(rank, sizes, dtype)
+    y0, y, x = run_layer(slots, lora_a, lora_bs)
+    expected = y0.float()
+    batch = LoraBatch([])
+    batch.set(np.array(slots))
+    offsets = [sum(sizes[:j]) for j in range(len(sizes))]
+    add_lora(expected, x.float(), lora_a.float(), [b.float() for b in lora_bs], offsets, batch)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(y.float(), expected, rtol=tol, atol=tol)
+    base_rows = [i for i, s in enumerate(slots) if s < 0]
+    assert torch.equal(y[base_rows], y0[base_rows])
+
+
+@pytest.mark.parametrize("layer", LAYERS.values(), ids=LAYERS)
+def test_a_layer_is_two_launches(layer, monkeypatch):
+    """A shrink over the token tiles and one expand over every fused output's column tiles, whatever the outputs."""
+    launches = []
+    kernel_type = type(triton_lora._expand_kernel)  # JITFunction, or the interpreter's stand-in
+    launch = kernel_type.__getitem__
+
+    def recorded(kernel, grid):
+        launches.append((kernel, grid))
+        return launch(kernel, grid)
+
+    monkeypatch.setattr(kernel_type, "__getitem__", recorded)
+    rank, sizes = layer
+    run_layer(SLOTS["adapters changing mid-tile"], *make_layer(rank, sizes, torch.float32))
+    token_tiles = triton.cdiv(32, triton_lora._BLOCK_M)
+    column_tiles = sum(triton.cdiv(n, triton_lora._BLOCK_N) for n in sizes)
+    assert launches == [
+        (triton_lora._shrink_kernel, (token_tiles,)),
+        (triton_lora._expand_kernel, (token_tiles, column_tiles)),
+    ]
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="tests/gpu/test_features.py runs LoRA engines on CUDA")
