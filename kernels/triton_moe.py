@@ -171,7 +171,7 @@ def _align_one_program(topk_ids: Tensor, num_local: int, first_expert: int | Non
         torch.empty(max_tiles, dtype=torch.int32, device=device),
         torch.empty(max_tiles, dtype=torch.int32, device=device),
     )
-    pairs = triton.next_power_of_2(n)
+    pairs = max(16, triton.next_power_of_2(n))  # a decode of one token's few pairs: no degenerate sort or layout
     _align_kernel[(1,)](
         topk_ids.contiguous(),
         tiles.pairs,

@@ -147,6 +147,7 @@ def moe_cases() -> dict[str, Callable[[], object]]:
         "align, 512 tokens of top-8 over 128 experts": lambda: triton_moe.align(
             torch.randint(0, 128, (512, TOP_K)), 128, None, 16
         ),
+        "align, one token of top-1 over 8 experts": lambda: triton_moe.align(torch.tensor([[3]]), 8, None, 16),
     }
 
 
