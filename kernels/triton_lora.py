@@ -6,10 +6,13 @@ read once per tile rather than once per token. The model runner groups a step's 
 one slot (one dot); a tile across a boundary between adapters takes one dot per slot. A token of the base model
 (slot -1) adds nothing and reads no adapter weights: a tile of base tokens only reads its slots.
 
-- shrink: h[tile] = x[tile] A[slot]^T over the layer's n stacked down-projections (fp32 [T, n * R]);
+- shrink: one program per (token tile, slice of the reduction): h[slice, tile] = x[tile, slice] A[slot][:, slice]^T
+  over the layer's n stacked down-projections (fp32 [slices, T, n * R]). The slices keep a small step's GPU busy:
+  a decode of a few tokens is one tile, and one program would read every adapter's A (16 adapters of rank 16 on an
+  8B model's q/k/v: 6 MB) on one SM, where the slices spread it over up to ~_PROGRAMS of them;
 - expand: one program per (token tile, column tile), the column tiles of all the layer's fused outputs (q/k/v: 3,
-  gate/up: 2) in one grid, each program finding its output j from its column tile: y[tile, offset_j + cols] +=
-  h[tile, j * R : (j + 1) * R] B_j[slot][:, cols].
+  gate/up: 2) in one grid, each program finding its output j from its column tile and summing h's slices:
+  y[tile, offset_j + cols] += h[:, tile, j * R : (j + 1) * R].sum(0) B_j[slot][:, cols].
 
 No host work: the slots are a device tensor, read only by the kernels, and the grid depends on the token count and
 the shapes only, so the op never syncs and a decode step stays one fixed shape, which a CUDA graph captures once
@@ -28,15 +31,17 @@ _MIN_DOT = 16  # tl.dot's least size on any dimension: smaller ranks are padded 
 # in fp32 too.
 _STEP_BYTES = 16384
 _MAX_OUTPUTS = 3  # the expand's B pointers: q/k/v
+_PROGRAMS = 128  # the shrink's programs a small step aims at: about an H100's or H200's SM count (132)
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize=["num_tokens", "slice_len"])
 def _shrink_kernel(
     h_ptr,
     x_ptr,
     a_ptr,
     slots_ptr,
     num_tokens,
+    slice_len,
     K: tl.constexpr,
     NR: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -44,9 +49,11 @@ def _shrink_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """h[rows, :NR] = x[rows] [BLOCK_M, K] A[slot]^T [K, NR] for one tile of BLOCK_M tokens, one dot over K per
-    slot among the tile's rows; zeros for slot -1 rows and none for rows past T. x is [T, K], A [slots, NR, K],
-    h float32 [T, NR]."""
+    """h[s, rows, :NR] = x[rows, ks] [BLOCK_M, slice_len] A[slot][:, ks]^T for one tile of BLOCK_M tokens and
+    slice s of the reduction, ks = [s * slice_len, (s + 1) * slice_len) within K (slice_len a multiple of
+    BLOCK_K), one dot over the slice per slot among the tile's rows; zeros for slot -1 rows, none for rows past
+    T. x is [T, K], A [slots, NR, K], h float32 [slices, T, NR]."""
+    k_first = tl.program_id(1) * slice_len
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_ok = rows < num_tokens
     r = tl.arange(0, BLOCK_R)
@@ -57,8 +64,8 @@ def _shrink_kernel(
     while slot >= 0:
         mine = left == slot
         a_base = a_ptr + slot * NR * K
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
+        for k0 in range(0, slice_len, BLOCK_K):
+            k = k_first + k0 + tl.arange(0, BLOCK_K)
             k_ok = k < K
             # Other slots' rows load zeros: their part of this dot adds exact zeros to their sums.
             x = tl.load(x_ptr + rows[:, None] * K + k[None, :], mine[:, None] & k_ok[None, :], 0.0)
@@ -66,7 +73,8 @@ def _shrink_kernel(
             acc = tl.dot(x, a, acc, input_precision=PRECISION)
         left = tl.where(mine, -1, left)
         slot = tl.max(left, 0)
-    tl.store(h_ptr + rows[:, None] * NR + r[None, :], acc, row_ok[:, None] & r_ok[None, :])
+    h = h_ptr + tl.program_id(1).to(tl.int64) * num_tokens * NR
+    tl.store(h + rows[:, None] * NR + r[None, :], acc, row_ok[:, None] & r_ok[None, :])
 
 
 @triton.jit
@@ -75,7 +83,7 @@ def _pick(j, v0, v1, v2):
     return tl.where(j == 0, v0, tl.where(j == 1, v1, v2))
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
+@triton.jit(do_not_specialize=["num_tokens", "num_slices"])
 def _expand_kernel(
     y_ptr,
     h_ptr,
@@ -84,6 +92,7 @@ def _expand_kernel(
     b2_ptr,
     slots_ptr,
     num_tokens,
+    num_slices,
     y_stride,
     offset0,
     offset1,
@@ -98,7 +107,7 @@ def _expand_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """y[rows, offset_j + cols] += h[rows, j * R : (j + 1) * R] B_j[slot] [R, N_j][:, cols] for one token tile
+    """y[rows, offset_j + cols] += h[:, rows, j * R : (j + 1) * R].sum(0) B_j[slot] [R, N_j][:, cols] for one token tile
     and one column tile of output j, one dot per slot among the tile's rows; slot -1 rows and rows past T
     untouched. The column tiles run over the layer's outputs in turn: [0, tiles(N0)) are output 0's, the next
     tiles(N1) output 1's, the rest output 2's (an output the layer lacks has N_j = 0: no tiles)."""
@@ -113,7 +122,11 @@ def _expand_kernel(
     adapted = left >= 0
     r = tl.arange(0, BLOCK_R)
     col_ok, r_ok = cols < n, r < R
-    h = tl.load(h_ptr + rows[:, None] * NR + j * R + r[None, :], adapted[:, None] & r_ok[None, :], 0.0)
+    h_mask = adapted[:, None] & r_ok[None, :]
+    h_rows = h_ptr + rows[:, None] * NR + j * R + r[None, :]
+    h = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    for s in range(num_slices):
+        h += tl.load(h_rows + s * num_tokens * NR, h_mask, 0.0)
     h = h.to(b0_ptr.dtype.element_ty)  # the torch path's shrink also rounds to the model's dtype
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     slot = tl.max(left, 0)
@@ -131,6 +144,14 @@ def _expand_kernel(
 
 def _dot_size(n: int) -> int:
     return max(_MIN_DOT, triton.next_power_of_2(n))
+
+
+def _slicing(token_tiles: int, k: int, block_k: int) -> tuple[int, int]:
+    """(slices, slice_len): the shrink's reduction cut into about _PROGRAMS / token_tiles slices of whole steps
+    (fewer where K has fewer steps), none empty."""
+    wanted = max(1, _PROGRAMS // token_tiles)
+    slice_len = triton.cdiv(triton.cdiv(k, wanted), block_k) * block_k
+    return triton.cdiv(k, slice_len), slice_len
 
 
 def triton_add_lora(
@@ -157,8 +178,11 @@ def triton_add_lora(
     block_k = min(128, max(_MIN_DOT, _STEP_BYTES // (block_r * x.element_size())))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 stays exact: the tests compare it so
     tiles = triton.cdiv(num_tokens, _BLOCK_M)
-    h = torch.empty(num_tokens, nr, dtype=torch.float32, device=x.device)
-    _shrink_kernel[(tiles,)](h, x, lora_a, token_slots, num_tokens, k, nr, _BLOCK_M, block_r, block_k, precision)
+    slices, slice_len = _slicing(tiles, k, block_k)
+    h = torch.empty(slices, num_tokens, nr, dtype=torch.float32, device=x.device)
+    _shrink_kernel[(tiles, slices)](
+        h, x, lora_a, token_slots, num_tokens, slice_len, k, nr, _BLOCK_M, block_r, block_k, precision
+    )
     missing = _MAX_OUTPUTS - len(bs)  # unused pointers and sizes: the kernel never reads them
     sizes = [b.shape[2] for b in bs] + [0] * missing
     col_tiles = sum(triton.cdiv(n, _BLOCK_N) for n in sizes)
@@ -169,6 +193,7 @@ def triton_add_lora(
         *bs[:1] * missing,
         token_slots,
         num_tokens,
+        slices,
         y.stride(0),
         *offsets,
         *[0] * missing,

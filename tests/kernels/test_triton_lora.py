@@ -135,10 +135,45 @@ def test_a_layer_is_two_launches(layer, monkeypatch):
     run_layer(SLOTS["adapters changing mid-tile"], *make_layer(rank, sizes, torch.float32))
     token_tiles = triton.cdiv(32, triton_lora._BLOCK_M)
     column_tiles = sum(triton.cdiv(n, triton_lora._BLOCK_N) for n in sizes)
-    assert launches == [
-        (triton_lora._shrink_kernel, (token_tiles,)),
-        (triton_lora._expand_kernel, (token_tiles, column_tiles)),
-    ]
+    (shrink, (shrink_tiles, slices)), expand = launches
+    assert (shrink, shrink_tiles) == (triton_lora._shrink_kernel, token_tiles)
+    assert slices > 1  # two tiles of a 136-wide reduction: each of its steps a slice
+    assert expand == (triton_lora._expand_kernel, (token_tiles, column_tiles))
+
+
+@pytest.mark.parametrize("programs", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_slices_of_several_steps_and_a_ragged_last_match_the_torch_path(programs, dtype, monkeypatch):
+    """Rank 64's shrink steps 16 columns at a time: aiming at 2 or 3 programs cuts K = 136 into slices of 5 or 3
+    steps, the last one past K, and the expand's sum of them is the whole product."""
+    monkeypatch.setattr(triton_lora, "_PROGRAMS", programs)
+    slots = SLOTS["adapters changing mid-tile"][:16]
+    lora_a, lora_bs = make_layer(*LAYERS["rank 64, q/k/v-like"], dtype)
+    y0, y, x = run_layer(slots, lora_a, lora_bs)
+    expected = y0.float()
+    batch = LoraBatch([])
+    batch.set(np.array(slots))
+    sizes = [b.shape[2] for b in lora_bs]
+    offsets = [sum(sizes[:j]) for j in range(len(sizes))]
+    add_lora(expected, x.float(), lora_a.float(), [b.float() for b in lora_bs], offsets, batch)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(y.float(), expected, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    "token_tiles, k, block_k, expected",
+    [
+        (1, 4096, 128, (32, 128)),  # a decode's q/k/v on an 8B model: every step a program
+        (1, 14336, 128, (112, 128)),  # its down projection: 112 steps, more than _PROGRAMS wants, one each
+        (4, 4096, 128, (32, 128)),
+        (16, 4096, 128, (8, 512)),  # 16 tiles of 8 slices: 128 programs
+        (128, 4096, 128, (1, 4096)),  # enough tiles: the reduction whole
+        (2, 136, 16, (9, 16)),
+    ],
+)
+def test_the_shrink_spreads_a_small_step_over_about_an_sm_count_of_programs(token_tiles, k, block_k, expected):
+    """(slices, slice length): whole steps, none empty, about _PROGRAMS programs with the token tiles."""
+    assert triton_lora._slicing(token_tiles, k, block_k) == expected
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="tests/gpu/test_features.py runs LoRA engines on CUDA")
