@@ -65,14 +65,12 @@ def tune_tiles(
     gen = torch.Generator(device=device).manual_seed(0)
     w13 = torch.randn(num_experts, 2 * intermediate_size, hidden_size, generator=gen, device=device).to(dtype) * 0.02
     w2 = torch.randn(num_experts, hidden_size, intermediate_size, generator=gen, device=device).to(dtype) * 0.02
-    scales = {}
+    scales, weights = {}, str(dtype).removeprefix("torch.")
     if fp8:
         (w13, w13_scale), (w2, w2_scale) = quantize_experts(w13, block), quantize_experts(w2, block)
         scales = {"w13_scale": w13_scale, "w2_scale": w2_scale, "block": block}
-    weights = str(w13.dtype).removeprefix("torch.")
-    if fp8:
         tile = "output row" if block is None else f"{block[0]} x {block[1]} tile"
-        weights += f" scaled per {tile}, activations {str(dtype).removeprefix('torch.')}"
+        weights = f"{str(w13.dtype).removeprefix('torch.')} scaled per {tile}, activations {weights}"
     print(
         f"raylm bench moe --tune: {num_experts} experts of {intermediate_size} units on {hidden_size}, top-{top_k}, "
         f"{weights}, on {name}"
