@@ -30,6 +30,9 @@ _MIN_DOT = 16  # tl.dot's least size on any dimension: smaller ranks are padded 
 # The shrink's A tile per reduction step: the pipeline keeps a few in shared memory, which must fit sm89's 100 KiB
 # in fp32 too.
 _STEP_BYTES = 16384
+# The most rank columns one dot takes: wider shrinks run more programs and wider expands loop, so a rank-512
+# adapter's tiles fit shared memory in fp32 as a rank-16 one's do.
+_MAX_BLOCK_R = 128
 _MAX_OUTPUTS = 3  # the expand's B pointers: q/k/v
 _PROGRAMS = 128  # the shrink's programs a small step aims at: about an H100's or H200's SM count (132)
 
@@ -49,14 +52,14 @@ def _shrink_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """h[s, rows, :NR] = x[rows, ks] [BLOCK_M, slice_len] A[slot][:, ks]^T for one tile of BLOCK_M tokens and
-    slice s of the reduction, ks = [s * slice_len, (s + 1) * slice_len) within K (slice_len a multiple of
-    BLOCK_K), one dot over the slice per slot among the tile's rows; zeros for slot -1 rows, none for rows past
-    T. x is [T, K], A [slots, NR, K], h float32 [slices, T, NR]."""
+    """h[s, rows, rs] = x[rows, ks] [BLOCK_M, slice_len] A[slot][rs, ks]^T for one tile of BLOCK_M tokens, slice
+    s of the reduction, ks = [s * slice_len, (s + 1) * slice_len) within K (slice_len a multiple of BLOCK_K), and
+    BLOCK_R columns rs of NR (program ids 0, 1, 2), one dot over the slice per slot among the tile's rows; zeros
+    for slot -1 rows, none for rows past T. x is [T, K], A [slots, NR, K], h float32 [slices, T, NR]."""
     k_first = tl.program_id(1) * slice_len
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     row_ok = rows < num_tokens
-    r = tl.arange(0, BLOCK_R)
+    r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < NR
     left = tl.load(slots_ptr + rows, row_ok, -1)  # each row's slot until its product is in acc, then -1
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
@@ -107,9 +110,9 @@ def _expand_kernel(
     BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """y[rows, offset_j + cols] += h[:, rows, j * R : (j + 1) * R].sum(0) B_j[slot] [R, N_j][:, cols] for one token tile
-    and one column tile of output j, one dot per slot among the tile's rows; slot -1 rows and rows past T
-    untouched. The column tiles run over the layer's outputs in turn: [0, tiles(N0)) are output 0's, the next
+    """y[rows, offset_j + cols] += h[:, rows, j * R : (j + 1) * R].sum(0) B_j[slot] [R, N_j][:, cols] for one
+    token tile and one column tile of output j, one dot per slot among the tile's rows and BLOCK_R of R; slot -1
+    rows and rows past T untouched. The column tiles run over the layer's outputs in turn: [0, tiles(N0)) are output 0's, the next
     tiles(N1) output 1's, the rest output 2's (an output the layer lacks has N_j = 0: no tiles)."""
     c = tl.program_id(1)
     tiles0: tl.constexpr = (N0 + BLOCK_N - 1) // BLOCK_N
@@ -118,24 +121,28 @@ def _expand_kernel(
     b_ptr, n, offset = _pick(j, b0_ptr, b1_ptr, b2_ptr), _pick(j, N0, N1, N2), _pick(j, offset0, offset1, offset2)
     cols = (c - _pick(j, 0, tiles0, tiles01)) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    left = tl.load(slots_ptr + rows, rows < num_tokens, -1)  # each row's slot until its product is in acc, then -1
-    adapted = left >= 0
-    r = tl.arange(0, BLOCK_R)
-    col_ok, r_ok = cols < n, r < R
-    h_mask = adapted[:, None] & r_ok[None, :]
-    h_rows = h_ptr + rows[:, None] * NR + j * R + r[None, :]
-    h = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-    for s in range(num_slices):
-        h += tl.load(h_rows + s * num_tokens * NR, h_mask, 0.0)
-    h = h.to(b0_ptr.dtype.element_ty)  # the torch path's shrink also rounds to the model's dtype
+    slots = tl.load(slots_ptr + rows, rows < num_tokens, -1)
+    adapted = slots >= 0
+    col_ok = cols < n
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    slot = tl.max(left, 0)
-    while slot >= 0:
-        mine = left == slot
-        b = tl.load(b_ptr + slot * R * n + r[:, None] * n + cols[None, :], r_ok[:, None] & col_ok[None, :], 0.0)
-        acc = tl.dot(tl.where(mine[:, None], h, 0.0), b, acc, input_precision=PRECISION)
-        left = tl.where(mine, -1, left)
+    for r0 in range(0, R, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        r_ok = r < R
+        h_mask = adapted[:, None] & r_ok[None, :]
+        h_rows = h_ptr + rows[:, None] * NR + j * R + r[None, :]
+        h = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+        for s in range(num_slices):
+            h += tl.load(h_rows + s * num_tokens * NR, h_mask, 0.0)
+        h = h.to(b0_ptr.dtype.element_ty)  # the torch path's shrink also rounds to the model's dtype
+        left = slots  # each row's slot until its product is in acc, then -1
         slot = tl.max(left, 0)
+        while slot >= 0:
+            mine = left == slot
+            b_rows = b_ptr + slot * R * n + r[:, None] * n
+            b = tl.load(b_rows + cols[None, :], r_ok[:, None] & col_ok[None, :], 0.0)
+            acc = tl.dot(tl.where(mine[:, None], h, 0.0), b, acc, input_precision=PRECISION)
+            left = tl.where(mine, -1, left)
+            slot = tl.max(left, 0)
     out = y_ptr + rows[:, None] * y_stride + offset + cols[None, :]
     mask = adapted[:, None] & col_ok[None, :]
     y = tl.load(out, mask, 0.0)
@@ -143,7 +150,7 @@ def _expand_kernel(
 
 
 def _dot_size(n: int) -> int:
-    return max(_MIN_DOT, triton.next_power_of_2(n))
+    return min(_MAX_BLOCK_R, max(_MIN_DOT, triton.next_power_of_2(n)))
 
 
 def _slicing(token_tiles: int, k: int, block_k: int) -> tuple[int, int]:
@@ -180,7 +187,7 @@ def triton_add_lora(
     tiles = triton.cdiv(num_tokens, _BLOCK_M)
     slices, slice_len = _slicing(tiles, k, block_k)
     h = torch.empty(slices, num_tokens, nr, dtype=torch.float32, device=x.device)
-    _shrink_kernel[(tiles, slices)](
+    _shrink_kernel[(tiles, slices, triton.cdiv(nr, block_r))](
         h, x, lora_a, token_slots, num_tokens, slice_len, k, nr, _BLOCK_M, block_r, block_k, precision
     )
     missing = _MAX_OUTPUTS - len(bs)  # unused pointers and sizes: the kernel never reads them

@@ -194,8 +194,9 @@ def fused_cases() -> dict[str, Callable[[], object]]:
 
 def lora_cases() -> dict[str, Callable[[], object]]:
     """kernels/triton_lora.py: Llama-3-8B's fused q/k/v (3 outputs), gate/up (2) and down (1, K the MLP's width)
-    layers' adapters at rank 16 in either half, q/k/v in fp32 (the ieee dot the CUDA tests run) and at rank 64
-    (the shrink's widest tile); a decode step of 40 tokens whose tiles mix two adapters and the base model."""
+    layers' adapters at rank 16 in either half, q/k/v in fp32 (the ieee dot the CUDA tests run), at rank 64 and at
+    vLLM's largest rank, 512, in fp32 (the most shared memory a tile takes); a decode step of 40 tokens whose
+    tiles mix two adapters and the base model."""
     from kernels.triton_lora import triton_add_lora
 
     layers = {
@@ -220,6 +221,7 @@ def lora_cases() -> dict[str, Callable[[], object]]:
     return cases | {
         "lora q/k/v fp32 (ieee dot)": case("q/k/v", torch.float32),
         "lora q/k/v bf16, rank 64": case("q/k/v", torch.bfloat16, 64),
+        "lora q/k/v fp32, rank 512 (the widest: its dots cut to fit shared memory)": case("q/k/v", torch.float32, 512),
     }
 
 

@@ -61,12 +61,13 @@ SLOTS = {  # slot 0 is NaN: a base token's -1 read as slot 0 would show
     "base only": [-1] * 20,
 }
 # (rank, fused outputs' sizes): ragged column tiles; ranks below tl.dot's 16 (padded), not a power of two, the
-# default max_lora_rank, and one whose shrink is 256 wide (its shortest reduction step).
+# default max_lora_rank, one whose shrink is 192 wide (two dots' columns) and one whose expand takes two dots'.
 LAYERS = {
     "rank 8, q/k/v-like": (8, [80, 24, 40]),
     "rank 12, gate/up-like": (12, [80, 24]),
     "rank 16, down-like": (16, [72]),
     "rank 64, q/k/v-like": (64, [80, 24, 40]),
+    "rank 160, down-like": (160, [72]),  # wider than a dot takes: the shrink's columns and the expand's rank cut
 }
 K = 136  # x's width: a multiple of no reduction step, so each layer's last step is ragged
 
@@ -135,17 +136,18 @@ def test_a_layer_is_two_launches(layer, monkeypatch):
     run_layer(SLOTS["adapters changing mid-tile"], *make_layer(rank, sizes, torch.float32))
     token_tiles = triton.cdiv(32, triton_lora._BLOCK_M)
     column_tiles = sum(triton.cdiv(n, triton_lora._BLOCK_N) for n in sizes)
-    (shrink, (shrink_tiles, slices)), expand = launches
+    (shrink, (shrink_tiles, slices, column_blocks)), expand = launches
     assert (shrink, shrink_tiles) == (triton_lora._shrink_kernel, token_tiles)
     assert slices > 1  # two tiles of a 136-wide reduction: each of its steps a slice
+    assert column_blocks == triton.cdiv(len(sizes) * rank, 128)  # the dot's widest: rank 64 q/k/v's 192 in two
     assert expand == (triton_lora._expand_kernel, (token_tiles, column_tiles))
 
 
 @pytest.mark.parametrize("programs", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
 def test_slices_of_several_steps_and_a_ragged_last_match_the_torch_path(programs, dtype, monkeypatch):
-    """Rank 64's shrink steps 16 columns at a time: aiming at 2 or 3 programs cuts K = 136 into slices of 5 or 3
-    steps, the last one past K, and the expand's sum of them is the whole product."""
+    """Rank 64's shrink steps 32 columns at a time in fp32, 64 in halves: aiming at 2 or 3 programs cuts K = 136
+    into slices of one to three steps, the last partly past K, and the expand's sum of them is the whole product."""
     monkeypatch.setattr(triton_lora, "_PROGRAMS", programs)
     slots = SLOTS["adapters changing mid-tile"][:16]
     lora_a, lora_bs = make_layer(*LAYERS["rank 64, q/k/v-like"], dtype)
