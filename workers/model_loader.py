@@ -96,10 +96,16 @@ def _moe_spec(root: Path, architecture: str, cfg: PretrainedConfig) -> MoeSpec |
     unknown = sorted(set(json.loads((root / "config.json").read_text())) - known)
     if unknown:
         raise ValueError(f"{architecture}: config.json field {unknown[0]!r} is not supported by raylm's loader")
+    experts = cfg.num_local_experts if architecture == "MixtralForCausalLM" else cfg.num_experts
+    if not 1 <= cfg.num_experts_per_tok <= experts:
+        raise ValueError(
+            f"{architecture}: num_experts_per_tok={cfg.num_experts_per_tok} must be between 1 and the model's "
+            f"{experts} experts"
+        )
     layers = range(cfg.num_hidden_layers)
     if architecture == "MixtralForCausalLM":
         return MoeSpec(
-            num_experts=cfg.num_local_experts,
+            num_experts=experts,
             top_k=cfg.num_experts_per_tok,
             intermediate_size=cfg.intermediate_size,
             renormalize=True,
@@ -110,7 +116,7 @@ def _moe_spec(root: Path, architecture: str, cfg: PretrainedConfig) -> MoeSpec |
     step = cfg.decoder_sparse_step
     sparse = tuple(i for i in layers if i not in cfg.mlp_only_layers and step > 0 and (i + 1) % step == 0)
     return MoeSpec(
-        num_experts=cfg.num_experts,
+        num_experts=experts,
         top_k=cfg.num_experts_per_tok,
         intermediate_size=cfg.moe_intermediate_size,
         renormalize=bool(cfg.norm_topk_prob),

@@ -342,6 +342,9 @@ def test_moe_configs_are_refused_by_name(tiny_model_dir, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "scoring_func": "sigmoid"}))
     with pytest.raises(ValueError, match="Qwen3MoeForCausalLM: config.json field 'scoring_func' is not supported"):
         read_model_spec(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 7}))
+    with pytest.raises(ValueError, match="num_experts_per_tok=7 must be between 1 and the model's 6 experts"):
+        read_model_spec(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["DeepseekV3ForCausalLM"]}))
     with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM.*supported:.*MixtralForCausalLM.*Qwen3MoeForCausalLM"):
         read_model_spec(tmp_path)
