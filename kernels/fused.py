@@ -2,7 +2,7 @@
 CPU (kernels/cpu_ops.py), Triton's on CUDA (kernels/triton_fused.py), else torch's ops.
 
 On CUDA a tensor the Triton kernels do not take (a dtype other than fp32/fp16/bf16, a layout with strided
-columns) takes torch's ops, and the reason is logged once. `RAYLM_FUSED_KERNELS=0` keeps CUDA on torch's ops,
+columns, a shape or layout an op's kernel is not written for) takes torch's ops, and the reason is logged once. `RAYLM_FUSED_KERNELS=0` keeps CUDA on torch's ops,
 for profiling a step with and without the fusions in one process (`raylm bench profile`).
 """
 
@@ -43,13 +43,14 @@ def _unfused_reason(tensors: tuple[torch.Tensor, ...]) -> str | None:
     return None
 
 
-def _use_triton(op: str, *tensors: torch.Tensor) -> bool:
-    return tensors[0].device.type == "cuda" and _triton_takes(op, tensors)
+def _use_triton(op: str, *tensors: torch.Tensor, why_not: str | None = None) -> bool:
+    """`why_not`: the op's own reason its kernel cannot take these tensors (a shape, a layout), or None."""
+    return tensors[0].device.type == "cuda" and _triton_takes(op, tensors, why_not)
 
 
-def _triton_takes(op: str, tensors: tuple[torch.Tensor, ...]) -> bool:
+def _triton_takes(op: str, tensors: tuple[torch.Tensor, ...], why_not: str | None) -> bool:
     """Whether the Triton kernel of `op` takes these tensors; if not, the reason is logged, once per op."""
-    reason = _unfused_reason(tensors)
+    reason = _unfused_reason(tensors) or why_not
     if reason is None:
         return True
     if (op, reason) not in _logged:
@@ -58,8 +59,12 @@ def _triton_takes(op: str, tensors: tuple[torch.Tensor, ...]) -> bool:
     return False
 
 
+def _not_2d(x: torch.Tensor) -> str | None:
+    return None if x.dim() == 2 else f"a {x.dim()}-D input of shape {list(x.shape)} (the kernel takes [tokens, width])"
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.dim() == 2 and _use_triton("rms_norm", x, weight):
+    if _use_triton("rms_norm", x, weight, why_not=_not_2d(x)):
         from kernels.triton_fused import rms_norm
 
         return rms_norm(x, weight, eps)
@@ -68,7 +73,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``residual += x`` in place, then RMSNorm of the sum."""
-    if x.dim() == 2 and residual.is_contiguous() and _use_triton("add_rms_norm", x, residual, weight):
+    why_not = _not_2d(x) or (None if residual.is_contiguous() else "a residual that is not contiguous")
+    if _use_triton("add_rms_norm", x, residual, weight, why_not=why_not):
         from kernels.triton_fused import rms_norm
 
         return rms_norm(x, weight, eps, residual)
@@ -77,7 +83,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU's silu(gate) * up for x = [gate | up] along the last dimension."""
-    if x.dim() == 2 and _use_triton("silu_and_mul", x):
+    if _use_triton("silu_and_mul", x, why_not=_not_2d(x)):
         from kernels.triton_fused import silu_and_mul
 
         return silu_and_mul(x)
@@ -102,7 +108,8 @@ def rotary_store_kv(
     Returns the queries [T, heads, D]."""
     kv_heads = kv_cache.shape[3]
     norms = qk_norm[:2] if qk_norm is not None else ()
-    if _use_triton("rotary_store_kv", qk, v, cos, sin, *norms) and cos.is_contiguous() and sin.is_contiguous():
+    why_not = None if cos.is_contiguous() and sin.is_contiguous() else "cos or sin not contiguous"
+    if _use_triton("rotary_store_kv", qk, v, cos, sin, *norms, why_not=why_not):
         from kernels.triton_fused import rotary_store_kv
 
         return rotary_store_kv(qk, v, cos, sin, kv_cache, slot_mapping, k_scale, v_scale, qk_norm)

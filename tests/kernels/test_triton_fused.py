@@ -148,9 +148,15 @@ def test_the_dispatch_names_why_it_runs_unfused(monkeypatch, caplog):
     monkeypatch.setattr(fused, "_logged", set())
     assert not fused._use_triton("rms_norm", x)  # a CPU tensor: its own ops, nothing to say
     with caplog.at_level(logging.WARNING, logger="kernels.fused"):
-        assert not fused._triton_takes("rms_norm", (x,))
-        assert not fused._triton_takes("rms_norm", (x,))
-    assert [r.getMessage() for r in caplog.records] == ["raylm: rms_norm runs unfused on CUDA: RAYLM_FUSED_KERNELS=0"]
+        assert not fused._triton_takes("rms_norm", (x,), None)
+        assert not fused._triton_takes("rms_norm", (x,), None)
+        monkeypatch.delenv("RAYLM_FUSED_KERNELS")
+        assert fused._triton_takes("silu_and_mul", (x,), fused._not_2d(x))
+        assert not fused._triton_takes("silu_and_mul", (x[None],), fused._not_2d(x[None]))
+    assert [r.getMessage() for r in caplog.records] == [
+        "raylm: rms_norm runs unfused on CUDA: RAYLM_FUSED_KERNELS=0",
+        "raylm: silu_and_mul runs unfused on CUDA: a 3-D input of shape [1, 2, 8] (the kernel takes [tokens, width])",
+    ]
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="tests/gpu/test_engine.py compares the families on CUDA")
@@ -164,9 +170,9 @@ def test_a_tiny_model_through_the_fused_kernels_matches_transformers(tiny_model_
 
     used = []
 
-    def use_triton(op, *tensors):
+    def use_triton(op, *tensors, why_not=None):
         used.append(op)
-        return fused._triton_takes(op, tensors)
+        return fused._triton_takes(op, tensors, why_not)
 
     monkeypatch.setattr(fused, "_use_triton", use_triton)
     path = tiny_model_dir(model_type)
