@@ -3,6 +3,7 @@ few batch sizes, each captured once."""
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any
 
@@ -10,6 +11,8 @@ import torch
 
 from kernels import AttentionMetadata
 from workers.runner_inputs import InputBuffers
+
+logger = logging.getLogger(__name__)
 
 
 class DecodeGraphs:
@@ -19,7 +22,8 @@ class DecodeGraphs:
 
     Such a step of n <= max(sizes) requests is padded to the next size (``InputBuffers.pad_decode``: q-token requests
     on the null block, which write slot 0 and read only block 0), so that its forward is one of a few fixed shapes;
-    a size whose tokens (size * q) exceed the input buffers' ``max_tokens`` is not captured for that q. A graph
+    a size whose tokens (size * q) exceed ``max_tokens`` (a step's token limit, the input buffers' size) is not
+    captured for that q, and its steps run eagerly (the capture logs which, for each q > 1). A graph
     reads its inputs from the runner's buffers in place (their addresses never change) and the KV cache at the
     address it had when captured, so capture comes after the cache is bound; the attention backend's plan is made
     inside the graph, from those buffers. ``graphs[(size, q)]`` is the captured graph and the hidden states it
@@ -58,24 +62,59 @@ class DecodeGraphs:
         graph.replay()
         return hidden
 
-    def capture(self, model: torch.nn.Module, buffers: InputBuffers, attn_backend: Any, max_model_len: int) -> None:
-        """Capture every shape, the most tokens first so that the smaller graphs reuse its memory pool.
+    def capture(
+        self,
+        model: torch.nn.Module,
+        buffers: InputBuffers,
+        attn_backend: Any,
+        max_model_len: int,
+        explain: bool = True,
+    ) -> None:
+        """Capture every shape, the most tokens first so that the smaller graphs reuse its memory pool; then, if
+        ``explain``, log the verification batches that ``max_tokens`` leaves eager (``explain_eager``). The
+        target's capture explains; the draft's, of the same shapes, would repeat it.
 
         A backend that cannot be captured (a flash-attn build that syncs with the host in its decode path, say)
-        makes the capture raise: every graph is then dropped and decodes run eagerly, with a warning naming the
-        error, rather than failing the engine at start."""
+        makes the capture raise: every graph is then dropped and decodes (and verifications, naming k) run
+        eagerly, with a warning naming the error, rather than failing the engine at start."""
         try:
             pool = None
             for size, query_len in self.shapes():
                 pool = self._capture(size, query_len, pool, model, buffers, attn_backend, max_model_len)
             torch.cuda.synchronize()
         except Exception as e:  # whatever broke the capture, eager decodes are the remedy
+            verifying = "".join(
+                f" and verifying num_speculative_tokens={q - 1} proposals" for q in self.query_lens if q > 1
+            )
             warnings.warn(
-                f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly, as enforce_eager=True would",
+                f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding{verifying} eagerly, as "
+                "enforce_eager=True would",
                 stacklevel=2,
             )
             self.graphs.clear()
             self.sizes = []
+            return
+        if explain:
+            self.explain_eager()
+
+    def explain_eager(self) -> None:
+        """Log, for each verification length q > 1 (k = q - 1 proposals a request) whose larger sizes exceed
+        ``max_tokens``, the largest batch that replays a graph and the smallest that runs eagerly, as every larger
+        one does (the sizes fit up to one and none after: they ascend)."""
+        for q in self.query_lens:
+            fits = [s for s in self.sizes if not self.max_tokens or s * q <= self.max_tokens]
+            if q == 1 or len(fits) == len(self.sizes):
+                continue
+            eager = self.sizes[len(fits)]
+            logger.info(
+                "raylm: verification steps (num_speculative_tokens=%d) replay CUDA graphs at batches of up to %d "
+                "requests and run eagerly above: a batch of %d takes %d tokens, over a step's %d (max_num_batched_tokens)",
+                q - 1,
+                fits[-1] if fits else 0,
+                eager,
+                eager * q,
+                self.max_tokens,
+            )
 
     def _capture(
         self,

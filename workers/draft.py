@@ -83,14 +83,14 @@ class DraftModel:
       rewrite them before anything reads them as context;
     - it runs on the target runner's input buffers (``use_buffers``): the catch-up reads the target's step
       inputs in place, and the passes write theirs after the target's step has read them, so on CUDA both replay
-      graphs of the target's shapes (their private pool is not in the KV budget: a draft's decode activations
-      are a few MB);
+      graphs of the target's shapes, in a private pool of the draft's own;
     - the passes' inputs are staged in buffers of its own (``staging``: pinned on CUDA, copied without blocking, and
       rewritten only once the last copies have read them, as the target's inputs are).
     Greedy proposals are a one-hot draft distribution, for which the sampler's rejection rule (accept with
-    probability p(t)) is exact. The GPU memory profile runs the target alone: the draft's weights are loaded
-    before it (so counted), and its forwards run after the target's activations are freed, a smaller model's
-    peak under the target's.
+    probability p(t)) is exact. The GPU memory profile counts the draft: its weights are loaded before it, and
+    its forward over the profile's step (``Worker.profile_draft``, on a throwaway cache) measures the draft's
+    peak and, scaled, its graph pool, which the verification shapes (up to max_num_seqs * (1 + k) tokens) make
+    tens of MB for a 0.5B draft and as large as the target's when the target is its own draft.
     """
 
     def __init__(
@@ -134,6 +134,13 @@ class DraftModel:
         )
         self.cache.bind(self.model.attention_layers)
 
+    def drop_cache(self) -> None:
+        """Unbind the cache from the layers and let it go (the memory profile's throwaway one): the layers' views
+        would keep it alive next to the real one."""
+        for layer in self.model.attention_layers:
+            layer.kv_cache = torch.empty(0)
+        self.cache = None
+
     def use_buffers(self, buffers: InputBuffers, graphs: DecodeGraphs) -> None:
         """Run on the target runner's input buffers, with graphs of the target's shapes (``graphs``' sizes and
         query lengths), once captured: the catch-up reads the target's step inputs in place, and the proposal
@@ -145,8 +152,9 @@ class DraftModel:
 
     def capture_graphs(self, max_model_len: int) -> None:
         """The draft's forward captured at the target's shapes (needs its cache bound), in a pool of its own: a
-        draft graph replays while the target's hidden states, in the target's pool, are still to be read."""
-        self.graphs.capture(self.model, self.buffers, self.backend, max_model_len)
+        draft graph replays while the target's hidden states, in the target's pool, are still to be read. Silent
+        about verification batches left eager: the target's capture, of the same shapes, said which."""
+        self.graphs.capture(self.model, self.buffers, self.backend, max_model_len, explain=False)
 
     def catch_up(self, inputs: StepInputs) -> None:
         """The step's tokens through the draft, for their KV (the outputs are not needed): the graph of the

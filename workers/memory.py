@@ -40,6 +40,21 @@ class MemorySnapshot:
         return cls(total - free, torch.cuda.memory_reserved())
 
 
+@dataclass(slots=True)
+class MemoryProfile:
+    """What a GPU rank's peak-memory profile measured (Worker._profile_memory): the device's `total`, the memory in
+    use `before` the profile and `after` its throwaway caches went back to the driver, its `peak` (profile_peak's,
+    the target's step or the draft's forward, whichever is larger), and the forwards' own peaks over the profile's
+    tokens, from which the graph pools are estimated: the target's, and the draft's (0 without one)."""
+
+    total: int
+    before: MemorySnapshot
+    after: MemorySnapshot
+    peak: int
+    forward_peak: int
+    draft_forward_peak: int
+
+
 def kv_cache_budget(
     total: int,
     utilization: float,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -19,7 +19,14 @@ from workers.draft import DraftModel
 from workers.hub import resolve_model
 from workers.layers import can_pack, pack_for_cpu
 from workers.lora import LoraManager
-from workers.memory import MemorySnapshot, graph_pool_bytes, keep_freed_memory, kv_cache_budget, profile_peak
+from workers.memory import (
+    MemoryProfile,
+    MemorySnapshot,
+    graph_pool_bytes,
+    keep_freed_memory,
+    kv_cache_budget,
+    profile_peak,
+)
 from workers.model_loader import load_kv_scales, load_model
 from workers.model_runner import ModelRunner
 from workers.model_spec import ModelSpec
@@ -334,35 +341,59 @@ class Worker:
 
     def determine_num_blocks(self) -> int:
         """Blocks this rank can hold. CPU (and the no-work runner, which holds no KV): kv_cache_bytes. GPU: what
-        is left after a peak-memory profile."""
+        is left after a peak-memory profile and the CUDA graphs' pools."""
         if self.device.type != "cuda" or self.model is None:
             return max(self.config.kv_cache_bytes // self.block_bytes(), 0)
+        profile = self._profile_memory()
+        budget = kv_cache_budget(
+            profile.total,
+            self.config.gpu_memory_utilization,
+            profile.before,
+            profile.after,
+            profile.peak,
+            self._graph_pools(profile),
+        )
+        return max(budget // self.block_bytes(), 0)
+
+    def _profile_memory(self) -> MemoryProfile:
+        """The peak-memory profile (CUDA): the target's largest step (profile_forward), then the draft's forward over
+        its tokens (profile_draft), each on a throwaway cache of `_profile_blocks()` blocks that goes back to the
+        driver before `after` is read."""
         # `before` is read before the profile (weights, CUDA context, others): read after, it would also count
         # what the profile left in torch's caching allocator, which the peak already counts.
         torch.cuda.empty_cache()
         before = MemorySnapshot.take()
-        cache = self._new_cache(self._profile_blocks())
+        blocks = self._profile_blocks()
+        cache = self._new_cache(blocks)
         cache.bind(self.model.attention_layers)
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-        forward_peak = self.profile_forward()
-        torch.cuda.synchronize()
-        peak = profile_peak(start[0], torch.cuda.max_memory_allocated(), start[1], torch.cuda.max_memory_reserved())
+        peak, forward_peak = _measured(self.profile_forward)
         # The layers' views would keep the throwaway cache alive next to the real one.
         for layer in self.model.attention_layers:
             layer.kv_cache = torch.empty(0)
         del cache
-        torch.cuda.empty_cache()  # hand the profile's blocks back, for the real cache
-        graphs = graph_pool_bytes(forward_peak, sum(self._profile_lens()), self.runner.decode_graphs.max_graph_tokens())
-        budget = kv_cache_budget(
-            torch.cuda.mem_get_info()[1],
-            self.config.gpu_memory_utilization,
-            before,
-            MemorySnapshot.take(),
-            peak,
-            graphs,
+        draft_forward_peak = 0
+        if self.draft is not None:
+            self.draft.init_cache(blocks, 0)
+            draft_peak, draft_forward_peak = _measured(self.profile_draft)
+            # A step's draft catch-up runs after the target's forward, whose activations are freed by then but for
+            # its hidden states (held for the logits, a small part of either peak, not held here): the larger of the
+            # two peaks is the step's.
+            peak = max(peak, draft_peak)
+            self.draft.drop_cache()
+        torch.cuda.empty_cache()  # hand the profile's blocks back, for the real caches
+        return MemoryProfile(
+            torch.cuda.mem_get_info()[1], before, MemorySnapshot.take(), peak, forward_peak, draft_forward_peak
         )
-        return max(budget // self.block_bytes(), 0)
+
+    def _graph_pools(self, profile: MemoryProfile) -> int:
+        """The CUDA graphs' private pools, captured after the cache is sized, each estimated from its model's
+        measured forward peak (graph_pool_bytes): the target's, and the draft's, a pool of its own at the target's
+        shapes (DraftModel.capture_graphs), verification shapes of up to max_num_seqs * (1 + k) tokens included."""
+        tokens = sum(self._profile_lens())
+        pools = graph_pool_bytes(profile.forward_peak, tokens, self.runner.decode_graphs.max_graph_tokens())
+        if self.draft is not None:
+            pools += graph_pool_bytes(profile.draft_forward_peak, tokens, self.draft.graphs.max_graph_tokens())
+        return pools
 
     def determine_num_host_blocks(self) -> int:
         """Blocks of the host tier: swap_space_bytes of them, or 0 (no tier) when that is under 2 blocks (the
@@ -395,10 +426,35 @@ class Worker:
     @torch.inference_mode()
     def profile_forward(self) -> int:
         """The largest step the scheduler may send (a forward over max_num_batched_tokens tokens), then logits
-        and the sampler at max_num_seqs rows (1 + k each with k proposals to verify) with every sampling feature on, and prompt logprobs of every token;
-        the KV cache bound to the layers must hold `_profile_blocks()` blocks. Its peak memory is what a busy
-        step needs beside the cache. Returns the forward's own peak (bytes over what was allocated at its
-        start; 0 off CUDA), from which the graphs' pool is estimated."""
+        and the sampler at max_num_seqs rows (1 + k each with k proposals to verify) with every sampling feature
+        on, and prompt logprobs of every token; the KV cache bound to the layers must hold `_profile_blocks()`
+        blocks. Its peak memory is what a busy step needs beside the cache. Returns the forward's own peak (bytes
+        over what was allocated at its start; 0 off CUDA), from which the graphs' pool is estimated."""
+        positions, md = self._profile_step()
+        cuda = self.device.type == "cuda"
+        start = torch.cuda.memory_allocated() if cuda else 0
+        stage = pipeline_stage()
+        shape = (positions.shape[0], self.spec.hidden_size)
+        intermediate = None if stage.is_first else (torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2
+        hidden = self.model(torch.zeros_like(positions), positions, md, intermediate)
+        forward_peak = torch.cuda.max_memory_allocated() - start if cuda else 0
+        if stage.is_last:
+            self.runner.profile_sampling(hidden, self._max_logits_rows())
+        return forward_peak
+
+    @torch.inference_mode()
+    def profile_draft(self) -> int:
+        """The draft's catch-up on profile_forward's step (the draft's own cache bound must hold `_profile_blocks()`
+        blocks). Returns its forward's own peak (0 off CUDA), from which the draft's graph pool is estimated."""
+        positions, md = self._profile_step()
+        cuda = self.device.type == "cuda"
+        start = torch.cuda.memory_allocated() if cuda else 0
+        self.draft.model(torch.zeros_like(positions), positions, md, None)
+        return torch.cuda.max_memory_allocated() - start if cuda else 0
+
+    def _profile_step(self) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The positions and attention metadata of the profile's step: `_profile_lens()` prompts from position 0,
+        each in blocks of its own from block 1 on."""
         cfg = self.config
         lens = self._profile_lens()
         dev = self.device
@@ -417,16 +473,7 @@ class Worker:
             max_seq_len=max(lens),
             backend=self.runner.attn_backend,
         )
-        cuda = dev.type == "cuda"
-        start = torch.cuda.memory_allocated() if cuda else 0
-        stage = pipeline_stage()
-        shape = (sum(lens), self.spec.hidden_size)
-        intermediate = None if stage.is_first else (torch.zeros(shape, dtype=self.dtype, device=dev),) * 2
-        hidden = self.model(torch.zeros(sum(lens), dtype=torch.long, device=dev), positions, md, intermediate)
-        forward_peak = torch.cuda.max_memory_allocated() - start if cuda else 0
-        if stage.is_last:
-            self.runner.profile_sampling(hidden, self._max_logits_rows())
-        return forward_peak
+        return positions, md
 
     def _max_logits_rows(self) -> int:
         """The most logits rows a step samples: one per request, or 1 + k per request verifying k proposals (as
@@ -533,6 +580,17 @@ class Worker:
 
     def check_health(self) -> bool:
         return self.runner is not None
+
+
+def _measured(profile: Callable[[], int]) -> tuple[int, int]:
+    """A profile's peak as the device sees it (profile_peak, over the allocator's state at its start) and the
+    forward's own peak that `profile` returns (CUDA only)."""
+    torch.cuda.reset_peak_memory_stats()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    forward_peak = profile()
+    torch.cuda.synchronize()
+    peak = profile_peak(allocated, torch.cuda.max_memory_allocated(), reserved, torch.cuda.max_memory_reserved())
+    return peak, forward_peak
 
 
 def own_heads(parts: list[tuple[int, np.ndarray]], start: int, num: int) -> np.ndarray:

@@ -3,9 +3,11 @@ the order of a step's work, and the runner's own samples (what async scheduling 
 
 import asyncio
 import json
+import logging
 import threading
 from collections import deque
 
+import pytest
 import torch
 
 from cluster import EngineConfig, SamplingParams
@@ -296,6 +298,44 @@ def test_a_capture_that_raises_leaves_the_runner_decoding_eagerly(tiny_model_dir
         runner.capture_decode_graphs()
     assert runner.decode_graphs.sizes == [] and not runner.decode_graphs.graphs
     assert run(eng, ids, params) == expected
+
+
+def test_a_capture_that_raises_names_the_verifications_it_leaves_eager(tiny_model_dir):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    runner = engine(tiny_model_dir("llama"), speculative_config=json.dumps(spec)).worker.runner
+    runner.decode_graphs.sizes = [1, 2, 4]
+    with pytest.warns(UserWarning, match="; decoding and verifying num_speculative_tokens=3 proposals eagerly"):
+        runner.capture_decode_graphs()
+    assert runner.decode_graphs.sizes == [] and not runner.decode_graphs.graphs
+
+
+@pytest.mark.parametrize("max_num_batched_tokens, verified, lines", [(20, [1, 2, 4], 1), (32, [1, 2, 4, 8], 0)])
+def test_verification_batches_the_token_limit_leaves_eager_are_logged_once_at_capture(
+    tiny_model_dir, monkeypatch, caplog, max_num_batched_tokens, verified, lines
+):
+    """k = 3 and batches of up to 8: 8 requests verifying take 32 tokens. Over a limit of 20 the capture stops at 4
+    and says so, once (the draft's capture, of the same shapes, is silent); under a limit of 32 it says nothing."""
+    from workers.decode_graphs import DecodeGraphs
+
+    path = tiny_model_dir("llama")
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    eng = engine(
+        path, max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens, speculative_config=json.dumps(spec)
+    )
+    runner = eng.worker.runner
+    runner.decode_graphs.sizes = [1, 2, 4, 8]
+    # CPU cannot capture: each shape is recorded instead, so that the capture succeeds and explains itself.
+    monkeypatch.setattr(DecodeGraphs, "_capture", lambda self, size, q, pool, *rest: self.graphs.setdefault((size, q)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    with caplog.at_level(logging.INFO, logger="workers.decode_graphs"):
+        runner.capture_decode_graphs()
+    for graphs in (runner.decode_graphs, runner.draft.graphs):
+        assert sorted(size for size, q in graphs.graphs if q == 4) == verified
+    expected = [
+        "raylm: verification steps (num_speculative_tokens=3) replay CUDA graphs at batches of up to 4 requests and "
+        "run eagerly above: a batch of 8 takes 32 tokens, over a step's 20 (max_num_batched_tokens)"
+    ]
+    assert caplog.messages == expected[:lines]
 
 
 def collect(eng: InProcessEngine, requests: list[EngineRequest], on_step=None) -> dict:

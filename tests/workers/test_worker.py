@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.workers.configs import worker_config
-from workers.memory import MemorySnapshot, graph_pool_bytes, kv_cache_budget, profile_peak
+from workers.memory import MemoryProfile, MemorySnapshot, graph_pool_bytes, kv_cache_budget, profile_peak
 from workers.worker import Worker, cuda_index, resolve_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
@@ -106,6 +106,62 @@ def test_profile_peak_counts_what_the_allocator_reserved_beyond_the_tensors():
 )
 def test_graph_pool_is_the_largest_graphs_share_of_the_forward_peak(forward_peak, tokens, max_graph, expected):
     assert graph_pool_bytes(forward_peak, tokens, max_graph) == expected
+
+
+def drafting_worker(path: str) -> Worker:
+    """A worker on CPU whose target is its own draft (k = 3), 8 requests of up to 64 tokens a step."""
+    spec = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    config = worker_config(path, 64, max_num_seqs=8, max_num_batched_tokens=64, speculative_config=json.dumps(spec))
+    worker = Worker(config)
+    worker.init_device()
+    worker.load_model()
+    return worker
+
+
+def test_the_drafts_graph_pool_comes_out_of_the_kv_budget(tiny_model_dir, monkeypatch):
+    """The draft's graphs have a pool of their own at the target's shapes, 8 requests verifying 3 proposals (32
+    tokens) the largest: with them on, a GPU rank holds that pool's bytes fewer of KV, the pool scaled from the
+    draft's forward peak over the profile's 64 tokens as the target's is from its own."""
+    worker = drafting_worker(tiny_model_dir("llama"))
+    worker.runner.decode_graphs.sizes = [1, 2, 4, 8]
+    worker.device = CUDA  # the budget's arithmetic on a profile's figures (the profile itself needs a GPU)
+    used = MemorySnapshot(used=10 * GiB, torch_reserved=8 * GiB)
+    profile = MemoryProfile(80 * GiB, used, used, peak=6 * GiB, forward_peak=4 * GiB, draft_forward_peak=GiB)
+    monkeypatch.setattr(worker, "_profile_memory", lambda: profile)
+    utilization = worker.config.gpu_memory_utilization
+    budget = kv_cache_budget(80 * GiB, utilization, used, used, 6 * GiB, graph_pool=2 * GiB)  # the target's: 32/64 of 4
+    assert worker.determine_num_blocks() == budget // worker.block_bytes()  # the draft eager: no pool of its own
+    worker.draft.graphs.sizes = [1, 2, 4, 8]
+    assert worker.determine_num_blocks() == (budget - GiB // 2) // worker.block_bytes()
+
+
+def test_the_profile_runs_the_draft_on_a_throwaway_cache_and_keeps_the_larger_peak(tiny_model_dir, monkeypatch):
+    """The profile's sequence on CPU, CUDA's counters faked: the target's step, then the draft's forward over its
+    tokens on a cache of its own; the step's peak is the larger of the two, and both caches are let go."""
+    worker = drafting_worker(tiny_model_dir("llama"))
+    peaks = iter([6 * GiB, 7 * GiB])  # the target's step, then the draft's forward
+    fake = {
+        "empty_cache": lambda: None,
+        "mem_get_info": lambda: (70 * GiB, 80 * GiB),
+        "memory_allocated": lambda: 0,
+        "memory_reserved": lambda: 0,
+        "reset_peak_memory_stats": lambda: None,
+        "synchronize": lambda: None,
+        "max_memory_allocated": lambda: next(peaks),
+        "max_memory_reserved": lambda: 0,
+    }
+    for name, fn in fake.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    forward = worker.draft.model.forward
+    drafted = []
+    monkeypatch.setattr(
+        worker.draft.model, "forward", lambda ids, *rest: drafted.append(len(ids)) or forward(ids, *rest)
+    )
+    profile = worker._profile_memory()
+    assert drafted == [64] and profile.peak == 7 * GiB and profile.total == 80 * GiB
+    assert worker.draft.cache is None
+    layers = worker.model.attention_layers + worker.draft.model.attention_layers
+    assert all(layer.kv_cache.numel() == 0 for layer in layers)
 
 
 def test_profile_runs_the_sampler_at_full_width_with_every_feature(tiny_model_dir):
