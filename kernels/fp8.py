@@ -1,11 +1,13 @@
 """FP8 products (W8A8): x W^T + b with W float8_e4m3fn and its float32 scales, x quantized per token as it comes
-(dynamic: each row's largest magnitude / 448 is its scale), output in x's dtype. Two weight layouts:
+(dynamic: each row's largest magnitude / 448 is its scale) or, for row-wise weights, with one fixed scale a static
+checkpoint gives (`quantize_per_tensor`), output in x's dtype. Two weight layouts:
 
-- one scale per output row: x quantized per token, then one `torch._scaled_mm` that reads both FP8 operands,
-  multiplies by the row-wise scales and writes x's dtype. On CUDA it needs compute capability 8.9 or above, K
-  and N multiples of 16 (its operands 16-byte aligned), and, depending on the torch build, a bf16 output (fp16
-  and fp32 came later): `unsupported` probes it once for a device and dtype, and `shape_unsupported` names a
-  layer whose shape it cannot take.
+- one scale per output row: x quantized per token (or per tensor), then one `torch._scaled_mm` that reads both FP8
+  operands, multiplies by the row-wise scales (a static scale repeated over the rows: `_scaled_mm` takes either
+  two single scales or two row-wise ones, never one of each) and writes x's dtype. On CUDA it needs compute
+  capability 8.9 or above, K and N multiples of 16 (its operands 16-byte aligned), and, depending on the torch
+  build, a bf16 output (fp16 and fp32 came later): `unsupported` probes it once for a device and dtype, and
+  `shape_unsupported` names a layer whose shape it cannot take.
 - one scale per [rows, cols] tile (`block`: Qwen3-FP8's and DeepSeek-V3's 128x128): x quantized per token and
   group of `cols` columns, as those checkpoints were made to run (DeepSeek-V3's recipe), so that each step of the
   reduction multiplies two FP8 tiles that each have one scale per row; a Triton kernel on CUDA
@@ -13,8 +15,9 @@
   `block_unsupported` names a tile the kernel cannot step through.
 
 A weight becomes FP8 in either layout through `quantize_rows` and `quantize_tiles` (any device, in float64, so
-its FP8 values do not depend on the dtype it was held in). The activations' quantization is one Triton kernel on
-CUDA (kernels/triton_fp8.py), torch's ops elsewhere; CPU runs the row-wise numerics through torch's own `_scaled_mm`.
+its FP8 values do not depend on the dtype it was held in). The activations' quantization per token is one Triton
+kernel on CUDA (kernels/triton_fp8.py), torch's ops elsewhere; per tensor it is torch's ops everywhere (nothing to
+reduce). CPU runs the row-wise numerics through torch's own `_scaled_mm`. The static path has not run on a GPU.
 """
 
 from __future__ import annotations
@@ -94,19 +97,36 @@ def quantize_per_token(x: torch.Tensor, group: int | None = None) -> tuple[torch
     return out.view(rows, groups * group)[:, :k], scale.view(rows, groups)
 
 
+def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x as float8_e4m3fn with one fixed float32 `scale` (0-d; a static checkpoint's input scale): x ~ out * scale,
+    divided in fp32 as a GPU's kernels divide, magnitudes past 448 * scale saturating at +-448."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def round_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x rounded through FP8 at the fixed `scale`, back in x's dtype: the activations a static FP8 product
+    multiplies, for a product whose weight is held dequantized."""
+    return (quantize_per_tensor(x, scale).float() * scale).to(x.dtype)
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,
+    input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, K] (bf16 or fp16; fp32 where the build takes it) times `weight` [N, K] float8_e4m3fn, plus `bias` [N]
     of x's dtype: [T, N] in x's dtype. `weight_scale`: float32 [N] (one per row), or [ceil(N / rows),
-    ceil(K / cols)] with `block` = (rows, cols)."""
+    ceil(K / cols)] with `block` = (rows, cols). `input_scale` (row-wise weights only): x's fixed float32 scale
+    (0-d), a static checkpoint's; None quantizes x per token."""
     if block is not None:
         return block_fp8_linear(x, weight, weight_scale, block, bias)
-    x_fp8, x_scale = quantize_per_token(x)
+    if input_scale is None:
+        x_fp8, x_scale = quantize_per_token(x)
+    else:
+        x_fp8, x_scale = quantize_per_tensor(x, input_scale), input_scale.expand(x.shape[0], 1).contiguous()
     return torch._scaled_mm(
         x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), bias=bias, out_dtype=x.dtype
     )

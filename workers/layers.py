@@ -16,7 +16,7 @@ from torch import nn
 
 from kernels import AttentionBackend, AttentionMetadata
 from kernels.cpu_ops import small_mm_applies
-from kernels.fp8 import fp8_linear
+from kernels.fp8 import fp8_linear, round_per_tensor
 from kernels.fused import add_rms_norm, rms_norm, rotary_store_kv
 from workers.parallel import MissingLayer, tp_group
 
@@ -25,11 +25,29 @@ if TYPE_CHECKING:
 
 
 class TensorSlice(Protocol):
-    """What a weight loader reads from: safetensors' lazy slice of one checkpoint tensor."""
+    """What a weight loader reads from: safetensors' lazy slice of one checkpoint tensor. A quantized weight whose
+    checkpoint quantizes its activations statically (workers/quantization.py) also carries `input_scale`, their
+    float32 scale (0-d); `static_input_scale` reads it."""
 
     def get_shape(self) -> list[int]: ...
 
     def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+def static_input_scale(tensor: TensorSlice, device: torch.device) -> torch.Tensor | None:
+    """The static activation scale `tensor` carries, on `device`; None where its activations are not static."""
+    scale = getattr(tensor, "input_scale", None)
+    return None if scale is None else scale.to(device)
+
+
+def refuse_static(name: str, tensor: TensorSlice, what: str) -> None:
+    """ValueError naming weight `name` where it carries a static activation scale that its layer (`what`) does not
+    apply: without it the layer would not compute what the checkpoint was calibrated for."""
+    if getattr(tensor, "input_scale", None) is not None:
+        raise ValueError(
+            f"weight {name} has a static activation scale (input_scale), which raylm applies in the linear layers "
+            f"of attention and dense MLPs, not in {what}"
+        )
 
 
 def check_shape(name: str, tensor: TensorSlice, expected: tuple[int, ...]) -> None:
@@ -60,12 +78,16 @@ def linear(
     bias: torch.Tensor | None = None,
     weight_scale: torch.Tensor | None = None,
     weight_block: tuple[int, int] | None = None,
+    input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x W^T + b: an FP8 weight (one with its `weight_scale`, per row or per `weight_block` tile) through FP8
     products; else at FEW_ROWS rows or fewer
-    through raylm's CPU op, else through the packed weight when there is one."""
+    through raylm's CPU op, else through the packed weight when there is one. `input_scale`: a static checkpoint's
+    activation scale, x quantized with it, whether the weight is FP8 or held dequantized."""
     if weight_scale is not None:
-        return fp8_linear(x, weight, weight_scale, bias, weight_block)
+        return fp8_linear(x, weight, weight_scale, bias, weight_block, input_scale)
+    if input_scale is not None:  # the activations a GPU's FP8 product would multiply, FP8 at that scale
+        x = round_per_tensor(x, input_scale)
     if weight is not None and x.shape[0] <= FEW_ROWS and small_mm_applies(x, weight):
         y = torch.ops.raylm.small_mm(x, weight)
         return y if bias is None else y.add_(bias)
@@ -98,6 +120,7 @@ def pack_for_cpu(model: nn.Module) -> None:
 def load_replicated(param: nn.Parameter, tensor: TensorSlice, name: str, _shard: str | None = None) -> None:
     """The loader of parameters that carry no `weight_loader`: weights every rank holds whole."""
     check_shape(name, tensor, tuple(param.shape))
+    refuse_static(name, tensor, "a replicated weight (a MoE router)")
     param.data.copy_(tensor[:])
 
 
@@ -147,6 +170,9 @@ class ColumnParallelLinear(nn.Module):
         # Beside an FP8 weight, set by fp8_products: float32 scales [out], or [out / rows, in / cols] per tile.
         self.weight_scale: torch.Tensor | None = None
         self.weight_block: tuple[int, int] | None = None  # the tile [rows, cols] of block scales
+        # A static checkpoint's activation scale (0-d float32), set as the weights load: `_fused_input_scale`.
+        self.input_scale: torch.Tensor | None = None
+        self._input_scales: dict[str, torch.Tensor | None] = {}  # each shard's, as it loads
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
         if bias:
             self.bias.weight_loader = self._load
@@ -156,9 +182,29 @@ class ColumnParallelLinear(nn.Module):
         s = self.shards[shard]
         check_shape(name, tensor, (s.rows, *param.shape[1:]))
         param.data[s.offset : s.offset + s.size].copy_(tensor[s.start : s.start + s.size])
+        if param is self.weight:
+            self._input_scales[shard] = static_input_scale(tensor, param.device)
+            if len(self._input_scales) == len(self.shards):
+                self.input_scale = self._fused_input_scale(name.rsplit(".", 2)[0])
+
+    def _fused_input_scale(self, parent: str) -> torch.Tensor | None:
+        """The largest of the shards' static input scales, None where none has one. One activation tensor feeds
+        every shard (q, k and v; gate and up) and is quantized once, so with the scale that saturates none of
+        them, as vLLM takes it. ValueError where some shards have one and others not: one input cannot be
+        quantized both statically and not."""
+        static = sorted(shard for shard, scale in self._input_scales.items() if scale is not None)
+        if not static:
+            return None
+        if len(static) < len(self.shards):
+            others = sorted(set(self.shards) - set(static))
+            raise ValueError(
+                f"{parent}: {static} quantize their activations statically (an input_scale each) but {others} do "
+                "not, and raylm multiplies them together, from one input quantized once"
+            )
+        return torch.stack([self._input_scales[shard] for shard in static]).amax()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.packed, self.bias, self.weight_scale, self.weight_block)
+        y = linear(x, self.weight, self.packed, self.bias, self.weight_scale, self.weight_block, self.input_scale)
         if self.lora is not None:
             self.lora.apply(y, x)
         return y
@@ -179,6 +225,9 @@ class RowParallelLinear(nn.Module):
         # Beside an FP8 weight, set by fp8_products: float32 scales [out], or [out / rows, in / cols] per tile.
         self.weight_scale: torch.Tensor | None = None
         self.weight_block: tuple[int, int] | None = None  # the tile [rows, cols] of block scales
+        # A static checkpoint's activation scale (0-d float32), set as the weight loads: per tensor, so every rank
+        # holds it whole.
+        self.input_scale: torch.Tensor | None = None
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.output_size = output_size
         self.lora: LinearLora | None = None  # set by workers.lora.LoraManager when LoRA is enabled
@@ -187,9 +236,10 @@ class RowParallelLinear(nn.Module):
         check_shape(name, tensor, (param.shape[0], self.input_size))
         cols = param.shape[1]
         param.data.copy_(tensor[:, self.rank * cols : (self.rank + 1) * cols])
+        self.input_scale = static_input_scale(tensor, param.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.packed, weight_scale=self.weight_scale, weight_block=self.weight_block)
+        y = linear(x, self.weight, self.packed, None, self.weight_scale, self.weight_block, self.input_scale)
         if self.lora is not None:  # this rank's partial adapter product: the all-reduce sums it with the rest
             self.lora.apply(y, x)
         if self.tp_size > 1:
@@ -216,6 +266,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def _load(self, param: nn.Parameter, tensor: TensorSlice, name: str, _shard: None) -> None:
         check_shape(name, tensor, (self.vocab_size, param.shape[1]))
+        refuse_static(name, tensor, "the LM head")
         end = min(self.start + self.per_rank, self.vocab_size)
         param.data[: end - self.start].copy_(tensor[self.start : end])
 

@@ -9,22 +9,34 @@ scale: `weight_scale_inv` is multiplied too, despite its name (it is the inverse
 multiplied by when quantized). Every other method is refused by name: a quantized weight is never read as if it
 were a plain one.
 
+Activations are quantized dynamically, per token as they come (fp8's `activation_scheme: dynamic`;
+compressed-tensors' `input_activations` float 8-bit and dynamic, or none), or statically (`activation_scheme:
+static`; `input_activations` float 8-bit, `dynamic: false`, strategy `tensor`) with one fixed scale per layer, the
+checkpoint's `<layer>.input_scale` (one float32 element, whole on every tensor-parallel rank; missing, mis-shaped
+or not positive, refused naming it): x / scale in fp32, clamped to +-448, float8_e4m3fn. A fused layer (q/k/v,
+gate/up) takes the largest of its parts' scales (its one input is quantized once), and is refused where only some
+parts are static. Refused by name: any other input activations (integer, other widths, asymmetric, static per
+token or channel), static ones with block weights, and static scales on MoE experts, routers or the LM head (only
+the linear layers of attention and dense MLPs apply them).
+
 `--quantization fp8` (vLLM's flag) quantizes a plain checkpoint at load as vLLM's dynamic FP8 does, per output
 channel: each row of each linear weight (not the embeddings, the LM head or the norms) becomes float8_e4m3fn with
 a float32 scale, its largest magnitude / 448. On a checkpoint that is already `fp8` the flag changes nothing; on
 one quantized by another method it is refused, naming both.
 
-The weights are dequantized at load, on every device, into the model's compute dtype (`input_scale` and a static
-activation scheme are not used). On CPU they stay so: FP8's numerics at bf16's (or fp32's) memory and speed.
+The weights are dequantized at load, on every device, into the model's compute dtype. On CPU they stay so: FP8's
+numerics at bf16's (or fp32's) memory and speed, dynamic activations left unquantized, static ones still rounded
+through FP8 at their scale before each product (`round_per_tensor`: a GPU's activations).
 
 On a CUDA GPU of compute capability 8.9 or above, once the model is loaded (and its LoRA slots made, in the model's
 dtype), `fp8_products` makes every linear layer whose checkpoint modules are quantized an FP8 one, layer by layer,
 its products W8A8 (kernels/fp8.py): half the bytes a decode step reads. Its weight is requantized from the
 dequantized one as the checkpoint laid it out, so a checkpoint's own FP8 values come back:
 - per tensor, per channel, or by `--quantization fp8`: per output row (`quantize_rows`; a per-tensor checkpoint's
-  values land on a finer per-row grid), float32 scales [out], activations quantized per token, one
-  `torch._scaled_mm` with row-wise scales. A row-parallel rank's columns keep their whole rows' scales (reduced
-  over the tensor-parallel group), so the ranks together hold what one rank would;
+  values land on a finer per-row grid), float32 scales [out], activations quantized per token (static ones per
+  tensor, their scale repeated over the rows), one `torch._scaled_mm` with row-wise scales. A row-parallel rank's
+  columns keep their whole rows' scales (reduced over the tensor-parallel group), so the ranks together hold what
+  one rank would;
 - per block (Qwen3-FP8's and DeepSeek-V3's 128x128 tiles): per tile (`quantize_tiles`), float32 scales
   [out / rows, in / cols], activations quantized per token and group of `cols` columns, a Triton kernel.
 Kept dequantized, and logged once with why: a fused layer (qkv_proj, gate_up_proj) one of whose checkpoint modules
@@ -38,7 +50,8 @@ products W8A8 in raylm's Triton grouped matmul (kernels/triton_moe.py); kept deq
 a checkpoint module feeding them is plain or laid out otherwise, where this rank's units cut the tiles
 (`SparseMoeBlock.tiles_cut`), or where the tile's columns are ones the kernel cannot step through. The embeddings,
 the LM head and the routers are never FP8: dequantized in the model's dtype. Untested on a GPU
-(tests/gpu/test_fp8.py; the experts' kernel has run only under Triton's interpreter).
+(tests/gpu/test_fp8.py; the experts' kernel has run only under Triton's interpreter; static activations have run
+only through torch's CPU `_scaled_mm`).
 """
 
 import json
@@ -73,6 +86,8 @@ AT_LOAD_METHODS = ("fp8",)  # --quantization's values: cluster.config.choices.QU
 PLAIN_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes a plain weight may be stored in
 FP8_DTYPE = "F8_E4M3"
 STRATEGIES = ("tensor", "channel", "block")
+# The activations a compressed-tensors group may quantize (input_activations): block weights take dynamic ones.
+ACTIVATIONS = ("float 8-bit dynamic", "float 8-bit static per tensor (with tensor or channel weights)")
 # Files that older tools write beside config.json instead of a quantization_config: their method, named.
 QUANT_CONFIG_FILES = {"quantize_config.json": "gptq", "hf_quant_config.json": "modelopt"}
 
@@ -81,11 +96,14 @@ QUANT_CONFIG_FILES = {"quantize_config.json": "gptq", "hf_quant_config.json": "m
 class Fp8Scheme:
     """How a quantized layer's weight [out, in] is stored: float8_e4m3fn with the scale tensor
     `<layer>.<scale_name>`, one scale for the whole weight (`tensor`), one per output row (`channel`) or one per
-    `block` [rows, cols] tile (`block`; the last tiles of a dimension the block does not divide are smaller)."""
+    `block` [rows, cols] tile (`block`; the last tiles of a dimension the block does not divide are smaller).
+    `static`: its activations are quantized with one fixed scale, the checkpoint's `<layer>.input_scale` (never
+    with block scales); else per token as they come."""
 
     strategy: str
     scale_name: str
     block: tuple[int, int] | None = None
+    static: bool = False
 
     def scale_grid(self, name: str, scale: torch.Tensor, out: int, cols: int) -> tuple[torch.Tensor, tuple[int, int]]:
         """The scales as a float32 grid [ceil(out / rows), ceil(in / cols)] and the tile [rows, cols] each covers;
@@ -142,11 +160,13 @@ class DequantizedSlice:
     """A float8 weight [out, in] read as a TensorSlice: each read of a range of rows and columns (what a
     tensor-parallel rank takes) returns those elements times their own scales, in float32. The scales are indexed
     per element, so a slice that cuts a tile gets that tile's scale on its part of it: weight and scales are always
-    sliced together."""
+    sliced together. `input_scale`: the layer's static activation scale (0-d float32), whole on every rank (it is
+    one per tensor), None where its activations are dynamic."""
 
     weight: TensorSlice
     grid: torch.Tensor
     tile: tuple[int, int]
+    input_scale: torch.Tensor | None = None
 
     def get_shape(self) -> list[int]:
         return self.weight.get_shape()
@@ -360,8 +380,9 @@ def read_weight(
     quantization: WeightQuantization | None, name: str, lookup: Callable[[str], TensorSlice | None]
 ) -> TensorSlice:
     """Checkpoint tensor `name` as the loaders read it: a quantized layer's weight through its scale (found by
-    `lookup`, which gives a tensor of the checkpoint or None), any other tensor as stored. ValueError naming the
-    tensor when it is stored in a dtype the config does not account for, or its scale is missing or mis-shaped."""
+    `lookup`, which gives a tensor of the checkpoint or None), with its activations' scale where they are static,
+    any other tensor as stored. ValueError naming the tensor when it is stored in a dtype the config does not
+    account for, or one of its scales is missing or mis-shaped."""
     tensor = lookup(name)
     dtype = tensor.get_dtype()
     layer, _, leaf = name.rpartition(".")
@@ -392,7 +413,32 @@ def read_weight(
             f"{scheme.strategy} scales) and cannot be read without it"
         )
     grid, tile = scheme.scale_grid(scale_name, scale[...], *tensor.get_shape())
-    return DequantizedSlice(tensor, grid, tile)
+    input_scale = _input_scale(quantization, layer, lookup) if scheme.static else None
+    return DequantizedSlice(tensor, grid, tile, input_scale)
+
+
+def _input_scale(
+    quantization: WeightQuantization, layer: str, lookup: Callable[[str], TensorSlice | None]
+) -> torch.Tensor:
+    """`<layer>.input_scale`, the one float32 scale (0-d) of a static layer's activations; ValueError naming it
+    where it is missing, not one element, or not a positive finite number."""
+    name = f"{layer}.input_scale"
+    scale = lookup(name)
+    if scale is None:
+        raise ValueError(
+            f"scale tensor {name} is missing from the checkpoint: {layer} quantizes its activations statically "
+            f"({quantization.method}, one scale per tensor) and cannot run without it"
+        )
+    value = scale[...]
+    if value.numel() != 1:
+        raise ValueError(
+            f"scale tensor {name} has shape {list(value.shape)} in the checkpoint, expected one element (static "
+            "activation scales are per tensor)"
+        )
+    value = value.to(torch.float32).reshape(())
+    if not 0 < float(value) < float("inf"):
+        raise ValueError(f"scale tensor {name} is {float(value)} in the checkpoint, expected a positive number")
+    return value
 
 
 def read_quantization(root: Path, requested: str | None = None) -> WeightQuantization | None:
@@ -456,8 +502,15 @@ def _fp8(quant: dict[str, Any]) -> WeightQuantization:
     if quant.get("fmt", "e4m3") != "e4m3":
         _refuse("fp8", f" with fmt={quant['fmt']!r}")
     block = quant.get("weight_block_size")
+    static = activations == "static"
     if block is None:
-        scheme = Fp8Scheme("tensor", "weight_scale")
+        scheme = Fp8Scheme("tensor", "weight_scale", static=static)
+    elif static:
+        raise ValueError(
+            "fp8 activation_scheme 'static' with weight_block_size is not supported: block-wise FP8 weights are "
+            "read with dynamic activations only (quantized per token and group of the block's columns), as vLLM "
+            "reads them"
+        )
     else:
         scheme = Fp8Scheme("block", "weight_scale_inv", _block(block, "weight_block_size"))
     skipped = ["lm_head", *(quant.get("modules_to_not_convert") or ()), *(quant.get("ignored_layers") or ())]
@@ -489,8 +542,34 @@ def _compressed_tensors(quant: dict[str, Any]) -> WeightQuantization:
         if fmt not in ("float-quantized", "naive-quantized"):
             _refuse("compressed-tensors", f" with format {fmt!r}")
         block = _block(weights.get("block_structure"), "block_structure") if strategy == "block" else None
-        groups.append((tuple(group.get("targets") or ()), Fp8Scheme(strategy, "weight_scale", block)))
+        static = _static_activations(group_name, group.get("input_activations"), block)
+        groups.append((tuple(group.get("targets") or ()), Fp8Scheme(strategy, "weight_scale", block, static)))
     if not groups:
         raise ValueError("compressed-tensors quantization_config has no config_groups: nothing says how it is stored")
     ignore = tuple(f"^(?:{p[3:]})" if p.startswith("re:") else f"^{re.escape(p)}$" for p in quant.get("ignore") or ())
     return WeightQuantization("compressed-tensors", tuple(groups), ignore)
+
+
+def _static_activations(group_name: str, activations: dict[str, Any] | None, block: tuple[int, int] | None) -> bool:
+    """Whether compressed-tensors group `group_name` quantizes its `input_activations` statically, with one scale per
+    tensor (`input_scale`), rather than dynamically (per token as they come, as raylm's FP8 products also do where
+    the group has none); ValueError naming the scheme for any other."""
+    if activations is None:
+        return False
+    dynamic = activations.get("dynamic")
+    static = dynamic is False
+    if (
+        (activations.get("type"), activations.get("num_bits")) != ("float", 8)
+        or activations.get("symmetric") is False
+        or dynamic not in (True, False)
+        or (static and (activations.get("strategy") != "tensor" or block is not None))
+    ):
+        scheme = (
+            f"{activations.get('type')} {activations.get('num_bits')}-bit, dynamic={dynamic!r}, "
+            f"strategy={activations.get('strategy')!r}, symmetric={activations.get('symmetric', True)!r}"
+        )
+        raise ValueError(
+            f"compressed-tensors input_activations ({scheme}; group {group_name!r}"
+            f"{', block weights' if block is not None else ''}) are not supported; supported: {list(ACTIVATIONS)}"
+        )
+    return static

@@ -84,13 +84,32 @@ def test_fp8_linear_is_the_product_of_the_values_its_operands_stand_for(dtype):
     got = fp8.fp8_linear(x, w_fp8, w_scale, bias)
     assert got.dtype == dtype and got.shape == (5, 48)
     x_fp8, x_scale = torch_quantize(x)
-    xd, wd = x_fp8.double() * x_scale.double(), w_fp8.double() * w_scale.double()[:, None]
+    assert_product(got, x_fp8.double() * x_scale.double(), w_fp8.double() * w_scale.double()[:, None], bias)
+
+
+def assert_product(got: torch.Tensor, xd: torch.Tensor, wd: torch.Tensor, bias: torch.Tensor) -> None:
+    """`got` is xd wd^T + bias (float64 values of the FP8 operands) to the rounding of fp32 sums and of got's dtype."""
     product = xd @ wd.T
     # FP8 products are exact in fp32; each of the K = 96 fp32 additions rounds by 2^-24 of the sum so far, and the
     # output by one unit in its last place, for the product and for the bias added to it.
     accumulation = 96 * 2**-24 * (xd.abs() @ wd.abs().T)
-    bound = torch.finfo(dtype).eps * (product.abs() + bias.double().abs()) + accumulation
+    bound = torch.finfo(got.dtype).eps * (product.abs() + bias.double().abs()) + accumulation
     assert bool(((got.double() - (product + bias.double())).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("dtype", OUT_DTYPES)
+def test_fp8_linear_with_a_static_input_scale_multiplies_x_rounded_at_it(dtype):
+    """A static checkpoint's activations: x / scale in fp32, clamped to +-448 (row 3, 50x the others, saturates),
+    float8_e4m3fn, times the one scale; then the product as per token."""
+    skip_unsupported(dtype)
+    x, _, w_fp8, w_scale, bias = operands(dtype)
+    scale = torch.tensor(4.0 / FP8_MAX, device=DEVICE)
+    got = fp8.fp8_linear(x, w_fp8, w_scale, bias, input_scale=scale)
+    assert got.dtype == dtype and got.shape == (5, 48)
+    x_fp8 = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    assert bool((x.abs() > 4).any()) and float(x_fp8.float().abs().max()) == FP8_MAX
+    assert_product(got, x_fp8.double() * scale.double(), w_fp8.double() * w_scale.double()[:, None], bias)
+    torch.testing.assert_close(fp8.round_per_tensor(x, scale), (x_fp8.float() * scale).to(dtype), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", OUT_DTYPES)

@@ -28,22 +28,33 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 class Scheme:
     """A way to store a checkpoint's linear weights: `tile` (rows, cols) per scale, None for the whole weight and
     0 for a whole dimension (per channel: (1, 0)); the scale tensor's name and whether it is kept [out, 1] (per
-    channel) or a 0-d scalar (per tensor)."""
+    channel) or a 0-d scalar (per tensor). `static`: each layer also gets `input_scale`, its activations' one
+    scale, calibrated (`calibrate`)."""
 
     config: dict[str, Any]
     tile: tuple[int, int] | None
     scale_name: str = "weight_scale"
+    static: bool = False
 
 
-def _ct(strategy: str, block: list[int] | None = None) -> dict[str, Any]:
+# compressed-tensors' static FP8 activations (llm-compressor's FP8 preset): one calibrated scale per tensor.
+STATIC_ACTIVATIONS = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}
+
+
+def _ct(strategy: str, block: list[int] | None = None, activations: dict[str, Any] | None = None) -> dict[str, Any]:
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "block_structure": block}
-    group = {"targets": ["Linear"], "weights": weights, "input_activations": None}
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": activations}
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": group}}
 
 
 SCHEMES = {
-    "fp8 per tensor (static activations)": Scheme({"quant_method": "fp8", "activation_scheme": "static"}, None),
+    "fp8 per tensor (static activations)": Scheme(
+        {"quant_method": "fp8", "activation_scheme": "static"}, None, static=True
+    ),
     "compressed-tensors per channel": Scheme({**_ct("channel"), "ignore": ["lm_head"]}, (1, 0)),
+    "compressed-tensors per channel (static activations)": Scheme(
+        {**_ct("channel", None, STATIC_ACTIVATIONS), "ignore": ["lm_head"]}, (1, 0), static=True
+    ),
     "fp8 blocks 32x32": Scheme(
         {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]},
         (32, 32),
@@ -82,9 +93,37 @@ def quantize(weight: torch.Tensor, tile: tuple[int, int]) -> tuple[torch.Tensor,
     return stored, scales, stored.double() * per_element
 
 
+def calibrate(src: str) -> dict[str, torch.Tensor]:
+    """Each linear layer of the float checkpoint at `src` (transformers' nn.Linear modules but the LM head) -> its
+    static input scale, made as llm-compressor makes one: the largest magnitude of its inputs over a few random
+    sequences, / 448, float32 (sequences other than the tests', so that theirs may saturate now and then)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    amax: dict[str, float] = {}
+
+    def record(name: str):
+        def hook(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            amax[name] = max(amax.get(name, 0.0), float(args[0].abs().max()))
+
+        return hook
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            module.register_forward_pre_hook(record(name))
+    gen = torch.Generator().manual_seed(7)
+    with torch.inference_mode():
+        for length in (8, 24):
+            model(torch.randint(model.config.vocab_size, (1, length), generator=gen))
+    return {name: torch.tensor(a / FP8_MAX, dtype=torch.float32) for name, a in amax.items()}
+
+
 def write_fp8_checkpoint(src: str, dst: Path, scheme: Scheme) -> dict[str, torch.Tensor]:
     """The float checkpoint at `src` (one safetensors file) quantized by `scheme` into `dst`, with its
-    quantization_config; returns the float64 weights the new checkpoint stands for."""
+    quantization_config (and calibrated input scales where it is static: 0-d in fp8's form, [1] in
+    compressed-tensors', as each publishes them); returns the float64 weights the new checkpoint stands for."""
+    input_scales = calibrate(src) if scheme.static else {}
+    one_element = scheme.config["quant_method"] == "compressed-tensors"
     dst.mkdir(parents=True, exist_ok=True)
     for extra in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         if (Path(src) / extra).is_file():
@@ -101,8 +140,8 @@ def write_fp8_checkpoint(src: str, dst: Path, scheme: Scheme) -> dict[str, torch
         stored[name], scales, real[name] = quantize(weight, tile)
         layer = name.removesuffix(".weight")
         stored[f"{layer}.{scheme.scale_name}"] = scales.reshape(()) if scheme.tile is None else scales
-        if scheme.config.get("activation_scheme") == "static":  # read by W8A8 engines, not by raylm: skipped
-            stored[f"{layer}.input_scale"] = torch.tensor(0.02)
+        if layer in input_scales:
+            stored[f"{layer}.input_scale"] = input_scales[layer].reshape(1) if one_element else input_scales[layer]
     save_file(stored, dst / "model.safetensors")
     return real
 

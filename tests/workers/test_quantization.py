@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 import os
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from kernels import select_backend
 from kernels.lora import LoraBatch
-from tests.workers.fp8 import SCHEMES, write_fp8_checkpoint
+from tests.workers.fp8 import FP8_MAX, SCHEMES, STATIC_ACTIVATIONS, _ct, write_fp8_checkpoint
 from tests.workers.test_models import QWEN3_MOE, _free_port, random_seqs, run_paged
 from workers.layers import ColumnParallelLinear, RowParallelLinear, Shard
 from workers.lora import LinearLora
@@ -55,16 +56,38 @@ def fp8_checkpoint(tiny_model_dir, tmp_path_factory):
     return make
 
 
-def float64_logits(src: str, weights: dict[str, torch.Tensor], seqs: list[list[int]], tmp: Path) -> list[torch.Tensor]:
+def float64_logits(
+    src: str,
+    weights: dict[str, torch.Tensor],
+    seqs: list[list[int]],
+    tmp: Path,
+    input_scales: dict[str, torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
     """transformers' model of `src` in float64 holding `weights` (written as a checkpoint, for transformers to map
-    per-expert tensors onto its fused experts as it does a published one's)."""
+    per-expert tensors onto its fused experts as it does a published one's), the input of each linear layer that
+    `input_scales` names rounded through FP8 at its scale (x / scale, clamped to +-448, float8_e4m3fn, times
+    scale), as a static checkpoint's activations are."""
     from transformers import AutoModelForCausalLM
 
+    tmp.mkdir(exist_ok=True)
     (tmp / "config.json").write_text((Path(src) / "config.json").read_text())
     save_file(weights, tmp / "model.safetensors")
     model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float64, experts_implementation="eager")
+    for name, scale in (input_scales or {}).items():
+        model.get_submodule(name).register_forward_pre_hook(partial(round_input, scale.double()))
     with torch.inference_mode():
         return [model(torch.tensor([s])).logits[0] for s in seqs]
+
+
+def round_input(scale: torch.Tensor, _module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple:
+    x = args[0]
+    return ((x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype) * scale, *args[1:])
+
+
+def input_scales(path: Path) -> dict[str, torch.Tensor]:
+    """Layer -> its static input scale, of the checkpoint at `path`."""
+    stored = load_file(path / "model.safetensors")
+    return {n.removesuffix(".input_scale"): t.reshape(()) for n, t in stored.items() if n.endswith(".input_scale")}
 
 
 @pytest.mark.parametrize("model, scheme", CASES)
@@ -74,11 +97,18 @@ def test_fp8_checkpoint_matches_float64_reference(fp8_checkpoint, model, scheme,
     assert spec.quantization is not None and spec.quantization.scheme("lm_head") is None
     seqs = random_seqs(spec.vocab_size)
     ours = run_paged(load_model(dst, attn_backend=select_backend("torch", torch.device("cpu"))), seqs)
-    for o, r in zip(ours, float64_logits(src, weights, seqs, tmp_path)):
+    # A static checkpoint's activations are rounded through FP8 at their scales, its weights held dequantized.
+    scales = input_scales(dst)
+    assert bool(scales) == SCHEMES[scheme].static
+    for o, r in zip(ours, float64_logits(src, weights, seqs, tmp_path / "rounded", scales)):
         torch.testing.assert_close(o.double(), r, rtol=1e-4, atol=1e-4)
-    # The quantization is coarse enough to tell: the FP8 model is not the float one.
+    # The quantization is coarse enough to tell: the FP8 model is not the float one, nor a static one the model
+    # of its weights alone.
     plain = run_paged(load_model(src, attn_backend=select_backend("torch", torch.device("cpu"))), seqs)
     assert max((o - p).abs().max().item() for o, p in zip(ours, plain)) > 1e-3
+    if scales:
+        weights_only = float64_logits(src, weights, seqs, tmp_path / "weights")
+        assert max((o.double() - w).abs().max().item() for o, w in zip(ours, weights_only)) > 1e-3
 
 
 def test_fp8_weights_dequantize_in_the_compute_dtype(fp8_checkpoint):
@@ -202,6 +232,118 @@ def test_missing_or_misshaped_scale_is_named(fp8_checkpoint, tmp_path):
         load_model(misshaped)
 
 
+STATIC = "compressed-tensors per channel (static activations)"
+
+
+def test_static_input_scales_are_whole_on_every_rank_and_the_largest_of_a_fused_layers(fp8_checkpoint, tmp_path):
+    """An input scale is one per tensor: each tensor-parallel rank holds it whole. q/k/v (gate/up) share one input,
+    quantized once: with the largest of their scales."""
+    _, dst, _ = fp8_checkpoint("llama", STATIC)
+    k, up = "model.layers.0.self_attn.k_proj.input_scale", "model.layers.1.mlp.up_proj.input_scale"
+
+    def raise_two(tensors):
+        tensors[k], tensors[up] = tensors[k] * 4, tensors[up] * 2
+
+    config = json.loads((dst / "config.json").read_text())["quantization_config"]
+    path = _with_config(str(dst), tmp_path, config, raise_two)
+    stored = input_scales(path)
+    assert read_model_spec(path).quantization.scheme("model.layers.0.self_attn.q_proj").static
+    want = {
+        "model.layers.0.self_attn.qkv_proj": stored[k.removesuffix(".input_scale")],
+        "model.layers.1.mlp.gate_up_proj": stored[up.removesuffix(".input_scale")],
+        **{n: stored[n] for n in LINEARS if n.endswith(("o_proj", "down_proj"))},
+    }
+    for model in [load_model(path), *(load_model(path, tp_rank=r, tp_size=2) for r in (0, 1))]:
+        for name, scale in want.items():
+            got = model.get_submodule(name).input_scale
+            assert got.dtype == torch.float32 and got.shape == () and torch.equal(got, scale), name
+
+
+def test_a_static_input_scale_missing_or_misshaped_is_named(fp8_checkpoint, tmp_path):
+    _, dst, _ = fp8_checkpoint("llama", "fp8 per tensor (static activations)")
+    scale = "model.layers.1.self_attn.o_proj.input_scale"
+    config = json.loads((dst / "config.json").read_text())["quantization_config"]
+    missing = _with_config(str(dst), tmp_path / "missing", config, lambda t: t.pop(scale))
+    with pytest.raises(ValueError, match=rf"scale tensor {scale} is missing.*o_proj quantizes its activations stat"):
+        load_model(missing)
+
+    def per_channel(tensors):
+        tensors[scale] = tensors[scale].repeat(64)
+
+    misshaped = _with_config(str(dst), tmp_path / "misshaped", config, per_channel)
+    with pytest.raises(ValueError, match=rf"scale tensor {scale} has shape \[64\] .*expected one element"):
+        load_model(misshaped)
+    zero = _with_config(str(dst), tmp_path / "zero", config, lambda t: t.update({scale: torch.tensor(0.0)}))
+    with pytest.raises(ValueError, match=rf"scale tensor {scale} is 0.0 .*expected a positive number"):
+        load_model(zero)
+
+
+@pytest.mark.parametrize(
+    "activations, named",
+    [
+        ({**STATIC_ACTIVATIONS, "type": "int", "dynamic": True, "strategy": "token"}, "int 8-bit, dynamic=True"),
+        ({**STATIC_ACTIVATIONS, "type": "int"}, "int 8-bit, dynamic=False"),
+        ({**STATIC_ACTIVATIONS, "num_bits": 4, "dynamic": "local"}, "float 4-bit, dynamic='local'"),
+        ({**STATIC_ACTIVATIONS, "strategy": "token"}, "float 8-bit, dynamic=False, strategy='token'"),
+        ({**STATIC_ACTIVATIONS, "symmetric": False}, "float 8-bit, .*symmetric=False"),
+    ],
+)
+def test_unsupported_input_activations_are_refused_by_name(tiny_model_dir, tmp_path, activations, named):
+    # int8 activations beside FP8 weights would otherwise run as W8A8-fp8.
+    path = _with_config(tiny_model_dir("llama"), tmp_path, _ct("channel", None, activations))
+    supported = r"supported: \['float 8-bit dynamic', 'float 8-bit static per tensor"
+    with pytest.raises(ValueError, match=rf"compressed-tensors input_activations \({named}.*{supported}"):
+        read_model_spec(path)
+
+
+def test_static_activations_with_block_weights_are_refused(tiny_model_dir, tmp_path):
+    fp8 = {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [32, 32]}
+    with pytest.raises(ValueError, match=r"activation_scheme 'static' with weight_block_size is not supported"):
+        read_model_spec(_with_config(tiny_model_dir("llama"), tmp_path / "fp8", fp8))
+    ct = _ct("block", [32, 32], STATIC_ACTIVATIONS)
+    with pytest.raises(ValueError, match=r"dynamic=False, strategy='tensor'.*block weights\) are not supported"):
+        read_model_spec(_with_config(tiny_model_dir("llama"), tmp_path / "ct", ct))
+
+
+def test_static_activations_of_moe_routers_and_experts_are_refused(fp8_checkpoint, tmp_path):
+    """Static activation scales apply in the linear layers of attention and dense MLPs; the experts' grouped
+    products quantize their activations per token, and a router's product is a plain one: a checkpoint giving
+    either one is refused, naming the weight."""
+    _, dst, weights = fp8_checkpoint("qwen3_moe", "compressed-tensors per channel")
+    config = SCHEMES[STATIC].config
+
+    def add_input_scales(tensors):
+        for name in [n for n in tensors if n.endswith(".weight_scale")]:
+            tensors[name.replace(".weight_scale", ".input_scale")] = torch.tensor([0.02])
+
+    with pytest.raises(ValueError, match=r"weight model.layers.0.mlp.gate.weight has a static .* \(a MoE router\)"):
+        load_model(_with_config(str(dst), tmp_path / "router", config, add_input_scales))
+
+    def plain_routers(tensors):
+        add_input_scales(tensors)
+        for router in [n.removesuffix(".weight") for n in tensors if n.endswith("mlp.gate.weight")]:
+            tensors.pop(f"{router}.weight_scale"), tensors.pop(f"{router}.input_scale")
+            tensors[f"{router}.weight"] = weights[f"{router}.weight"].float()
+
+    ignore_routers = {**config, "ignore": ["lm_head", r"re:.*mlp\.gate$"]}
+    with pytest.raises(ValueError, match=r"weight model.layers.0.mlp.experts.0.gate_proj.weight .* MoE experts"):
+        load_model(_with_config(str(dst), tmp_path / "experts", ignore_routers, plain_routers))
+
+
+def test_a_fused_layer_static_in_part_is_refused(fp8_checkpoint, tmp_path):
+    # k_proj left plain by the config: qkv_proj's one input cannot be quantized for q and v and not for k.
+    _, dst, weights = fp8_checkpoint("llama", STATIC)
+    config = {**SCHEMES[STATIC].config, "ignore": ["lm_head", r"re:.*k_proj$"]}
+
+    def plain_k_proj(tensors):
+        for layer in [n.removesuffix(".weight") for n in tensors if n.endswith("k_proj.weight")]:
+            tensors.pop(f"{layer}.weight_scale"), tensors.pop(f"{layer}.input_scale")
+            tensors[f"{layer}.weight"] = weights[f"{layer}.weight"].float()
+
+    with pytest.raises(ValueError, match=r"self_attn: \['q_proj', 'v_proj'\] quantize .* but \['k_proj'\] do not"):
+        load_model(_with_config(str(dst), tmp_path, config, plain_k_proj))
+
+
 def test_float8_weights_without_their_config_are_refused(fp8_checkpoint, tmp_path):
     # The bug this closes: float8 weights read as if plain, without their scales.
     _, dst, _ = fp8_checkpoint("llama", "compressed-tensors per channel")
@@ -285,9 +427,12 @@ def test_quantization_fp8_on_a_quantized_checkpoint(fp8_checkpoint, tiny_model_d
 PRODUCT_SCHEMES = [
     "fp8 per tensor (static activations)",
     "compressed-tensors per channel",
+    STATIC,
     "quantization=fp8",
     "fp8 blocks 32x32",
 ]
+# Activations quantized per token by the products and kept as they are by the dequantized model.
+DYNAMIC_PRODUCT_SCHEMES = [s for s in PRODUCT_SCHEMES if "static" not in s]
 LINEARS = [
     f"model.layers.{i}.{m}"
     for i in (0, 1)
@@ -316,12 +461,18 @@ def test_fp8_products_hold_the_checkpoints_float8_weights(fp8_checkpoint, scheme
     _, path, quantization = product_case(fp8_checkpoint, scheme)
     model, converted = fp8_model(path, quantization, dtype=dtype)
     assert converted == LINEARS
-    dequantized = load_model(path, dtype, quantization=quantization).state_dict()
+    dequantized_model = load_model(path, dtype, quantization=quantization)
+    dequantized = dequantized_model.state_dict()
     _, per_channel, _ = fp8_checkpoint("llama", "compressed-tensors per channel")
     stored = load_file(per_channel / "model.safetensors")
     for name in LINEARS:
         layer = model.get_submodule(name)
         assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.dtype == torch.float32
+        # A static layer keeps the input scale it loaded with, the one the dequantized model rounds its input at.
+        if "static" in scheme:
+            assert torch.equal(layer.input_scale, dequantized_model.get_submodule(name).input_scale)
+        else:
+            assert layer.input_scale is None
         modules = checkpoint_modules(name, layer)
         if scheme == "fp8 blocks 32x32":
             # Requantized per 32x32 tile of the layer: the checkpoint's own tiles (a fused layer's parts start on
@@ -361,7 +512,7 @@ def greedy_agreement(logits: list[torch.Tensor], reference: list[torch.Tensor]) 
     return same / sum(len(r) for r in reference)
 
 
-@pytest.mark.parametrize("scheme", PRODUCT_SCHEMES)
+@pytest.mark.parametrize("scheme", DYNAMIC_PRODUCT_SCHEMES)
 def test_fp8_products_move_the_logits_as_little_as_the_weights_quantization_did(fp8_checkpoint, scheme):
     """Activations quantized per token round the other operand of the same products onto the grid the weights were
     rounded to per row (3 mantissa bits: 2^-4 relative at most, ~2.5% of a product in this model): they move the
@@ -379,6 +530,19 @@ def test_fp8_products_move_the_logits_as_little_as_the_weights_quantization_did(
         f"{by_weights:.3f}), greedy agreement {greedy_agreement(got, dequantized):.2f}"
     )
     assert 1e-3 < deviation <= 2 * by_weights
+
+
+def test_static_fp8_products_are_the_float64_reference_with_rounded_activations(fp8_checkpoint, tmp_path):
+    """Per channel, a static checkpoint's FP8 products multiply its own FP8 weights (requantized per row, they come
+    back) by its activations quantized at their fixed scales: the float64 model of its weights with those
+    activations rounded through FP8, to fp32's rounding. (Per-tensor weights land on a finer per-row grid:
+    `test_fp8_products_hold_the_checkpoints_float8_weights`.)"""
+    src, dst, weights = fp8_checkpoint("llama", STATIC)
+    model, converted = fp8_model(str(dst))
+    assert converted == LINEARS
+    seqs = random_seqs(read_model_spec(dst).vocab_size)
+    for o, r in zip(run_paged(model, seqs), float64_logits(src, weights, seqs, tmp_path, input_scales(dst))):
+        torch.testing.assert_close(o.double(), r, rtol=1e-4, atol=1e-4)
 
 
 def test_layers_whose_tiles_the_layout_cuts_or_the_kernel_cannot_step_stay_dequantized(fp8_checkpoint, caplog):

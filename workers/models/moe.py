@@ -9,7 +9,7 @@ from torch import nn
 
 from kernels.fp8 import quantize_experts
 from kernels.moe import fused_moe, route
-from workers.layers import TensorSlice, check_shape
+from workers.layers import TensorSlice, check_shape, refuse_static
 from workers.model_spec import ModelSpec
 from workers.parallel import tp_group
 
@@ -110,11 +110,13 @@ class SparseMoeBlock(nn.Module):
     def _load_w13(self, param: nn.Parameter, tensor: TensorSlice, name: str, shard: tuple[int, int]) -> None:
         local, half = shard
         check_shape(name, tensor, (self.moe.intermediate_size, param.shape[2]))
+        refuse_static(name, tensor, "MoE experts (their activations are quantized per token)")
         rows = tensor[self.unit_start : self.unit_start + self.units]
         param.data[local, half * self.units : (half + 1) * self.units].copy_(rows)
 
     def _load_w2(self, param: nn.Parameter, tensor: TensorSlice, name: str, shard: tuple[int, None]) -> None:
         check_shape(name, tensor, (param.shape[1], self.moe.intermediate_size))
+        refuse_static(name, tensor, "MoE experts (their activations are quantized per token)")
         param.data[shard[0]].copy_(tensor[:, self.unit_start : self.unit_start + self.units])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
