@@ -3,6 +3,7 @@
 weights, ids = route(router_logits, top_k, renormalize)             # [T, k] fp32, [T, k] int64
 out = fused_moe(x, w13, w2, weights, ids, first_expert)              # [T, H]: this rank's experts' share
 out = fused_moe(x, w13, w2, weights, ids, first_expert, w13_scale, w2_scale, block)   # FP8 experts
+out = fused_moe(..., w13_input_scale=s13, w2_input_scale=s2)   # static activations: one fixed scale a product
 
 `w13` [E_local, 2 * I, H] stacks each expert's gate and up projections, `w2` [E_local, H, I] its down
 projection; E_local and I are whatever this rank holds: every expert's slice of units (`first_expert` None),
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_ops import silu_and_mul, small_mm_applies
-from kernels.fp8 import fp8_values, quantize_per_token
+from kernels.fp8 import fp8_values, quantize_per_tensor, quantize_per_token, round_per_tensor
 from kernels.fused import has_triton
 
 # Rows per expert up to which raylm's CPU op (`grouped_small_mm`) beats torch's grouped_mm, which runs each
@@ -75,6 +76,8 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,
+    w13_input_scale: torch.Tensor | None = None,
+    w2_input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum over each token's chosen experts held here of weight * down(silu(gate(x)) * up(x)), [T, H].
 
@@ -89,12 +92,23 @@ def fused_moe(
     ([E_local, N]) or one per `block` (rows, cols) tile of each expert's matrix ([E_local, ceil(N / rows),
     ceil(K / cols)]); each product's input quantized per token (per group of `cols` columns with tiles). Off
     CUDA the weights are dequantized to fp32 on every call, the numerics of the Triton kernel for its tests:
-    serving never makes CPU experts FP8."""
+    serving never makes CPU experts FP8. Static activations (`w13_input_scale`, `w2_input_scale`: a static
+    checkpoint's fixed scales, 0-d float32, row-wise weights only): each product's input quantized with its one
+    scale instead, and rounded so where the weights are plain (a static checkpoint's experts held dequantized)."""
     if x.is_cuda and has_triton():
         from kernels import triton_moe
 
         return triton_moe.fused_moe(
-            x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale=w13_scale, w2_scale=w2_scale, block=block
+            x,
+            w13,
+            w2,
+            topk_weights,
+            topk_ids,
+            first_expert,
+            w13_scale=w13_scale,
+            w2_scale=w2_scale,
+            block=block,
+            input_scales=(w13_input_scale, w2_input_scale),
         )
     out = torch.zeros_like(x)
     tokens, weights, counts = _grouped(topk_ids, topk_weights, w13.shape[0], first_expert)
@@ -103,8 +117,8 @@ def fused_moe(
     offs = counts.cumsum(0, dtype=torch.int32)
     # Read on the host only where it decides something: on CUDA (without Triton) it would be one more sync.
     small_groups = not x.is_cuda and int(counts.max()) <= SMALL_GROUP_ROWS
-    h = _products(x.index_select(0, tokens), w13, w13_scale, block, offs, small_groups)
-    y = _products(silu_and_mul(h), w2, w2_scale, block, offs, small_groups)
+    h = _products(x.index_select(0, tokens), w13, w13_scale, block, offs, small_groups, w13_input_scale)
+    y = _products(silu_and_mul(h), w2, w2_scale, block, offs, small_groups, w2_input_scale)
     y *= weights.to(y.dtype).unsqueeze(1)
     return out.index_add_(0, tokens, y)
 
@@ -116,20 +130,28 @@ def _products(
     block: tuple[int, int] | None,
     offs: torch.Tensor,
     small_groups: bool,
+    input_scale: torch.Tensor | None,
 ) -> torch.Tensor:
-    """One grouped product in x's dtype: of plain weights as they are; of FP8 ones (with `w_scale`) as the values
-    both FP8 operands stand for, summed in fp32."""
+    """One grouped product in x's dtype: of plain weights as they are (x first rounded through FP8 at a static
+    `input_scale`); of FP8 ones (with `w_scale`) as the values both FP8 operands stand for, summed in fp32."""
     if w_scale is None:
+        x = x if input_scale is None else round_per_tensor(x, input_scale)
         return _grouped_mm(x, w, offs, small_groups)
-    x_values, w_values = _fp8_values(x, w, w_scale, block)
+    x_values, w_values = _fp8_values(x, w, w_scale, block, input_scale)
     return _grouped_mm(x_values, w_values, offs, small_groups).to(x.dtype)
 
 
 def _fp8_values(
-    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int] | None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    block: tuple[int, int] | None,
+    input_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] quantized per token (per group of block[1] columns with tiles) and w [G, N, K] float8_e4m3fn, both
-    as the fp32 values they stand for."""
+    """x [M, K] quantized per token (per group of block[1] columns with tiles; with the fixed `input_scale` where
+    static) and w [G, N, K] float8_e4m3fn, both as the fp32 values they stand for."""
+    if input_scale is not None:
+        return quantize_per_tensor(x, input_scale).float() * input_scale, fp8_values(w, w_scale, block)
     cols = w.shape[2] if block is None else block[1]
     x_fp8, x_scale = quantize_per_token(x, None if block is None else cols)
     return fp8_values(x_fp8, x_scale, (1, cols)), fp8_values(w, w_scale, block)

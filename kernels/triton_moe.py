@@ -18,7 +18,8 @@ FP8 experts (float8_e4m3fn weights with float32 scales per expert and output row
 matrix: workers/models/moe.py's `to_fp8`) run W8A8: each product's input quantized per token (per group of a
 tile's columns with tiles) by kernels/fp8.py, then tl.dot of FP8 tiles summed in fp32 and multiplied by both
 scales, as kernels/triton_fp8.py's block product does. Their tables are those of dtype float8_e4m3fn, and of
-their tile where the scales are per tile (`raylm bench moe --tune --fp8-block 128 128`).
+their tile where the scales are per tile (`raylm bench moe --tune --fp8-block 128 128`). A static checkpoint's experts quantize each
+product's input with its one fixed scale instead (row-wise weights; the scale repeated over the rows).
 Checked under the interpreter only, like the rest: untested on a GPU.
 """
 
@@ -35,7 +36,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.fp8 import block_step, block_unsupported, quantize_per_token
+from kernels.fp8 import block_step, block_unsupported, quantize_per_tensor, quantize_per_token, round_per_tensor
 from kernels.fused import silu_and_mul
 
 # Where the measured tables live; RAYLM_MOE_CONFIG_DIR names another folder (a tuning run's output, tests).
@@ -329,6 +330,7 @@ def grouped_mm(
     gather_top_k: int = 0,
     pair_weights: Tensor | None = None,
     out: Tensor | None = None,
+    input_scale: Tensor | None = None,
 ) -> Tensor:
     """x's rows (grouped as `tiles` says, in tiles of config.rows) times w [G, N, K] transposed per group -> [M, N]
     in x's dtype, M = tiles.pairs' count, over the fixed grid (max_tiles, cdiv(N, config.cols)). x is [M, K] in
@@ -340,12 +342,20 @@ def grouped_mm(
     [G, N], one per (group, output row), with x's rows quantized whole; or, with `block` (rows, cols), one per
     tile [G, ceil(N / rows), ceil(K / cols)], with x's rows quantized per group of `cols` columns and the
     reduction stepping by a power of two that divides `cols` (at most config.depth); ValueError for tiles whose
-    step is too short for a GPU's 8-bit dot (kernels/fp8.py `block_unsupported`). Shapes still depend only on x's
-    and w's: no host read."""
+    step is too short for a GPU's 8-bit dot (kernels/fp8.py `block_unsupported`). `input_scale` (0-d float32, a
+    static checkpoint's; row-wise or plain weights): x quantized with that one scale rather than per token, or,
+    before plain weights, rounded through FP8 at it. Shapes still depend only on x's and w's: no host read."""
     out = x.new_empty(tiles.pairs.numel(), w.shape[1]) if out is None else out
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     scales, x_scale, depth, tile = "none", None, config.depth, (1, 1)
-    if w_scale is not None:
+    if w_scale is None and input_scale is not None:
+        x = round_per_tensor(x, input_scale)
+    elif w_scale is not None and input_scale is not None:
+        if block is not None:
+            raise ValueError(f"a static input scale with {block[0]}x{block[1]} block scales: blocks take dynamic ones")
+        scales = "rows"
+        x, x_scale = quantize_per_tensor(x, input_scale), input_scale.expand(x.shape[0], 1)
+    elif w_scale is not None:
         scales = "rows" if block is None else "tiles"
         x, x_scale = quantize_per_token(x, None if block is None else block[1])
         if block is not None:
@@ -395,6 +405,7 @@ def fused_moe(
     w13_scale: Tensor | None = None,
     w2_scale: Tensor | None = None,
     block: tuple[int, int] | None = None,
+    input_scales: tuple[Tensor | None, Tensor | None] = (None, None),
 ) -> Tensor:
     """kernels.moe.fused_moe's sum with every buffer sized by T * top_k pairs, other ranks' pairs included, in
     about five launches: the alignment, the first product reading each pair's token in place, the SiLU, the
@@ -403,11 +414,14 @@ def fused_moe(
     zero (never garbage: garbage times a weight of 0 may be NaN). `config`: these tiles rather than the table's
     (the tuner's candidates). FP8 experts (w13, w2 float8_e4m3fn with `w13_scale`, `w2_scale`, per row or per
     `block` tile as `grouped_mm` takes them): the tokens are quantized before the first product and the SiLU's
-    output before the second."""
+    output before the second, per token or with `input_scales` (the first product's, the second's: a static
+    checkpoint's)."""
     config = config or tile_config(topk_ids.numel(), w13, block)
     tiles = align(topk_ids, w13.shape[0], first_expert, config.rows)
-    h = grouped_mm(x, w13, tiles, config, w13_scale, block, gather_top_k=topk_ids.shape[1])
+    h = grouped_mm(x, w13, tiles, config, w13_scale, block, gather_top_k=topk_ids.shape[1], input_scale=input_scales[0])
     out = None if first_expert is None else x.new_zeros(topk_ids.numel(), w2.shape[1])
     weights = topk_weights.flatten().float()
-    y = grouped_mm(silu_and_mul(h), w2, tiles, config, w2_scale, block, pair_weights=weights, out=out)
+    y = grouped_mm(
+        silu_and_mul(h), w2, tiles, config, w2_scale, block, pair_weights=weights, out=out, input_scale=input_scales[1]
+    )
     return y.view(*topk_ids.shape, w2.shape[1]).sum(1)

@@ -46,7 +46,7 @@ def refuse_static(name: str, tensor: TensorSlice, what: str) -> None:
     if getattr(tensor, "input_scale", None) is not None:
         raise ValueError(
             f"weight {name} has a static activation scale (input_scale), which raylm applies in the linear layers "
-            f"of attention and dense MLPs, not in {what}"
+            f"of attention and MLPs and in MoE experts, not in {what}"
         )
 
 

@@ -15,9 +15,11 @@ static`; `input_activations` float 8-bit, `dynamic: false`, strategy `tensor`) w
 checkpoint's `<layer>.input_scale` (one float32 element, whole on every tensor-parallel rank; missing, mis-shaped
 or not positive, refused naming it): x / scale in fp32, clamped to +-448, float8_e4m3fn. A fused layer (q/k/v,
 gate/up) takes the largest of its parts' scales (its one input is quantized once), and is refused where only some
-parts are static. Refused by name: any other input activations (integer, other widths, asymmetric, static per
-token or channel), static ones with block weights, and static scales on MoE experts, routers or the LM head (only
-the linear layers of attention and dense MLPs apply them).
+parts are static. A MoE block's experts take the largest of their experts' scales for each of their two products
+(`SparseMoeBlock`: the grouped products quantize their whole input at once), and are refused where only some are
+static or under expert parallel (a rank holds only its experts' scales). Refused by name: any other input
+activations (integer, other widths, asymmetric, static per token or channel), static ones with block weights, and
+static scales on routers or the LM head (plain products).
 
 `--quantization fp8` (vLLM's flag) quantizes a plain checkpoint at load as vLLM's dynamic FP8 does, per output
 channel: each row of each linear weight (not the embeddings, the LM head or the norms) becomes float8_e4m3fn with

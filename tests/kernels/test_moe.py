@@ -112,6 +112,34 @@ def test_fp8_experts_sum_the_values_their_operands_stand_for(block):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def static_rounding(scale: float):
+    """An input [K] rounded through FP8 at one fixed scale, as a static checkpoint's activations are, in float64."""
+    return lambda v: (v.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() * scale
+
+
+STATIC = {"plain experts": False, "FP8 experts": True}
+
+
+@pytest.mark.parametrize("fp8", STATIC.values(), ids=STATIC)
+def test_static_input_scales_quantize_each_products_input_with_its_one_scale(fp8):
+    """A static checkpoint's experts: the first product's input (the tokens) rounded through FP8 at w13's scale,
+    the second's at w2's, whether the experts are FP8 or held dequantized; a scale small enough that the largest
+    inputs saturate at 448 of it."""
+    (w13, w13_scale, w13_values), (w2, w2_scale, w2_values) = (fp8_experts(w, None) for w in weights())
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(2))
+    topk_weights, topk_ids = routing("random", 9, top_k=2)
+    s13, s2 = float(x.abs().max()) / 448 * 0.8, 0.002
+    rounds = iter([static_rounding(s13), static_rounding(s2)] * 2 * 9)  # each choice's two inputs in turn
+    expected = reference(x, w13_values, w2_values, topk_weights, topk_ids, lambda v: next(rounds)(v))
+    scales = (w13_scale, w2_scale) if fp8 else (None, None)
+    if not fp8:
+        w13, w2 = w13_values.float(), w2_values.float()
+    got = fused_moe(x, w13, w2, topk_weights, topk_ids, None, *scales, None, torch.tensor(s13), torch.tensor(s2))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    dynamic = fused_moe(x, w13, w2, topk_weights, topk_ids, None, *scales)
+    assert (got - dynamic).abs().max() > 1e-3  # the scales are applied, not the per-token (or no) quantization
+
+
 def test_routing_normalisations():
     logits = torch.randn(6, E, generator=torch.Generator().manual_seed(4))
     probs = logits.softmax(-1)

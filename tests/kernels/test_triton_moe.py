@@ -150,6 +150,30 @@ def test_fp8_moe_matches_the_torch_path(tokens, experts, first_expert, block, dt
     torch.testing.assert_close(out.cpu(), expected, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("fp8", [False, True], ids=["plain experts", "FP8 experts"])
+@pytest.mark.parametrize("tokens, first_expert", [(1, None), (40, None), (5, 4)], ids=["one", "many", "ep rank 1"])
+def test_static_input_scales_match_the_torch_path(tokens, first_expert, fp8, dtype):
+    """A static checkpoint's experts: each product's input quantized (or, before plain weights, rounded) with its
+    one fixed scale, the first product's small enough that the largest tokens saturate."""
+    local = slice(first_expert or 0, (first_expert or 0) + (E if first_expert is None else 4))
+    (w13, w13_scale, w13_values), (w2, w2_scale, w2_values) = (
+        fp8_experts(w[local], None) for w in moe_weights(torch.float32)
+    )
+    if not fp8:
+        w13, w2, w13_scale, w2_scale = w13_values.to(dtype), w2_values.to(dtype), None, None
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(2)).to(dtype)
+    topk_weights, topk_ids = routing(tokens, 2, list(range(E)))
+    input_scales = (torch.tensor(float(x.abs().max()) / 448 * 0.8), torch.tensor(0.002))
+    expected = moe.fused_moe(x, w13, w2, topk_weights, topk_ids, first_expert, w13_scale, w2_scale, None, *input_scales)
+    args = (t.to(DEVICE) for t in (x, w13, w2, topk_weights, topk_ids))
+    scales = {"w13_scale": w13_scale, "w2_scale": w2_scale}
+    on_device = {k: None if v is None else v.to(DEVICE) for k, v in scales.items()}
+    out = triton_moe.fused_moe(*args, first_expert, **on_device, input_scales=tuple(s.to(DEVICE) for s in input_scales))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.cpu(), expected, rtol=tol, atol=tol)
+
+
 def test_other_ranks_rows_never_reach_the_output(monkeypatch):
     """Rows no tile covers hold whatever the buffer held: NaN here, which a multiplication by 0 would keep."""
     grouped_mm = triton_moe.grouped_mm

@@ -62,11 +62,13 @@ def float64_logits(
     seqs: list[list[int]],
     tmp: Path,
     input_scales: dict[str, torch.Tensor] | None = None,
+    expert_scales: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> list[torch.Tensor]:
     """transformers' model of `src` in float64 holding `weights` (written as a checkpoint, for transformers to map
     per-expert tensors onto its fused experts as it does a published one's), the input of each linear layer that
     `input_scales` names rounded through FP8 at its scale (x / scale, clamped to +-448, float8_e4m3fn, times
-    scale), as a static checkpoint's activations are."""
+    scale), as a static checkpoint's activations are; the experts modules `expert_scales` names likewise, each
+    product's input at its one scale (the first's, the second's) whichever expert it goes to."""
     from transformers import AutoModelForCausalLM
 
     tmp.mkdir(exist_ok=True)
@@ -75,6 +77,9 @@ def float64_logits(
     model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float64, experts_implementation="eager")
     for name, scale in (input_scales or {}).items():
         model.get_submodule(name).register_forward_pre_hook(partial(round_input, scale.double()))
+    for name, scales in (expert_scales or {}).items():
+        experts = model.get_submodule(name)
+        experts.forward = partial(static_experts, experts, *(s.double() for s in scales))
     with torch.inference_mode():
         return [model(torch.tensor([s])).logits[0] for s in seqs]
 
@@ -82,6 +87,19 @@ def float64_logits(
 def round_input(scale: torch.Tensor, _module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple:
     x = args[0]
     return ((x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype) * scale, *args[1:])
+
+
+def static_experts(experts, s13: torch.Tensor, s2: torch.Tensor, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+    """transformers' experts (gate_up_proj [E, 2I, H], down_proj [E, H, I]) token by token, each product's input
+    rounded through FP8 at its static scale."""
+    out = torch.zeros_like(hidden)
+    x = round_input(s13, None, (hidden,))[0]
+    for t in range(x.shape[0]):
+        for w, e in zip(top_k_weights[t], top_k_index[t]):
+            gate, up = (experts.gate_up_proj[e] @ x[t]).chunk(2)
+            h = round_input(s2, None, (torch.nn.functional.silu(gate) * up,))[0]
+            out[t] += w * (experts.down_proj[e] @ h)
+    return out
 
 
 def input_scales(path: Path) -> dict[str, torch.Tensor]:
@@ -305,10 +323,52 @@ def test_static_activations_with_block_weights_are_refused(tiny_model_dir, tmp_p
         read_model_spec(_with_config(tiny_model_dir("llama"), tmp_path / "ct", ct))
 
 
-def test_static_activations_of_moe_routers_and_experts_are_refused(fp8_checkpoint, tmp_path):
-    """Static activation scales apply in the linear layers of attention and dense MLPs; the experts' grouped
-    products quantize their activations per token, and a router's product is a plain one: a checkpoint giving
-    either one is refused, naming the weight."""
+def with_static_moe(dst: Path, tmp: Path, weights: dict[str, torch.Tensor], edit=None) -> Path:
+    """The per-channel MoE checkpoint at `dst` made static: each attention projection's input scale 0.02 and each
+    expert's its own, growing with the expert's index (gate and up 0.01 to 0.0275, down 0.005 to 0.01375), the
+    routers left plain; then `edit`."""
+
+    def add_input_scales(tensors):
+        for layer in [n.removesuffix(".weight_scale") for n in tensors if n.endswith(".weight_scale")]:
+            if layer.endswith("mlp.gate"):  # a router's product is a plain one
+                tensors.pop(f"{layer}.weight_scale")
+                tensors[f"{layer}.weight"] = weights[f"{layer}.weight"].float()
+                continue
+            scale = 0.02
+            if ".experts." in layer:
+                expert = int(layer.split(".experts.")[1].split(".")[0])
+                scale = (0.005 if layer.endswith("down_proj") else 0.01) * (1 + expert / 4)
+            tensors[f"{layer}.input_scale"] = torch.tensor([scale])
+        if edit is not None:
+            edit(tensors)
+
+    config = {**SCHEMES[STATIC].config, "ignore": ["lm_head", r"re:.*mlp\.gate$"]}
+    return _with_config(str(dst), tmp, config, add_input_scales)
+
+
+def test_static_experts_quantize_with_the_largest_of_their_experts_scales(fp8_checkpoint, tmp_path):
+    """One scale per product for all of a block's experts, the largest of theirs (gate's and up's for the first,
+    down's for the second), as vLLM takes it: the logits of a float64 model whose experts round their inputs at
+    those scales; each tensor-parallel rank, holding a slice of every expert, takes the same."""
+    src, dst, weights = fp8_checkpoint("qwen3_moe", "compressed-tensors per channel")
+    path = with_static_moe(dst, tmp_path / "static", weights)
+    model = load_model(path, attn_backend=select_backend("torch", torch.device("cpu")))
+    for rank in [model, *(load_model(path, tp_rank=r, tp_size=2) for r in (0, 1))]:
+        block = rank.get_submodule("model.layers.1.mlp")
+        assert (float(block.w13_input_scale), float(block.w2_input_scale)) == pytest.approx((0.0275, 0.01375))
+    scales = input_scales(path)
+    attention = {n: scales[n] for n in scales if ".self_attn." in n}
+    experts = {f"model.layers.{i}.mlp.experts": (torch.tensor(0.0275), torch.tensor(0.01375)) for i in (0, 1)}
+    seqs = random_seqs(read_model_spec(path).vocab_size)
+    expected = float64_logits(src, weights, seqs, tmp_path / "rounded", attention, experts)
+    for o, r in zip(run_paged(model, seqs), expected):
+        torch.testing.assert_close(o.double(), r, rtol=1e-4, atol=1e-4)
+    assert model.get_submodule("model.layers.0.self_attn.qkv_proj").input_scale is not None
+
+
+def test_static_moe_routers_experts_static_in_part_and_expert_parallel_are_refused(fp8_checkpoint, tmp_path):
+    """A router's product is a plain one; a block's experts share one scale a product, so all or none of them are
+    static; under expert parallel a rank holds only its experts' scales, not the largest of all."""
     _, dst, weights = fp8_checkpoint("qwen3_moe", "compressed-tensors per channel")
     config = SCHEMES[STATIC].config
 
@@ -319,15 +379,22 @@ def test_static_activations_of_moe_routers_and_experts_are_refused(fp8_checkpoin
     with pytest.raises(ValueError, match=r"weight model.layers.0.mlp.gate.weight has a static .* \(a MoE router\)"):
         load_model(_with_config(str(dst), tmp_path / "router", config, add_input_scales))
 
-    def plain_routers(tensors):
-        add_input_scales(tensors)
-        for router in [n.removesuffix(".weight") for n in tensors if n.endswith("mlp.gate.weight")]:
-            tensors.pop(f"{router}.weight_scale"), tensors.pop(f"{router}.input_scale")
-            tensors[f"{router}.weight"] = weights[f"{router}.weight"].float()
+    def plain_expert_3(tensors):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            layer = f"model.layers.0.mlp.experts.3.{proj}"
+            tensors.pop(f"{layer}.weight_scale"), tensors.pop(f"{layer}.input_scale")
+            tensors[f"{layer}.weight"] = weights[f"{layer}.weight"].float()
 
-    ignore_routers = {**config, "ignore": ["lm_head", r"re:.*mlp\.gate$"]}
-    with pytest.raises(ValueError, match=r"weight model.layers.0.mlp.experts.0.gate_proj.weight .* MoE experts"):
-        load_model(_with_config(str(dst), tmp_path / "experts", ignore_routers, plain_routers))
+    in_part = with_static_moe(dst, tmp_path / "in part", weights, plain_expert_3)
+    with open(in_part / "config.json") as f:
+        ct = json.load(f)
+    ct["quantization_config"]["ignore"].append(r"re:.*experts\.3\..*")
+    (in_part / "config.json").write_text(json.dumps(ct))
+    with pytest.raises(ValueError, match=r"experts\.3\..*some experts of this MoE block have a static"):
+        load_model(in_part)
+    static = with_static_moe(dst, tmp_path / "static", weights)
+    with pytest.raises(ValueError, match=r"experts\.4\.gate_proj.weight has a static .* --enable-expert-parallel"):
+        load_model(static, tp_rank=1, tp_size=2, expert_parallel=True)
 
 
 def test_a_fused_layer_static_in_part_is_refused(fp8_checkpoint, tmp_path):

@@ -9,7 +9,7 @@ from torch import nn
 
 from kernels.fp8 import quantize_experts
 from kernels.moe import fused_moe, route
-from workers.layers import TensorSlice, check_shape, refuse_static
+from workers.layers import TensorSlice, check_shape, static_input_scale
 from workers.model_spec import ModelSpec
 from workers.parallel import tp_group
 
@@ -25,6 +25,13 @@ class SparseMoeBlock(nn.Module):
     [E_local, hidden, I_local] its down projection; each rank reads only those slices of the checkpoint. After
     `to_fp8` both are float8_e4m3fn with float32 scales `w13_scale`, `w2_scale`: one per expert and row, or one
     per `weight_block` tile of each expert's matrix.
+
+    A static FP8 checkpoint's experts each carry an activation scale per projection (`input_scale`); the block
+    keeps the largest of its experts' for each product (`w13_input_scale`: gate and up, one input quantized once;
+    `w2_input_scale`: down), 0-d float32, None for dynamic activations. One scale per product, as vLLM takes it:
+    the grouped products quantize their whole input at once, whichever expert a row goes to. Every tensor
+    parallel rank reads every expert, so all hold the same scales; under expert parallel a rank would see only
+    its own experts', so static experts are refused there.
     """
 
     def __init__(self, spec: ModelSpec, rank: int, tp_size: int, expert_parallel: bool):
@@ -50,6 +57,9 @@ class SparseMoeBlock(nn.Module):
         self.w13_scale: torch.Tensor | None = None
         self.w2_scale: torch.Tensor | None = None
         self.weight_block: tuple[int, int] | None = None  # the tile [rows, cols] of block scales
+        self.w13_input_scale: torch.Tensor | None = None
+        self.w2_input_scale: torch.Tensor | None = None
+        self._static: bool | None = None  # whether the experts loaded so far carry input scales
 
     def checkpoint_names(self, prefix: str) -> dict[str, tuple[str, Any]]:
         """checkpoint tensor name -> (parameter name, shard) for the tensors this rank reads: the router and its
@@ -110,19 +120,50 @@ class SparseMoeBlock(nn.Module):
     def _load_w13(self, param: nn.Parameter, tensor: TensorSlice, name: str, shard: tuple[int, int]) -> None:
         local, half = shard
         check_shape(name, tensor, (self.moe.intermediate_size, param.shape[2]))
-        refuse_static(name, tensor, "MoE experts (their activations are quantized per token)")
+        self.w13_input_scale = self._largest_input_scale(name, tensor, self.w13_input_scale)
         rows = tensor[self.unit_start : self.unit_start + self.units]
         param.data[local, half * self.units : (half + 1) * self.units].copy_(rows)
 
     def _load_w2(self, param: nn.Parameter, tensor: TensorSlice, name: str, shard: tuple[int, None]) -> None:
         check_shape(name, tensor, (param.shape[1], self.moe.intermediate_size))
-        refuse_static(name, tensor, "MoE experts (their activations are quantized per token)")
+        self.w2_input_scale = self._largest_input_scale(name, tensor, self.w2_input_scale)
         param.data[shard[0]].copy_(tensor[:, self.unit_start : self.unit_start + self.units])
+
+    def _largest_input_scale(self, name: str, tensor: TensorSlice, largest: torch.Tensor | None) -> torch.Tensor | None:
+        """The larger of `largest` and expert weight `name`'s static input scale; ValueError where its experts are
+        static in part, or static under expert parallel."""
+        scale = static_input_scale(tensor, self.w13.device)
+        if self._static is None:
+            self._static = scale is not None
+        if self._static != (scale is not None):
+            raise ValueError(
+                f"weight {name}: some experts of this MoE block have a static activation scale (input_scale) and "
+                "others not, and the experts' products quantize their input once for all of them"
+            )
+        if scale is None:
+            return None
+        if self.first_expert is not None:
+            raise ValueError(
+                f"weight {name} has a static activation scale (input_scale): with --enable-expert-parallel a rank "
+                "holds only its own experts' scales, and every rank must quantize with the largest of all; serve "
+                "this checkpoint without expert parallel"
+            )
+        return scale if largest is None else torch.maximum(largest, scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(F.linear(x, self.gate.weight), self.moe.top_k, self.moe.renormalize)
         out = fused_moe(
-            x, self.w13, self.w2, weights, ids, self.first_expert, self.w13_scale, self.w2_scale, self.weight_block
+            x,
+            self.w13,
+            self.w2,
+            weights,
+            ids,
+            self.first_expert,
+            self.w13_scale,
+            self.w2_scale,
+            self.weight_block,
+            self.w13_input_scale,
+            self.w2_input_scale,
         )
         if self.tp_size > 1:
             dist.all_reduce(out, group=tp_group())  # this pipeline stage's ranks only
