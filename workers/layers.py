@@ -40,6 +40,13 @@ def static_input_scale(tensor: TensorSlice, device: torch.device) -> torch.Tenso
     return None if scale is None else scale.to(device)
 
 
+def checkpoint_row_scales(tensor: TensorSlice, start: int, end: int) -> torch.Tensor | None:
+    """The float32 scale each of rows [start, end) of a quantized weight is stored with, where each row has one
+    (workers/quantization.py's DequantizedSlice.row_scales), else None."""
+    row_scales = getattr(tensor, "row_scales", None)
+    return None if row_scales is None else row_scales(start, end)
+
+
 def refuse_static(name: str, tensor: TensorSlice, what: str) -> None:
     """ValueError naming weight `name` where it carries a static activation scale that its layer (`what`) does not
     apply: without it the layer would not compute what the checkpoint was calibrated for."""
@@ -173,6 +180,10 @@ class ColumnParallelLinear(nn.Module):
         # A static checkpoint's activation scale (0-d float32), set as the weights load: `_fused_input_scale`.
         self.input_scale: torch.Tensor | None = None
         self._input_scales: dict[str, torch.Tensor | None] = {}  # each shard's, as it loads
+        # The scale each of this rank's rows is stored with in the checkpoint, where each has one (per tensor or
+        # channel): FP8 products requantize the rows at them (workers/quantization.py `_to_fp8`).
+        self.checkpoint_scales: torch.Tensor | None = None
+        self._row_scales: dict[str, torch.Tensor | None] = {}  # each shard's, as it loads
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
         if bias:
             self.bias.weight_loader = self._load
@@ -184,8 +195,11 @@ class ColumnParallelLinear(nn.Module):
         param.data[s.offset : s.offset + s.size].copy_(tensor[s.start : s.start + s.size])
         if param is self.weight:
             self._input_scales[shard] = static_input_scale(tensor, param.device)
+            self._row_scales[shard] = checkpoint_row_scales(tensor, s.start, s.start + s.size)
             if len(self._input_scales) == len(self.shards):
                 self.input_scale = self._fused_input_scale(name.rsplit(".", 2)[0])
+                by_offset = [self._row_scales[k] for k in sorted(self.shards, key=lambda k: self.shards[k].offset)]
+                self.checkpoint_scales = None if any(r is None for r in by_offset) else torch.cat(by_offset)
 
     def _fused_input_scale(self, parent: str) -> torch.Tensor | None:
         """The largest of the shards' static input scales, None where none has one. One activation tensor feeds
@@ -228,6 +242,8 @@ class RowParallelLinear(nn.Module):
         # A static checkpoint's activation scale (0-d float32), set as the weight loads: per tensor, so every rank
         # holds it whole.
         self.input_scale: torch.Tensor | None = None
+        # As ColumnParallelLinear's: the scales of the whole rows, whose columns this rank holds some of.
+        self.checkpoint_scales: torch.Tensor | None = None
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.output_size = output_size
         self.lora: LinearLora | None = None  # set by workers.lora.LoraManager when LoRA is enabled
@@ -237,6 +253,7 @@ class RowParallelLinear(nn.Module):
         cols = param.shape[1]
         param.data.copy_(tensor[:, self.rank * cols : (self.rank + 1) * cols])
         self.input_scale = static_input_scale(tensor, param.device)
+        self.checkpoint_scales = checkpoint_row_scales(tensor, 0, param.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.packed, None, self.weight_scale, self.weight_block, self.input_scale)

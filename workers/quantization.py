@@ -34,11 +34,12 @@ On a CUDA GPU of compute capability 8.9 or above, once the model is loaded (and 
 dtype), `fp8_products` makes every linear layer whose checkpoint modules are quantized an FP8 one, layer by layer,
 its products W8A8 (kernels/fp8.py): half the bytes a decode step reads. Its weight is requantized from the
 dequantized one as the checkpoint laid it out, so a checkpoint's own FP8 values come back:
-- per tensor, per channel, or by `--quantization fp8`: per output row (`quantize_rows`; a per-tensor checkpoint's
-  values land on a finer per-row grid), float32 scales [out], activations quantized per token (static ones per
-  tensor, their scale repeated over the rows), one `torch._scaled_mm` with row-wise scales. A row-parallel rank's
-  columns keep their whole rows' scales (reduced over the tensor-parallel group), so the ranks together hold what
-  one rank would;
+- per tensor, per channel, or by `--quantization fp8`: per output row (`quantize_rows`, each row at the scale the
+  checkpoint stored it with, a per-tensor one's repeated over its rows, so that its values come back exactly),
+  float32 scales [out], activations quantized per token (static ones per tensor, their scale repeated over the
+  rows), one `torch._scaled_mm` with row-wise scales. A row-parallel rank's columns keep their whole rows' scales
+  (the checkpoint's, or under `--quantization fp8` their maxima reduced over the tensor-parallel group), so the
+  ranks together hold what one rank would;
 - per block (Qwen3-FP8's and DeepSeek-V3's 128x128 tiles): per tile (`quantize_tiles`), float32 scales
   [out / rows, in / cols], activations quantized per token and group of `cols` columns, a Triton kernel.
 Kept dequantized, and logged once with why: a fused layer (qkv_proj, gate_up_proj) one of whose checkpoint modules
@@ -70,6 +71,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kernels.fp8 import (
+    FP8_MAX,
     block_unsupported,
     dequantize_rows,
     quantize_rows,
@@ -172,6 +174,13 @@ class DequantizedSlice:
 
     def get_shape(self) -> list[int]:
         return self.weight.get_shape()
+
+    def row_scales(self, start: int, end: int) -> torch.Tensor | None:
+        """The float32 scale of each of rows [start, end) where every row has one (per tensor or channel, or tiles
+        as wide as the weight), else None: what requantizing the rows needs to give back the stored values."""
+        if self.grid.shape[1] != 1:
+            return None
+        return self.grid[torch.arange(start, end) // self.tile[0], 0]
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         r0, r1, c0, c1 = _ranges(index, self.get_shape())
@@ -365,7 +374,12 @@ def checkpoint_modules(name: str, layer: ColumnParallelLinear | RowParallelLinea
 
 def _to_fp8(layer: ColumnParallelLinear | RowParallelLinear, block: tuple[int, int] | None) -> None:
     weight = layer.weight.detach()
-    if block is None:
+    if block is None and layer.checkpoint_scales is not None:
+        # Each row at the scale the checkpoint stored it with: its FP8 values come back exactly (a per-tensor
+        # checkpoint's too, which its rows' own maxima would put on other grids, rounding them a second time).
+        stored, scale = quantize_rows(weight, layer.checkpoint_scales.to(weight.device).double()[:, None] * FP8_MAX)
+        scale = scale.view(-1)
+    elif block is None:
         amax = weight.abs().amax(dim=1, keepdim=True).float()
         if isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
             # This rank holds some columns of each row: the row's scale is the whole row's, as one rank's would be.
