@@ -35,6 +35,7 @@ def blocks(rows: int, cols: int) -> Scheme:
 
 LAYOUTS = {
     "rows": SCHEMES["compressed-tensors per channel"],
+    "one scale a tensor": Scheme({"quant_method": "fp8", "activation_scheme": "dynamic"}, None),
     "32x32 blocks": SCHEMES["fp8 blocks 32x32"],
     "16x32 blocks": blocks(16, 32),
     "48x48 blocks (ragged)": SCHEMES["compressed-tensors blocks 48x48 (ragged)"],
@@ -71,13 +72,15 @@ def checkpoint_experts(
     """(w13, w13 scales, w2, w2 scales) as the checkpoint stores MoE block `block`'s `experts`, cut to `units` of
     each: the float8 values stacked as SparseMoeBlock stacks them, and their scales (per row, or the tiles')."""
     scheme = LAYOUTS[layout]
-    tile = None if scheme.tile == (1, 0) else scheme.tile
+    tile = None if scheme.tile in ((1, 0), None) else scheme.tile
     unit_rows = units if tile is None else slice(units.start // tile[0], -(-units.stop // tile[0]))
     unit_cols = slice(None) if tile is None else slice(units.start // tile[1], -(-units.stop // tile[1]))
     w13, w13_scale, w2, w2_scale = [], [], [], []
     for e in experts:
         gate, up, down = (f"{block}.experts.{e}.{m}" for m in ("gate_proj", "up_proj", "down_proj"))
         scale = {m: stored[f"{m}.{scheme.scale_name}"] for m in (gate, up, down)}
+        if scheme.tile is None:  # one scale a tensor: each row at it
+            scale = {m: s.expand(stored[f"{m}.weight"].shape[0], 1) for m, s in scale.items()}
         w13.append(torch.cat([stored[f"{gate}.weight"][units], stored[f"{up}.weight"][units]]))
         w13_scale.append(torch.cat([scale[gate][unit_rows], scale[up][unit_rows]]))
         w2.append(stored[f"{down}.weight"][:, units])
@@ -102,14 +105,17 @@ def assert_holds(got: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ..
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("layout", ["rows", "32x32 blocks"])
+@pytest.mark.parametrize("layout", ["rows", "one scale a tensor", "32x32 blocks"])
 def test_fp8_experts_hold_the_checkpoints_float8_values(checkpoint, layout, dtype):
+    """Per row or per tile, requantized from the dequantized weights at the checkpoint's own scales where each row
+    has one (a per-tensor checkpoint's repeated over its rows: the rows' own maxima would round its values again),
+    from the tiles' maxima for blocks."""
     _, path, stored = checkpoint(layout)
     model, converted = converted_model(path, dtype=dtype)
     assert set(MOE_BLOCKS) <= set(converted)
     for name in MOE_BLOCKS:
         moe = model.get_submodule(name)
-        assert moe.weight_block == (None if layout == "rows" else (32, 32))
+        assert moe.weight_block == ((32, 32) if layout == "32x32 blocks" else None)
         assert_holds(held(moe), checkpoint_experts(stored, layout, name, range(8), slice(0, UNITS)), dtype)
 
 

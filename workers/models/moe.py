@@ -7,9 +7,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fp8 import quantize_experts
+from kernels.fp8 import FP8_MAX, quantize_experts
 from kernels.moe import fused_moe, route
-from workers.layers import TensorSlice, check_shape, static_input_scale
+from workers.layers import TensorSlice, check_shape, checkpoint_row_scales, static_input_scale
 from workers.model_spec import ModelSpec
 from workers.parallel import tp_group
 
@@ -60,6 +60,9 @@ class SparseMoeBlock(nn.Module):
         self.w13_input_scale: torch.Tensor | None = None
         self.w2_input_scale: torch.Tensor | None = None
         self._static: bool | None = None  # whether the experts loaded so far carry input scales
+        # The scale each row this rank holds is stored with in the checkpoint, where each has one (per tensor or
+        # channel), by (w13 or w2, local expert, gate or up): to_fp8 requantizes the rows at them.
+        self._row_scales: dict[tuple[str, int, int | None], torch.Tensor | None] = {}
 
     def checkpoint_names(self, prefix: str) -> dict[str, tuple[str, Any]]:
         """checkpoint tensor name -> (parameter name, shard) for the tensors this rank reads: the router and its
@@ -106,27 +109,45 @@ class SparseMoeBlock(nn.Module):
         """w13 and w2 requantized into float8_e4m3fn from their dequantized values, per expert and output row
         (`block` None) or per `block` tile of each expert's matrix (where `tiles_cut` has no reason against it);
         then `forward` runs FP8 products. One expert at a time: the conversion needs this layer's FP8 experts and
-        one expert's temporaries beside the model. Tensor parallel, w2 holds some columns of each row: its rows'
-        scales are the whole rows' (reduced over the group), so the ranks together hold what one rank would."""
-        amax = None
-        if block is None and self.first_expert is None and self.tp_size > 1:
-            amax = torch.stack([w.abs().amax(dim=1, keepdim=True) for w in self.w2.detach()]).float()
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group())
-        w13, self.w13_scale = quantize_experts(self.w13.detach(), block)
-        w2, self.w2_scale = quantize_experts(self.w2.detach(), block, amax)
+        one expert's temporaries beside the model. Per row, each row takes the scale the checkpoint stored it with
+        where every row has one, else its largest magnitude / 448; then, tensor parallel, w2 holding some columns
+        of each row, its rows' scales are the whole rows' (reduced over the group), so the ranks together hold what
+        one rank would."""
+        amax13 = amax2 = None
+        scales = self._row_scales.values()
+        if block is None and len(scales) == 3 * self.num_local and all(r is not None for r in scales):
+            # Each row at the scale the checkpoint stored it with: its FP8 values come back exactly (a per-tensor
+            # checkpoint's too, which the rows' own maxima would round a second time, onto other grids).
+            amax13, amax2 = (self._checkpoint_amax(param) for param in ("w13", "w2"))
+        elif block is None and self.first_expert is None and self.tp_size > 1:
+            amax2 = torch.stack([w.abs().amax(dim=1, keepdim=True) for w in self.w2.detach()]).float()
+            dist.all_reduce(amax2, op=dist.ReduceOp.MAX, group=tp_group())
+        w13, self.w13_scale = quantize_experts(self.w13.detach(), block, amax13)
+        w2, self.w2_scale = quantize_experts(self.w2.detach(), block, amax2)
         self.w13, self.w2 = nn.Parameter(w13, requires_grad=False), nn.Parameter(w2, requires_grad=False)
         self.weight_block = block
+
+    def _checkpoint_amax(self, param: str) -> torch.Tensor:
+        """[E_local, rows, 1] float64: the largest magnitude each of `param`'s rows would have at its checkpoint
+        scale (448 times it), what quantize_experts divides back into exactly that scale."""
+        halves = (0, 1) if param == "w13" else (None,)
+        rows = [torch.cat([self._row_scales[param, e, h] for h in halves]) for e in range(self.num_local)]
+        return torch.stack(rows).double()[:, :, None].to(self.w13.device) * FP8_MAX
 
     def _load_w13(self, param: nn.Parameter, tensor: TensorSlice, name: str, shard: tuple[int, int]) -> None:
         local, half = shard
         check_shape(name, tensor, (self.moe.intermediate_size, param.shape[2]))
         self.w13_input_scale = self._largest_input_scale(name, tensor, self.w13_input_scale)
+        self._row_scales["w13", local, half] = checkpoint_row_scales(
+            tensor, self.unit_start, self.unit_start + self.units
+        )
         rows = tensor[self.unit_start : self.unit_start + self.units]
         param.data[local, half * self.units : (half + 1) * self.units].copy_(rows)
 
     def _load_w2(self, param: nn.Parameter, tensor: TensorSlice, name: str, shard: tuple[int, None]) -> None:
         check_shape(name, tensor, (param.shape[1], self.moe.intermediate_size))
         self.w2_input_scale = self._largest_input_scale(name, tensor, self.w2_input_scale)
+        self._row_scales["w2", shard[0], None] = checkpoint_row_scales(tensor, 0, param.shape[1])
         param.data[shard[0]].copy_(tensor[:, self.unit_start : self.unit_start + self.units])
 
     def _largest_input_scale(self, name: str, tensor: TensorSlice, largest: torch.Tensor | None) -> torch.Tensor | None:
