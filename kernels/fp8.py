@@ -97,16 +97,18 @@ def quantize_per_token(x: torch.Tensor, group: int | None = None) -> tuple[torch
     return out.view(rows, groups * group)[:, :k], scale.view(rows, groups)
 
 
-def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x as float8_e4m3fn with one fixed float32 `scale` (0-d; a static checkpoint's input scale): x ~ out * scale,
+def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] as (float8_e4m3fn [T, K], float32 scales [T, 1]) with one fixed float32 `scale` (0-d; a static
+    checkpoint's input scale) repeated over the rows, as `quantize_per_token` gives its own: x ~ out * scale,
     divided in fp32 as a GPU's kernels divide, magnitudes past 448 * scale saturating at +-448."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    stored = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return stored, scale.expand(x.shape[0], 1).contiguous()
 
 
 def round_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x rounded through FP8 at the fixed `scale`, back in x's dtype: the activations a static FP8 product
+    """x [T, K] rounded through FP8 at the fixed `scale`, back in x's dtype: the activations a static FP8 product
     multiplies, for a product whose weight is held dequantized."""
-    return (quantize_per_tensor(x, scale).float() * scale).to(x.dtype)
+    return (quantize_per_tensor(x, scale)[0].float() * scale).to(x.dtype)
 
 
 def fp8_linear(
@@ -123,10 +125,7 @@ def fp8_linear(
     (0-d), a static checkpoint's; None quantizes x per token."""
     if block is not None:
         return block_fp8_linear(x, weight, weight_scale, block, bias)
-    if input_scale is None:
-        x_fp8, x_scale = quantize_per_token(x)
-    else:
-        x_fp8, x_scale = quantize_per_tensor(x, input_scale), input_scale.expand(x.shape[0], 1).contiguous()
+    x_fp8, x_scale = quantize_per_token(x) if input_scale is None else quantize_per_tensor(x, input_scale)
     return torch._scaled_mm(
         x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1), bias=bias, out_dtype=x.dtype
     )

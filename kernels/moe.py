@@ -150,10 +150,11 @@ def _fp8_values(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] quantized per token (per group of block[1] columns with tiles; with the fixed `input_scale` where
     static) and w [G, N, K] float8_e4m3fn, both as the fp32 values they stand for."""
-    if input_scale is not None:
-        return quantize_per_tensor(x, input_scale).float() * input_scale, fp8_values(w, w_scale, block)
     cols = w.shape[2] if block is None else block[1]
-    x_fp8, x_scale = quantize_per_token(x, None if block is None else cols)
+    if input_scale is None:
+        x_fp8, x_scale = quantize_per_token(x, None if block is None else cols)
+    else:
+        x_fp8, x_scale = quantize_per_tensor(x, input_scale)
     return fp8_values(x_fp8, x_scale, (1, cols)), fp8_values(w, w_scale, block)
 
 

@@ -18,8 +18,9 @@ FP8 experts (float8_e4m3fn weights with float32 scales per expert and output row
 matrix: workers/models/moe.py's `to_fp8`) run W8A8: each product's input quantized per token (per group of a
 tile's columns with tiles) by kernels/fp8.py, then tl.dot of FP8 tiles summed in fp32 and multiplied by both
 scales, as kernels/triton_fp8.py's block product does. Their tables are those of dtype float8_e4m3fn, and of
-their tile where the scales are per tile (`raylm bench moe --tune --fp8-block 128 128`). A static checkpoint's experts quantize each
-product's input with its one fixed scale instead (row-wise weights; the scale repeated over the rows).
+their tile where the scales are per tile (`raylm bench moe --tune --fp8-block 128 128`). A static checkpoint's
+experts quantize each product's input with its one fixed scale instead (row-wise weights; the scale repeated over
+the rows).
 Checked under the interpreter only, like the rest: untested on a GPU.
 """
 
@@ -354,7 +355,7 @@ def grouped_mm(
         if block is not None:
             raise ValueError(f"a static input scale with {block[0]}x{block[1]} block scales: blocks take dynamic ones")
         scales = "rows"
-        x, x_scale = quantize_per_tensor(x, input_scale), input_scale.expand(x.shape[0], 1)
+        x, x_scale = quantize_per_tensor(x, input_scale)
     elif w_scale is not None:
         scales = "rows" if block is None else "tiles"
         x, x_scale = quantize_per_token(x, None if block is None else block[1])
