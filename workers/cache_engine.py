@@ -106,6 +106,13 @@ class CacheEngine:
         for i, layer in enumerate(attention_layers):
             layer.kv_cache = self.kv_cache[:, i]
 
+    @staticmethod
+    def unbind(attention_layers: list) -> None:
+        """The layers hold no cache: their views would keep a throwaway one (the memory profile's) alive next to
+        the real one."""
+        for layer in attention_layers:
+            layer.kv_cache = torch.empty(0)
+
     def swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copy (device, host) pairs out, then (host, device) pairs in, before the step's forward.
 

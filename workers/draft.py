@@ -135,10 +135,8 @@ class DraftModel:
         self.cache.bind(self.model.attention_layers)
 
     def drop_cache(self) -> None:
-        """Unbind the cache from the layers and let it go (the memory profile's throwaway one): the layers' views
-        would keep it alive next to the real one."""
-        for layer in self.model.attention_layers:
-            layer.kv_cache = torch.empty(0)
+        """Let the cache go (the memory profile's throwaway one), unbound from the layers."""
+        CacheEngine.unbind(self.model.attention_layers)
         self.cache = None
 
     def use_buffers(self, buffers: InputBuffers, graphs: DecodeGraphs) -> None:

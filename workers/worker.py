@@ -367,9 +367,7 @@ class Worker:
         cache = self._new_cache(blocks)
         cache.bind(self.model.attention_layers)
         peak, forward_peak = _measured(self.profile_forward)
-        # The layers' views would keep the throwaway cache alive next to the real one.
-        for layer in self.model.attention_layers:
-            layer.kv_cache = torch.empty(0)
+        CacheEngine.unbind(self.model.attention_layers)
         del cache
         draft_forward_peak = 0
         if self.draft is not None:
