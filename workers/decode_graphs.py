@@ -38,8 +38,12 @@ class DecodeGraphs:
 
     def shapes(self) -> list[tuple[int, int]]:
         """The (size, q) pairs to capture, the most tokens first (the smaller graphs reuse its memory pool)."""
-        fits = [(s, q) for q in self.query_lens for s in self.sizes if not self.max_tokens or s * q <= self.max_tokens]
+        fits = [(s, q) for q in self.query_lens for s in self.sizes if self._fits(s, q)]
         return sorted(fits, key=lambda shape: (shape[0] * shape[1], shape), reverse=True)
+
+    def _fits(self, size: int, query_len: int) -> bool:
+        """Whether `size` requests of `query_len` tokens fit the input buffers (max_tokens; 0: no limit)."""
+        return not self.max_tokens or size * query_len <= self.max_tokens
 
     def max_graph_tokens(self) -> int:
         return max((s * q for s, q in self.shapes()), default=0)
@@ -50,7 +54,7 @@ class DecodeGraphs:
         if query_len not in self.query_lens or num_tokens != num_reqs * query_len:
             return 0
         size = next((s for s in self.sizes if s >= num_reqs), 0)
-        return size if not self.max_tokens or size * query_len <= self.max_tokens else 0
+        return size if self._fits(size, query_len) else 0
 
     def replay(self, size: int, query_len: int = 1) -> torch.Tensor | None:
         """The hidden states of the graph of ``(size, query_len)`` replayed; None when none is captured (an eager
@@ -102,13 +106,14 @@ class DecodeGraphs:
         ``max_tokens``, the largest batch that replays a graph and the smallest that runs eagerly, as every larger
         one does (the sizes fit up to one and none after: they ascend)."""
         for q in self.query_lens:
-            fits = [s for s in self.sizes if not self.max_tokens or s * q <= self.max_tokens]
+            fits = [s for s in self.sizes if self._fits(s, q)]
             if q == 1 or len(fits) == len(self.sizes):
                 continue
             eager = self.sizes[len(fits)]
             logger.info(
                 "raylm: verification steps (num_speculative_tokens=%d) replay CUDA graphs at batches of up to %d "
-                "requests and run eagerly above: a batch of %d takes %d tokens, over a step's %d (max_num_batched_tokens)",
+                "requests and run eagerly above: a batch of %d takes %d tokens, over a step's %d "
+                "(max_num_batched_tokens)",
                 q - 1,
                 fits[-1] if fits else 0,
                 eager,
