@@ -428,14 +428,10 @@ class Worker:
         on, and prompt logprobs of every token; the KV cache bound to the layers must hold `_profile_blocks()`
         blocks. Its peak memory is what a busy step needs beside the cache. Returns the forward's own peak (bytes
         over what was allocated at its start; 0 off CUDA), from which the graphs' pool is estimated."""
-        positions, md = self._profile_step()
-        cuda = self.device.type == "cuda"
-        start = torch.cuda.memory_allocated() if cuda else 0
         stage = pipeline_stage()
-        shape = (positions.shape[0], self.spec.hidden_size)
+        shape = (sum(self._profile_lens()), self.spec.hidden_size)
         intermediate = None if stage.is_first else (torch.zeros(shape, dtype=self.dtype, device=self.device),) * 2
-        hidden = self.model(torch.zeros_like(positions), positions, md, intermediate)
-        forward_peak = torch.cuda.max_memory_allocated() - start if cuda else 0
+        hidden, forward_peak = self._profile_model(self.model, intermediate)
         if stage.is_last:
             self.runner.profile_sampling(hidden, self._max_logits_rows())
         return forward_peak
@@ -444,11 +440,16 @@ class Worker:
     def profile_draft(self) -> int:
         """The draft's catch-up on profile_forward's step (the draft's own cache bound must hold `_profile_blocks()`
         blocks). Returns its forward's own peak (0 off CUDA), from which the draft's graph pool is estimated."""
+        return self._profile_model(self.draft.model)[1]
+
+    def _profile_model(self, model: torch.nn.Module, intermediate=None) -> tuple[torch.Tensor, int]:
+        """`model`'s forward over the profile's step: its output and its own peak (bytes over what was allocated
+        at its start; 0 off CUDA)."""
         positions, md = self._profile_step()
         cuda = self.device.type == "cuda"
         start = torch.cuda.memory_allocated() if cuda else 0
-        self.draft.model(torch.zeros_like(positions), positions, md, None)
-        return torch.cuda.max_memory_allocated() - start if cuda else 0
+        hidden = model(torch.zeros_like(positions), positions, md, intermediate)
+        return hidden, (torch.cuda.max_memory_allocated() - start if cuda else 0)
 
     def _profile_step(self) -> tuple[torch.Tensor, AttentionMetadata]:
         """The positions and attention metadata of the profile's step: `_profile_lens()` prompts from position 0,
