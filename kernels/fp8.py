@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import fused
+
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 # A row of zeros still gets a scale to divide by; real activations are never this small.
 MIN_SCALE = 1e-12
@@ -84,7 +86,7 @@ def quantize_per_token(x: torch.Tensor, group: int | None = None) -> tuple[torch
     """x [T, K] as (float8_e4m3fn [T, K], float32 scales [T, G]): x ~ out * scale, each row's groups of `group`
     columns (G = ceil(K / group); the whole row, G = 1, when `group` is None) scaled so that the group's largest
     magnitude is 448."""
-    if x.is_cuda and x.stride(-1) == 1:
+    if fused.on_triton(x) and x.stride(-1) == 1:
         from kernels.triton_fp8 import quantize_per_token as triton_quantize  # triton only where it runs
 
         return triton_quantize(x, group)
@@ -141,7 +143,7 @@ def block_fp8_linear(
     """fp8_linear with tile scales: x quantized per token and group of block[1] columns, then the sum over K's
     groups of each group's FP8 product times its two scales, in fp32."""
     x_fp8, x_scale = quantize_per_token(x, block[1])
-    if x.is_cuda:
+    if fused.on_triton(x):
         from kernels.triton_fp8 import block_scaled_mm
 
         return block_scaled_mm(x_fp8, x_scale, weight, weight_scale, block, bias, x.dtype)

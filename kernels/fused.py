@@ -29,6 +29,13 @@ def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def on_triton(t: torch.Tensor) -> bool:
+    """Whether ops on `t` dispatch to raylm's Triton kernels: a CUDA tensor, with triton installed. Every kernel
+    module asks this one function (through this module, not a copy of the name), so a CPU test can take the CUDA
+    dispatch whole under Triton's interpreter (tests/workers/test_decode_graphs.py)."""
+    return t.is_cuda and has_triton()
+
+
 def _unfused_reason(tensors: tuple[torch.Tensor, ...]) -> str | None:
     """Why the Triton kernels cannot take these CUDA tensors, or None when they can."""
     if os.environ.get("RAYLM_FUSED_KERNELS", "1") == "0":
@@ -45,7 +52,7 @@ def _unfused_reason(tensors: tuple[torch.Tensor, ...]) -> str | None:
 
 def _use_triton(op: str, *tensors: torch.Tensor, why_not: str | None = None) -> bool:
     """`why_not`: the op's own reason its kernel cannot take these tensors (a shape, a layout), or None."""
-    return tensors[0].device.type == "cuda" and _triton_takes(op, tensors, why_not)
+    return on_triton(tensors[0]) and _triton_takes(op, tensors, why_not)
 
 
 def _triton_takes(op: str, tensors: tuple[torch.Tensor, ...], why_not: str | None) -> bool:

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import fused
 from kernels.cpu_ops import silu_and_mul, small_mm_applies
 from kernels.fp8 import fp8_values, quantize_per_tensor, quantize_per_token, round_per_tensor
-from kernels.fused import has_triton
 
 # Rows per expert up to which raylm's CPU op (`grouped_small_mm`) beats torch's grouped_mm, which runs each
 # group through BLAS: at 1 to 16 rows it reads the weights 1.0-1.8x as fast; at 64 the two are even.
@@ -29,7 +29,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     """The top_k experts of each token and their weights: the softmax over all experts (in fp32) of the chosen
     ones, divided by their sum when `renormalize` (which equals a softmax over the top-k logits). On CUDA (with
     Triton) it is `kernels.triton_route.route`, one kernel where torch's ops take about five."""
-    if router_logits.is_cuda and has_triton():
+    if fused.on_triton(router_logits):
         from kernels import triton_route
 
         return triton_route.route(router_logits, top_k, renormalize)
@@ -95,7 +95,7 @@ def fused_moe(
     serving never makes CPU experts FP8. Static activations (`w13_input_scale`, `w2_input_scale`: a static
     checkpoint's fixed scales, 0-d float32, row-wise weights only): each product's input quantized with its one
     scale instead, and rounded so where the weights are plain (a static checkpoint's experts held dequantized)."""
-    if x.is_cuda and has_triton():
+    if fused.on_triton(x):
         from kernels import triton_moe
 
         return triton_moe.fused_moe(
