@@ -104,7 +104,9 @@ def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Ten
     checkpoint's input scale) repeated over the rows, as `quantize_per_token` gives its own: x ~ out * scale,
     divided in fp32 as a GPU's kernels divide, magnitudes past 448 * scale saturating at +-448."""
     stored = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return stored, scale.expand(x.shape[0], 1).contiguous()
+    # repeat, not expand: a one-token step's expanded [1, 1] counts as contiguous with strides (0, 0), which
+    # `_scaled_mm` refuses (row-wise scales need stride 1 along the row).
+    return stored, scale.view(1, 1).repeat(x.shape[0], 1)
 
 
 def round_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

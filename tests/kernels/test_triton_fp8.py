@@ -110,6 +110,9 @@ def test_fp8_linear_with_a_static_input_scale_multiplies_x_rounded_at_it(dtype):
     assert bool((x.abs() > 4).any()) and float(x_fp8.float().abs().max()) == FP8_MAX
     assert_product(got, x_fp8.double() * scale.double(), w_fp8.double() * w_scale.double()[:, None], bias)
     torch.testing.assert_close(fp8.round_per_tensor(x, scale), (x_fp8.float() * scale).to(dtype), rtol=0, atol=0)
+    # One token (a decode of one request): its scale is [1, 1] still with a stride along the row, as the product
+    # requires.
+    torch.testing.assert_close(fp8.fp8_linear(x[3:4], w_fp8, w_scale, bias, input_scale=scale), got[3:4])
 
 
 @pytest.mark.parametrize("dtype", OUT_DTYPES)
