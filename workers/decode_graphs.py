@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -150,10 +151,18 @@ class DecodeGraphs:
             )
             return model(dev["input_ids"][:num_tokens], dev["positions"][:num_tokens], md)
 
-        forward()  # outside the capture: Triton compiles, cuBLAS picks its kernels
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            hidden = forward()
+        graph, hidden = capture_graph(forward, pool)
         self.graphs[(size, query_len)] = (graph, hidden)
         return graph.pool()
+
+
+def capture_graph(forward: Callable[[], torch.Tensor], pool: Any) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`forward` captured in a CUDA graph drawing on memory pool `pool` (None: a new one), and the tensor it
+    returned, which each replay rewrites. Run once before, outside the capture: Triton compiles and cuBLAS picks
+    its kernels there, neither of which a capture may do."""
+    forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        hidden = forward()
+    return graph, hidden
