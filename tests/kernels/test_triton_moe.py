@@ -195,7 +195,29 @@ def test_other_ranks_rows_never_reach_the_output(monkeypatch):
 
 
 class NoHostReads(TorchDispatchMode):
-    """Raises on the ops that read a tensor back to the host or return a shape that depends on its values."""
+    """Raises on the ops that read a tensor back to the host or return a shape that depends on its values, and on
+    the Python conversions that read one (`int(t)`, `float(t)`, `bool(t)`, `t.tolist()`, ...): on a CPU tensor
+    those read its memory without dispatching any op, so the mode alone would not see them."""
+
+    READS = ("__int__", "__float__", "__bool__", "__index__", "item", "tolist")
+
+    def __enter__(self):
+        self._saved = {name: getattr(torch.Tensor, name) for name in self.READS}
+        for name in self.READS:
+            setattr(torch.Tensor, name, self._refuse(name))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, method in self._saved.items():
+            setattr(torch.Tensor, name, method)
+        return super().__exit__(*exc)
+
+    @staticmethod
+    def _refuse(name: str):
+        def read(self, *args, **kwargs):
+            raise AssertionError(f"Tensor.{name} reads a tensor on the host")
+
+        return read
 
     BANNED = {
         torch.ops.aten._local_scalar_dense.default,

@@ -212,6 +212,7 @@ class OrderCheckingEvent:
             assert all(torch.equal(self.buffers.host[n], t) for n, t in self.uploaded.items()), (
                 "the host side was rewritten before the last upload's copies were waited for"
             )
+        self.uploaded = None  # waited for: until the next record, the host side is free to rewrite
 
 
 def copying_buffers(runner, token_slots: bool = False) -> OrderCheckingEvent:
