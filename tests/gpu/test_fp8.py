@@ -1,14 +1,15 @@
 """FP8 products (W8A8) on CUDA: an engine of the default model with quantization="fp8" in bf16 holds float8 weights
 in its linear layers, captures its decodes with FP8 products inside, and decodes greedily near the bf16 engine; an
 engine of the default model quantized into a block-scaled checkpoint (64x64 tiles, as Qwen3-FP8 and DeepSeek-V3
-publish theirs at 128x128) does the same through the Triton block kernel."""
+publish theirs at 128x128) does the same through the Triton block kernel; and one quantized per tensor with static
+activations (RedHatAI's Llama-3.1-8B-Instruct-FP8 layout) decodes one request alone too, by the size-1 graph."""
 
 import pytest
 import torch
 
 from tests.gpu.test_engine import cuda_engine, greedy, run_and_free
-from tests.workers.fp8 import Scheme, write_fp8_checkpoint
-from tests.workers.test_model_runner import prompts
+from tests.workers.fp8 import SCHEMES, Scheme, write_fp8_checkpoint
+from tests.workers.test_model_runner import prompts, run
 from workers.layers import ColumnParallelLinear, RowParallelLinear
 
 CAPABILITY = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)  # conftest: CUDA only
@@ -54,4 +55,18 @@ def test_a_block_scaled_checkpoint_runs_the_block_kernel_near_the_bf16_engine(de
     engine = cuda_engine(str(tmp_path), dtype="bfloat16")
     for m in fp8_linears(engine):
         assert m.weight_block == (64, 64) and m.weight_scale.shape == (m.weight.shape[0] // 64, m.weight.shape[1] // 64)
+    assert_near_bf16(engine, default_model_dir)
+
+
+def test_a_static_per_tensor_checkpoint_decodes_one_request_and_a_batch_near_the_bf16_engine(
+    default_model_dir, tmp_path
+):
+    """One weight scale and one calibrated input scale a layer. A decode of one request is the one-token product
+    whose activation scale once had strides (0, 0), which _scaled_mm's row-wise check refuses in some builds: its
+    size-1 graph's capture (and with it every graph) failed, then every such decode."""
+    write_fp8_checkpoint(default_model_dir, tmp_path, SCHEMES["fp8 per tensor (static activations)"])
+    engine = cuda_engine(str(tmp_path), dtype="bfloat16")
+    assert all(m.input_scale is not None for m in fp8_linears(engine))
+    assert (1, 1) in engine.worker.runner.decode_graphs.graphs
+    assert [len(t) for t in run(engine, prompts(1), greedy(1, 8))] == [8]
     assert_near_bf16(engine, default_model_dir)
