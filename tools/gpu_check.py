@@ -67,6 +67,10 @@ MAX_PREPARED_BYTES = 20 << 20
 # runs some with --phases. With --device cpu (CI, on a small shared machine) each is 6 times longer (the CPU bench
 # took 224 s at load average 16): the bound that matters is the GPU machine's.
 LIMITS = {"install": 10, "imports": 20, "model": 25, "tests": 330, "bench": 50, "model-8b": 35, "bench-8b": 90}
+# What the chosen phases' limits may add up to. A run that leaves some of it unused gives the rest to the tests
+# phase (`select`), whose length is the least known (every new tests/gpu engine and kernel variant compiles on the
+# GPU): `--phases install,imports,model,tests` runs them for up to 505 s.
+RUN_LIMIT_S = sum(LIMITS.values())
 # Not in the default run (it would pass the 10 minutes), for a session that names them: the 8B shape's decode step
 # profiled without and with the fused kernels, then with the host's work overlapped, three engines of 15 GB each
 # (`--phases install,model-8b,profile-8b`);
@@ -384,8 +388,8 @@ def phases(folder: Path, device: str, work: Path) -> list[Phase]:
 
 
 def select(all_phases: list[Phase], names: list[str] | None) -> list[Phase]:
-    """The phases `names` lists (all when None), in the check's order; SystemExit naming an unknown phase or
-    a chosen one whose `needs` are not chosen too."""
+    """The phases `names` lists (all when None), in the check's order, the tests phase given what their limits
+    leave of RUN_LIMIT_S; SystemExit naming an unknown phase or a chosen one whose `needs` are not chosen too."""
     if names is None:
         return [p for p in all_phases if not p.optional]
     known = [p.name for p in all_phases]
@@ -397,6 +401,10 @@ def select(all_phases: list[Phase], names: list[str] | None) -> list[Phase]:
         missing = [n for n in p.needs if n not in names]
         if missing:
             raise SystemExit(f"--phases: {p.name} needs {', '.join(missing)}, which --phases must name too")
+    tests = next((p for p in chosen if p.name == "tests"), None)
+    if tests is not None:
+        device_factor = tests.limit_s / LIMITS["tests"]  # 1 on CUDA, CPU_LIMIT_FACTOR on CPU
+        tests.limit_s += max(RUN_LIMIT_S * device_factor - sum(p.limit_s for p in chosen), 0)
     return chosen
 
 

@@ -147,6 +147,22 @@ def test_the_gpu_check_refuses_a_phase_without_the_ones_it_needs(tmp_path):
     assert not list(tmp_path.iterdir())  # refused before any phase ran
 
 
+def test_a_run_without_the_8b_phases_gives_their_time_to_the_tests(tmp_path):
+    """The tests phase takes what the chosen phases leave of the run's limit: all of the default run's is spoken
+    for; without the benches, the tests may run 175 s longer; beside an optional phase they keep their own."""
+    from tools.gpu_check import LIMITS, RUN_LIMIT_S, phases, select
+
+    def tests_limit(names):
+        chosen = select(phases(tmp_path, "cuda", tmp_path / "work"), names)
+        return next(p.limit_s for p in chosen if p.name == "tests")
+
+    assert tests_limit(None) == LIMITS["tests"]
+    assert tests_limit(["install", "imports", "model", "tests"]) == RUN_LIMIT_S - 10 - 20 - 25 == 505
+    assert tests_limit(["install", "model", "tests", "model-8b", "profile-8b"]) == LIMITS["tests"]
+    on_cpu = select(phases(tmp_path, "cpu", tmp_path / "work"), ["install", "model", "tests"])
+    assert on_cpu[-1].limit_s == 6 * (RUN_LIMIT_S - 10 - 25)
+
+
 def test_the_8b_profile_runs_only_when_named_and_profiles_without_then_with_the_fused_kernels(tmp_path):
     """profile-8b would take the default run past a borrowed machine's 10 minutes: only --phases runs it, after the
     8B build, and its one command profiles the unfused serial step, the fused one, then the fused one overlapped."""
