@@ -1,19 +1,21 @@
-"""CUDA graphs of every kind of decode step, captured and replayed on CPU by a stand-in.
+"""CUDA graphs of every kind of decode step, captured and replayed on CPU by a stand-in, and every step's launch.
 
 A capture fails (and the engine then decodes eagerly, at a fraction of the speed) where the captured forward reads
 a tensor back to the host or makes a shape that depends on a tensor's values; a replay gives wrong tokens where
-the forward read an input that is not in the runner's device buffers. Here each model family's decode forward
-runs the dispatch CUDA takes (raylm's Triton kernels, under Triton's interpreter on CPU tensors, and Triton
-attention), through the runner's own capture (`DecodeGraphs.capture`) with `capture_graph` replaced by a stand-in:
-it runs the forward under `NoHostReads` at the capture and at every replay, and writes the replay's output into
-the tensor the capture returned, as a graph does. The input buffers copy between CPU tensors, as on CUDA.
-Greedy output against the same engine's eager path (torch's ops and attention).
+the forward read an input that is not in the runner's device buffers; and the host waits for the device where a
+step's launch reads a tensor back (async scheduling builds the next step while the device runs this one). Here each
+model family runs the dispatch CUDA takes (raylm's Triton kernels, under Triton's interpreter on CPU tensors, and
+Triton attention) through the runner's own capture (`DecodeGraphs.capture`), `capture_graph` replaced by a
+stand-in: it runs the forward under `NoHostReads` at the capture and at every replay, and writes the replay's
+output into the tensor the capture returned, as a graph does; every launch runs under `NoHostReads` too. The input
+buffers copy between CPU tensors, as on CUDA. Greedy output against the same engine's eager path.
 """
 
 import json
 import os
 import sys
 import warnings
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -43,6 +45,17 @@ def engine(path: str, **kw):
     return test_model_runner.engine(path, max_model_len=128, kv_cache_bytes=4 << 20, **kw)
 
 
+@contextmanager
+def refusing_host_reads(what: str):
+    """NoHostReads, its refusal a test failure: pytest's is a BaseException, which neither the capture's fallback
+    nor the engine's handling of a failed step catches, so it names the read instead of a request's empty output."""
+    try:
+        with NoHostReads():
+            yield
+    except AssertionError as e:
+        pytest.fail(f"{what}: {e}")
+
+
 class StandInGraph:
     """A captured forward on CPU: each replay runs it again under NoHostReads into the capture's output."""
 
@@ -51,7 +64,7 @@ class StandInGraph:
 
     def replay(self) -> None:
         # A replay runs no autograd, whatever mode its caller is in (the draft proposes outside inference mode).
-        with torch.inference_mode(), NoHostReads():
+        with torch.inference_mode(), refusing_host_reads("a graph's replay"):
             self.hidden.copy_(self.forward())
         self.replays += 1
 
@@ -60,7 +73,7 @@ class StandInGraph:
 
 
 def capture_on_cpu(forward, pool) -> tuple[StandInGraph, torch.Tensor]:
-    with NoHostReads():
+    with refusing_host_reads("a graph's capture"):
         hidden = forward()
     return StandInGraph(forward, hidden), hidden
 
@@ -84,8 +97,9 @@ def cuda_dispatch(eng, monkeypatch) -> None:
 
 
 def graphs_on_cpu(eng, monkeypatch) -> None:
-    """`cuda_dispatch`, and the decode graphs (and the draft's) captured by the stand-in at SIZES. A capture that
-    fails warns, and the warning is an error here, naming what failed."""
+    """`cuda_dispatch`, and the decode graphs (and the draft's) captured by the stand-in at SIZES; then every step's
+    launch (its prefill chunks too, and a draft's catch-up) runs under NoHostReads. A capture that fails for
+    another reason warns, and the warning is an error here."""
     runner = eng.worker.runner
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(decode_graphs, "capture_graph", capture_on_cpu)
@@ -96,6 +110,15 @@ def graphs_on_cpu(eng, monkeypatch) -> None:
         runner.capture_decode_graphs()
     query_lens = runner.decode_graphs.query_lens
     assert set(runner.decode_graphs.graphs) == {(s, q) for s in SIZES for q in query_lens}
+    launch = runner.launch
+
+    def launch_reading_nothing(so):
+        # What async scheduling rests on: a launch only queues work. (Steps run one after another here, so no
+        # unfinished step is left for a launch to finish, the one read it may make.)
+        with refusing_host_reads("a step's launch"):
+            return launch(so)
+
+    monkeypatch.setattr(runner, "launch", launch_reading_nothing)
 
 
 def replays(graphs: decode_graphs.DecodeGraphs) -> dict[tuple[int, int], int]:
