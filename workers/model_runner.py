@@ -307,13 +307,13 @@ class ModelRunner:
         self, states: list[CachedRequestState], num_new: np.ndarray, starts: np.ndarray, spec: dict[str, list[int]]
     ) -> int:
         """The tokens a request to pad a verification step to (1 + k, a captured graph's), or 0: only a step whose
-        requests all decode, verifying between 0 and k proposals but not all the same count (n-gram proposals; a
-        draft model's near a request's max_tokens or max_model_len), whose padding stays below max_model_len, and
-        whose batch a graph captures. Padding after a request's tokens changes none of its hidden states, the
-        target's or a draft's catching up on the same inputs: attention is causal, and the padding's KV goes to
-        the null slot."""
+        requests all decode, verifying between 0 and k proposals but not all k (n-gram proposals, whose counts
+        vary, or are all below k for a request alone; a draft model's near a request's max_tokens or
+        max_model_len), whose padding stays below max_model_len, and whose batch a graph captures. Padding after a
+        request's tokens changes none of its hidden states, the target's or a draft's catching up on the same
+        inputs: attention is causal, and the padding's KV goes to the null slot."""
         query_len = max(self.decode_graphs.query_lens)
-        if query_len == 1 or (num_new == num_new[0]).all() or (num_new > query_len).any():
+        if query_len == 1 or (num_new == query_len).all() or (num_new == 1).all() or (num_new > query_len).any():
             return 0
         proposals = np.fromiter((len(spec.get(s.req_id, ())) for s in states), dtype=np.int64, count=len(states))
         decoding = num_new == proposals + 1

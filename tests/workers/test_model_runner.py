@@ -122,6 +122,32 @@ def test_verification_steps_of_uneven_proposals_are_padded_to_graph_shapes_and_g
     assert padded.stats().spec_decode_num_draft_tokens > 0
 
 
+def test_a_lone_requests_fewer_than_k_proposals_are_padded_to_the_graph_shape(tiny_model_dir):
+    """One request, n-gram proposals of 1 to 3 tokens from step to step: every step that verifies any is padded to
+    the 4-token graph's shape (before, one verifying fewer than 3 ran eagerly, all its requests' counts being
+    alike), with the tokens of no speculation."""
+    path = tiny_model_dir("llama")
+    ids = [(prompts(1, seed=9)[0][:5] * 5)[:23]]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
+    expected = run(engine(path), ids, params)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    padded = engine(path, speculative_config=json.dumps(spec))
+    runner = padded.worker.runner
+    runner.decode_graphs.sizes = [1, 2, 4, 8]
+    verified = []
+    forward = runner.forward
+
+    def record(inputs):
+        if inputs.num_drafts is not None:
+            verified.append((inputs.num_drafts[0], inputs.graph_size, inputs.graph_query_len))
+        return forward(inputs)
+
+    runner.forward = record
+    assert run(padded, ids, params) == expected
+    assert {k for k, _, _ in verified} > {3}, verified  # some steps verify fewer than k
+    assert all((size, q) == (1, 4) for _, size, q in verified), verified
+
+
 def test_repetition_penalty_matches_transformers_across_steps_and_reused_rows(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
