@@ -238,3 +238,26 @@ def test_fp8_products_replay_graphs_that_read_nothing_on_the_host(tiny_model_dir
         return eng
 
     assert_replays_give_the_eager_tokens(fp8_engine, monkeypatch, cuda_dispatch)
+
+
+def test_sampled_verifications_launch_reading_nothing_on_the_host_on_cudas_sampler(tiny_model_dir, monkeypatch):
+    """Rejection sampling of n-gram proposals beside a request that takes none (penalties and a seed), top-k,
+    top-p, min-p and logprobs, through the sampler's CUDA paths (the exponential race, top-p by a sort), graphs
+    and launches under NoHostReads: each request still makes its max_tokens. (A draft model's proposals reach
+    the same verification; its passes are the greedy test's above.)"""
+    from kernels import cpu_ops
+    from workers import sampler
+
+    path = tiny_model_dir("llama")
+    monkeypatch.setattr(sampler, "_draw", sampler._exponential_race)
+    monkeypatch.setattr(cpu_ops, "_native", lambda x: False)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    eng = engine(path, speculative_config=json.dumps(spec))
+    graphs_on_cpu(eng, monkeypatch)
+    sampled = dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, logprobs=2)
+    penalized = dict(repetition_penalty=1.2, presence_penalty=0.3, seed=1)  # seeds and penalties: no proposals
+    params = [SamplingParams(**sampled, **(penalized if i == 1 else {}), max_tokens=4 + 2 * i) for i in range(3)]
+    ids = [(p[:6] * 3)[: 8 + 4 * i] for i, p in enumerate(prompts(3))]  # repetitive: n-gram finds proposals
+    assert [len(t) for t in run(eng, ids, params)] == [p.max_tokens for p in params]
+    assert eng.stats().spec_decode_num_draft_tokens > 0
+    assert any(q == 4 for _, q in replays(eng.worker.runner.decode_graphs))  # verifications replayed
