@@ -5,7 +5,7 @@
 JOB.json: {"model": HF model dir, "workloads": {name: [[token ids], ...]}, "concurrency": [int, ...],
 "max_tokens": int, "min_requests": int, "speculative_config": {...} or null, "num_threads": int or null}. One
 engine, with the config or without speculation; every (workload, concurrency) cell runs as raylm's does
-(cluster/bench/spec.py run_cell): at least min_requests requests, c at a time, greedy, every request added and
+(bench/spec.py run_cell): at least min_requests requests, c at a time, greedy, every request added and
 then the engine stepped until all finish, each request's TPOT taken from its first token to its last. The last
 line on stdout is the result, one JSON object: {"vllm_version", "cells": [[workload, c, median TPOT s,
 output tok/s, acceptance]], "refused": the error text when the engine refused the config, else null};

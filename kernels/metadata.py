@@ -21,7 +21,7 @@ class AttentionBackend(Protocol):
     tensors and make no host sync, so a CUDA graph captured once replays them on new inputs.
     An FP8 cache (float8_e4m3fn, `--kv-cache-dtype fp8`) holds keys / `k_scale` and values / `v_scale`,
     saturated at FP8's largest value (448), and is read back times the scales; a cache of any other dtype
-    holds the values as they are and ignores the scales. A backend not in cluster.config.choices'
+    holds the values as they are and ignores the scales. A backend not in engine.config.choices'
     FP8_KV_BACKENDS reads no FP8 cache.
     """
 

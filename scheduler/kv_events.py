@@ -1,7 +1,7 @@
 """KV-cache events: which block hashes entered and left each tier's prefix cache, in the order they did.
 
 Plain records, collected by the block pools while the scheduler runs and taken once per engine step
-(``KVCacheManager.take_events``); cluster/engine/kv_events.py puts them on the wire in vLLM's format, so the
+(``KVCacheManager.take_events``); engine/kv_events.py puts them on the wire in vLLM's format, so the
 routers that read vLLM's events (llm-d, NVIDIA Dynamo) learn where raylm's prefixes live.
 """
 

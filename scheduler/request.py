@@ -40,7 +40,7 @@ class EngineRequest:
     """A request as the engine takes it, built once by its caller and passed whole from the engine client through
     the scheduler actor to ``Scheduler.add_request``, which makes its ``Request``s of it.
 
-    Invariants: the engine's check (cluster/engine/request_check.check_request) returns a checked copy before it is
+    Invariants: the engine's check (engine/request_check.check_request) returns a checked copy before it is
     scheduled, never editing the caller's; ``arrival_time`` is stamped by the engine on its own clock when the
     request reaches it (monotonic clocks differ between processes, so a caller in another one leaves it unset). A field added here
     reaches the scheduler without any signature between changing.

@@ -9,6 +9,9 @@ from typing import Any
 import pytest
 import torch
 
+# The session's Ray and the fixtures that serve on it, for every folder that starts an engine on Ray.
+pytest_plugins = ["tests.ray_session"]
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Everything outside tests/gpu is the CPU suite. On a GPU machine device="auto" would pick CUDA (and bf16,

@@ -207,7 +207,7 @@ def run_phase(phase: Phase, env: dict[str, str], out: Path, done: dict[str, str]
 
 IMPORTS = """
 import importlib, importlib.util, pathlib, sys
-modules = ["cluster.llm", "cluster.engine", "cluster.cli", "cluster.bench.throughput", "workers.worker"]
+modules = ["engine.llm", "engine", "cli", "bench.throughput", "workers.worker"]
 modules += ["tests.gpu." + p.stem for p in sorted(pathlib.Path("tests/gpu").glob("test_*.py"))]
 for m in modules:
     importlib.import_module(m)
@@ -244,7 +244,7 @@ def bench_command(py: str, device: str, model: Path, baseline: tuple[str, ...] =
         if device == "cuda"
         else ["--num-requests", "2", "--min-len", "4", "--max-len", "8", "--compare", "--max-model-len", "128"]
     )
-    bench = ["-m", "cluster.cli", "bench", "throughput", "--executor", "inprocess", "--device", device]
+    bench = ["-m", "cli", "bench", "throughput", "--executor", "inprocess", "--device", device]
     return [py, *bench, "--model", str(model), *workload]
 
 
@@ -252,7 +252,7 @@ def profile_command(py: str, model: Path) -> list[str]:
     """`raylm bench profile` on `model` at 1 and 32 requests: without the fused kernels and with one step in flight
     (the step as it was), with the fused kernels, then with the host's work overlapped too (async scheduling, the
     GPU's default): one layer's kernels before and after, and the GPU's idle time a step before and after."""
-    profile = [py, "-m", "cluster.cli", "bench", "profile", "--device", "cuda", "--model", str(model)]
+    profile = [py, "-m", "cli", "bench", "profile", "--device", "cuda", "--model", str(model)]
     profile += ["--batch", "1", "32", "--steps", "10"]
     overlapped = shlex.join(profile)
     serial = shlex.join([*profile, "--no-async-scheduling"])
@@ -264,7 +264,7 @@ def lora_command(py: str, work: Path) -> list[str]:
     1, 4 and 16 of them mixed in one batch and looped, against the base model; the other runs even if one fails.
     Sized for the phase's limit: the 8B's 16 random adapters are 2.7 GB of fp32 generated on the CPU and loaded,
     and 16 adapters looped over 64 requests are 16 batches of 4, each decoding 32 tokens."""
-    lora = [py, "-m", "cluster.cli", "bench", "lora", "--executor", "inprocess", "--device", "cuda", "--rank", "16"]
+    lora = [py, "-m", "cli", "bench", "lora", "--executor", "inprocess", "--device", "cuda", "--rank", "16"]
     lora += ["--mixes", "1", "4", "16", "--prompt-len", "64", "--max-tokens", "32"]
     big = shlex.join([*lora, "--model", str(work / "model-8b"), "--max-model-len", "4096", "--num-requests", "64"])
     small = shlex.join([*lora, "--model", str(work / "model"), "--num-requests", "256"])
@@ -275,7 +275,7 @@ def spec_command(py: str, build_draft: list[str], work: Path) -> list[str]:
     """`build_draft` (Qwen2.5-0.5B's shape with the 8B's vocabulary, on the GPU), then `raylm bench spec
     --step-costs` with the 8B shape as the target and it as the draft, k = 3. --max-model-len 4096: a draft must
     reach every position the target serves, and the 0.5B's are 32,768 where the 8B's are 131,072."""
-    bench = [py, "-m", "cluster.cli", "bench", "spec", "--step-costs", "--device", "cuda", "--max-model-len", "4096"]
+    bench = [py, "-m", "cli", "bench", "spec", "--step-costs", "--device", "cuda", "--max-model-len", "4096"]
     bench += ["--model", str(work / "model-8b"), "--draft-model", str(work / "model-draft")]
     bench += ["--num-speculative-tokens", "3"]
     return ["bash", "-c", f"{shlex.join(build_draft)} && {shlex.join(bench)}"]
@@ -284,7 +284,7 @@ def spec_command(py: str, build_draft: list[str], work: Path) -> list[str]:
 def fp8_command(py: str, model: Path) -> list[str]:
     """`raylm bench fp8` on `model`: as it is, with FP8 weights, with an FP8 KV cache; --max-model-len 4096 (the
     8B's 131,072 would be the profile's and the graphs' size, not the bench's)."""
-    bench = [py, "-m", "cluster.cli", "bench", "fp8", "--device", "cuda", "--model", str(model)]
+    bench = [py, "-m", "cli", "bench", "fp8", "--device", "cuda", "--model", str(model)]
     return [*bench, "--max-model-len", "4096", "--num-requests", "256", "--long-batch", "256", "--long-context", "2048"]
 
 
@@ -306,7 +306,7 @@ def phases(folder: Path, device: str, work: Path) -> list[Phase]:
     build_moe = [*build, "Qwen3-30B-A3B", str(work / "model-moe"), *on_device, "--layers", "8" if cuda else "1"]
     build_draft = [*build, "Qwen2.5-0.5B", str(work / "model-draft"), *on_device]
     # Qwen3-30B-A3B's experts, bf16: the table goes to the phase's log (and work/moe_configs) for a session to commit.
-    tune_moe = [py, "-m", "cluster.cli", "bench", "moe", "--tune", "--num-experts", "128", "--dtype", "bfloat16"]
+    tune_moe = [py, "-m", "cli", "bench", "moe", "--tune", "--num-experts", "128", "--dtype", "bfloat16"]
     tune_moe += ["--config-dir", str(work / "moe_configs")]
     # The same experts in FP8 with 128 x 128 tile scales, as Qwen3-30B-A3B-FP8 ships them: a table of their own.
     tune_moe_fp8 = [*tune_moe, "--fp8-block", "128", "128"]

@@ -86,7 +86,7 @@ from workers.parallel import tp_group
 logger = logging.getLogger(__name__)
 
 SUPPORTED_METHODS = ("fp8", "compressed-tensors (float 8-bit weights)")
-AT_LOAD_METHODS = ("fp8",)  # --quantization's values: cluster.config.choices.QUANTIZATIONS
+AT_LOAD_METHODS = ("fp8",)  # --quantization's values: engine.config.choices.QUANTIZATIONS
 PLAIN_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names of the dtypes a plain weight may be stored in
 FP8_DTYPE = "F8_E4M3"
 STRATEGIES = ("tensor", "channel", "block")

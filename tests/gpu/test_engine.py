@@ -8,8 +8,8 @@ import gc
 import pytest
 import torch
 
-from cluster import EngineConfig, EngineRequest, SamplingParams
-from cluster.engine.inprocess import InProcessEngine
+from engine.inprocess import InProcessEngine
+from raylm import EngineConfig, EngineRequest, SamplingParams
 from tests.workers.test_model_runner import prompts, run
 
 MODEL_TYPES = ["llama", "qwen2", "qwen3"]

@@ -6,7 +6,7 @@ pooled embeddings against transformers."""
 import pytest
 import torch
 
-from cluster import EngineRequest, SamplingParams
+from raylm import EngineRequest, SamplingParams
 from tests.gpu.test_engine import cuda_engine, free, greedy, hf_greedy, run_and_free
 from tests.workers.test_families import FAMILIES
 from tests.workers.test_lora import run as run_with_adapters

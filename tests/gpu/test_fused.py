@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from cluster.bench.profile import profiled_steps, step_profile
-from cluster.bench.throughput import start_decoding
+from bench.profile import profiled_steps, step_profile
+from bench.throughput import start_decoding
 from tests.gpu.test_engine import cuda_engine, free, greedy, run_and_free
 from tests.workers.test_model_runner import prompts
 

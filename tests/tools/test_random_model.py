@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from cluster import SamplingParams
 from kernels import select_backend
+from raylm import SamplingParams
 from tests.workers.test_families import transformers_greedy
 from tests.workers.test_model_runner import engine, prompts, run
 from tools.random_model import INDEX, SHAPES, build, checkpoint_shapes, shape_config

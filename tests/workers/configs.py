@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-from cluster.config import EngineConfig, derive_worker_config
-from cluster.engine.interface import check_draft_model
+from engine.config import EngineConfig, derive_worker_config
+from engine.interface import check_draft_model
 from workers.model_loader import read_model_spec
 from workers.worker import WorkerConfig
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from cluster.config import EngineConfig
+from engine.config import EngineConfig
 from workers.cpu_binding import format_cores, parse_cpu_list, plan_binding, primary_cores
 
 CORES = list(range(4))

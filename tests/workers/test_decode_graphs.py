@@ -26,9 +26,9 @@ assert "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1",
 )
 os.environ["TRITON_INTERPRET"] = "1"
 
-from cluster import SamplingParams  # noqa: E402
 from kernels import fused  # noqa: E402
 from kernels.triton_attention import TritonBackend  # noqa: E402
+from raylm import SamplingParams  # noqa: E402
 from tests.kernels.test_triton_moe import NoHostReads  # noqa: E402
 from tests.workers import test_model_runner  # noqa: E402
 from tests.workers.test_model_runner import copying_buffers, prompts, run  # noqa: E402

@@ -5,7 +5,7 @@ the mixture-of-experts families."""
 import pytest
 import torch
 
-from cluster import SamplingParams
+from raylm import SamplingParams
 from tests.workers.test_model_runner import engine, prompts, run
 from tests.workers.test_models import MIXTRAL, QWEN3_MOE
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.config import EngineConfig
-from cluster.engine.inprocess import InProcessEngine
+from engine.config import EngineConfig
+from engine.inprocess import InProcessEngine
 from scheduler import EngineRequest, SamplingParams
 from tests.workers.adapters import NEW_TOKENS
 

@@ -10,8 +10,8 @@ from collections import deque
 import pytest
 import torch
 
-from cluster import EngineConfig, SamplingParams
-from cluster.engine.inprocess import InProcessEngine
+from engine.inprocess import InProcessEngine
+from raylm import EngineConfig, SamplingParams
 from scheduler import EngineRequest, StructuredOutputsParams
 from workers.runner_inputs import PromptLogprobRows
 

@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from cluster import EngineConfig, SamplingParams
-from cluster.engine.inprocess import InProcessEngine
+from engine.inprocess import InProcessEngine
+from raylm import EngineConfig, SamplingParams
 from scheduler import EngineRequest, StructuredOutputsParams
 from tests.workers.test_models import TINY_MODELS
 from workers.sampler import LogprobRows, Sampler, SamplingMetadata, verified_logprobs

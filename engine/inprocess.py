@@ -1,0 +1,169 @@
+"""The in-process executor: one Scheduler and one Worker in this process, no Ray (tp=1 debugging, and
+machines without Ray: nothing here imports it)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+
+from engine.config import EngineConfig, derive_scheduler_config, derive_worker_config
+from engine.core import EngineCore
+from engine.interface import check_draft_model, resolve_max_model_len
+from engine.request_check import check_request
+from scheduler import (
+    EngineRequest,
+    KVPart,
+    ModelRunnerOutput,
+    RequestOutput,
+    Scheduler,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from workers.model_loader import read_model_spec
+from workers.runner_inputs import PendingStep
+from workers.worker import Worker
+
+
+class InProcessEngine:
+    """The engine core (engine/core.py) and a single worker in one process, stepped by the caller.
+
+    The same core and step loop the Ray engine's scheduler actor runs, its
+    worker called directly: what tests and `--executor inprocess` use to debug
+    the model path, and the GPU benches measure. With async scheduling (on by
+    default on a GPU) two steps are in flight: each ``step`` applies one while
+    the device runs the next, which the worker launched before the first one's
+    sampled ids reached the host. ``scheduler`` is the core's. Implements
+    interface.Engine.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.world_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={config.tensor_parallel_size}, pipeline_parallel_size="
+                f"{config.pipeline_parallel_size}: the in-process engine runs one rank; use the Ray engine for "
+                f"tensor and pipeline parallelism"
+            )
+        self.config = config
+        self.model_path = config.resolved_model()
+        self.spec = read_model_spec(self.model_path, quantization=config.quantization)
+        self.max_model_len = resolve_max_model_len(config, self.spec)
+        draft_spec = check_draft_model(config, self.model_path, self.spec, self.max_model_len)
+        self.worker = Worker(
+            derive_worker_config(
+                config, self.model_path, self.max_model_len, model_spec=self.spec, draft_spec=draft_spec
+            )
+        )
+        self.device = self.worker.init_device()
+        self.worker.load_model()
+        num_blocks = self.worker.determine_num_blocks()
+        if num_blocks < 2:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {self.worker.block_bytes()} bytes; "
+                f"raise kv_cache_bytes (now {config.kv_cache_bytes}) or gpu_memory_utilization"
+            )
+        num_host_blocks = self.worker.determine_num_host_blocks()
+        self.worker.init_cache(num_blocks, num_host_blocks)
+        self.num_blocks = num_blocks
+        self.scheduler = Scheduler(
+            derive_scheduler_config(
+                config,
+                num_blocks,
+                self.max_model_len,
+                num_host_blocks,
+                self.worker.swap_cost_per_block(),
+                on_gpu=str(self.device).startswith("cuda"),
+            ),
+            eos_token_id=self.spec.eos_token_id,
+        )
+        lora = getattr(self.worker.runner, "lora", None)
+        self.kv_events = None
+        if config.kv_events is not None:
+            # Imported only when asked for: a GPU machine without Ray (tools/gpu_check.py) has no pyzmq.
+            from engine.kv_events import KVEventPublisher
+
+            self.kv_events = KVEventPublisher(config.kv_events, config.block_size)
+        self.core = EngineCore(
+            self.scheduler,
+            self._execute,
+            lora_names=tuple(lora.adapters) if lora is not None else (),
+            depth=self.scheduler.config.steps_in_flight,
+            publish_kv_events=None if self.kv_events is None else self.kv_events.publish,
+        )
+        self.loop = asyncio.new_event_loop()  # where step() runs the core's loop, one step at a time
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> Awaitable[ModelRunnerOutput | None]:
+        """Launch the step on the worker now; the returned coroutine gives its output."""
+        return self._output(self.worker.launch(scheduler_output), scheduler_output)
+
+    async def _output(self, pending: PendingStep, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        # Awaited, not blocked on: the core meanwhile applies the step before it and launches the next one (with
+        # async scheduling), which a blocking wait here would hold up.
+        await pending.wait()
+        out = self.worker.finish(pending)
+        if scheduler_output.kv_exports:  # the arrays themselves: a KV transfer within this process
+            head_start, num_heads = self.worker.kv_heads()
+            out.kv_exports = {
+                rid: [KVPart(head_start=head_start, num_heads=num_heads, data=blocks)]
+                for rid, blocks in self.worker.take_kv_exports().items()
+            }
+        return out
+
+    def add_request(self, request: EngineRequest) -> list[RequestOutput]:
+        """Queue a request; one with a KV transfer (whose parts hold arrays: from an engine in this process) has
+        its KV staged on the worker first, and kept only if it is queued."""
+        request = check_request(request, self.spec, self.max_model_len)
+        if request.kv_transfer is None:
+            return self.core.add_request(request, "sync")
+        try:
+            self.worker.stage_kv(request.request_id, [(p.head_start, p.data) for p in request.kv_transfer.parts])
+            return self.core.add_request(request, "sync")
+        except BaseException:
+            self.worker.drop_staged_kv(request.request_id)
+            raise
+
+    def prefix_hit_blocks(self, request: EngineRequest) -> int:
+        return self.scheduler.prefix_hit_blocks(request)
+
+    def lora_names(self) -> set[str]:
+        return set(self.core.lora_names)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Load adapter `name` from `path` (ValueError naming it: already loaded, LoRA off, or a mismatch)."""
+        self.core.check_new_adapter(name)
+        self.worker.add_lora(name, path)
+        self.core.lora_names.add(name)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter `name` (ValueError naming it: absent, or a live request still runs with it)."""
+        self.core.release_adapter(name)
+        self.worker.remove_lora(name)
+
+    def step(self) -> list[RequestOutput]:
+        """One step of the core's loop, and the deltas it made; a step that fails ends its requests with an
+        "error" delta, and the engine goes on taking requests (one process: no rank can disagree)."""
+        try:
+            self.loop.run_until_complete(self.core.run(max_steps=1))
+        except Exception as e:  # the step's requests cannot go on; everyone hears why
+            self.core.fail_all(f"engine step failed: {type(e).__name__}: {e}")
+        return self.core.take_outputs("sync")
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        if self.scheduler.waits_with_staged_kv(request_id):
+            self.worker.drop_staged_kv(request_id)
+        return self.core.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        """Drop the model and KV cache now rather than at garbage collection (a process building several
+        engines, like the benchmarks, would otherwise hold two at once), and send the KV events still queued."""
+        self.core.drop_in_flight()
+        self.loop.run_until_complete(asyncio.sleep(0))  # the cancelled steps' tasks end
+        self.worker = None
+        self.loop.close()
+        if self.kv_events is not None:
+            self.kv_events.close()

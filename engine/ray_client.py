@@ -1,0 +1,214 @@
+"""The Ray executor: a placement group, one worker actor per tensor-parallel rank, and the scheduler actor
+that steps them. RayEngine is its client in the caller's process: the synchronous interface.Engine (what
+the offline LLM drives), plus, for the Serve app, async streams of deltas (streams.py) and health."""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import ray
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from engine.adapters import EngineAdapters
+from engine.config import EngineConfig, derive_scheduler_config, derive_worker_config
+from engine.connect import connect
+from engine.health import diagnose
+from engine.interface import check_draft_model, resolve_max_model_len
+from engine.placement import SCHEDULER_CPUS, bundle_device, engine_bundles, place, resolve_device
+from engine.request_check import check_request
+from engine.scheduler_actor import SchedulerActor
+from engine.startup import init_workers, start_workers
+from engine.streams import DeltaStreams
+from scheduler import EngineRequest, RequestOutput, SchedulerStats, unpack_outputs
+
+if TYPE_CHECKING:  # torch and the model stack: seconds of import that `raylm serve`'s own process never needs
+    from workers.model_spec import ModelSpec
+
+RaySchedulerActor = ray.remote(SchedulerActor)
+
+
+def _release(pg: PlacementGroup | None, actors: list) -> None:
+    """Kill the engine's actors and free its own placement group (run once, through weakref.finalize)."""
+    if not ray.is_initialized():
+        return
+    for actor in actors:
+        ray.kill(actor)
+    if pg is not None:
+        remove_placement_group(pg)
+
+
+class RayEngine:
+    """One engine on a Ray cluster: a placement group, the scheduler actor, one worker actor per rank.
+
+    Invariants: once __init__ returns, every rank holds its model shard and a KV
+    cache of the same ``num_blocks`` and the scheduler loop runs; if __init__
+    fails it leaves no actor or placement group behind, and shutdown() (or
+    garbage collection) releases them. Given a ``placement_group`` (a Serve
+    replica's, which Serve reserved with engine_bundles at ``first_bundle``), the
+    engine places itself there and leaves the group to its owner. The synchronous
+    interface (interface.Engine) and the async streams take their deltas from two
+    channels of the scheduler actor, so either may be used alone or both at once.
+    ``_unfinished`` maps each id added through add_request to its samples still
+    running, so step() knows without a round trip whether there is anything to wait for.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        address: str | None = None,
+        *,
+        placement_group: PlacementGroup | None = None,
+        first_bundle: int = 0,
+    ) -> None:
+        self.config = config
+        self.model_path = config.resolved_model()
+        # Reading the checkpoints imports transformers: seconds of CPU. Where Ray is already joined (a Serve
+        # replica) the ranks' processes start meanwhile; otherwise a bad model is refused before Ray starts.
+        joined = ray.is_initialized()
+        if not joined:
+            draft_spec = self._read_checkpoints()
+        connect(address, SCHEDULER_CPUS + config.world_size * (config.num_threads or 1), config.placement_timeout_s)
+        self.device = (
+            bundle_device(placement_group, first_bundle + 1)
+            if placement_group is not None and config.device == "auto"
+            else resolve_device(config.device)
+        )
+        pg = placement_group or place(
+            engine_bundles(config, self.device == "cuda"),
+            config.placement_strategy,
+            config.placement_timeout_s,
+            config.tensor_parallel_size,
+        )
+        self.placement_group = pg
+        owned: list = []
+        self._finalizer = weakref.finalize(self, _release, None if placement_group else pg, owned)
+        self._unfinished: dict[str, int] = {}
+        self._received = 0  # the last batch number the synchronous channel got (get_outputs)
+        try:
+            self.workers = start_workers(config, pg, first_bundle, self.device)
+            owned.extend(self.workers)
+            if joined:
+                draft_spec = self._read_checkpoints()
+            worker_config = derive_worker_config(
+                config, self.model_path, self.max_model_len, model_spec=self.spec, draft_spec=draft_spec
+            )
+            self.actor = RaySchedulerActor.options(
+                num_cpus=SCHEDULER_CPUS,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle),
+            ).remote(self.workers, self.spec.eos_token_id)
+            owned.append(self.actor)
+            self.adapters = EngineAdapters(self.actor)
+            self.streams = DeltaStreams(self.actor, f"async-{os.getpid()}-{id(self)}")
+            self.num_blocks, num_host_blocks, self.rank_nodes = init_workers(
+                self.workers,
+                worker_config,
+                config.num_threads,
+                self.device,
+                config.placement_timeout_s,
+                config.cpu_omp_threads_bind,
+            )
+            swap_cost = ray.get(self.workers[0].call.remote("swap_cost_per_block"))
+            ray.get(
+                self.actor.start.remote(
+                    derive_scheduler_config(
+                        config,
+                        self.num_blocks,
+                        self.max_model_len,
+                        num_host_blocks,
+                        swap_cost,
+                        on_gpu=self.device == "cuda",
+                    ),
+                    config.step_timeout_s,
+                    tuple(config.lora_paths),
+                    config.kv_events,
+                )
+            )
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _read_checkpoints(self) -> ModelSpec | None:
+        """Set ``spec`` and ``max_model_len`` from the model's checkpoint and return the draft model's spec (None
+        without one); ValueError for a model, split or length the engine cannot run."""
+        from workers.model_loader import read_model_spec
+        from workers.parallel import partition_layers
+
+        config = self.config
+        self.spec = read_model_spec(
+            self.model_path, config.tensor_parallel_size, config.enable_expert_parallel, config.quantization
+        )
+        partition_layers(self.spec.num_layers, config.pipeline_parallel_size, config.layer_partition)
+        self.max_model_len = resolve_max_model_len(config, self.spec)
+        return check_draft_model(config, self.model_path, self.spec, self.max_model_len)
+
+    def shutdown(self) -> None:
+        """Kill the actors and remove the placement group; in-flight requests end with an actor error."""
+        self._finalizer()
+
+    # ---- synchronous interface (interface.Engine) ------------------------------------------
+
+    def add_request(self, request: EngineRequest) -> list[RequestOutput]:
+        request = check_request(request, self.spec, self.max_model_len)
+        finals = ray.get(self.actor.add_request.remote(request, "sync"))
+        if len(finals) < request.sampling_params.n:
+            self._unfinished[request.request_id] = request.sampling_params.n - len(finals)
+        return finals
+
+    def step(self) -> list[RequestOutput]:
+        """The deltas of add_request's requests that arrived since the last call (waits for at least one)."""
+        if not self._unfinished:
+            return []
+        self._received, packed = ray.get(self.actor.get_outputs.remote("sync", self._received))
+        outputs = unpack_outputs(packed)
+        for out in outputs:
+            if out.finished and out.request_id in self._unfinished:
+                self._unfinished[out.request_id] -= 1
+                if not self._unfinished[out.request_id]:
+                    del self._unfinished[out.request_id]
+        return outputs
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        self._unfinished.pop(request_id, None)
+        return ray.get(self.actor.abort.remote(request_id))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._unfinished)
+
+    def stats(self) -> SchedulerStats:
+        return ray.get(self.actor.stats.remote())
+
+    def lora_names(self) -> set[str]:
+        return set(ray.get(self.adapters.lora_names()))
+
+    def add_lora(self, name: str, path: str) -> None:
+        ray.get(self.adapters.add_lora(name, path))
+
+    def remove_lora(self, name: str) -> None:
+        ray.get(self.adapters.remove_lora(name))
+
+    # ---- the Serve app's: async streams, health, routing ------------------------------------
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """The request's deltas as they come; leaving the loop early (or being cancelled) aborts it. The request
+        is checked here, before the stream exists: a RequestError is raised by this call."""
+        return self.streams.stream(check_request(request, self.spec, self.max_model_len))
+
+    def end_callers(self, error: BaseException) -> int:
+        """End every ``generate`` still running by raising ``error`` in it (DeltaStreams.end_callers)."""
+        return self.streams.end_callers(error)
+
+    def check_health(self) -> None:
+        """Raise RuntimeError saying why when the engine cannot serve, naming the ranks lost and their nodes."""
+        diagnose(self.actor, self.workers, self.rank_nodes, self.config.tensor_parallel_size)
+
+    async def prefix_hit_blocks(self, request: EngineRequest) -> int:
+        """How many of the request's leading prompt blocks this engine's prefix cache holds now: the blocks a
+        prefill engine need not send it (``EngineRequest.kv_export_from_block``)."""
+        return await self.actor.prefix_hit_blocks.remote(request)
+
+    def routing_digest(self, limit: int) -> tuple[list[bytes], int]:
+        return ray.get(self.actor.routing_digest.remote(limit))

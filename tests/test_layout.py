@@ -1,0 +1,105 @@
+"""The layout says the layers: rooms import one way (cli -> serve, bench -> engine -> workers -> scheduler,
+kernels), no module sits in an import circle, and no room holds more than a quarter of the shipped lines."""
+
+import ast
+from pathlib import Path
+
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+# A room may import the rooms of a lower rank only; rooms of one rank do not import each other.
+RANKS = {"kernels": 0, "scheduler": 0, "workers": 1, "engine": 2, "serve": 3, "bench": 3, "raylm": 3, "cli": 4}
+# What the workers take from the scheduler: its data classes, which the scheduler defines for both sides.
+DATA_CLASSES = {"scheduler", "scheduler.outputs", "scheduler.request", "scheduler.sampling_params"}
+MAX_ROOM_SHARE = 0.25
+# The circles left in workers/ and kernels/ (#69 item 5): a module leaves this set when its circle is broken.
+CIRCLES_TO_BREAK = {
+    "kernels.fp8",
+    "kernels.fused",
+    "kernels.triton_fp8",
+    "kernels.triton_fused",
+    "workers.layers",
+    "workers.lora",
+    "workers.model_spec",
+    "workers.models.moe",
+    "workers.quantization",
+}
+
+
+def shipped_rooms() -> list[str]:
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    return [pattern.removesuffix("*") for pattern in include["include"]]
+
+
+def shipped_modules() -> dict[str, Path]:
+    return {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+        for room in shipped_rooms()
+        for p in (ROOT / room).rglob("*.py")
+    }
+
+
+def imports(path: Path, modules: set[str]) -> set[str]:
+    """The modules of `modules` that `path` imports anywhere in it (a function's imports count too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            found.add(name)
+    return found - {""}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = shipped_modules()
+    return {name: imports(path, set(modules)) - {name} for name, path in modules.items()}
+
+
+def test_every_room_has_a_rank():
+    assert set(shipped_rooms()) == set(RANKS)
+
+
+def test_rooms_import_only_the_rooms_below_them():
+    wrong = []
+    for module, imported in import_graph().items():
+        room = module.split(".")[0]
+        for target in imported:
+            other = target.split(".")[0]
+            if other == room or (room == "workers" and target in DATA_CLASSES):
+                continue
+            if RANKS[other] >= RANKS[room]:
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, "imports up or sideways between rooms:\n" + "\n".join(sorted(wrong))
+
+
+def test_no_module_is_in_an_import_circle():
+    """A circle would have to be held off by imports hidden in functions, and says two modules are one job."""
+    graph = import_graph()
+    circles = []
+    for start in graph:
+        seen, frontier = set(), set(graph[start])
+        while frontier:
+            name = frontier.pop()
+            if name == start:
+                circles.append(start)
+                break
+            if name not in seen:
+                seen.add(name)
+                frontier |= graph[name]
+    assert set(circles) == CIRCLES_TO_BREAK, f"modules that import themselves through others: {sorted(circles)}"
+
+
+def test_no_room_holds_more_than_a_quarter_of_the_shipped_lines():
+    lines = dict.fromkeys(shipped_rooms(), 0)
+    for module, path in shipped_modules().items():
+        if not path.name.endswith("_pb2.py") and not path.name.endswith("_pb2_grpc.py"):
+            lines[module.split(".")[0]] += len(path.read_text().splitlines())
+    total = sum(lines.values())
+    big = {room: f"{n / total:.0%}" for room, n in lines.items() if n > MAX_ROOM_SHARE * total}
+    assert not big, f"rooms over {MAX_ROOM_SHARE:.0%} of {total} shipped lines: {big}"
