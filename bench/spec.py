@@ -24,7 +24,7 @@ import torch
 from bench.throughput import start_decoding
 from scheduler import EngineRequest, SamplingParams
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 MIN_REQUESTS = 4
 CHAT = (
     "Tell me a short story about a dragon who learns to cook.",

@@ -24,7 +24,7 @@ VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 # Written last: a venv without it is what an interrupted or failed build left behind and is rebuilt.
 COMPLETE_MARKER = ".raylm-complete"
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPT = BENCHMARKS / "vllm_throughput.py"
 # Start-up (model load, CPU kernel warm-up) plus 64 requests on 2 cores takes a few minutes; a hung
 # engine process must still end the benchmark.

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.cpu_meter import CpuMeter, cpu_report
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_bench_serve.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_bench_serve.py"
 TIMEOUT_S = 3600
 MAIN_RUN = "Starting main benchmark run"
 RESULT = "Serving Benchmark Result"

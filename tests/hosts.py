@@ -22,7 +22,7 @@ from pathlib import Path
 
 PREFIX = "rlmh"
 VENV_BIN = Path(sys.executable).parent
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 RAY_START_TIMEOUT_S = 90
 HOSTNAME = os.uname().nodename
 

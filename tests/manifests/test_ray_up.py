@@ -27,9 +27,9 @@ from tests import wheelhouse
 from tests.hosts import VENV_BIN, Network, wait_for, why_hosts_cannot_be_made
 
 ROOT = Path(__file__).resolve().parents[2]
-CLUSTER_YAMLS = sorted((ROOT / "cluster" / "ray_up").glob("*.yaml"))
-ONPREM_YAML = ROOT / "cluster" / "ray_up" / "onprem.yaml"
-PD_YAML = ROOT / "cluster" / "ray_up" / "aws-pd.yaml"
+CLUSTER_YAMLS = sorted((ROOT / "manifests" / "ray_up").glob("*.yaml"))
+ONPREM_YAML = ROOT / "manifests" / "ray_up" / "onprem.yaml"
+PD_YAML = ROOT / "manifests" / "ray_up" / "aws-pd.yaml"
 PD_SERVE_CONFIG = ROOT / "manifests" / "serve_config_pd.yaml"  # what the PD cluster serves (`serve deploy`)
 GPUS_PER_NODE = {"p5.48xlarge": 8, "p5e.48xlarge": 8}
 PROMPT = "The capital of France is"
@@ -67,7 +67,7 @@ def test_the_cluster_yamls_are_the_aws_and_on_premises_ones():
     # EC2's g and p families are its GPU instances; the autoscaler may grow them between their bounds.
     gpu_types = [
         t
-        for t in load(ROOT / "cluster" / "ray_up" / "aws-gpu.yaml")["available_node_types"].values()
+        for t in load(ROOT / "manifests" / "ray_up" / "aws-gpu.yaml")["available_node_types"].values()
         if t["node_config"]["InstanceType"].startswith(("g", "p"))
     ]
     assert gpu_types and all(t["max_workers"] > t["min_workers"] for t in gpu_types)
@@ -226,9 +226,7 @@ def test_ray_up_a_head_and_a_worker_then_generate_across_them_and_down(ssh_hosts
     ray_cli(net, "up", "-y", "--no-config-cache", str(config))
     took("ray up (the head's setup and start)")
     synced = net.dir / "home" / "raylm"
-    assert (synced / "cluster" / "serve" / "__init__.py").is_file() and not list(
-        synced.rglob("__pycache__")
-    )  # rsync_exclude
+    assert (synced / "serve" / "__init__.py").is_file() and not list(synced.rglob("__pycache__"))  # rsync_exclude
     # The head's autoscaler runs the worker's setup and start commands over SSH.
     wait_for(lambda: "raylet" in w1.process_names(), "Ray starts on the worker host", RAY_CLI_TIMEOUT_S, every_s=2)
     took("the worker's setup and start")

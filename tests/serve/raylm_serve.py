@@ -21,7 +21,7 @@ START_BOUND_S = 600  # a cold start: Ray, Serve, the replica and its engine, on 
 # How long a killed server's processes may take to end. HAProxy and Ray's workers end within seconds; Ray's two
 # agents first try to tell a GCS that has gone that their raylet died, and give up ~50 s later.
 GONE_BOUND_S = 120
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def session(sid: int) -> dict[int, str]:

@@ -21,7 +21,7 @@ from serve.protocol.completions import CompletionChunk, CompletionRequest
 from serve.protocol.output import Usage
 from serve.protocol.parsing import APIError, parse
 
-SERVE_CONFIG = Path(__file__).parents[3] / "manifests" / "serve_config.yaml"
+SERVE_CONFIG = Path(__file__).parents[2] / "manifests" / "serve_config.yaml"
 
 
 @pytest.mark.parametrize(
