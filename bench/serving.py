@@ -15,6 +15,9 @@ from bench.serve_ceiling import bench_serve_ceiling
 from bench.tenants import compare_routers, multi_tenant_workload
 from workers.default_model import default_model_path
 
+# make_workload's arguments that are flags of the same name (bench_serve hands them on as its work_args)
+WORKLOAD_FLAGS = ("dataset", "num_requests", "input_len", "output_len", "min_len", "max_len", "request_rate")
+
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -109,15 +112,7 @@ def main(args: argparse.Namespace) -> None:
     elif args.dataset == "multi-tenant":
         _multi_tenant(args)
     else:
-        work = dict(
-            dataset=args.dataset,
-            num_requests=args.num_requests,
-            input_len=args.input_len,
-            output_len=args.output_len,
-            min_len=args.min_len,
-            max_len=args.max_len,
-            request_rate=args.request_rate,
-        )
+        work = {name: getattr(args, name) for name in WORKLOAD_FLAGS}
         bench_serve(
             url=args.url,
             model=args.model,
