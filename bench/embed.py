@@ -4,9 +4,12 @@ last-token pooling, in one invocation; and the largest difference between the tw
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import time
+
+from bench.flags import add_model_flag
 
 
 def _engine_embeddings(engine, work: list[list[int]]) -> tuple[list[list[float]], float]:
@@ -63,3 +66,15 @@ def bench_embed(model: str | None, num_inputs: int, input_len: int, batch: int, 
     print(f"{'raylm':14}{num_inputs / ours_s:>10.1f}{ours_s:>10.2f}")
     print(f"{'transformers':14}{num_inputs / theirs_s:>10.1f}{theirs_s:>10.2f}")
     print(f"raylm / transformers: {theirs_s / ours_s:.2f}x; max |difference| {diff:.2e}")
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    add_model_flag(p, "SmolLM2-135M-Instruct")
+    p.add_argument("--num-inputs", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=16, help="transformers' batch size")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads for both (default: all cores)")
+
+
+def main(args: argparse.Namespace) -> None:
+    bench_embed(args.model, args.num_inputs, args.input_len, args.batch, args.num_threads)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import time
 
 
@@ -69,3 +70,14 @@ def bench_engine_steps(
     finally:
         tmp.cleanup()
     return results
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--num-requests", type=int, default=64, help="decoding at once")
+    p.add_argument("--max-tokens", type=int, default=1000, help="each request's output: the steps measured")
+    p.add_argument("--rounds", type=int, default=2, help="serial and async alternate; the best round counts")
+
+
+def main(args: argparse.Namespace) -> None:
+    bench_engine_steps(tuple(args.tp_sizes), args.num_requests, args.max_tokens, args.rounds)

@@ -13,11 +13,13 @@ products and pages are FP8.
 
 from __future__ import annotations
 
+import argparse
 import random
 from dataclasses import dataclass, field
 
 import torch
 
+from bench.flags import add_engine_flags, engine_kwargs
 from bench.throughput import (
     _report,
     decode_figures,
@@ -105,3 +107,27 @@ def _print_ratios(figures: dict[str, Figures]) -> None:
         if f.long_step_s is not None and base.long_step_s is not None:
             line += f"; long-context decode step {f.long_step_s / base.long_step_s:.2f}x"
         print(line)
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--min-len", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--long-context", type=int, default=2048, help="the long-context decode step's tokens a request")
+    p.add_argument("--long-batch", type=int, default=256, help="the long-context decode step's requests")
+    p.add_argument("--steps", type=int, default=20, help="decode steps timed per figure")
+    p.add_argument("--context", type=int, default=512, help="the decode steps' tokens a request")
+    add_engine_flags(p, exclude=("quantization", "kv_cache_dtype"))
+
+
+def main(args: argparse.Namespace) -> None:
+    bench_fp8(
+        num_requests=args.num_requests,
+        min_len=args.min_len,
+        max_len=args.max_len,
+        long_context=args.long_context,
+        long_batch=args.long_batch,
+        steps=args.steps,
+        context=args.context,
+        **engine_kwargs(args),
+    )

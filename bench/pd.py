@@ -11,6 +11,7 @@ body it sends (serve.py completion_payload), prompts as token ids.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -20,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.flags import add_model_flag
 from bench.serve import StreamTimes, completion_payload, ms_stats, served_model, stream_completion
 from bench.servers import raylm_server
 from bench.tenants import kv_bytes_per_token, wait_replicas
@@ -237,3 +239,38 @@ def bench_pd(
     print_ratios(pd, unified)
     print_kv_bytes(load, pd_times, block_size, kv_bytes_per_token(model_path))
     return {"unified": unified, "pd": pd}
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    add_model_flag(p, "SmolLM2")
+    p.add_argument("--prompt-len", type=int, default=1024, help="the long prompts' tokens")
+    p.add_argument("--prompt-rate", type=float, default=0.1, help="long prompts per second, evenly spaced")
+    p.add_argument("--prompt-output-len", type=int, default=16, help="tokens each long prompt asks")
+    p.add_argument("--decodes", type=int, default=12, help="decode streams, each sending its next request at once")
+    p.add_argument("--decode-prompt-len", type=int, default=32)
+    p.add_argument("--decode-len", type=int, default=96, help="tokens each decode request asks")
+    p.add_argument("--duration-s", type=float, default=120.0, help="how long requests are sent, per server")
+    p.add_argument("--prefill-replicas", type=int, default=1, help="PD's prefill replicas (unified: their sum)")
+    p.add_argument("--decode-replicas", type=int, default=1)
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads of every engine's rank")
+    p.add_argument(
+        "--serve-flags",
+        default="",
+        help="more raylm serve flags for both servers, quoted (PD's prefill side takes them too), "
+        "e.g. '--max-num-batched-tokens 256'",
+    )
+    p.add_argument("--seed", type=int, default=0)
+
+
+def main(args: argparse.Namespace) -> None:
+    load = MixedLoad(
+        prompt_len=args.prompt_len,
+        prompt_rate=args.prompt_rate,
+        prompt_output_len=args.prompt_output_len,
+        decodes=args.decodes,
+        decode_prompt_len=args.decode_prompt_len,
+        decode_len=args.decode_len,
+        duration_s=args.duration_s,
+        seed=args.seed,
+    )
+    bench_pd(args.model, load, args.prefill_replicas, args.decode_replicas, args.num_threads, args.serve_flags)

@@ -3,9 +3,12 @@ with one step in flight and with P, and the bytes and time of the stage-to-stage
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
 import time
+
+from bench.flags import add_model_flag
 
 
 def _link_counters(actor) -> tuple[float, float, int]:
@@ -118,3 +121,19 @@ def bench_pipeline(
         print(f"  {name} / pp=1: {results[name]['tok_s'] / base:.2f}x")
     print(f"  load average {os.getloadavg()[0]:.1f} at the end")
     return results
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    add_model_flag(p, "SmolLM2-135M-Instruct")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument(
+        "--pp-layer-partition", default=None, help="the pp=2 runs' layers per stage, e.g. 19,11 (default: even)"
+    )
+
+
+def main(args: argparse.Namespace) -> None:
+    bench_pipeline(
+        args.model, args.num_requests, args.input_len, args.output_len, layer_partition=args.pp_layer_partition
+    )

@@ -3,10 +3,12 @@ through a device pool too small to keep them all: prefix caching off, on, and on
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import time
 
+from bench.flags import add_engine_flags, llm_kwargs
 from scheduler import EngineRequest, SamplingParams
 
 # What each run changes; the device pool and the workload stay the same.
@@ -134,3 +136,23 @@ def bench_prefix_reuse(
     print(f"  identical greedy outputs across runs: {same}")
     if not same:
         raise RuntimeError("the runs' greedy outputs differ")
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-docs", type=int, default=8)
+    p.add_argument("--doc-len", type=int, default=1024)
+    p.add_argument("--num-questions", type=int, default=3, help="questions per document, asked in rounds")
+    p.add_argument("--question-len", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=8)
+    add_engine_flags(p)
+
+
+def main(args: argparse.Namespace) -> None:
+    bench_prefix_reuse(
+        num_docs=args.num_docs,
+        doc_len=args.doc_len,
+        num_questions=args.num_questions,
+        question_len=args.question_len,
+        max_tokens=args.max_tokens,
+        **llm_kwargs(args, exclude=("enable_prefix_caching", "swap_space")),
+    )

@@ -16,6 +16,7 @@ The analysis takes plain (name, start µs, duration µs) events, so it runs with
 
 from __future__ import annotations
 
+import argparse
 import bisect
 import random
 import time
@@ -23,6 +24,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.flags import add_engine_flags, engine_kwargs
 from bench.throughput import start_decoding
 
 STEP = "raylm.step"
@@ -284,3 +286,15 @@ def bench_profile(
                 print(f"  batch {batch}: skipped, {e}")
     finally:
         engine.shutdown()
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256], help="requests decoding at once, one run each")
+    p.add_argument("--context", type=int, default=512, help="each request's prompt tokens")
+    p.add_argument("--steps", type=int, default=20, help="decode steps timed, then as many profiled")
+    p.add_argument("--trace", default=None, metavar="FILE", help="a Chrome trace per batch: FILE-batchB.json")
+    add_engine_flags(p)
+
+
+def main(args: argparse.Namespace) -> None:
+    bench_profile(tuple(args.batch), args.context, args.steps, args.trace, **engine_kwargs(args))

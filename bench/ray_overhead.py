@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
+
+from bench.flags import add_model_flag
 
 
 def tiny_llama(path: str, max_len: int = 256) -> str:
@@ -131,3 +134,13 @@ def bench_ray_overhead(
     if tmp is not None:
         tmp.cleanup()
     return results
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    add_model_flag(p, "a tiny random Llama")
+    p.add_argument("--tp-sizes", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--steps", type=int, default=300)
+
+
+def main(args: argparse.Namespace) -> None:
+    bench_ray_overhead(args.model, tuple(args.tp_sizes), args.steps)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import gc
 import random
 import statistics
@@ -99,3 +100,14 @@ def bench_scheduler(
     )
     results["pool_pairs_s"] = secs
     return results
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024])
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=100)
+
+
+def main(args: argparse.Namespace) -> None:
+    bench_scheduler(tuple(args.sizes), args.prompt_len, args.block_size, args.steps)

@@ -113,7 +113,7 @@ def vllm_server(port: int, model: str, served_name: str, max_num_seqs: int, num_
     """`vllm serve` from the venv `raylm bench throughput --compare vllm` builds, under raylm's engine limits
     (fp32, a 1 GiB KV cache, 2048 batched tokens, 8192-token context) and its best binding on this machine:
     every core this process may use, listed explicitly (vllm's "auto" keeps one back for its engine core,
-    0.7x measured on 2 cores; benchmarks/vllm_throughput.py says why)."""
+    0.7x measured on 2 cores; vllm_scripts/vllm_throughput.py says why)."""
     from bench.vllm import vllm_venv
 
     venv = vllm_venv()

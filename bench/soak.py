@@ -10,6 +10,7 @@ drained. ``check`` turns that into failures.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -22,6 +23,9 @@ from pathlib import Path
 
 import httpx2 as httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from bench.flags import add_model_flag
+from engine.config import SCHEDULING_POLICIES
 
 # Ray names each process after its actor class: the replica, the scheduler and the ranks.
 PROCESSES = {"replica": "ray::ServeReplica:", "scheduler": "ray::SchedulerActor", "rank": "ray::WorkerActor"}
@@ -364,3 +368,29 @@ def bench_soak(
     report.print()
     if problems := check(report, max_growth):
         raise SystemExit("soak failed:\n  " + "\n  ".join(problems))
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    add_model_flag(p, "SmolLM2")
+    p.add_argument("--rate", type=float, default=2.0, help="requests per second")
+    p.add_argument("--duration-s", type=float, default=600.0)
+    p.add_argument("--max-tokens", type=int, default=32, help="each request asks for 1 to this many tokens")
+    p.add_argument(
+        "--max-growth",
+        type=float,
+        default=0.05,
+        help="resident memory growth of the replica and the scheduler that fails the run",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=SCHEDULING_POLICIES,
+        help="the server's; with priority every request carries a random one",
+    )
+
+
+def main(args: argparse.Namespace) -> None:
+    bench_soak(
+        args.model, args.rate, args.duration_s, args.max_tokens, args.max_growth, args.seed, args.scheduling_policy
+    )

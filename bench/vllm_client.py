@@ -2,7 +2,7 @@
 
 It is the client users and papers run, and it is heavier than ours (text prompts, its tokenizer on every chunk,
 one Python process on the server's machine), so a server that wins only under a light client is found out. It
-runs from the vllm venv (bench/vllm.py) through benchmarks/vllm_bench_serve.py, against either server
+runs from the vllm venv (bench/vllm.py) through vllm_scripts/vllm_bench_serve.py, against either server
 alike: its random dataset (text prompts made from random token ids), the openai completions backend (streamed,
 ``include_usage``), ``ignore_eos``. The CPU meter covers its timed run only: it starts when the client says
 "Starting main benchmark run" (after its start-up and its one-request test) and stops at its result.
@@ -19,7 +19,6 @@ from pathlib import Path
 
 from bench.cpu_meter import CpuMeter, cpu_report
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "vllm_bench_serve.py"
 TIMEOUT_S = 3600
 MAIN_RUN = "Starting main benchmark run"
 RESULT = "Serving Benchmark Result"
@@ -53,12 +52,16 @@ def run_vllm_client(
     api_key: str | None = None,
 ) -> dict:
     """Run `vllm bench serve` against ``url``; return its row in `raylm bench serve`'s form."""
-    from bench.vllm import vllm_venv
+    from bench.vllm import vllm_script, vllm_venv
 
     py = vllm_venv() / "bin" / "python"
     with tempfile.TemporaryDirectory(prefix="raylm-vllm-client-") as tmp:
         result = Path(tmp) / "result.json"
-        cmd = [str(py), str(SCRIPT), *vllm_client_args(url, model, tokenizer, work_args, seed, result)]
+        cmd = [
+            str(py),
+            str(vllm_script("vllm_bench_serve.py")),
+            *vllm_client_args(url, model, tokenizer, work_args, seed, result),
+        ]
         lines, cpu = _run_metered(cmd, meter, api_key)
         if not result.exists():
             tail = "\n".join(lines[-30:])

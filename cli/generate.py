@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cli.engine_flags import add_engine_flags, engine_kwargs
+from bench.flags import add_engine_flags, llm_kwargs
 
 
 def add_parser(sub) -> None:
@@ -23,7 +23,7 @@ def run(args: argparse.Namespace) -> None:
     from engine.llm import LLM
     from scheduler import SamplingParams
 
-    llm = LLM(executor=args.executor, address=getattr(args, "address", None), **engine_kwargs(args))
+    llm = LLM(**llm_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     (out,) = llm.generate(prompt, params, use_tqdm=False)

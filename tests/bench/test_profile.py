@@ -122,4 +122,4 @@ def test_the_command_line_hands_its_flags_to_the_benchmark(monkeypatch, capsys):
     monkeypatch.setattr(profile, "bench_profile", lambda *args, **kwargs: got.update(args=args, kwargs=kwargs))
     cli.main(["bench", "profile", "--batch", "1", "8", "--steps", "4", "--device", "cpu", "--enforce-eager"])
     assert got["args"] == ((1, 8), 512, 4, None)
-    assert got["kwargs"] == {"device": "cpu", "enforce_eager": True}
+    assert got["kwargs"] == {"model": None, "device": "cpu", "enforce_eager": True}  # None: the default model

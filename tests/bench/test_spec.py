@@ -8,17 +8,22 @@ from bench import spec
 from bench.spec import StepCosts, expected_tokens
 from cli import main
 
+PROSE = " ".join(["The copy workload hands the model this paragraph and asks for it back, word for word."] * 5)
 
-def test_bench_spec_prints_a_row_per_workload_concurrency_and_proposer(servable_tiny_model, capsys):
-    """Given a draft model (here the model itself), n-gram and the draft are each compared with no speculation."""
+
+def test_bench_spec_prints_a_row_per_workload_concurrency_and_proposer(servable_tiny_model, capsys, tmp_path):
+    """Given a draft model (here the model itself), n-gram and the draft are each compared with no speculation;
+    the copy workload repeats --copy-source's prose paragraphs (a heading and a table are not prose)."""
     model = servable_tiny_model()
+    (tmp_path / "notes.md").write_text(f"# Notes\n\n{PROSE}\n\n| a | table |\n")
     spec = f'{{"method": "draft_model", "model": "{model}", "num_speculative_tokens": 2}}'
     main(
         ["bench", "spec", "--model", model, "--executor", "inprocess", "--device", "cpu", "--speculative-config", spec]
-        + ["--concurrency", "1", "--max-tokens", "6", "--kv-cache-bytes", str(64 << 20)]
+        + ["--concurrency", "1", "--max-tokens", "6", "--kv-cache-bytes", str(64 << 20), "--copy-source", str(tmp_path)]
     )
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("spec: {'method': 'ngram', 'num_speculative_tokens': 4")
+    assert f"; 1 copy prompts ({tmp_path}/*.md paragraphs)" in lines[0]
     rows = [line.split() for line in lines[1:]]
     cells = [("copy", "1:"), ("chat", "1:")]
     assert [(r[0], r[1], r[3], r[4]) for r in rows] == [
@@ -82,3 +87,11 @@ def test_the_draft_flags_belong_to_one_mode_each(flags, why, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "spec", "--device", "cpu", *flags])
     assert exit_.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_a_copy_source_without_prose_is_refused_before_any_engine_starts(tmp_path, capsys):
+    (tmp_path / "notes.md").write_text("# Only a heading\n\n| and | a table |\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "spec", "--device", "cpu", "--copy-source", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert f"--copy-source {tmp_path}: no Markdown prose paragraphs there" in capsys.readouterr().err
