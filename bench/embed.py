@@ -9,7 +9,7 @@ import os
 import random
 import time
 
-from bench.flags import add_model_flag
+from engine.cli_flags import add_model_flag
 
 
 def _engine_embeddings(engine, work: list[list[int]]) -> tuple[list[list[float]], float]:

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bench.flags import add_engine_flags, engine_kwargs
 from bench.throughput import (
     _report,
     decode_figures,
@@ -27,6 +26,7 @@ from bench.throughput import (
     run_raylm,
     throughput_workload,
 )
+from engine.cli_flags import add_engine_flags, engine_kwargs
 from engine.llm import LLM
 
 VARIANTS = {"baseline": {}, "fp8 weights": {"quantization": "fp8"}, "fp8 KV": {"kv_cache_dtype": "fp8"}}

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import ray
 
-from bench.flags import add_model_flag
+from engine.cli_flags import add_model_flag
 from engine.config import EngineConfig
 from engine.connect import connect
 from engine.ray_client import RayEngine

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from bench.flags import add_engine_flags, engine_kwargs, llm_kwargs
+from engine.cli_flags import add_engine_flags, engine_kwargs, llm_kwargs
 from engine.config import EngineConfig
 from engine.llm import LLM
 from scheduler import EngineRequest, SamplingParams

@@ -21,10 +21,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.flags import add_model_flag
 from bench.serve import StreamTimes, completion_payload, ms_stats, served_model, stream_completion
 from bench.servers import raylm_server
 from bench.tenants import kv_bytes_per_token, wait_replicas
+from engine.cli_flags import add_model_flag
 from engine.config import EngineConfig
 from engine.network import free_port
 

@@ -8,7 +8,7 @@ import os
 import random
 import time
 
-from bench.flags import add_model_flag
+from engine.cli_flags import add_model_flag
 
 
 def _link_counters(actor) -> tuple[float, float, int]:

@@ -8,7 +8,7 @@ import random
 import statistics
 import time
 
-from bench.flags import add_engine_flags, llm_kwargs
+from engine.cli_flags import add_engine_flags, llm_kwargs
 from scheduler import EngineRequest, SamplingParams
 
 # What each run changes; the device pool and the workload stay the same.

@@ -24,8 +24,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.flags import add_engine_flags, engine_kwargs
 from bench.throughput import start_decoding
+from engine.cli_flags import add_engine_flags, engine_kwargs
 
 STEP = "raylm.step"
 GPU_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # kineto's activity types of what occupies the GPU

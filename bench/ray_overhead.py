@@ -6,7 +6,7 @@ import argparse
 import statistics
 import time
 
-from bench.flags import add_model_flag
+from engine.cli_flags import add_model_flag
 
 
 def tiny_llama(path: str, max_len: int = 256) -> str:

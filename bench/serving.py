@@ -9,10 +9,10 @@ import json
 import os
 from pathlib import Path
 
-from bench.flags import add_model_flag
 from bench.serve import bench_serve, run_workload
 from bench.serve_ceiling import bench_serve_ceiling
 from bench.tenants import compare_routers, multi_tenant_workload
+from engine.cli_flags import add_model_flag
 from workers.default_model import default_model_path
 
 # make_workload's arguments that are flags of the same name (bench_serve hands them on as its work_args)

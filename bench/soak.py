@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx2 as httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.flags import add_model_flag
+from engine.cli_flags import add_model_flag
 from engine.config import SCHEDULING_POLICIES
 
 # Ray names each process after its actor class: the replica, the scheduler and the ranks.

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from bench.flags import add_engine_flags, engine_kwargs, llm_kwargs
 from bench.throughput import start_decoding
+from engine.cli_flags import add_engine_flags, engine_kwargs, llm_kwargs
 from scheduler import EngineRequest, SamplingParams
 
 MIN_REQUESTS = 4

@@ -6,7 +6,7 @@ import argparse
 import json
 import time
 
-from bench.flags import add_engine_flags, llm_kwargs
+from engine.cli_flags import add_engine_flags, llm_kwargs
 from scheduler import SamplingParams, StructuredOutputsParams
 
 _S = {"type": "string", "maxLength": 16}

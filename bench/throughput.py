@@ -7,7 +7,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from bench.flags import add_engine_flags, llm_kwargs
+from engine.cli_flags import add_engine_flags, llm_kwargs
 from scheduler import EngineRequest, SamplingParams
 
 

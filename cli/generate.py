@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench.flags import add_engine_flags, llm_kwargs
+from engine.cli_flags import add_engine_flags, llm_kwargs
 
 
 def add_parser(sub) -> None:

@@ -1,4 +1,4 @@
-"""Flags several commands share, declared once: the engine's (for `generate` and the engine benchmarks), and
+"""Flags several commands share (`generate`, `batch`, the engine benchmarks), declared once: the engine's, and
 the model of a bench that starts its own engines or servers. An engine flag not given is absent
 from the namespace (its default is the config's, applied there), so read them with getattr."""
 
