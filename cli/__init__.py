@@ -1,4 +1,4 @@
-"""The `raylm` command line: one file per command (generate, serve, bench), each adding its parser and the
+"""The `raylm` command line: one file per command (generate, serve, bench, batch), each adding its parser and the
 function that runs it; this file only gathers them and turns a bad setting into one line and exit status 2."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 
 from pydantic import ValidationError
 
-from cli import bench, generate, serve
+from cli import batch, bench, generate, serve
 from engine.flags import one_line
 
 
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(sub)
     serve.add_parser(sub)
     bench.add_parser(sub)
+    batch.add_parser(sub)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""The layout says the layers: rooms import one way (cli -> serve, bench -> engine -> workers -> scheduler,
+"""The layout says the layers: rooms import one way (cli -> serve, bench, batch -> engine -> workers -> scheduler,
 kernels), no module sits in an import circle, and no room holds more than a quarter of the shipped lines."""
 
 import ast
@@ -8,7 +8,17 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 # A room may import the rooms of a lower rank only; rooms of one rank do not import each other.
-RANKS = {"kernels": 0, "scheduler": 0, "workers": 1, "engine": 2, "serve": 3, "bench": 3, "raylm": 3, "cli": 4}
+RANKS = {
+    "kernels": 0,
+    "scheduler": 0,
+    "workers": 1,
+    "engine": 2,
+    "serve": 3,
+    "bench": 3,
+    "batch": 3,
+    "raylm": 3,
+    "cli": 4,
+}
 # What the workers take from the scheduler: its data classes, which the scheduler defines for both sides.
 DATA_CLASSES = {"scheduler", "scheduler.outputs", "scheduler.request", "scheduler.sampling_params"}
 MAX_ROOM_SHARE = 0.25

@@ -1,0 +1,37 @@
+"""`raylm batch`: an OpenAI Batch API file (JSONL) answered by a pool of engines on Ray Data (batch/)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from batch.config import BatchConfig
+from cli.engine_flags import engine_kwargs
+from engine.config import EngineConfig, LaunchConfig
+from engine.flags import add_flags
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "batch",
+        help="answer an OpenAI batch file (JSONL) with a pool of engines on Ray Data",
+        description="Each input line is a request (custom_id, method, url of /v1/chat/completions or "
+        "/v1/completions, body); each output line its answer, as the server gives it, or the error of a bad "
+        "line, naming its line and field. Rerun with the same output file to resume: requests it answers are "
+        "skipped, so each custom_id is answered once.",
+    )
+    p.add_argument("-i", "--input-file", required=True, help="the requests, one JSON line each")
+    p.add_argument("-o", "--output-file", required=True, help="the answers, appended one JSON line each")
+    add_flags(p, EngineConfig, title="engine")
+    add_flags(p, BatchConfig, title="batch")
+    add_flags(p, LaunchConfig, ("host", "port", "grpc_port"), title="cluster")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> None:
+    from batch.openai_file import run_file
+
+    pool = {name: getattr(args, name) for name in BatchConfig.model_fields if hasattr(args, name)}
+    config = BatchConfig(engine=EngineConfig(**engine_kwargs(args)), **pool)
+    counts = run_file(config, Path(args.input_file), Path(args.output_file), getattr(args, "address", None))
+    print(", ".join(f"{n} {status}" for status, n in sorted(counts.items(), key=str)) or "nothing left to answer")

@@ -1,0 +1,70 @@
+"""The Ray Data processor: rows through a pool of two raylm engines give LLM.generate's tokens, and a row that
+cannot run gets its error while the others are answered."""
+
+import pytest
+import ray
+
+from batch import BatchConfig, build_processor
+from engine.config import EngineConfig
+from engine.llm import LLM
+from scheduler import SamplingParams
+
+MAX_TOKENS = 8
+
+
+def _row(i: int) -> dict:
+    if i % 2:
+        return {"id": i, "messages": [{"role": "user", "content": f"Tell me about the number {i}."}]}
+    return {"id": i, "prompt": f"The number {i} is"}
+
+
+@pytest.fixture(scope="module")
+def model(servable_tiny_model):
+    return servable_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def expected(ray_session, model):
+    """LLM.generate's greedy tokens for each row's prompt (its chat template applied for messages)."""
+    llm = LLM(model=model)
+    try:
+        prompts = [
+            llm.apply_chat_template(r["messages"]) if "messages" in r else r["prompt"] for r in map(_row, range(24))
+        ]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return {i: o.outputs[0] for i, o in enumerate(outs)}
+
+
+BAD_ROWS = {
+    100: ({"prompt": "word " * 300}, "prompt", "max_model_len=256"),
+    101: ({"prompt": "hi", "sampling_params": {"temprature": 0.5}}, "sampling_params.temprature", "temprature"),
+    102: ({"prompt": "hi", "sampling_params": {"temperature": -1.0}}, "temperature", "temperature=-1.0"),
+    103: ({"prompt": "hi", "sampling_params": {"max_tokens": 600}}, "max_tokens", "max_tokens=600"),
+    104: ({}, "prompt", "needs messages, a prompt or prompt_token_ids"),
+}
+
+
+def test_greedy_rows_through_two_engines_match_llm_generate_token_for_token(ray_session, model, expected):
+    """Bad rows among them get their error, naming the field, and the good ones are answered all the same."""
+    config = BatchConfig(engine=EngineConfig(model=model), concurrency=2, batch_size=4, batches_in_flight=2)
+    rows = [_row(i) | {"sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0.0}} for i in range(24)]
+    rows[5:5] = [{"id": i} | row for i, (row, _, _) in BAD_ROWS.items()]
+    out = build_processor(config)(ray.data.from_items(rows)).take_all()
+    assert sorted(r["id"] for r in out) == [*range(24), *BAD_ROWS]
+    for r in out:
+        if r["id"] in BAD_ROWS:
+            _, param, named = BAD_ROWS[r["id"]]
+            assert r["error_param"] == param and named in r["error"], r
+            assert r["generated_text"] is None
+            continue
+        want = expected[r["id"]]
+        assert r["error"] is None, r["error"]
+        assert r["generated_token_ids"] == want.token_ids, r["id"]
+        assert r["generated_text"] == want.text
+        assert r["finish_reason"] == want.finish_reason
+        assert r["num_generated_tokens"] == len(want.token_ids)
+        assert r["num_input_tokens"] == len(r["prompt_token_ids"]) > 0
+        assert r["total_s"] >= r["first_token_s"] > 0
+        assert ("messages" in r and r["messages"] is not None) == bool(r["id"] % 2)  # input columns kept
