@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from batch.config import BatchConfig
-from cli.engine_flags import engine_kwargs
+from engine.cli_flags import engine_kwargs
 from engine.config import EngineConfig, LaunchConfig
 from engine.flags import add_flags
 
