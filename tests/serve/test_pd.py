@@ -14,6 +14,7 @@ from ray import serve
 
 from engine.config import AppArgs, EngineConfig
 from engine.network import free_port
+from engine.request_check import check_request
 from scheduler import (
     EngineRequest,
     KVPart,
@@ -261,7 +262,7 @@ class FakePrefill:
 
 
 class FakeDecode:
-    """A decode RayEngine: ``prefix_hit_blocks`` answers ``hit``; each ``generate`` raises the next of ``failures``
+    """A decode engine (EngineClient): ``prefix_hit_blocks`` answers ``hit``; each ``generate`` raises the next of ``failures``
     (before any delta) or streams two tokens, recording the requests."""
 
     class config:
@@ -277,6 +278,9 @@ class FakeDecode:
 
     async def prefix_hit_blocks(self, request: EngineRequest) -> int:
         return self.hit
+
+    def check_request(self, request: EngineRequest) -> EngineRequest:
+        return check_request(request, self.spec, self.max_model_len)
 
     def generate(self, request: EngineRequest):
         self.requests.append(request)
