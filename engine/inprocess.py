@@ -218,7 +218,10 @@ class InProcessEngine:
             await asyncio.sleep(0)
 
     async def abort_request(self, request_id: str) -> None:
-        self.abort(request_id)
+        """Abort the request (its KV blocks are freed); its open stream ends with the abort's final deltas."""
+        for out in self.abort(request_id):
+            if (queue := self.queues.get(out.request_id)) is not None:
+                queue.put_nowait(out)
 
     def end_callers(self, error: BaseException) -> int:
         """End every ``generate`` still running by raising ``error`` in it, each aborting its request as it leaves;

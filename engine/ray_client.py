@@ -203,7 +203,10 @@ class RayEngine:
         return self.streams.stream(self.check_request(request))
 
     async def abort_request(self, request_id: str) -> None:
-        await self.actor.abort.remote(request_id)
+        """Abort the request (its KV blocks are freed); its open stream ends with the abort's final deltas."""
+        for out in await self.actor.abort.remote(request_id):
+            if (queue := self.streams.queues.get(out.request_id)) is not None:
+                queue.put_nowait(out)
 
     def end_callers(self, error: BaseException) -> int:
         """End every ``generate`` still running by raising ``error`` in it (DeltaStreams.end_callers)."""
