@@ -4,7 +4,7 @@ machines without Ray: nothing here imports it)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 
 from engine.config import EngineConfig, derive_scheduler_config, derive_worker_config
 from engine.core import EngineCore
@@ -14,6 +14,7 @@ from scheduler import (
     EngineRequest,
     KVPart,
     ModelRunnerOutput,
+    RequestError,
     RequestOutput,
     Scheduler,
     SchedulerOutput,
@@ -33,8 +34,14 @@ class InProcessEngine:
     default on a GPU) two steps are in flight: each ``step`` applies one while
     the device runs the next, which the worker launched before the first one's
     sampled ids reached the host. ``scheduler`` is the core's. Implements
-    interface.Engine.
+    interface.Engine (the caller steps it: ``step``) and client.EngineClient
+    (a task of the caller's event loop steps it while a request runs:
+    ``generate``); a caller uses one or the other, never both at once.
+    ``queues`` holds one queue per ``generate`` stream still open, keyed by
+    request id; ``stepper`` is the task that steps for them.
     """
+
+    adapters = None  # no other process reaches this engine (client.EngineClient)
 
     def __init__(self, config: EngineConfig) -> None:
         if config.world_size != 1:
@@ -90,6 +97,8 @@ class InProcessEngine:
             publish_kv_events=None if self.kv_events is None else self.kv_events.publish,
         )
         self.loop = asyncio.new_event_loop()  # where step() runs the core's loop, one step at a time
+        self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self.stepper: asyncio.Task | None = None
 
     def _execute(self, scheduler_output: SchedulerOutput) -> Awaitable[ModelRunnerOutput | None]:
         """Launch the step on the worker now; the returned coroutine gives its output."""
@@ -111,17 +120,19 @@ class InProcessEngine:
     def add_request(self, request: EngineRequest) -> list[RequestOutput]:
         """Queue a request; one with a KV transfer (whose parts hold arrays: from an engine in this process) has
         its KV staged on the worker first, and kept only if it is queued."""
-        request = check_request(request, self.spec, self.max_model_len)
+        return self._add(self.check_request(request), "sync")
+
+    def _add(self, request: EngineRequest, channel: str) -> list[RequestOutput]:
         if request.kv_transfer is None:
-            return self.core.add_request(request, "sync")
+            return self.core.add_request(request, channel)
         try:
             self.worker.stage_kv(request.request_id, [(p.head_start, p.data) for p in request.kv_transfer.parts])
-            return self.core.add_request(request, "sync")
+            return self.core.add_request(request, channel)
         except BaseException:
             self.worker.drop_staged_kv(request.request_id)
             raise
 
-    def prefix_hit_blocks(self, request: EngineRequest) -> int:
+    async def prefix_hit_blocks(self, request: EngineRequest) -> int:
         return self.scheduler.prefix_hit_blocks(request)
 
     def lora_names(self) -> set[str]:
@@ -158,9 +169,92 @@ class InProcessEngine:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    # ---- client.EngineClient -----------------------------------------------------------------
+
+    def check_request(self, request: EngineRequest) -> EngineRequest:
+        """The request as this engine takes it, or a RequestError naming the field (request_check.check_request)."""
+        return check_request(request, self.spec, self.max_model_len)
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """The request's deltas as they come; leaving the loop early (or being cancelled) aborts it. The request
+        is checked here, before the stream exists: a RequestError is raised by this call."""
+        return self._stream(self.check_request(request))
+
+    async def _stream(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        request_id = request.request_id
+        if request_id in self.queues:  # its queue would take the running caller's deltas
+            raise RequestError("request_id", request_id, "a request with this id is still running")
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.queues[request_id] = queue
+        remaining = request.sampling_params.n
+        try:
+            for out in self._add(request, "async"):
+                remaining -= 1
+                yield out
+            if remaining and (self.stepper is None or self.stepper.done()):
+                self.stepper = asyncio.get_running_loop().create_task(self._step_streams())
+            while remaining:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                remaining -= out.finished
+                yield out
+        finally:
+            self.queues.pop(request_id, None)
+            if remaining:
+                self.abort(request_id)
+
+    async def _step_streams(self) -> None:
+        """Step while a request runs, handing each step's deltas to their streams (as ``step`` does, a failed
+        step ends its requests with an "error" delta), yielding to the streams between steps."""
+        while self.scheduler.has_unfinished_requests():
+            try:
+                await self.core.run(max_steps=1)
+            except Exception as e:  # the step's requests cannot go on; everyone hears why
+                self.core.fail_all(f"engine step failed: {type(e).__name__}: {e}")
+            for out in self.core.take_outputs("async"):
+                if (queue := self.queues.get(out.request_id)) is not None:
+                    queue.put_nowait(out)
+            await asyncio.sleep(0)
+
+    async def abort_request(self, request_id: str) -> None:
+        """Abort the request (its KV blocks are freed); its open stream ends with the abort's final deltas."""
+        for out in self.abort(request_id):
+            if (queue := self.queues.get(out.request_id)) is not None:
+                queue.put_nowait(out)
+
+    def end_callers(self, error: BaseException) -> int:
+        """End every ``generate`` still running by raising ``error`` in it, each aborting its request as it leaves;
+        returns how many were open."""
+        for queue in self.queues.values():
+            queue.put_nowait(error)
+        return len(self.queues)
+
+    async def get_stats(self) -> SchedulerStats:
+        return self.stats()
+
+    def check_health(self) -> None:
+        if self.worker is None:
+            raise RuntimeError("the engine is shut down")
+
+    async def routing_digest(self, limit: int) -> tuple[list[bytes], int]:
+        """The prefix cache's block hashes (at most ``limit``) and the requests it holds (running and waiting)."""
+        return self.scheduler.cached_block_hashes(limit), len(self.scheduler.requests)
+
+    async def list_loras(self) -> set[str]:
+        return self.lora_names()
+
+    async def load_lora(self, name: str, path: str) -> None:
+        self.add_lora(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        self.remove_lora(name)
+
     def shutdown(self) -> None:
         """Drop the model and KV cache now rather than at garbage collection (a process building several
         engines, like the benchmarks, would otherwise hold two at once), and send the KV events still queued."""
+        if self.stepper is not None:
+            self.stepper.cancel()
         self.core.drop_in_flight()
         self.loop.run_until_complete(asyncio.sleep(0))  # the cancelled steps' tasks end
         self.worker = None

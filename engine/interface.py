@@ -1,4 +1,4 @@
-"""The interface both executors implement (InProcessEngine, RayEngine), and what they derive alike."""
+"""The synchronous interface both executors implement (InProcessEngine, RayEngine), and what they derive alike."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ class Engine(Protocol):
     (request_check.check_request, raising RequestError, a ValueError, naming the field) and returns the
     deltas already final (a request the prefix cache answers at once); ``step`` returns the deltas since the
     last call, with at least one while ``has_unfinished_requests``. Every delta of a request is returned once,
-    to whichever call made it. The Ray executor adds an async surface for the Serve app (RayEngine.generate).
+    to whichever call made it. Kept beside client.EngineClient (the async surface the Serve app talks through,
+    which both executors implement too) because the offline LLM is synchronous: it runs no event loop, and
+    stepping the engine itself lets it batch every prompt it was given into the same steps, in its own thread.
     """
 
     model_path: str

@@ -1,6 +1,7 @@
 """The Ray executor: a placement group, one worker actor per tensor-parallel rank, and the scheduler actor
 that steps them. RayEngine is its client in the caller's process: the synchronous interface.Engine (what
-the offline LLM drives), plus, for the Serve app, async streams of deltas (streams.py) and health."""
+the offline LLM drives), and client.EngineClient (what the Serve app talks through: async streams of deltas,
+streams.py, and health)."""
 
 from __future__ import annotations
 
@@ -152,7 +153,7 @@ class RayEngine:
     # ---- synchronous interface (interface.Engine) ------------------------------------------
 
     def add_request(self, request: EngineRequest) -> list[RequestOutput]:
-        request = check_request(request, self.spec, self.max_model_len)
+        request = self.check_request(request)
         finals = ray.get(self.actor.add_request.remote(request, "sync"))
         if len(finals) < request.sampling_params.n:
             self._unfinished[request.request_id] = request.sampling_params.n - len(finals)
@@ -190,19 +191,33 @@ class RayEngine:
     def remove_lora(self, name: str) -> None:
         ray.get(self.adapters.remove_lora(name))
 
-    # ---- the Serve app's: async streams, health, routing ------------------------------------
+    # ---- client.EngineClient: async streams, health, routing ----------------------------------
+
+    def check_request(self, request: EngineRequest) -> EngineRequest:
+        """The request as this engine takes it, or a RequestError naming the field (request_check.check_request)."""
+        return check_request(request, self.spec, self.max_model_len)
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """The request's deltas as they come; leaving the loop early (or being cancelled) aborts it. The request
         is checked here, before the stream exists: a RequestError is raised by this call."""
-        return self.streams.stream(check_request(request, self.spec, self.max_model_len))
+        return self.streams.stream(self.check_request(request))
+
+    async def abort_request(self, request_id: str) -> None:
+        """Abort the request (its KV blocks are freed); its open stream ends with the abort's final deltas."""
+        for out in await self.actor.abort.remote(request_id):
+            if (queue := self.streams.queues.get(out.request_id)) is not None:
+                queue.put_nowait(out)
 
     def end_callers(self, error: BaseException) -> int:
         """End every ``generate`` still running by raising ``error`` in it (DeltaStreams.end_callers)."""
         return self.streams.end_callers(error)
 
+    async def get_stats(self) -> SchedulerStats:
+        return await self.actor.stats.remote()
+
     def check_health(self) -> None:
-        """Raise RuntimeError saying why when the engine cannot serve, naming the ranks lost and their nodes."""
+        """Raise RuntimeError saying why when the engine cannot serve, naming the ranks lost and their nodes.
+        Blocks while it asks every rank: the Serve app calls it on a thread."""
         diagnose(self.actor, self.workers, self.rank_nodes, self.config.tensor_parallel_size)
 
     async def prefix_hit_blocks(self, request: EngineRequest) -> int:
@@ -210,5 +225,14 @@ class RayEngine:
         prefill engine need not send it (``EngineRequest.kv_export_from_block``)."""
         return await self.actor.prefix_hit_blocks.remote(request)
 
-    def routing_digest(self, limit: int) -> tuple[list[bytes], int]:
-        return ray.get(self.actor.routing_digest.remote(limit))
+    async def routing_digest(self, limit: int) -> tuple[list[bytes], int]:
+        return await self.actor.routing_digest.remote(limit)
+
+    async def list_loras(self) -> set[str]:
+        return set(await self.adapters.lora_names())
+
+    async def load_lora(self, name: str, path: str) -> None:
+        await self.adapters.add_lora(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        await self.adapters.remove_lora(name)

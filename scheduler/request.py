@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from scheduler.block_hash import BlockHash, hash_block_tokens
+from scheduler.block_hash import BlockHash, extend_block_hashes, first_block_key
 from scheduler.outputs import KVTransfer
 from scheduler.sampling_params import SamplingParams
 
@@ -180,21 +180,9 @@ class Request:
             self.extend_block_hashes()
 
     def extend_block_hashes(self) -> None:
-        block_size = self.block_size
-        tokens = self.all_token_ids
-        parent = self.block_hashes[-1] if self.block_hashes else None
-        extra = self.first_block_key() if not self.block_hashes else None
-        for start in range(len(self.block_hashes) * block_size, len(tokens) - block_size + 1, block_size):
-            parent = hash_block_tokens(parent, tokens[start : start + block_size], extra)
-            extra = None
-            self.block_hashes.append(parent)
-
-    def first_block_key(self) -> str | None:
-        """The extra key hashed into block 0 (the chain carries it on): the cache salt, and the LoRA adapter, whose
-        KV differs from the base model's for equal text. Without an adapter it is the salt alone, as before."""
-        if self.lora_name is None:
-            return self.cache_salt
-        return f"{self.cache_salt or ''}\0lora:{self.lora_name}"
+        extend_block_hashes(
+            self.block_hashes, self.all_token_ids, self.block_size, first_block_key(self.cache_salt, self.lora_name)
+        )
 
     def __repr__(self) -> str:
         return (

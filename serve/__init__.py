@@ -1,6 +1,6 @@
 """The Ray Serve application: an OpenAI-compatible HTTP API and a gRPC service, each replica owning one
-RayEngine. ``build_app`` is importable by path (``serve:build_app``) for ``serve run`` /
-``serve deploy``; ``raylm serve`` calls ``serve_until_interrupted``.
+engine, which it talks to through engine/client.py's EngineClient. ``build_app`` is importable by path
+(``serve:build_app``) for ``serve run`` / ``serve deploy``; ``raylm serve`` calls ``serve_until_interrupted``.
 
 Where things are: ``app.py`` the application's options, assembly and start; ``server.py`` the replica (routes,
 validation), ``http_app.py`` the FastAPI app its routes hang on and the error bodies, ``served_models.py`` the names

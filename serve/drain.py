@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import ray
 
-from engine.streams import EngineStopping
+from engine.client import EngineStopping
 from serve.admission import Admission
 from serve.protocol.parsing import APIError
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.streams import EngineStopping
+from engine.client import EngineStopping
 from scheduler import EngineRequest, RequestError, RequestOutput, SampledLogprobs, SamplingParams
 from serve.detokenize import TextStream
 from serve.metrics import ServeMetrics

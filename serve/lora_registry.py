@@ -20,7 +20,7 @@ import ray
 from ray import serve
 from ray.serve.config import DeploymentActorConfig
 
-from engine.adapters import EngineAdapters
+from engine.client import EngineAdapters
 
 NAME = "lora_registry"
 

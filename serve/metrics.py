@@ -27,8 +27,8 @@ from ray.util.metrics import Counter, Gauge, Histogram
 from scheduler import SchedulerStats
 
 if TYPE_CHECKING:
+    from engine.client import EngineClient
     from engine.config import EngineConfig
-    from engine.ray_client import RayEngine
 
 ENGINE_STATS_PERIOD_S = 1.0
 
@@ -128,7 +128,7 @@ def _histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
     return Histogram(name, doc, boundaries=buckets, tag_keys=TAGS)
 
 
-def replica_metrics(model_name: str, engine: RayEngine, cfg: EngineConfig) -> ServeMetrics:
+def replica_metrics(model_name: str, engine: EngineClient, cfg: EngineConfig) -> ServeMetrics:
     """This Serve replica's series, labelled with its id and its engine's cache configuration."""
     return ServeMetrics(
         model_name,
@@ -143,12 +143,12 @@ def replica_metrics(model_name: str, engine: RayEngine, cfg: EngineConfig) -> Se
     )
 
 
-async def publish_engine_stats(metrics: ServeMetrics, engine: RayEngine) -> None:
+async def publish_engine_stats(metrics: ServeMetrics, engine: EngineClient) -> None:
     """The engine's gauges and totals into Ray's metrics, each period (a gauge not set for two of Ray's report
     periods ages out of the export)."""
     while True:
         try:
-            metrics.record_engine(await asyncio.to_thread(engine.stats))
+            metrics.record_engine(await engine.get_stats())
         except Exception:  # a dead engine fails check_health, which restarts this replica
             pass
         await asyncio.sleep(ENGINE_STATS_PERIOD_S)

@@ -21,10 +21,8 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
-from engine.ray_client import RayEngine
-from engine.request_check import check_request
+from engine.client import EngineClient, engine_client, prompt_block_hashes
 from scheduler import EngineRequest, KVTransferError, RequestError, RequestOutput, SchedulerStats, merge_deltas
-from scheduler.request import Request
 from serve.metrics import publish_engine_stats, replica_metrics
 from serve.options import AppArgs
 from serve.router import HASHES_KWARG, replica_routing_stats
@@ -38,13 +36,13 @@ class PrefillUnavailable(RuntimeError):
 
 @serve.deployment(name="PrefillServer")
 class PrefillServer:
-    """One prefill replica: a RayEngine (its own tensor-parallel size) that computes prompts and exports their
+    """One prefill replica: an engine (its own tensor-parallel size) that computes prompts and exports their
     KV. It serves no HTTP; the decode replicas call ``prefill`` through a handle. Its engine's gauges and totals
     (queues, KV-cache usage, prefix-cache queries and hits, steps) go to Ray's metrics export under its own
     ``replica`` label, as a decode replica's do: what it serves (tokens, latencies) the decode replica counts."""
 
     async def __init__(self, args: AppArgs) -> None:
-        self.engine = RayEngine(args.engine, placement_group=ray.util.get_current_placement_group(), first_bundle=1)
+        self.engine = engine_client(args.engine, ray.util.get_current_placement_group(), first_bundle=1)
         self.metrics = replica_metrics(args.model_name, self.engine, args.engine)
         self._publisher = asyncio.get_running_loop().create_task(publish_engine_stats(self.metrics, self.engine))
 
@@ -60,10 +58,10 @@ class PrefillServer:
 
     async def stats(self) -> SchedulerStats:
         """This replica's engine's figures (prompts queried and found in its prefix cache, its queues)."""
-        return await asyncio.to_thread(self.engine.stats)
+        return await self.engine.get_stats()
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        return await asyncio.to_thread(replica_routing_stats, self.engine)
+        return await replica_routing_stats(self.engine)
 
     async def check_health(self) -> None:
         await asyncio.to_thread(self.engine.check_health)
@@ -85,7 +83,7 @@ def splits(request: EngineRequest) -> bool:
 
 class PDEngine:
     """The decode replica's ``generate``: the request's prompt computed on a prefill replica, the rest decoded on
-    ``decode`` (this replica's RayEngine), as one stream of deltas equal to the unified engine's (greedy: the same
+    ``decode`` (this replica's engine), as one stream of deltas equal to the unified engine's (greedy: the same
     tokens and logprobs; the usage's cached tokens are the decode engine's prefix hit, as unified).
 
     Invariants: a failed prefill (its replica died) or a KV transfer that did not arrive is retried once, then the
@@ -94,7 +92,7 @@ class PDEngine:
     holds the prefill calls in flight, which ``end_callers`` cancels.
     """
 
-    def __init__(self, decode: RayEngine, prefill: DeploymentHandle) -> None:
+    def __init__(self, decode: EngineClient, prefill: DeploymentHandle) -> None:
         self.decode = decode
         self.prefill = prefill
         self.block_size = decode.config.block_size
@@ -102,14 +100,14 @@ class PDEngine:
         self.ending: BaseException | None = None
 
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        """As RayEngine.generate: a RequestError is raised by this call, before any stream exists."""
+        """As EngineClient.generate: a RequestError is raised by this call, before any stream exists."""
         if not splits(request):
             return self.decode.generate(request)
-        check_request(request, self.decode.spec, self.decode.max_model_len)
+        self.decode.check_request(request)
         return self._split(request)
 
     def end_callers(self, error: BaseException) -> int:
-        """End every stream by raising ``error`` in it (RayEngine.end_callers), those still prefilling too."""
+        """End every stream by raising ``error`` in it (EngineClient.end_callers), those still prefilling too."""
         self.ending = error
         for response in self.prefilling:
             response.cancel()
@@ -132,7 +130,7 @@ class PDEngine:
             sampling_params=dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1)),
             kv_export_from_block=hit,
         )
-        hashes = Request(request, block_size=self.block_size).block_hashes
+        hashes = prompt_block_hashes(request, self.block_size)
         first = await self._prefill(prefill_request, hashes)
         if first.finish_reason != "length":  # a stop token or an error: the whole answer, as the unified engine's
             yield dataclasses.replace(first, kv_transfer=None, num_cached_tokens=hit * self.block_size)

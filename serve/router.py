@@ -54,10 +54,9 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from engine.client import EngineClient, prompt_block_hashes
 from engine.model_files import load_tokenizer
-from scheduler.block_hash import BlockHash
-from scheduler.request import EngineRequest
-from scheduler.request import Request as SchedulerRequest  # fastapi names its own Request
+from scheduler import EngineRequest
 from serve.options import AppArgs
 from serve.prompts import body_prompt_ids
 
@@ -68,15 +67,13 @@ OVERLOAD_FACTOR = 2.0
 MIN_HIT_BLOCKS = 1
 
 
-def replica_routing_stats(engine: Any) -> dict[str, Any]:
+async def replica_routing_stats(engine: EngineClient) -> dict[str, Any]:
     """What one replica publishes (``LLMServer.record_routing_stats``)."""
-    hashes, num_requests = engine.routing_digest(DIGEST_BLOCKS)
+    hashes, num_requests = await engine.routing_digest(DIGEST_BLOCKS)
     return {"block_hashes": frozenset(hashes), "num_requests": num_requests, "time": time.time()}
 
 
-def request_block_hashes(
-    tokenizer: Any, body: bytes, block_size: int, base_model: str | None = None
-) -> list[BlockHash]:
+def request_block_hashes(tokenizer: Any, body: bytes, block_size: int, base_model: str | None = None) -> list[bytes]:
     """The chained hashes of the prompt's full blocks, as the scheduler computes them (a ``model`` other than
     `base_model` names a LoRA adapter, hashed in as the scheduler does); [] for a body that the replica would
     refuse (it answers that with a 400, not the router)."""
@@ -88,7 +85,7 @@ def request_block_hashes(
         request = EngineRequest(
             request_id="route", prompt_token_ids=ids, cache_salt=data.get("cache_salt"), lora_name=lora_name
         )
-        return SchedulerRequest(request, block_size=block_size).block_hashes
+        return prompt_block_hashes(request, block_size)
     except Exception:  # anything the body's validation, its template or its ids raise: the replica says what
         return []
 
@@ -109,10 +106,10 @@ class RecentRoutes:
     """The requests this router sent one replica lately: (time, block hashes) oldest first, and how many of
     them hold each hash. Invariant: ``counts`` counts exactly the hashes of ``routes``."""
 
-    routes: deque[tuple[float, list[BlockHash]]] = field(default_factory=deque)
-    counts: Counter[BlockHash] = field(default_factory=Counter)
+    routes: deque[tuple[float, list[bytes]]] = field(default_factory=deque)
+    counts: Counter[bytes] = field(default_factory=Counter)
 
-    def add(self, t: float, hashes: list[BlockHash]) -> None:
+    def add(self, t: float, hashes: list[bytes]) -> None:
         self.routes.append((t, hashes))
         self.counts.update(hashes)
 
@@ -166,7 +163,7 @@ class PrefixCacheRouter(FIFOMixin, RequestRouter):
         return [[chosen]]
 
 
-def _hit(hashes: list[BlockHash], digest: frozenset[BlockHash], recent: Counter[BlockHash]) -> int:
+def _hit(hashes: list[bytes], digest: frozenset[bytes], recent: Counter[bytes]) -> int:
     n = 0
     for h in hashes:
         if h not in digest and recent[h] <= 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.adapters import EngineAdapters
+from engine.client import EngineAdapters
 from scheduler import RequestError
 from serve.lora_registry import registry
 from serve.protocol.models import ModelCard

@@ -22,6 +22,7 @@ from ray import serve
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
+from engine.client import engine_client
 from engine.model_files import (
     generation_defaults,
     load_tokenizer,
@@ -29,7 +30,6 @@ from engine.model_files import (
     pooling_type,
     serves_embeddings,
 )
-from engine.ray_client import RayEngine
 from scheduler import RequestError, SamplingParams
 from serve import grpc_replies
 from serve.admission import Admission
@@ -82,7 +82,7 @@ from serve.tools import ToolCalling
 @serve.deployment(name="LLMServer")
 @serve.ingress(app)
 class LLMServer:
-    """One replica: a RayEngine, the tokenizer, and this replica's metrics.
+    """One replica: its engine (engine/client.py's EngineClient), the tokenizer, and this replica's metrics.
 
     Every request is parsed (400 naming the parameter), sized against the
     context and the KV cache, and tokenized here; the engine's check of it
@@ -95,7 +95,7 @@ class LLMServer:
     """
 
     async def __init__(self, args: AppArgs, prefill: DeploymentHandle | None = None) -> None:
-        self.engine = RayEngine(args.engine, placement_group=ray.util.get_current_placement_group(), first_bundle=1)
+        self.engine = engine_client(args.engine, ray.util.get_current_placement_group(), first_bundle=1)
         self.pd = PDEngine(self.engine, prefill) if prefill is not None else None
         self.tokenizer = load_tokenizer(args.engine, self.engine.model_path)
         self.sampling_defaults = generation_defaults(args.engine, self.engine.model_path)
@@ -126,7 +126,7 @@ class LLMServer:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Serve's controller for the request router: this replica's prefix-cache digest and load."""
-        return await asyncio.to_thread(replica_routing_stats, self.engine)
+        return await replica_routing_stats(self.engine)
 
     async def check_health(self) -> None:
         """Serve's periodic check: raising restarts this replica (and so its engine)."""
@@ -372,7 +372,7 @@ class LLMServer:
             await asyncio.to_thread(self.engine.check_health)
             if self.pd is not None:
                 await self.pd.check_prefill()
-        except Exception as e:  # RayEngine.check_health's reason says what is wrong; the code says it is unhealthy
+        except Exception as e:  # the engine's check_health's reason says what is wrong; the code says it is unhealthy
             return json_response(APIError(503, str(e), code="engine_unhealthy").body(), 503)
         return Response(status_code=200)
 

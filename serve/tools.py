@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.client import closed_schema
 from scheduler import StructuredOutputsParams
 from serve.protocol.chat import (
     ChatMessage,
@@ -23,7 +24,6 @@ from serve.protocol.chat import (
     ToolCall,
 )
 from serve.protocol.parsing import bad_request
-from workers.grammars import closed_schema
 
 START, END = "<tool_call>", "</tool_call>"
 HERMES, LLAMA3 = "hermes", "llama3"

@@ -113,3 +113,55 @@ def test_no_room_holds_more_than_a_quarter_of_the_shipped_lines():
     total = sum(lines.values())
     big = {room: f"{n / total:.0%}" for room, n in lines.items() if n > MAX_ROOM_SHARE * total}
     assert not big, f"rooms over {MAX_ROOM_SHARE:.0%} of {total} shipped lines: {big}"
+
+
+# The engine modules serve may import. The client (what a replica talks to its engine through) and the settings,
+# and three that hold no engine state: model_files, what a model directory says as the settings select it (the
+# tokenizer, generation defaults, pooling), read where no engine runs too (the request router's deployment);
+# connect and placement, the launch work of serve/app.py's driver, which starts Ray with room for every replica and
+# sizes each deployment's placement group with the engine's bundles before any engine exists (Serve, not the
+# engine, reserves a replica's group); and network, this host's free ports for Serve's proxies.
+SERVE_ENGINE_MODULES = {
+    "engine.client",
+    "engine.config",
+    "engine.model_files",
+    "engine.connect",
+    "engine.placement",
+    "engine.network",
+}
+# What serve takes from the scheduler: the request going in, its deltas and errors coming out, its sampling
+# settings and the engine's stats, all exported by the scheduler package; never the scheduler's own state
+# (scheduler.request.Request, block hashes), which the engine computes for it (engine.client).
+SERVE_SCHEDULER_NAMES = {
+    "EngineRequest",
+    "KVTransferError",
+    "RequestError",
+    "RequestOutput",
+    "SampledLogprobs",
+    "SamplingParams",
+    "SchedulerStats",
+    "StructuredOutputsParams",
+    "merge_deltas",
+}
+
+
+def test_serve_reaches_the_engine_through_its_client_only():
+    """serve talks to one EngineClient (engine/client.py), never to an engine's parts or the scheduler's state:
+    the engine modules it imports are SERVE_ENGINE_MODULES, and from the scheduler only SERVE_SCHEDULER_NAMES,
+    through the package."""
+    modules = shipped_modules()
+    wrong = []
+    for module, path in modules.items():
+        if module.split(".")[0] != "serve":
+            continue
+        for target in imports(path, set(modules)):
+            if target.startswith(("engine.", "workers.", "kernels.")) and target not in SERVE_ENGINE_MODULES:
+                wrong.append(f"{module} -> {target}")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "scheduler":
+                names = {a.name for a in node.names}
+                if node.module != "scheduler" or names - SERVE_SCHEDULER_NAMES:
+                    wrong.append(f"{module} -> {node.module}: {sorted(names)}")
+            elif isinstance(node, ast.Import) and any(a.name.split(".")[0] == "scheduler" for a in node.names):
+                wrong.append(f"{module} -> {[a.name for a in node.names]}")
+    assert not wrong, "serve reaching past the engine's client:\n" + "\n".join(sorted(wrong))

@@ -8,9 +8,9 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.client import closed_schema
 from scheduler import RequestError, SamplingParams, StructuredOutputsParams
 from serve.protocol.parsing import APIError, Seed, Strict, TokenId, bad_request
-from workers.grammars import closed_schema
 
 
 class StreamOptions(BaseModel):

@@ -2,6 +2,7 @@
 the other gives the unified engine's greedy tokens and logprobs, moves only the blocks the decode engine lacks,
 and leaves no block or staged KV behind."""
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -38,7 +39,7 @@ def tokens_and_logprobs(deltas: list[RequestOutput]) -> tuple[list[int], list[fl
 def disaggregated(prefill: InProcessEngine, decode: InProcessEngine, request: EngineRequest) -> list[RequestOutput]:
     """What the PD ingress does: ask the decode engine what it holds, prefill there with max_tokens 1, decode
     here; the prefill's delta first."""
-    first_block = decode.prefix_hit_blocks(request)
+    first_block = asyncio.run(decode.prefix_hit_blocks(request))
     one = dataclasses.replace(request.sampling_params, max_tokens=1)
     (first,) = outputs(prefill, dataclasses.replace(request, sampling_params=one, kv_export_from_block=first_block))
     assert first.kv_transfer is not None and first.kv_transfer.first_block == first_block
@@ -88,7 +89,7 @@ def test_a_prefix_the_decode_engine_holds_is_not_moved(engines):
     first = EngineRequest(request_id="a", prompt_token_ids=shared + [5, 6, 7], sampling_params=params())
     second = EngineRequest(request_id="b", prompt_token_ids=shared + [9, 10, 11, 12], sampling_params=params())
     disaggregated(prefill, decode, first)
-    assert decode.prefix_hit_blocks(second) == 32 // BLOCK
+    assert asyncio.run(decode.prefix_hit_blocks(second)) == 32 // BLOCK
     got = disaggregated(prefill, decode, second)
     transfer = got[0].kv_transfer
     assert transfer.first_block == 4 and transfer.num_blocks == 1  # the 36-token prompt's fifth block only

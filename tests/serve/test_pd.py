@@ -261,14 +261,11 @@ class FakePrefill:
 
 
 class FakeDecode:
-    """A decode RayEngine: ``prefix_hit_blocks`` answers ``hit``; each ``generate`` raises the next of ``failures``
-    (before any delta) or streams two tokens, recording the requests."""
+    """A decode engine (an EngineClient): ``prefix_hit_blocks`` answers ``hit``; each ``generate`` raises the next of
+    ``failures`` (before any delta) or streams two tokens, recording the requests."""
 
     class config:
         block_size = 16
-
-    spec = None
-    max_model_len = MAX_MODEL_LEN
 
     def __init__(self, hit: int, *failures: BaseException) -> None:
         self.hit = hit
@@ -277,6 +274,9 @@ class FakeDecode:
 
     async def prefix_hit_blocks(self, request: EngineRequest) -> int:
         return self.hit
+
+    def check_request(self, request: EngineRequest) -> EngineRequest:
+        return request  # it runs no model: any request will do
 
     def generate(self, request: EngineRequest):
         self.requests.append(request)
@@ -299,8 +299,7 @@ def transfer(token: int) -> KVTransfer:
     )
 
 
-def run_pd(decode: FakeDecode, prefill: FakePrefill, monkeypatch) -> list[RequestOutput]:
-    monkeypatch.setattr("serve.pd.check_request", lambda request, spec, max_model_len: request)
+def run_pd(decode: FakeDecode, prefill: FakePrefill) -> list[RequestOutput]:
     request = EngineRequest(
         request_id="r",
         prompt_token_ids=list(range(40)),
@@ -314,9 +313,9 @@ def run_pd(decode: FakeDecode, prefill: FakePrefill, monkeypatch) -> list[Reques
     return asyncio.run(collect())
 
 
-def test_pd_streams_the_prefilled_token_then_the_decode_engines(monkeypatch):
+def test_pd_streams_the_prefilled_token_then_the_decode_engines():
     decode, prefill = FakeDecode(hit=2), FakePrefill(delta([7], "length", kv_transfer=transfer(7)))
-    outs = run_pd(decode, prefill, monkeypatch)
+    outs = run_pd(decode, prefill)
     assert [o.new_token_ids for o in outs] == [[7], [8], [9]]
     assert [o.finished for o in outs] == [False, False, True]
     assert outs[0].kv_transfer is None
@@ -329,37 +328,37 @@ def test_pd_streams_the_prefilled_token_then_the_decode_engines(monkeypatch):
     assert decode.requests[0].sampling_params.prompt_logprobs is None  # they came with the prefilled token
 
 
-def test_pd_answers_a_prompt_that_stops_at_its_first_token_from_the_prefill_alone(monkeypatch):
+def test_pd_answers_a_prompt_that_stops_at_its_first_token_from_the_prefill_alone():
     decode, prefill = FakeDecode(hit=2), FakePrefill(delta([0], "stop", kv_transfer=transfer(0), num_cached_tokens=0))
-    outs = run_pd(decode, prefill, monkeypatch)
+    outs = run_pd(decode, prefill)
     assert [(o.new_token_ids, o.finish_reason, o.num_cached_tokens) for o in outs] == [([0], "stop", 32)]
     assert decode.requests == []
 
 
-def test_pd_retries_a_failed_prefill_once_then_fails_saying_so(monkeypatch):
+def test_pd_retries_a_failed_prefill_once_then_fails_saying_so():
     decode = FakeDecode(hit=0)
     prefill = FakePrefill(RuntimeError("replica died"), delta([7], "length", kv_transfer=transfer(7)))
-    assert [o.new_token_ids for o in run_pd(decode, prefill, monkeypatch)] == [[7], [8], [9]]
+    assert [o.new_token_ids for o in run_pd(decode, prefill)] == [[7], [8], [9]]
     assert [r.request_id for r in prefill.requests] == ["r-prefill1", "r-prefill2"]
     with pytest.raises(PrefillUnavailable, match="tried twice.*gone again"):
-        run_pd(FakeDecode(hit=0), FakePrefill(RuntimeError("gone"), RuntimeError("gone again")), monkeypatch)
+        run_pd(FakeDecode(hit=0), FakePrefill(RuntimeError("gone"), RuntimeError("gone again")))
 
 
-def test_pd_retries_a_lost_kv_transfer_on_a_new_prefill_keeping_the_token_it_streamed(monkeypatch):
+def test_pd_retries_a_lost_kv_transfer_on_a_new_prefill_keeping_the_token_it_streamed():
     decode = FakeDecode(0, KVTransferError("the part is lost"))
     prefill = FakePrefill(delta([7], "length", kv_transfer=transfer(7)), delta([5], "length", kv_transfer=transfer(5)))
-    outs = run_pd(decode, prefill, monkeypatch)
+    outs = run_pd(decode, prefill)
     assert [o.new_token_ids for o in outs] == [[7], [8], [9]]  # 7 streamed once
     retried = decode.requests[1].kv_transfer
     assert (retried.parts[0].data, retried.token_ids) == (5, [7])  # the new KV, the token already streamed
     decode = FakeDecode(0, KVTransferError("lost"), KVTransferError("lost again"))
     prefill = FakePrefill(*[delta([7], "length", kv_transfer=transfer(7))] * 2)
     with pytest.raises(PrefillUnavailable, match="lost again"):
-        run_pd(decode, prefill, monkeypatch)
+        run_pd(decode, prefill)
     decode = FakeDecode(0, KVTransferError("lost"))
     prefill = FakePrefill(delta([7], "length", kv_transfer=transfer(7)), delta([], "error", error="step failed"))
     with pytest.raises(PrefillUnavailable, match=r"KV was lost \(lost\), and its prefill again: step failed"):
-        run_pd(decode, prefill, monkeypatch)
+        run_pd(decode, prefill)
 
 
 @pytest.mark.parametrize(
