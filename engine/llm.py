@@ -17,7 +17,8 @@ from engine.model_files import (
     pooling_type,
     serves_embeddings,
 )
-from scheduler import EngineRequest, RequestError, SampledLogprobs, SamplingParams
+from engine.output import SampleOutput
+from scheduler import EngineRequest, RequestError, RequestOutput, SampledLogprobs, SamplingParams
 from workers.grammars import closed_schema
 
 
@@ -131,82 +132,43 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or self.default_sampling_params()] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         loras = lora_name if isinstance(lora_name, list) else [lora_name] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"got {len(loras)} lora_name entries for {len(prompts)} prompts")
-        for i, p in enumerate(priority or ()):
-            if not isinstance(p, int) or isinstance(p, bool):
-                raise ValueError(f"priority[{i}]={p!r} is not an int")
-        params_list = [self._closed(p) for p in params_list]
-        results = [
-            GenerateOutput(
-                str(next(self._ids)),
-                p if isinstance(p, str) else None,
-                self.tokenizer.encode(p) if isinstance(p, str) else list(p),
+        check_per_prompt(len(prompts), params_list, priority, loras)
+        requests = [
+            EngineRequest(
+                request_id=str(next(self._ids)),
+                prompt_token_ids=self.tokenizer.encode(p) if isinstance(p, str) else list(p),
+                sampling_params=self._closed(params_list[i]),
+                priority=priority[i] if priority else 0,
+                lora_name=loras[i],
             )
-            for p in prompts
+            for i, p in enumerate(prompts)
         ]
-        by_id = {r.request_id: r for r in results}
         total = sum(p.n for p in params_list if isinstance(p, SamplingParams))  # the engine refuses others
-        bar = tqdm(total=total, desc="generate", disable=not use_tqdm, unit="seq")
-        engine = self.engine
-        pending: dict[tuple[str, int], Completion] = {}
+        with tqdm(total=total, desc="generate", disable=not use_tqdm, unit="seq") as bar:
+            outputs = Outputs(self.tokenizer, requests, prompts, bar)
+            self._run(requests, outputs)
+        return outputs.results
 
-        def absorb(outs) -> None:
-            for o in outs:
-                if o.request_id not in by_id:  # a request of an earlier call's, aborted when that call failed
-                    continue
-                c = pending.get((o.request_id, o.index))
-                if c is None:
-                    c = pending[(o.request_id, o.index)] = Completion(o.index, "", [], None, None)
-                c.token_ids.extend(o.new_token_ids)
-                r = by_id[o.request_id]
-                if o.prompt_logprobs is not None and r.prompt_logprobs is None:  # n > 1: every sample brings the same
-                    r.prompt_logprobs = [None, *o.prompt_logprobs]
-                if o.new_logprobs:
-                    c.logprobs = (c.logprobs or []) + o.new_logprobs
-                if o.embedding is not None:
-                    r.embedding = o.embedding
-                if o.finished:
-                    c.finish_reason, c.error = o.finish_reason, o.error
-                    by_id[o.request_id].num_cached_tokens = o.num_cached_tokens
-                    bar.update(1)
-
-        submitted = 0
+    def _run(self, requests: list[EngineRequest], outputs: Outputs) -> None:
+        """Submit every request and step the engine until all have finished, aborting each one whose samples all
+        ended at a stop string; a call that fails or is interrupted part-way aborts every request it submitted."""
+        engine, submitted = self.engine, 0
         try:
-            for i, (r, p) in enumerate(zip(results, params_list)):
+            for i, request in enumerate(requests):
                 submitted += 1  # before the call: aborting a request the engine never took is a no-op
                 try:
-                    finals = engine.add_request(
-                        EngineRequest(
-                            request_id=r.request_id,
-                            prompt_token_ids=r.prompt_token_ids,
-                            sampling_params=p,
-                            priority=priority[i] if priority else 0,
-                            lora_name=loras[i],
-                        )
-                    )
+                    outputs.absorb(engine.add_request(request))
                 except RequestError as e:
                     where = f"request {i} (prompts[{i}], params[{i}])"
                     raise RequestError(e.field, e.value, e.rule, f"{where}: {e}") from None
-                absorb(finals)
             while engine.has_unfinished_requests():
-                absorb(engine.step())
+                for request_id in outputs.absorb(engine.step()):
+                    engine.abort(request_id)
         except BaseException:  # KeyboardInterrupt too: no request of this call may run on
-            for r in results[:submitted]:
-                engine.abort(r.request_id)
+            for request in requests[:submitted]:
+                engine.abort(request.request_id)
             raise
-        finally:
-            bar.close()
-        for r in results:
-            r.outputs = sorted((c for (rid, _), c in pending.items() if rid == r.request_id), key=lambda c: c.index)
-            for c in r.outputs:
-                c.text = self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-        return results
 
     def embed(
         self,
@@ -229,3 +191,85 @@ class LLM:
         if failed is not None:
             raise RuntimeError(f"request {failed.request_id} got no embedding: {failed.outputs[0].error}")
         return [EmbeddingOutput(r.request_id, r.prompt, r.prompt_token_ids, r.embedding) for r in results]
+
+
+def check_per_prompt(
+    num_prompts: int, params: list[SamplingParams], priority: list[int] | None, loras: list[str | None]
+) -> None:
+    """``generate``'s per-prompt lists: one entry per prompt, and int priorities."""
+    for what, entries in (("SamplingParams", params), ("priorities", priority), ("lora_name entries", loras)):
+        if entries is not None and len(entries) != num_prompts:
+            raise ValueError(f"got {len(entries)} {what} for {num_prompts} prompts")
+    for i, p in enumerate(priority or ()):
+        if not isinstance(p, int) or isinstance(p, bool):
+            raise ValueError(f"priority[{i}]={p!r} is not an int")
+
+
+class Outputs:
+    """What one ``generate`` call has gathered from the engine's deltas, as ``results`` (one GenerateOutput per
+    request, in order).
+
+    Each sample's text is built as its deltas arrive by the output path the server streams with (SampleOutput:
+    incremental detokenization, stop strings), so both give the same text and finish reason. Invariants: a
+    sample's deltas after it finished (a stop string matched while the engine still ran it) are dropped, as
+    the server drops them; deltas of requests not of this call (an earlier call's, aborted when it failed) are
+    ignored; ``bar`` advances once per sample that finished.
+    """
+
+    def __init__(self, tokenizer, requests: list[EngineRequest], prompts: list, bar: tqdm) -> None:
+        self.tokenizer, self.bar = tokenizer, bar
+        self.requests = {r.request_id: r for r in requests}
+        self.results = [
+            GenerateOutput(r.request_id, p if isinstance(p, str) else None, r.prompt_token_ids)
+            for r, p in zip(requests, prompts)
+        ]
+        self.by_id = {r.request_id: r for r in self.results}
+        self.samples: dict[tuple[str, int], tuple[SampleOutput, Completion]] = {}
+        self.engine_finished: set[tuple[str, int]] = set()
+
+    def absorb(self, deltas: list[RequestOutput]) -> list[str]:
+        """Take the engine's deltas; return the requests whose samples have all finished here while the engine
+        still runs one of them (stopped by a stop string: the caller aborts them there)."""
+        stopped = []
+        for o in deltas:
+            if o.request_id not in self.by_id:
+                continue
+            if o.finished:
+                self.engine_finished.add((o.request_id, o.index))
+            if self._absorb(o) and self._stopped_here(o.request_id):
+                stopped.append(o.request_id)
+        return stopped
+
+    def _absorb(self, o: RequestOutput) -> bool:
+        """Fold one delta into its sample; whether it finished the sample."""
+        r = self.by_id[o.request_id]
+        sample, c = self._sample(r, o.index)
+        if sample.finish_reason is not None:
+            return False
+        if o.prompt_logprobs is not None and r.prompt_logprobs is None:  # n > 1: every sample brings the same
+            r.prompt_logprobs = [None, *o.prompt_logprobs]
+        if o.new_logprobs:
+            c.logprobs = (c.logprobs or []) + o.new_logprobs
+        if o.embedding is not None:
+            r.embedding = o.embedding
+        c.text += sample.add(o.new_token_ids, o.finish_reason if o.finished else None)
+        c.finish_reason = sample.finish_reason
+        if o.finished:
+            c.error, r.num_cached_tokens = o.error, o.num_cached_tokens
+        if sample.finish_reason is not None:
+            self.bar.update(1)
+        return sample.finish_reason is not None
+
+    def _sample(self, r: GenerateOutput, index: int) -> tuple[SampleOutput, Completion]:
+        """Sample ``index`` of ``r``: its output path and its Completion (made on its first delta)."""
+        key = (r.request_id, index)
+        if key not in self.samples:
+            sample = SampleOutput(self.tokenizer, r.prompt_token_ids, self.requests[r.request_id].sampling_params)
+            self.samples[key] = sample, Completion(index, "", sample.token_ids, None)
+            r.outputs = sorted([*r.outputs, self.samples[key][1]], key=lambda c: c.index)
+        return self.samples[key]
+
+    def _stopped_here(self, request_id: str) -> bool:
+        keys = [(request_id, i) for i in range(self.requests[request_id].sampling_params.n)]
+        finished = all(k in self.samples and self.samples[k][0].finish_reason is not None for k in keys)
+        return finished and not all(k in self.engine_finished for k in keys)

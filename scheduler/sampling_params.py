@@ -81,8 +81,9 @@ class SamplingParams:
     The real-valued fields are stored as floats. ``seed`` takes
     torch.Generator.manual_seed's range, [-2**63, 2**64): a negative seed is the
     same generator as seed + 2**64. ``greedy`` rows are argmaxed, including
-    temperatures below 1e-5. Stop *strings* are a text concern and live in the
-    serving layer; the scheduler only knows token-level stops.
+    temperatures below 1e-5. The scheduler only knows token-level stops; ``stop`` strings (a ``str`` is one),
+    ``include_stop_str_in_output`` and ``skip_special_tokens`` are a text concern, honoured where the text is
+    built (engine/output.py), for the offline LLM and the server alike.
 
     ``logit_bias`` adds its value (in [-100, 100], OpenAI's range) to each
     listed token's logit; ``allowed_token_ids`` restricts sampling to those
@@ -112,6 +113,9 @@ class SamplingParams:
     max_tokens: int = 16
     min_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None
@@ -184,7 +188,8 @@ class SamplingParams:
             self.prompt_logprobs,
             "must be None or in [0, 20]",
         )
-        _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "must be a bool")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be a bool")
         _check(
             isinstance(self.disable_spec_decode, bool),
             "disable_spec_decode",
@@ -201,6 +206,14 @@ class SamplingParams:
             "must be a list of non-negative integers",
         )
         self.stop_token_ids = list(self.stop_token_ids)
+        self.stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        _check(
+            isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop),
+            "stop",
+            self.stop,
+            "must be a string or a list of strings",
+        )
+        self.stop = list(self.stop)
         bias = self.logit_bias
         _check(
             bias is None

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.client import EngineStopping
+from engine.output import SampleOutput
 from scheduler import EngineRequest, RequestError, RequestOutput, SampledLogprobs, SamplingParams
-from serve.detokenize import TextStream
 from serve.metrics import ServeMetrics
 from serve.protocol.output import PromptTokensDetails, Usage, new_id
 from serve.protocol.parsing import APIError
@@ -19,15 +19,22 @@ from serve.protocol.sampling import SamplingFields
 
 @dataclass(slots=True)
 class Sample:
-    """One of a request's ``n`` choices: its text so far and how it ended (set exactly once)."""
+    """One of a request's ``n`` choices: its output (token ids, text, how it ended: set exactly once, by the
+    engine's output path or here for an abort or a failure) and what the server adds to it."""
 
-    text: TextStream
-    token_ids: list[int] = field(default_factory=list)
+    output: SampleOutput
     first_token_time: float | None = None
     last_token_time: float | None = None
-    finish_reason: str | None = None
     error: APIError | None = None
     prompt_logprobs: list[SampledLogprobs] | None = None  # prompt tokens 1.., when asked
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.output.token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.output.finish_reason
 
 
 @dataclass(slots=True)
@@ -81,14 +88,7 @@ class Generation:
     ) -> None:
         self.metrics = metrics
         self.prompt_ids = prompt_ids
-        self.samples = [
-            Sample(
-                TextStream(
-                    tokenizer, prompt_ids, req.stop_strings, req.skip_special_tokens, req.include_stop_str_in_output
-                )
-            )
-            for _ in range(params.n)
-        ]
+        self.samples = [Sample(SampleOutput(tokenizer, prompt_ids, params)) for _ in range(params.n)]
         self.arrival = time.monotonic()
         self.timeout_s = timeout_s
         self.deadline = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
@@ -166,18 +166,14 @@ class Generation:
             # Inside the branch: Ray's counters refuse an increment of 0, and a final delta without tokens (an
             # error, an abort) must reach the caller as itself, not as that refusal.
             self.metrics.generation_tokens.inc(len(out.new_token_ids))
-        s.token_ids += out.new_token_ids
         if out.prompt_logprobs is not None:
             s.prompt_logprobs = out.prompt_logprobs
-        text = s.text.add(out.new_token_ids)
-        if s.text.stopped:
-            s.finish_reason = "stop"
-        elif out.finished:
-            s.finish_reason = out.finish_reason
-            s.error = engine_unavailable(f"the engine failed: {out.error}") if out.error is not None else None
+        text = s.output.add(out.new_token_ids, out.finish_reason if out.finished else None)
+        if out.finished:
+            if out.error is not None and s.finish_reason == "error":
+                s.error = engine_unavailable(f"the engine failed: {out.error}")
             self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
             self.queued_s = out.queued_s if self.queued_s is None else self.queued_s
-            text += s.text.finish()
         if s.finish_reason is not None:
             self.metrics.finished(s.finish_reason, len(s.token_ids), self.arrival, s.first_token_time, t, self.queued_s)
         return [
@@ -187,7 +183,7 @@ class Generation:
     def _end_unfinished(self, reason: str, error: APIError | None = None) -> None:
         for s in self.samples:
             if s.finish_reason is None:
-                s.finish_reason, s.error = reason, error
+                s.output.finish_reason, s.error = reason, error
                 self.metrics.finished(
                     reason, len(s.token_ids), self.arrival, s.first_token_time, time.monotonic(), self.queued_s
                 )

@@ -120,7 +120,8 @@ def test_no_room_holds_more_than_a_quarter_of_the_shipped_lines():
 # tokenizer, generation defaults, pooling), read where no engine runs too (the request router's deployment);
 # connect and placement, the launch work of serve/app.py's driver, which starts Ray with room for every replica and
 # sizes each deployment's placement group with the engine's bundles before any engine exists (Serve, not the
-# engine, reserves a replica's group); and network, this host's free ports for Serve's proxies.
+# engine, reserves a replica's group); network, this host's free ports for Serve's proxies; and output, the one
+# output path (text and stop strings from a request's deltas) that the offline LLM and the server share.
 SERVE_ENGINE_MODULES = {
     "engine.client",
     "engine.config",
@@ -128,6 +129,7 @@ SERVE_ENGINE_MODULES = {
     "engine.connect",
     "engine.placement",
     "engine.network",
+    "engine.output",
 }
 # What serve takes from the scheduler: the request going in, its deltas and errors coming out, its sampling
 # settings and the engine's stats, all exported by the scheduler package; never the scheduler's own state

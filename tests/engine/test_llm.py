@@ -226,6 +226,27 @@ def test_logprobs_and_finish_reasons(smol):
     assert out.outputs[0].finish_reason in ("stop", "length") and out.outputs[0].text
 
 
+def test_stop_strings_cut_transformers_greedy_text_as_the_server_does(smol):
+    """Offline stop strings, through the output path the server streams with (engine/output.py): the text is
+    transformers' greedy text cut at the stop string (with it, under include_stop_str_in_output), the sample
+    finishes "stop", its tokens end with the delta that completed the stop string, and nothing runs on."""
+    llm, ids, expected = smol
+    free_text = llm.tokenizer.decode(expected[7], skip_special_tokens=True)
+    stop = free_text[3:7]  # a few characters into the text: it straddles tokens
+    assert stop.strip() and len(expected[7]) == NEW_TOKENS, free_text
+    cut = free_text.index(stop)
+    plain, included = llm.generate(
+        [ids[7]] * 2,
+        [greedy(1000, stop=[stop]), greedy(1000, stop=stop, include_stop_str_in_output=True)],
+        use_tqdm=False,
+    )
+    assert not llm.engine.has_unfinished_requests()
+    for out, text in ((plain, free_text[:cut]), (included, free_text[: cut + len(stop)])):
+        c = out.outputs[0]
+        assert (c.text, c.finish_reason) == (text, "stop")
+        assert c.token_ids == expected[7][: len(c.token_ids)] and len(c.token_ids) < NEW_TOKENS
+
+
 def test_bad_input_raises_naming_it_and_leaves_nothing_running(smol, tmp_path):
     """The engine's check refuses request 1; request 0, submitted before it, is aborted."""
     llm, ids, _ = smol

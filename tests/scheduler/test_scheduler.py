@@ -96,6 +96,10 @@ def test_scheduler_package_never_imports_torch():
         ({"stop_token_ids": [True]}, "stop_token_ids"),
         ({"stop_token_ids": None}, "stop_token_ids"),
         ({"ignore_eos": "no"}, "ignore_eos"),
+        ({"stop": 7}, "stop"),
+        ({"stop": ["a", None]}, "stop"),
+        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+        ({"skip_special_tokens": "yes"}, "skip_special_tokens"),
         ({"disable_spec_decode": 1}, "disable_spec_decode"),
         ({"pooling": "cls", "max_tokens": 1}, "pooling"),
         ({"pooling": "last", "max_tokens": 2}, "pooling"),
@@ -113,6 +117,7 @@ def test_sampling_params_reject_bad_values_naming_the_field(kw, field):
 def test_sampling_params_accept_the_edges_of_their_ranges():
     p = SamplingParams(temperature=2, top_p=1, repetition_penalty=3, seed=2**64 - 1, stop_token_ids=(5,))
     assert p.temperature == 2.0 and type(p.temperature) is float and p.stop_token_ids == [5]
+    assert SamplingParams(stop="END").stop == ["END"] and SamplingParams(stop=("a", "b")).stop == ["a", "b"]
     assert SamplingParams(seed=-(2**63)).seed == -(2**63)  # torch.Generator.manual_seed's range
     # Below 1e-5 a temperature would overflow the logits it divides: such rows are greedy, as in vLLM.
     assert SamplingParams(temperature=1e-30).greedy and SamplingParams(temperature=9e-6).greedy

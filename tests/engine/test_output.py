@@ -1,13 +1,13 @@
-"""Incremental detokenization and stop strings, with the default model's (byte-level BPE) tokenizer:
-no delta ever holds half a character, the deltas add up to the full decoding, and stop strings are
-cut out even when they straddle tokens."""
+"""The output path (engine/output.py) with the default model's (byte-level BPE) tokenizer: no delta ever holds half
+a character, the deltas add up to the full decoding, and stop strings are cut out even when they straddle tokens."""
 
 import random
 
 import pytest
 from transformers import AutoTokenizer
 
-from serve.detokenize import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher, TextStream
+from engine.output import REPLACEMENT_CHAR, IncrementalDetokenizer, SampleOutput, StopStringMatcher
+from scheduler import SamplingParams
 
 TEXTS = ["Hello 😀 world", "日本語のテキスト", "a🎉b🎉c", "naïve café — ünïcödé", "plain ascii text, nothing odd."]
 
@@ -99,23 +99,42 @@ def test_nothing_is_emitted_after_a_stop():
     assert m.flush() == ""
 
 
-def test_text_stream_cuts_a_stop_string_that_straddles_tokens(tokenizer):
+def sample_output(tokenizer, stop: list[str], prompt: list[int] = (), **params) -> SampleOutput:
+    return SampleOutput(tokenizer, prompt, SamplingParams(stop=stop, **params))
+
+
+def test_a_stop_string_that_straddles_tokens_ends_the_sample(tokenizer):
     ids = tokenizer.encode("Hello world, how are you?")
     assert tokenizer.decode(ids[:1]) == "Hello"  # the stop string below spans the first two tokens
-    ts = TextStream(tokenizer, [], ["lo wor"])
+    sample = sample_output(tokenizer, ["lo wor"])
     out = ""
     for t in ids:
-        out += ts.add([t])
-        if ts.stopped:
+        out += sample.add([t])
+        if sample.finish_reason:
             break
-    assert out == "Hel" and ts.stopped
+    assert out == "Hel" and sample.finish_reason == "stop" and sample.token_ids == ids[:2]
 
 
-def test_text_stream_matches_a_stop_string_made_of_multibyte_characters(tokenizer):
+def test_a_stop_string_made_of_multibyte_characters_is_matched(tokenizer):
     ids = tokenizer.encode("x 😀 y 😀 z")
-    ts = TextStream(tokenizer, [], ["😀 z"])
-    out = "".join(ts.add([t]) for t in ids) + ts.finish()
-    assert out == "x 😀 y " and ts.stopped
+    sample = sample_output(tokenizer, ["😀 z"])
+    out = "".join(sample.add([t]) for t in ids[:-1]) + sample.add(ids[-1:], "length")
+    assert out == "x 😀 y " and sample.finish_reason == "stop"
+
+
+def test_the_engine_finish_releases_the_held_text_and_sets_its_reason(tokenizer):
+    ids = tokenizer.encode("the END")
+    sample = sample_output(tokenizer, ["ENDING"], include_stop_str_in_output=True)
+    out = "".join(sample.add([t]) for t in ids[:-1])
+    assert sample.finish_reason is None
+    out += sample.add(ids[-1:], "length")
+    assert out == "the END" and sample.finish_reason == "length"
+
+
+def test_special_tokens_are_kept_when_asked(tokenizer):
+    ids = tokenizer.encode("Hi") + [tokenizer.eos_token_id]
+    sample = sample_output(tokenizer, [], skip_special_tokens=False)
+    assert sample.add(ids, "stop") == "Hi" + tokenizer.eos_token
 
 
 def test_include_stop_keeps_the_stop_string_that_matched_first():
@@ -127,7 +146,7 @@ def test_include_stop_keeps_the_stop_string_that_matched_first():
 def test_a_stop_string_inside_an_accepted_run_ends_the_text_where_it_does_without_speculation(
     tokenizer, default_model_dir
 ):
-    """The serving layer cuts stop strings from each delta's tokens; with n-gram speculation a delta carries the
+    """The output path cuts stop strings from each delta's tokens; with n-gram speculation a delta carries the
     accepted run, and the stop string here falls inside one: the text is the one without speculation."""
     from engine.inprocess import InProcessEngine
     from raylm import EngineConfig, EngineRequest, SamplingParams
@@ -146,10 +165,10 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_text_where_it_does_withou
                 request_id="r", prompt_token_ids=prompt, sampling_params=SamplingParams(temperature=0.0, max_tokens=48)
             )
         )
-        text, ts = "", TextStream(tokenizer, prompt, [" runs"])
-        while not ts.stopped:
+        text, sample = "", sample_output(tokenizer, [" runs"], prompt)
+        while sample.finish_reason is None:
             (out,) = engine.step()
-            text += ts.add(out.new_token_ids)
+            text += sample.add(out.new_token_ids, out.finish_reason if out.finished else None)
         return text, len(out.new_token_ids)
 
     expected, _ = serve()

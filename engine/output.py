@@ -1,8 +1,11 @@
-"""Token ids to text, a few tokens at a time: never half a character, never (part of) a stop string."""
+"""A sample's output text, built from its token ids a few at a time (vLLM v1's detokenizer and stop checker, used
+by its offline and its server engines alike): never half a character, never (part of) a stop string."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
+from scheduler import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder renders an incomplete UTF-8 sequence as
 # Prompt tokens decoded in front of the output: tokenizers that drop or merge a leading space
@@ -106,34 +109,31 @@ class StopStringMatcher:
         return "" if self.stopped else held
 
 
-class TextStream:
-    """One sample's text: incremental detokenization, then stop-string cutting.
+class SampleOutput:
+    """One sample's output as its engine deltas arrive: its token ids, its text (detokenized incrementally, then
+    cut at the first of ``params.stop``) and how it ended. The offline LLM and the server build every
+    completion's text with it, so both return the same text and finish reason for the same tokens.
 
-    ``stopped`` turns true when a stop string matched; the caller then stops
-    the sample (its later tokens are never shown).
+    Invariants: ``finish_reason`` is set once, "stop" as soon as a stop string matched (the caller then ends
+    the sample in the engine and drops its later deltas) or the engine's reason on its final delta, when the
+    text still held back is released; the deltas ``add`` returns concatenate to the sample's whole text.
     """
 
-    __slots__ = ("detokenizer", "matcher")
+    __slots__ = ("detokenizer", "matcher", "token_ids", "finish_reason")
 
-    def __init__(
-        self,
-        tokenizer,
-        prompt_token_ids: Sequence[int],
-        stops: Sequence[str],
-        skip_special_tokens: bool = True,
-        include_stop: bool = False,
-    ) -> None:
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
-        self.matcher = StopStringMatcher(stops, include_stop)
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self.matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        self.token_ids: list[int] = []
+        self.finish_reason: str | None = None
 
-    @property
-    def stopped(self) -> bool:
-        return self.matcher.stopped
-
-    def add(self, token_ids: Sequence[int]) -> str:
-        return self.matcher.feed(self.detokenizer.add(token_ids))
-
-    def finish(self) -> str:
-        """The rest of the text once the sample ended for another reason (EOS, length)."""
-        text = self.matcher.feed(self.detokenizer.flush())
-        return text + self.matcher.flush()
+    def add(self, token_ids: Sequence[int], finish_reason: str | None = None) -> str:
+        """The text ``token_ids`` add; ``finish_reason``: the engine's, on the sample's final delta."""
+        self.token_ids += token_ids
+        text = self.matcher.feed(self.detokenizer.add(token_ids))
+        if self.matcher.stopped:
+            self.finish_reason = "stop"
+        elif finish_reason is not None:
+            self.finish_reason = finish_reason
+            text += self.matcher.feed(self.detokenizer.flush()) + self.matcher.flush()
+        return text
