@@ -27,6 +27,7 @@ import pyarrow as pa
 import ray
 
 from batch.config import BatchConfig
+from batch.orphans import engine_group_name, watch
 from engine.config import EngineConfig
 from engine.model_files import generation_defaults, load_tokenizer
 from scheduler import EngineRequest, RequestError, SamplingParams
@@ -68,6 +69,7 @@ def build_processor(
         )
 
     def processor(ds: ray.data.Dataset) -> ray.data.Dataset:
+        watch()
         if preprocess is not None:
             ds = ds.map(preprocess)
         ds = cpu_stage(ds, TokenizeStage)
@@ -155,9 +157,9 @@ class _Sample:
 
 
 class EngineStage:
-    """One RayEngine, its ranks in a placement group of their own (so TP x PP engines are gang-placed and an
-    engine's resources go when its actor does); the rows of every batch in flight run concurrently through its
-    async ``generate``, at most max_num_seqs at once.
+    """One RayEngine, its ranks in a placement group of their own (so TP x PP engines are gang-placed), named
+    after this actor so that the group goes when the actor does (batch.orphans); the rows of every batch in
+    flight run concurrently through its async ``generate``, at most max_num_seqs at once.
 
     RayEngine rather than the in-process engine: it runs every setting the server takes (tensor and pipeline
     parallelism included), and its async streams keep many requests in flight from this actor's event loop
@@ -168,7 +170,7 @@ class EngineStage:
     def __init__(self, engine_config: EngineConfig) -> None:
         from engine.ray_client import RayEngine
 
-        self.engine = RayEngine(engine_config)
+        self.engine = RayEngine(engine_config, placement_group_name=engine_group_name())
         self.tokenizer = load_tokenizer(engine_config, self.engine.model_path)
         self.defaults = generation_defaults(engine_config, self.engine.model_path)
         # The longest sequence one request may reach: the context, or the whole KV cache (less the null block).

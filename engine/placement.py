@@ -24,10 +24,12 @@ def engine_bundles(config: EngineConfig, use_gpu: bool) -> list[dict[str, float]
     return [{"CPU": SCHEDULER_CPUS}] + [dict(rank) for _ in range(config.world_size)]
 
 
-def place(bundles: list[dict[str, float]], strategy: str, timeout_s: float, stage_size: int) -> PlacementGroup:
-    """Reserve the bundles, or remove the request and raise RuntimeError naming what is missing; ranks come in
-    stages of ``stage_size`` (engine_bundles' order)."""
-    pg = placement_group(bundles, strategy=strategy)
+def place(
+    bundles: list[dict[str, float]], strategy: str, timeout_s: float, stage_size: int, name: str = ""
+) -> PlacementGroup:
+    """Reserve the bundles (a group called ``name``), or remove the request and raise RuntimeError naming what is
+    missing; ranks come in stages of ``stage_size`` (engine_bundles' order)."""
+    pg = placement_group(bundles, strategy=strategy, name=name)
     if pg.wait(timeout_s):
         return pg
     remove_placement_group(pg)

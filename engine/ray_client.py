@@ -50,7 +50,8 @@ class RayEngine:
     fails it leaves no actor or placement group behind, and shutdown() (or
     garbage collection) releases them. Given a ``placement_group`` (a Serve
     replica's, which Serve reserved with engine_bundles at ``first_bundle``), the
-    engine places itself there and leaves the group to its owner. The synchronous
+    engine places itself there and leaves the group to its owner; otherwise it
+    reserves its own, called ``placement_group_name``. The synchronous
     interface (interface.Engine) and the async streams take their deltas from two
     channels of the scheduler actor, so either may be used alone or both at once.
     ``_unfinished`` maps each id added through add_request to its samples still
@@ -64,6 +65,7 @@ class RayEngine:
         *,
         placement_group: PlacementGroup | None = None,
         first_bundle: int = 0,
+        placement_group_name: str = "",
     ) -> None:
         self.config = config
         self.model_path = config.resolved_model()
@@ -83,6 +85,7 @@ class RayEngine:
             config.placement_strategy,
             config.placement_timeout_s,
             config.tensor_parallel_size,
+            name=placement_group_name,
         )
         self.placement_group = pg
         owned: list = []

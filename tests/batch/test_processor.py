@@ -1,10 +1,13 @@
 """The Ray Data processor: rows through a pool of two raylm engines give LLM.generate's tokens, and a row that
 cannot run gets its error while the others are answered."""
 
+import time
+
 import pytest
 import ray
 
 from batch import BatchConfig, build_processor
+from batch.orphans import PREFIX, SWEEP_INTERVAL_S
 from engine.config import EngineConfig
 from engine.llm import LLM
 from scheduler import SamplingParams
@@ -68,3 +71,27 @@ def test_greedy_rows_through_two_engines_match_llm_generate_token_for_token(ray_
         assert r["num_input_tokens"] == len(r["prompt_token_ids"]) > 0
         assert r["total_s"] >= r["first_token_s"] > 0
         assert ("messages" in r and r["messages"] is not None) == bool(r["id"] % 2)  # input columns kept
+
+
+def _engine_groups() -> list[str]:
+    groups = ray.util.placement_group_table().values()
+    return [g["name"] for g in groups if g["state"] != "REMOVED" and g["name"].startswith(PREFIX)]
+
+
+def _settle(cpus: float) -> tuple[list[str], float]:
+    """The engine groups left and the CPUs free once no group is left and ``cpus`` are free, or after a while."""
+    deadline = time.monotonic() + 10 * SWEEP_INTERVAL_S
+    while (_engine_groups() or ray.available_resources().get("CPU", 0) < cpus) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return _engine_groups(), ray.available_resources().get("CPU", 0)
+
+
+def test_the_engines_placement_groups_go_with_the_pool(ray_session, model):
+    """Ray ties a placement group to its creator's job, not to the engine actor that made it: without
+    batch.orphans, the pool's groups would hold their CPUs after the dataset is done, for the session's life."""
+    cpus = ray.cluster_resources()["CPU"]
+    assert _settle(cpus) == ([], cpus)  # the earlier test's pool let go as well
+    config = BatchConfig(engine=EngineConfig(model=model), concurrency=2, batch_size=2, batches_in_flight=1)
+    rows = [{"id": i, "prompt": f"The number {i} is", "sampling_params": {"max_tokens": 2}} for i in range(4)]
+    assert len(build_processor(config)(ray.data.from_items(rows)).take_all()) == 4
+    assert _settle(cpus) == ([], cpus)
