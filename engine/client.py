@@ -26,14 +26,15 @@ __all__ = ["EngineAdapters", "EngineClient", "EngineStopping", "closed_schema", 
 
 class EngineClient(Protocol):
     """What a server sees of one engine, as vLLM's EngineClient is its OpenAI server's: async, the caller never
-        steps it. ``generate`` checks the request (request_check.check_request: a RequestError, a ValueError naming
-        the field, raised by the call, before any stream exists; ``check_request`` alone checks one) and returns its deltas as they come; leaving the
-        stream early or cancelling it aborts the request and frees its KV blocks; ``abort_request`` does too, and
-    ends the request's open stream with its final deltas (finish_reason "abort"). ``end_callers`` ends every stream
-        open by raising the error in it. ``check_health`` raises RuntimeError saying why the engine cannot serve; it
-    may block (it asks every rank), so a server calls it on a thread. The facts (``model_path`` ...) are fixed once the client exists.
-        ``adapters`` is the picklable handle another process (the deployment's LoRA registry) reaches this engine's
-        adapters through; None where no other process can (the in-process engine).
+    steps it. ``generate`` checks the request (request_check.check_request: a RequestError, a ValueError naming
+    the field, raised by the call, before any stream exists; ``check_request`` alone checks one) and returns its
+    deltas as they come; leaving the stream early or cancelling it aborts the request and frees its KV blocks;
+    ``abort_request`` does too, and ends the request's open stream with its final deltas (finish_reason "abort").
+    ``end_callers`` ends every stream open by raising the error in it. ``check_health`` raises RuntimeError saying
+    why the engine cannot serve; it may block (it asks every rank), so a server calls it on a thread. The facts
+    (``model_path`` ...) are fixed once the client exists. ``adapters`` is the picklable handle another process
+    (the deployment's LoRA registry) reaches this engine's adapters through; None where no other process can
+    (the in-process engine).
     """
 
     config: EngineConfig
