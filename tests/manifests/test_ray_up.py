@@ -18,6 +18,7 @@ from shlex import quote
 
 import jsonschema
 import pytest
+import tomllib
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
@@ -59,6 +60,27 @@ def test_cluster_yaml_passes_ray_ups_own_checks(path):
     validate_config(config)
     # The node types' min/max bounds only mean something if the head runs the autoscaler.
     assert any("--autoscaling-config=~/ray_bootstrap_config.yaml" in c for c in config["head_start_ray_commands"])
+
+
+def _packages() -> set[str]:
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    return {pattern.removesuffix("*") for pattern in include}
+
+
+@pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.name)
+def test_every_package_is_mounted_on_the_nodes(path):
+    """A room left out of file_mounts installs without error and fails at its first import on the nodes."""
+    mounted = {local for local in load(path)["file_mounts"].values() if (ROOT / local).is_dir()}
+    assert mounted == _packages()
+
+
+def test_the_image_copies_every_package():
+    copied = {
+        line.split()[2]
+        for line in (ROOT / "manifests" / "Dockerfile").read_text().splitlines()
+        if line.startswith("COPY ") and (ROOT / line.split()[2]).is_dir()
+    }
+    assert copied == _packages()
 
 
 def test_the_cluster_yamls_are_the_aws_and_on_premises_ones():
