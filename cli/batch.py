@@ -28,10 +28,14 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
+def batch_config(args: argparse.Namespace) -> BatchConfig:
+    pool = {name: getattr(args, name) for name in BatchConfig.model_fields if hasattr(args, name)}
+    return BatchConfig(engine=EngineConfig(**engine_kwargs(args)), **pool)
+
+
 def run(args: argparse.Namespace) -> None:
     from batch.openai_file import run_file
 
-    pool = {name: getattr(args, name) for name in BatchConfig.model_fields if hasattr(args, name)}
-    config = BatchConfig(engine=EngineConfig(**engine_kwargs(args)), **pool)
+    config = batch_config(args)
     counts = run_file(config, Path(args.input_file), Path(args.output_file), getattr(args, "address", None))
     print(", ".join(f"{n} {status}" for status, n in sorted(counts.items(), key=str)) or "nothing left to answer")

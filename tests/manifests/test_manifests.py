@@ -9,6 +9,7 @@ The CRD schemas are vendored in tests/manifests/schemas/kuberay (its README says
 import copy
 import importlib
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ from ray import serve
 from ray.serve._private.build_app import build_app
 from ray.serve.schema import DeploymentSchema, ServeApplicationSchema, ServeDeploySchema
 
+from cli import build_parser
+from cli.batch import batch_config
 from serve import deployment_options
 from serve.app import app_args_list
 
@@ -26,6 +29,32 @@ ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = sorted((ROOT / "manifests").glob("*.yaml"))
 SCHEMAS = Path(__file__).resolve().parent / "schemas" / "kuberay"
 SCHEMA_FILES = {"RayService": "rayservice_v1.json", "RayCluster": "raycluster_v1.json"}
+# RayJob's spec as KubeRay's ray-operator/apis/ray/v1/rayjob_types.go declares it (RayJobSpec); its two nested
+# templates are the RayCluster CRD's own (a RayClusterSpec, and a PodTemplateSpec like every group's).
+RAYJOB_SPEC = {
+    "activeDeadlineSeconds": {"type": "integer", "minimum": 1},
+    "backoffLimit": {"type": "integer", "minimum": 0},
+    "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+    "clusterSelector": {"type": "object", "additionalProperties": {"type": "string"}},
+    "submitterConfig": {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {"backoffLimit": {"type": "integer"}},
+    },
+    "managedBy": {"enum": ["ray.io/kuberay-operator", "kueue.x-k8s.io/multikueue"]},
+    "deletionStrategy": {"type": "object"},
+    "entrypoint": {"type": "string"},
+    "runtimeEnvYAML": {"type": "string"},
+    "jobId": {"type": "string"},
+    "submissionMode": {"enum": ["K8sJobMode", "HTTPMode", "InteractiveMode"]},
+    "entrypointResources": {"type": "string"},
+    "entrypointNumCpus": {"type": "number"},
+    "entrypointNumGpus": {"type": "number"},
+    "ttlSecondsAfterFinished": {"type": "integer", "minimum": 0},
+    "shutdownAfterJobFinishes": {"type": "boolean"},
+    "suspend": {"type": "boolean"},
+    "schedule": {"type": "string"},
+}
 GPU = "nvidia.com/gpu"
 # The custom resource each PD deployment's ranks ask, one per GPU of the node type that should run them.
 PD_NODE_RESOURCES = {"PrefillServer": "prefill_gpu", "LLMServer": "decode_gpu"}
@@ -43,12 +72,26 @@ SERVE_CONFIGS = {p.name: load(p) for p in MANIFESTS if "kind" not in load(p)} | 
 }
 
 
+def schema(kind: str) -> dict:
+    if kind != "RayJob":
+        return json.loads((SCHEMAS / SCHEMA_FILES[kind]).read_text())
+    cluster = schema("RayCluster")
+    spec = cluster["properties"]["spec"]
+    pod_template = spec["properties"]["headGroupSpec"]["properties"]["template"]
+    job_spec = {"rayClusterSpec": spec, "submitterPodTemplate": pod_template, **RAYJOB_SPEC}
+    cluster["properties"]["spec"] = {"type": "object", "additionalProperties": False, "properties": job_spec}
+    cluster["properties"].pop("status")  # RayJobStatus: written by the operator, never in a manifest
+    cluster["properties"]["kind"] = {"enum": ["RayJob"]}
+    return cluster
+
+
 def validator(kind: str) -> jsonschema.Draft7Validator:
-    return jsonschema.Draft7Validator(json.loads((SCHEMAS / SCHEMA_FILES[kind]).read_text()))
+    return jsonschema.Draft7Validator(schema(kind))
 
 
 def cluster_spec(manifest: dict) -> dict:
-    return manifest["spec"]["rayClusterConfig"] if manifest["kind"] == "RayService" else manifest["spec"]
+    key = {"RayService": "rayClusterConfig", "RayJob": "rayClusterSpec"}.get(manifest["kind"])
+    return manifest["spec"][key] if key else manifest["spec"]
 
 
 def groups(manifest: dict) -> list[dict]:
@@ -76,7 +119,7 @@ def limits(group: dict) -> dict[str, float]:
 
 def test_the_manifests_are_a_rayservice_a_raycluster_and_a_serve_config():
     # The checks below are parametrized over what these globs find: make sure they find it.
-    assert sorted(load(p)["kind"] for p in KUBERAY) == ["RayCluster"] + ["RayService"] * 4
+    assert sorted(load(p)["kind"] for p in KUBERAY) == ["RayCluster", "RayJob"] + ["RayService"] * 4
     assert sorted(SERVE_CONFIGS) == [
         "rayservice-pd.yaml:serveConfigV2",
         "rayservice-pipeline.yaml:serveConfigV2",
@@ -245,4 +288,53 @@ def test_every_ray_container_reads_the_model_from_the_pvc_and_has_probes(path):
         if manifest["kind"] == "RayService":
             for args in app_args_list(serve_args(manifest)):
                 assert any(args.engine.model.startswith(m + "/") for m in mounts)
+        if manifest["kind"] == "RayJob":
+            assert any(batch_args(manifest)[1].engine.model.startswith(m + "/") for m in mounts)
         assert "exec" in container["readinessProbe"] and "exec" in container["livenessProbe"]
+
+
+# ---- the batch RayJob -----------------------------------------------------------------------------
+
+
+def batch_args(manifest: dict):
+    """The RayJob's entrypoint as raylm's own parser reads it, and the BatchConfig it makes."""
+    argv = shlex.split(manifest["spec"]["entrypoint"])
+    assert argv[:2] == ["raylm", "batch"]
+    args = build_parser().parse_args(argv[1:])
+    return args, batch_config(args)
+
+
+def test_the_rayjob_reads_and_writes_its_files_on_the_heads_claim_and_ends_with_its_cluster():
+    manifest = load(ROOT / "manifests" / "rayjob-batch.yaml")
+    args, _ = batch_args(manifest)
+    head = cluster_spec(manifest)["headGroupSpec"]["template"]["spec"]
+    claims = {
+        v["name"]
+        for v in head["volumes"]
+        if "persistentVolumeClaim" in v and not v["persistentVolumeClaim"].get("readOnly")
+    }
+    writable = [
+        Path(m["mountPath"])
+        for m in head["containers"][0]["volumeMounts"]
+        if m["name"] in claims and not m.get("readOnly")
+    ]
+    # The driver (on the head) appends the answers, and a retry (backoffLimit) resumes from the same file.
+    for path in (args.input_file, args.output_file):
+        assert any(Path(path).is_relative_to(m) for m in writable), path
+    assert manifest["spec"]["shutdownAfterJobFinishes"] and manifest["spec"]["backoffLimit"] >= 1
+
+
+def test_the_rayjobs_gpu_group_holds_every_engine_of_the_pool():
+    manifest = load(ROOT / "manifests" / "rayjob-batch.yaml")
+    _, config = batch_args(manifest)
+    group = gpu_group(manifest)
+    assert config.concurrency * config.engine.world_size <= group["maxReplicas"] * limits(group)["GPU"]
+    # The GPU pods start from zero while the engines wait to be placed.
+    assert group["minReplicas"] == 0 and config.engine.placement_timeout_s >= 600
+
+
+def test_a_misspelled_rayjob_key_fails_the_schema():
+    bad = load(ROOT / "manifests" / "rayjob-batch.yaml")
+    _rename(bad["spec"], "shutdownAfterJobFinishes", "shutdownAfterJobFinish")
+    with pytest.raises(jsonschema.ValidationError, match="'shutdownAfterJobFinish' was unexpected"):
+        validator("RayJob").validate(bad)
