@@ -192,6 +192,15 @@ class BlockPool:
                 same[block.block_id] = block
         return fresh
 
+    def forget_hashes(self) -> None:
+        """Empty the prefix cache: every block keeps its references and content but no hash, so no lookup finds it
+        (the weights changed, or the KV tensors were freed). No BlockRemoved: the caller records one
+        AllBlocksCleared for both tiers."""
+        for same in self.cached_blocks.values():
+            for block in same.values():
+                block.block_hash = None
+        self.cached_blocks.clear()
+
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
         """Enter one block, known to hold exactly the tokens ``block_hash`` names, into the cache; True when the
         hash is new to it."""

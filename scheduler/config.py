@@ -70,3 +70,6 @@ class SchedulerStats:
     num_kv_transfers: int = 0
     kv_transfer_bytes: int = 0
     kv_transfer_s: float = 0.0
+    # The weights the engine serves: "default" (the checkpoint's) until an update names a version; filled by the
+    # engine core, which runs the updates (the scheduler never sees them)
+    weight_version: str = "default"

@@ -37,6 +37,12 @@ class KVCacheManager:
     that entered or left either tier's cache since ``take_events`` last ran,
     after an AllBlocksCleared (the cache starts empty): replaying them gives
     exactly each pool's ``cached_blocks`` keys.
+
+    ``reset_prefix_cache`` forgets every hash of both tiers, live requests or not (vLLM refuses while blocks are in
+    use; here it always succeeds): the live ones keep their blocks and go on reading their own KV, but are in
+    ``uncacheable`` until freed, so no block they hold or fill later is ever hashed, since its KV rests on KV
+    computed before the reset (other weights, or a cache that was freed). A request recomputed after a
+    preemption starts over and caches again.
     """
 
     def __init__(
@@ -66,6 +72,7 @@ class KVCacheManager:
         self.host_prefix_cache_hits = 0  # tokens found in the host tier
         self.num_blocks_swapped_out = 0
         self.num_blocks_swapped_in = 0
+        self.uncacheable: set[str] = set()  # live at the last reset_prefix_cache: never cached again
         self.events: list[KVEvent] | None = [AllBlocksCleared()] if enable_events and enable_caching else None
         self.block_pool.events = self.events
         if self.host_pool is not None:
@@ -258,7 +265,7 @@ class KVCacheManager:
         req_id = request.request_id
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
         num_cached = self.num_cached_blocks.get(req_id)
-        if num_cached is None or num_full <= num_cached:
+        if num_cached is None or num_full <= num_cached or req_id in self.uncacheable:
             return
         fresh = self.block_pool.cache_full_blocks(
             self.req_to_blocks[req_id], request.block_hashes, num_cached, num_full
@@ -283,6 +290,19 @@ class KVCacheManager:
             if j + 1 < len(fresh):
                 start = fresh[j + 1]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash in both tiers, so no later lookup hits KV from before now; always True (the
+        class's docstring says what becomes of the live requests)."""
+        self.block_pool.forget_hashes()
+        if self.host_pool is not None:
+            self.host_pool.forget_hashes()
+        self.uncacheable.update(self.req_to_blocks, self.req_to_host_blocks)
+        for req_id in self.num_cached_blocks:  # a recompute would now get none of their tokens back
+            self.num_cached_blocks[req_id] = 0
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+        return True
+
     def take_events(self) -> list[KVEvent]:
         """The KV-cache events since the last call (none when events are off)."""
         if not self.events:
@@ -296,6 +316,7 @@ class KVCacheManager:
         evicted last."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
+        self.uncacheable.discard(request.request_id)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
         host_blocks = self.req_to_host_blocks.pop(request.request_id, None)

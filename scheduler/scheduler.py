@@ -146,11 +146,7 @@ class Scheduler:
         """
         request_id, params = request.request_id, request.sampling_params
         n = params.n
-        if request.kv_transfer is not None or request.kv_export_from_block is not None:
-            self._check_disaggregated(request)
-        child_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
-        if request_id in self.children or any(child_id in self.requests for child_id in child_ids):
-            raise ValueError(f"request_id={request_id!r} is invalid: a request with this id is still running")
+        child_ids = self.check_request(request)
         children = [
             Request(
                 request
@@ -178,6 +174,18 @@ class Scheduler:
             for child in children[1:]:
                 self.waiting.add(child)
         return []
+
+    def check_request(self, request: EngineRequest) -> list[str]:
+        """Refuse (ValueError) a request ``add_request`` could not take: its id still running, or a KV transfer that
+        does not fit this engine. Returns its children's ids. The engine core checks a request it holds back
+        (paused, asleep) here, so that taking it later cannot fail."""
+        request_id, n = request.request_id, request.sampling_params.n
+        if request.kv_transfer is not None or request.kv_export_from_block is not None:
+            self._check_disaggregated(request)
+        child_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+        if request_id in self.children or any(child_id in self.requests for child_id in child_ids):
+            raise ValueError(f"request_id={request_id!r} is invalid: a request with this id is still running")
+        return child_ids
 
     def _check_disaggregated(self, request: EngineRequest) -> None:
         """A request of prefill/decode disaggregation: one sample, and a transfer that fits this engine."""
@@ -299,6 +307,12 @@ class Scheduler:
         for sibling in reversed(deferred):
             if sibling.request_id in self.requests:
                 self.waiting.requeue(sibling)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every block the prefix cache holds (both tiers), so no later request reads KV computed before
+        now: after a weight update, or once the KV tensors were freed. Always True, live requests or not: they
+        keep their own KV, and none of it is cached again (KVCacheManager says why)."""
+        return self.kv.reset_prefix_cache()
 
     def lora_in_use(self, name: str) -> bool:
         """Whether a live request runs with adapter `name` (unloading it would fail that request)."""

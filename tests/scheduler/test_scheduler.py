@@ -204,6 +204,25 @@ def test_prefix_hits_across_requests_in_the_scheduler():
     assert all(b.ref_cnt == 0 for b in sched.kv.block_pool.blocks)
 
 
+def test_reset_prefix_cache_forgets_every_hash_and_never_caches_a_live_requests_kv():
+    sched, worker = make(block_size=4)
+    prompt = list(range(100, 113))  # 13 tokens: 3 full blocks
+    sched.add_request(EngineRequest(request_id="a", prompt_token_ids=prompt, sampling_params=params(max_tokens=2)))
+    run_all(sched, worker)
+    sched.add_request(EngineRequest(request_id="live", prompt_token_ids=prompt, sampling_params=params(max_tokens=9)))
+    step(sched, worker)  # "live" hit a's blocks and holds them
+    assert sched.reset_prefix_cache() is True
+    assert not sched.kv.block_pool.cached_blocks and all(b.block_hash is None for b in sched.kv.block_pool.blocks)
+    run_all(sched, worker)  # "live" fills blocks from KV older than the reset: none may enter the cache
+    assert not sched.kv.block_pool.cached_blocks
+    sched.add_request(EngineRequest(request_id="b", prompt_token_ids=prompt, sampling_params=params(max_tokens=2)))
+    so, _ = step(sched, worker)
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 0  # computed afresh: nothing stale was hit
+    run_all(sched, worker)
+    assert len(sched.kv.block_pool.cached_blocks) == 3  # a request admitted after the reset caches again
+    assert sched.kv.block_pool.num_free_blocks == sched.kv.num_usable_blocks and not sched.kv.uncacheable
+
+
 def test_prefix_stats_count_a_request_that_waits_for_memory_once():
     # 6 usable blocks of 4 tokens.
     sched, worker = make(num_blocks=7, block_size=4)
