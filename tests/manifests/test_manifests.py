@@ -338,3 +338,14 @@ def test_a_misspelled_rayjob_key_fails_the_schema():
     _rename(bad["spec"], "shutdownAfterJobFinishes", "shutdownAfterJobFinish")
     with pytest.raises(jsonschema.ValidationError, match="'shutdownAfterJobFinish' was unexpected"):
         validator("RayJob").validate(bad)
+
+
+def test_the_rayjobs_cluster_is_the_batch_raycluster_with_the_data_claim_on_its_head():
+    """KubeRay cannot point a RayJob at another manifest's spec, so the RayJob restates raycluster.yaml's: this keeps
+    the two from drifting apart."""
+    job = copy.deepcopy(cluster_spec(load(ROOT / "manifests" / "rayjob-batch.yaml")))
+    head = job["headGroupSpec"]["template"]["spec"]
+    head["volumes"] = [v for v in head["volumes"] if v["name"] != "batch-data"]
+    container = head["containers"][0]
+    container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != "batch-data"]
+    assert job == cluster_spec(load(ROOT / "manifests" / "raycluster.yaml"))
