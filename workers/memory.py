@@ -15,14 +15,33 @@ import torch
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
 
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
 def keep_freed_memory() -> None:
     """Make glibc reuse freed activation buffers instead of returning them to the OS (no-op off glibc)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+    libc = _glibc()
+    if libc is None:
         return
     libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
     libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+
+
+def return_freed_memory(device: torch.device) -> None:
+    """Hand what this process freed back to the system: torch's cached blocks on CUDA (and its pinned host blocks),
+    glibc's free heap pages on CPU, where keep_freed_memory told glibc to keep them (a sleeping rank's RSS would not
+    fall otherwise)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch._C._host_emptyCache()
+        return
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 @dataclass(slots=True)

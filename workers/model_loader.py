@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from kernels import AttentionBackend, select_backend
-from workers.layers import ROPE_TYPES, Attention, RopeConfig, load_replicated
+from workers.layers import ROPE_TYPES, Attention, RopeConfig, TensorSlice, load_replicated
 from workers.model_spec import ModelSpec, MoeSpec
 from workers.models import MODEL_REGISTRY
 from workers.quantization import WeightQuantization, read_quantization, read_weight
@@ -229,26 +229,44 @@ def _open_checkpoint(files: contextlib.ExitStack, path: str | Path) -> dict[str,
     return where
 
 
-def load_weights(model: nn.Module, path: str | Path, quantization: WeightQuantization | None = None) -> None:
-    """Copy this rank's slice of every checkpoint tensor the model uses into its parameters,
-    reading no more of each tensor than that slice (a quantized weight: that slice and its scales, dequantized).
-    Tensors the model has no use for (rotary inv_freq, a tied lm_head, activation scales) are skipped; a missing
-    or mis-shaped one, or one stored quantized where `quantization` does not say so, is a ValueError."""
+def checkpoint_slices(
+    files: contextlib.ExitStack, path: str | Path, names: Iterable[str], quantization: WeightQuantization | None
+) -> Iterator[tuple[str, TensorSlice]]:
+    """Each of checkpoint tensors `names` as the loaders read it (read_weight: a quantized one through its scales),
+    lazily, from the checkpoint at `path` (its files closed with `files`); a ValueError naming those missing, before
+    any is read."""
+    where = _open_checkpoint(files, path)
+    names = list(names)
+    missing = sorted(set(names) - set(where))
+    if missing:
+        raise ValueError(f"weights missing from the checkpoint at {path}: {missing}")
+
+    def lookup(name: str) -> Any:
+        return where[name].get_slice(name) if name in where else None
+
+    return ((name, read_weight(quantization, name, lookup)) for name in names)
+
+
+def load_weights(
+    model: nn.Module,
+    path: str | Path,
+    quantization: WeightQuantization | None = None,
+    only: Collection[str] | None = None,
+) -> None:
+    """Copy this rank's slice of every checkpoint tensor the model uses (those of `only`, checkpoint names, where
+    given) into its parameters, reading no more of each tensor than that slice (a quantized weight: that slice and
+    its scales, dequantized). Tensors the model has no use for (rotary inv_freq, a tied lm_head, activation scales)
+    are skipped; a missing or mis-shaped one, or one stored quantized where `quantization` does not say so, is a
+    ValueError."""
     params = dict(model.named_parameters())
     wanted = _checkpoint_names(model)
+    names = wanted if only is None else [n for n in wanted if n in only]
     with contextlib.ExitStack() as files:
-        where = _open_checkpoint(files, path)
-        missing = sorted(set(wanted) - set(where))
-        if missing:
-            raise ValueError(f"weights missing from the checkpoint at {path}: {missing}")
-
-        def lookup(name: str) -> Any:
-            return where[name].get_slice(name) if name in where else None
-
-        for ckpt_name, (name, shard) in wanted.items():
+        for ckpt_name, tensor in checkpoint_slices(files, path, names, quantization):
+            name, shard = wanted[ckpt_name]
             param = params[name]
             loader = getattr(param, "weight_loader", load_replicated)
-            loader(param, read_weight(quantization, ckpt_name, lookup), ckpt_name, shard)
+            loader(param, tensor, ckpt_name, shard)
 
 
 def load_kv_scales(model: nn.Module, path: str | Path) -> None:

@@ -388,7 +388,9 @@ def _to_fp8(layer: ColumnParallelLinear | RowParallelLinear, block: tuple[int, i
         scale = scale.view(-1)
     else:
         stored, scale = quantize_tiles(weight, block)
+    loader = layer.weight.weight_loader  # kept: a weight update (workers/weight_update.py) stages through it
     layer.weight = nn.Parameter(stored, requires_grad=False)
+    layer.weight.weight_loader = loader
     layer.weight_scale, layer.weight_block = scale, block
 
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from kernels import AttentionBackend, AttentionMetadata, select_backend
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+from workers import weight_update
 from workers.cache_engine import CacheEngine, check_swap_space
 from workers.draft import DraftModel
 from workers.hub import resolve_model
@@ -26,15 +27,18 @@ from workers.memory import (
     keep_freed_memory,
     kv_cache_budget,
     profile_peak,
+    return_freed_memory,
 )
-from workers.model_loader import load_kv_scales, load_model
+from workers.model_loader import _checkpoint_names, load_kv_scales, load_model, load_weights
 from workers.model_runner import ModelRunner
 from workers.model_spec import ModelSpec
 from workers.no_work import NoWorkRunner
 from workers.parallel import PipelineStage, StageLink, partition_layers, pipeline_stage, set_parallel
 from workers.quantization import fp8_products_where_supported
 from workers.runner_inputs import PendingStep, graph_batch_sizes
+from workers.sleep import SleepState, allocate, check_tags, drop_packed, free, offload, restore
 from workers.structured_output import GrammarBitmasks
+from workers.weight_group import WeightGroup, default_backend, join, leave, receive
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # --kv-cache-dtype's names other than "auto" (the model's dtype): both are vLLM's spellings of one format.
@@ -157,6 +161,10 @@ class Worker:
         self.kv_exported: dict[str, np.ndarray] = {}  # the last step's KV exports, until the transport takes them
         self.kv_import_s = 0.0  # time writing transferred KV into the cache (raylm bench kv-transfer)
         self.busy_s = 0.0  # time in execute_model, less the time its stage link waited: the bench's busy fraction
+        self.model_dir: str | None = None  # the start-up checkpoint, which a wake after sleep(2) reads back
+        self.draft_dir: str | None = None
+        self.sleep_state = SleepState()
+        self.weight_groups: dict[str, WeightGroup] = {}  # by group name: trainers that push weights (weight_group.py)
 
     def init_device(self) -> str:
         cfg = self.config
@@ -220,7 +228,7 @@ class Worker:
     def load_model(self) -> None:
         cfg = self.config
         tp = cfg.tensor_parallel_size
-        model_dir = resolve_model(cfg.model, cfg.revision, cfg.download_dir)
+        model_dir = self.model_dir = resolve_model(cfg.model, cfg.revision, cfg.download_dir)
         self.spec = cfg.model_spec
         if cfg.no_work:
             self.runner = NoWorkRunner(self.spec.vocab_size, is_driver=self.is_driver)
@@ -302,7 +310,7 @@ class Worker:
         """Speculative decoding's draft model, unsharded, on this (sampling) rank (workers/draft.py says why)."""
         cfg = self.config
         if cfg.draft_model:
-            draft_dir = resolve_model(cfg.draft_model, None, cfg.download_dir)
+            draft_dir = self.draft_dir = resolve_model(cfg.draft_model, None, cfg.download_dir)
             self.draft = DraftModel(
                 draft_dir,
                 cfg.draft_spec,
@@ -488,12 +496,15 @@ class Worker:
     def init_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         if self.model is None:  # the no-work runner reads no KV
             return
+        self._bind_caches(num_blocks, num_host_blocks)
+        if self.runner.decode_graphs.sizes:
+            self.runner.capture_decode_graphs()
+
+    def _bind_caches(self, num_blocks: int, num_host_blocks: int) -> None:
         self.cache = self._new_cache(num_blocks, num_host_blocks)
         self.cache.bind(self.model.attention_layers)
         if self.draft is not None:
             self.draft.init_cache(num_blocks, num_host_blocks)
-        if self.runner.decode_graphs.sizes:
-            self.runner.capture_decode_graphs()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         return self.finish(self.launch(scheduler_output))
@@ -576,6 +587,168 @@ class Worker:
         if lora is None:
             raise ValueError("LoRA is not enabled on this engine: start it with enable_lora")
         return lora
+
+    # ---- RL rollouts (issue #71): sleep and wake, weights pushed from a trainer ------------------------
+
+    def sleep(self, level: int) -> None:
+        """Give memory back until wake_up. Level 1: the KV cache (the draft's too, and the host tiers), and on CUDA
+        the weights' device copies, kept in pinned host memory (on CPU they stay: the host is where they would go).
+        Level 2: the KV cache and the weights, plain and CPU-packed, the draft's too; read back from the start-up
+        checkpoint on waking, but for what an update writes meanwhile (SleepState). The KV cache's contents are lost
+        either way (the scheduler must drop its cached prefixes). The memory goes back to the system
+        (return_freed_memory: malloc_trim on CPU, where keep_freed_memory keeps freed pages; empty_cache on CUDA).
+        CUDA decode graphs go too (they hold the freed addresses) and are captured again on waking: that CUDA path
+        has not run on a GPU. ValueError for a level other than 1 or 2."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        state = self.sleep_state
+        weights = level == 2 or self.device.type == "cuda"
+        if self.model is not None:
+            self.runner.decode_graphs.graphs.clear()
+            if self.draft is not None:
+                self.draft.graphs.graphs.clear()
+            if "kv_cache" not in state.asleep and self.cache is not None:
+                self._free_kv()
+            if weights:
+                self._sleep_weights(level)
+        state.asleep.update(("kv_cache", "weights") if weights else ("kv_cache",))
+        return_freed_memory(self.device)
+
+    def _free_kv(self) -> None:
+        host = self.cache.host_cache
+        self.sleep_state.kv_blocks = (self.cache.num_blocks, 0 if host is None else host.shape[2])
+        CacheEngine.unbind(self.model.attention_layers)
+        self.cache = None
+        if self.draft is not None:
+            self.draft.drop_cache()
+
+    def _sleep_weights(self, level: int) -> None:
+        state = self.sleep_state
+        params = [p for m in self._models() for p in m.parameters()]
+        if "weights" not in state.asleep and level == 1:
+            state.offloaded = offload(params)
+        elif not state.freed and level == 2:
+            state.freed = [(p, host.shape) for p, host in state.offloaded] if state.offloaded else free(params)
+            state.offloaded = []
+            for model in self._models():
+                drop_packed(model)
+
+    def _models(self) -> list[torch.nn.Module]:
+        return [self.model] + ([self.draft.model] if self.draft is not None else [])
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back what sleep gave up, of `tags` ("weights", "kv_cache"; None: both; ValueError naming another).
+        KV: fresh zeroed caches of the same block counts, bound to the layers. Weights after level 1: the host
+        copies; after level 2: zeros, every start-up checkpoint tensor that no update wrote since read back once
+        the KV cache is awake too. Once nothing sleeps, CUDA decode graphs are captured again."""
+        tags = check_tags(tags)
+        state = self.sleep_state
+        if self.model is not None:
+            if "weights" in tags and "weights" in state.asleep:
+                self._wake_weights()
+            if "kv_cache" in tags and "kv_cache" in state.asleep and state.kv_blocks is not None:
+                self._bind_caches(*state.kv_blocks)
+        state.asleep.difference_update(tags)
+        if self.model is None or state.asleep:
+            return
+        if state.reload is not None:
+            self._reload()
+        graphs = self.runner.decode_graphs
+        if graphs.sizes and not graphs.graphs and self.cache is not None:
+            self.runner.capture_decode_graphs()
+
+    def _wake_weights(self) -> None:
+        state = self.sleep_state
+        if state.offloaded:
+            restore(state.offloaded, self.device)
+            state.offloaded = []
+            return
+        allocate(state.freed)
+        state.freed = []
+        state.reload = set(_checkpoint_names(self.model))
+
+    def _reload(self) -> None:
+        """After sleep(2): the start-up checkpoint's tensors no update wrote, and the draft's (never updated)."""
+        pack = can_pack(self.device, self.dtype)
+        weight_update.reload(self.model, self.model_dir, self.sleep_state.reload, self.dtype, pack)
+        if self.draft is not None:
+            load_weights(self.draft.model, self.draft_dir, self.draft.spec.quantization)
+            if pack:
+                pack_for_cpu(self.draft.model)
+        self.sleep_state.reload = None
+
+    def is_sleeping(self) -> bool:
+        return bool(self.sleep_state.asleep)
+
+    def update_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Full tensors by Hugging Face checkpoint name, all or none (workers/weight_update.py): each rank takes its
+        shards through the start-up load's weight loaders; a ValueError names a refused tensor, every parameter as
+        it was. Weights must be awake; the KV cache may sleep (an update between wake_up(["weights"]) and
+        wake_up(["kv_cache"]) is what a wake after sleep(2) keeps)."""
+        if self.model is None:  # the no-work runner holds no weights
+            return
+        self._check_weights_awake("update")
+        pack = can_pack(self.device, self.dtype)
+        self._wrote(weight_update.update_weights(self.model, named_tensors, self.dtype, pack))
+
+    def update_weights_from_disk(self, model_path: str) -> None:
+        """Every weight this rank holds from the checkpoint at `model_path`, all or none, as update_weights."""
+        if self.model is None:
+            return
+        self._check_weights_awake("update")
+        pack = can_pack(self.device, self.dtype)
+        self._wrote(weight_update.update_weights_from_disk(self.model, model_path, self.dtype, pack))
+
+    def _wrote(self, names: set[str]) -> None:
+        if self.sleep_state.reload is not None:
+            self.sleep_state.reload -= names
+
+    def _check_weights_awake(self, what: str) -> None:
+        if "weights" in self.sleep_state.asleep:
+            raise ValueError(f"cannot {what} weights while they sleep: wake_up(['weights']) first")
+
+    def get_weights_by_name(self, name: str) -> torch.Tensor:
+        """A CPU copy of this rank's parameter `name` (raylm's parameter names); ValueError naming it when unknown."""
+        if self.model is None:
+            raise ValueError(f"no parameter {name}: this rank runs no model (no_work)")
+        self._check_weights_awake("read")
+        return weight_update.get_weight(self.model, name)
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str | None = None,
+    ) -> None:
+        """Join a trainer's group `group_name` (workers/weight_group.py) as rank rank_offset + this rank; the trainer
+        is rank 0. backend None: NCCL on CUDA, else gloo. Returns once every member joined."""
+        if group_name in self.weight_groups:
+            raise ValueError(f"weight update group {group_name!r} exists on rank {self.rank}: destroy it first")
+        rank = rank_offset + self.rank
+        backend = backend or default_backend(self.device)
+        self.weight_groups[group_name] = join(master_address, master_port, rank, world_size, group_name, backend)
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str
+    ) -> None:
+        """One bucket broadcast by the trainer over `group_name` (weight_group.receive), then update_weights. It is
+        received before anything about it is refused, so the trainer's broadcast never waits on this rank."""
+        tensors = receive(self._weight_group(group_name), dtypes, shapes)
+        if len(names) != len(tensors):
+            raise ValueError(f"weight update bucket has {len(names)} names and {len(tensors)} dtypes and shapes")
+        self.update_weights(list(zip(names, tensors)))
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        leave(self._weight_group(group_name))
+        del self.weight_groups[group_name]
+
+    def _weight_group(self, group_name: str) -> WeightGroup:
+        if group_name not in self.weight_groups:
+            raise ValueError(f"no weight update group {group_name!r} on rank {self.rank}: init_weights_update_group")
+        return self.weight_groups[group_name]
 
     def check_health(self) -> bool:
         return self.runner is not None

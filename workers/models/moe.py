@@ -68,15 +68,33 @@ class SparseMoeBlock(nn.Module):
         """checkpoint tensor name -> (parameter name, shard) for the tensors this rank reads: the router and its
         local experts' projections (`prefix` is this module's name; the checkpoint's block may be named
         otherwise, e.g. Mixtral's block_sparse_moe)."""
-        ckpt = f"{prefix.rpartition('.')[0]}.{self.moe.block_name}"
-        gate, up, down = self.moe.expert_names
-        names: dict[str, tuple[str, Any]] = {f"{ckpt}.gate.weight": (f"{prefix}.gate.weight", None)}
+        names: dict[str, tuple[str, Any]] = {
+            f"{self._checkpoint_block(prefix)}.gate.weight": (f"{prefix}.gate.weight", None)
+        }
+        first = self.first_expert or 0
         for local in range(self.num_local):
-            expert = f"{ckpt}.experts.{(self.first_expert or 0) + local}"
-            names[f"{expert}.{gate}.weight"] = (f"{prefix}.w13", (local, 0))
-            names[f"{expert}.{up}.weight"] = (f"{prefix}.w13", (local, 1))
-            names[f"{expert}.{down}.weight"] = (f"{prefix}.w2", (local, None))
+            names.update(self._expert_names(prefix, first + local, local))
         return names
+
+    def foreign_expert_names(self, prefix: str) -> set[str]:
+        """The checkpoint names of the experts other ranks hold (expert parallel; none otherwise): a weight update
+        names every expert, and each rank takes its own (workers/weight_update.py)."""
+        first = self.first_expert or 0
+        foreign = [e for e in range(self.moe.num_experts) if not first <= e < first + self.num_local]
+        return {name for e in foreign for name in self._expert_names(prefix, e, None)}
+
+    def _checkpoint_block(self, prefix: str) -> str:
+        return f"{prefix.rpartition('.')[0]}.{self.moe.block_name}"
+
+    def _expert_names(self, prefix: str, expert: int, local: int | None) -> dict[str, tuple[str, Any]]:
+        """Expert `expert`'s three checkpoint names -> (parameter, shard), its shards at local index `local`."""
+        gate, up, down = self.moe.expert_names
+        base = f"{self._checkpoint_block(prefix)}.experts.{expert}"
+        return {
+            f"{base}.{gate}.weight": (f"{prefix}.w13", (local, 0)),
+            f"{base}.{up}.weight": (f"{prefix}.w13", (local, 1)),
+            f"{base}.{down}.weight": (f"{prefix}.w2", (local, None)),
+        }
 
     def expert_modules(self, prefix: str) -> list[str]:
         """The checkpoint modules (as quantization_config names them) whose weights this rank's experts hold: each
@@ -124,7 +142,9 @@ class SparseMoeBlock(nn.Module):
             dist.all_reduce(amax2, op=dist.ReduceOp.MAX, group=tp_group())
         w13, self.w13_scale = quantize_experts(self.w13.detach(), block, amax13)
         w2, self.w2_scale = quantize_experts(self.w2.detach(), block, amax2)
+        # The FP8 parameters keep the loaders: a weight update (workers/weight_update.py) stages through them.
         self.w13, self.w2 = nn.Parameter(w13, requires_grad=False), nn.Parameter(w2, requires_grad=False)
+        self.w13.weight_loader, self.w2.weight_loader = self._load_w13, self._load_w2
         self.weight_block = block
 
     def _checkpoint_amax(self, param: str) -> torch.Tensor:
