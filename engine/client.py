@@ -35,6 +35,17 @@ class EngineClient(Protocol):
     (``model_path`` ...) are fixed once the client exists. ``adapters`` is the picklable handle another process
     (the deployment's LoRA registry) reaches this engine's adapters through; None where no other process can
     (the in-process engine).
+
+    The RL controls: ``sleep(level)`` releases the ranks' KV (1) or KV and weights (2), a ValueError naming the
+    live requests' count if any (pause first); ``wake_up(tags)`` ("weights", "kv_cache"; None: both).
+    ``pause_generation(mode)`` returns once no step is in flight: "abort" ends every live request with
+    finish_reason "abort" (their streams hear it) and returns how many; "wait" returns once the live ones
+    finished; "keep" freezes them, to go on after ``resume_generation``. A weight update (from tensors, a
+    checkpoint directory, or the trainer's broadcast into a group made by ``init_weights_update_group``) runs
+    with no step in flight, is atomic (a refusal is a ValueError naming the tensor, the old weights serving on),
+    forgets the prefix cache unless ``flush_cache=False``, and names the weights ``weight_version`` when given
+    (``get_weight_version``: "default" until then). ``collective_rpc`` and ``get_weights_by_name`` return every
+    rank's reply, in rank order.
     """
 
     config: EngineConfig
@@ -68,6 +79,14 @@ class EngineClient(Protocol):
     def check_health(self) -> None: ...
 
     def shutdown(self) -> None: ...
+
+    # The RL rollout controls (issue #71; vLLM's and SGLang's names): every method of engine/controls.py's
+    # EngineControls, with its signature, and these two. While asleep or paused nothing is scheduled and new
+    # requests wait, served after wake_up / resume_generation.
+
+    async def collective_rpc(self, method: str, args: tuple = ()) -> list: ...
+
+    async def get_weights_by_name(self, name: str) -> list: ...
 
 
 def engine_client(config: EngineConfig, placement_group: PlacementGroup, first_bundle: int) -> EngineClient:

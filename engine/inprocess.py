@@ -4,9 +4,11 @@ machines without Ray: nothing here imports it)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from engine.config import EngineConfig, derive_scheduler_config, derive_worker_config
+from engine.controls import EngineControls
 from engine.core import EngineCore
 from engine.interface import check_draft_model, resolve_max_model_len
 from engine.request_check import check_request
@@ -24,8 +26,10 @@ from workers.model_loader import read_model_spec
 from workers.runner_inputs import PendingStep
 from workers.worker import Worker
 
+T = TypeVar("T")
 
-class InProcessEngine:
+
+class InProcessEngine(EngineControls):
     """The engine core (engine/core.py) and a single worker in one process, stepped by the caller.
 
     The same core and step loop the Ray engine's scheduler actor runs, its
@@ -38,7 +42,10 @@ class InProcessEngine:
     (a task of the caller's event loop steps it while a request runs:
     ``generate``); a caller uses one or the other, never both at once.
     ``queues`` holds one queue per ``generate`` stream still open, keyed by
-    request id; ``stepper`` is the task that steps for them.
+    request id; ``stepper`` is the task that steps for them, and the only
+    one that steps the core while it runs: the controls (engine/controls.py)
+    wait for the core through it (``_until``), and the gate's opening starts
+    it again for the streams held meanwhile.
     """
 
     adapters = None  # no other process reaches this engine (client.EngineClient)
@@ -95,6 +102,8 @@ class InProcessEngine:
             lora_names=tuple(lora.adapters) if lora is not None else (),
             depth=self.scheduler.config.steps_in_flight,
             publish_kv_events=None if self.kv_events is None else self.kv_events.publish,
+            until=self._until,
+            reopened=self._reopened,
         )
         self.loop = asyncio.new_event_loop()  # where step() runs the core's loop, one step at a time
         self.queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -149,6 +158,23 @@ class InProcessEngine:
         self.core.release_adapter(name)
         self.worker.remove_lora(name)
 
+    def sync(self, call: Awaitable[T]) -> T:
+        """Run one of the async controls (engine/controls.py) to completion from synchronous code, on the loop
+        ``step`` runs the core on."""
+        return self.loop.run_until_complete(call)
+
+    async def on_ranks(self, method: str, *args: Any) -> list:
+        """The worker's reply to one of its methods, as the list of every rank's (one here)."""
+        return [getattr(self.worker, method)(*args)]
+
+    async def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        """Every rank's reply to Worker method ``method`` (one rank here), beside the steps."""
+        return await self.on_ranks(method, *args)
+
+    async def get_weights_by_name(self, name: str) -> list:
+        """Every rank's copy of parameter ``name`` (model.named_parameters' name; one rank here)."""
+        return await self.on_ranks("get_weights_by_name", name)
+
     def step(self) -> list[RequestOutput]:
         """One step of the core's loop, and the deltas it made; a step that fails ends its requests with an
         "error" delta, and the engine goes on taking requests (one process: no rank can disagree)."""
@@ -159,15 +185,15 @@ class InProcessEngine:
         return self.core.take_outputs("sync")
 
     def abort(self, request_id: str) -> list[RequestOutput]:
-        if self.scheduler.waits_with_staged_kv(request_id):
+        if self.core.waits_with_staged_kv(request_id):
             self.worker.drop_staged_kv(request_id)
         return self.core.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.core.has_unfinished_requests()
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        return self.core.stats()
 
     # ---- client.EngineClient -----------------------------------------------------------------
 
@@ -191,8 +217,8 @@ class InProcessEngine:
             for out in self._add(request, "async"):
                 remaining -= 1
                 yield out
-            if remaining and (self.stepper is None or self.stepper.done()):
-                self.stepper = asyncio.get_running_loop().create_task(self._step_streams())
+            if remaining:
+                self._ensure_stepper()
             while remaining:
                 out = await queue.get()
                 if isinstance(out, BaseException):
@@ -204,18 +230,42 @@ class InProcessEngine:
             if remaining:
                 self.abort(request_id)
 
+    def _ensure_stepper(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.stepper is None or self.stepper.done() or self.stepper.get_loop() is not loop:
+            self.stepper = loop.create_task(self._step_streams())
+
     async def _step_streams(self) -> None:
-        """Step while a request runs, handing each step's deltas to their streams (as ``step`` does, a failed
-        step ends its requests with an "error" delta), yielding to the streams between steps."""
-        while self.scheduler.has_unfinished_requests():
+        """Step while stepping does anything (a request runs and the gate is open, or a step is in flight),
+        handing each step's deltas to their streams (as ``step`` does, a failed step ends its requests with an
+        "error" delta), yielding to the streams between steps."""
+        while self.core.wants_step():
             try:
                 await self.core.run(max_steps=1)
             except Exception as e:  # the step's requests cannot go on; everyone hears why
                 self.core.fail_all(f"engine step failed: {type(e).__name__}: {e}")
-            for out in self.core.take_outputs("async"):
-                if (queue := self.queues.get(out.request_id)) is not None:
-                    queue.put_nowait(out)
+            self._hand_out()
             await asyncio.sleep(0)
+
+    def _hand_out(self) -> None:
+        """The async channel's deltas to their streams."""
+        for out in self.core.take_outputs("async"):
+            if (queue := self.queues.get(out.request_id)) is not None:
+                queue.put_nowait(out)
+
+    async def _until(self, done: Callable[[], bool]) -> None:
+        """Step the core until ``done`` holds (EngineCore's ``until``), through the stepper, so that no two
+        callers step it at once; the deltas routed meanwhile (a pause's aborts too) go to their streams."""
+        while not done():
+            self._ensure_stepper()
+            await asyncio.shield(self.stepper)  # a caller leaving does not stop the streams' stepping
+        self._hand_out()
+
+    def _reopened(self) -> None:
+        """The gate opened (EngineCore's ``reopened``): the streams' requests it held may run."""
+        self._hand_out()
+        if self.queues and self.core.wants_step():
+            self._ensure_stepper()
 
     async def abort_request(self, request_id: str) -> None:
         """Abort the request (its KV blocks are freed); its open stream ends with the abort's final deltas."""

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from engine.config import EngineConfig
 from scheduler import EngineRequest, RequestOutput, SchedulerStats
 
 if TYPE_CHECKING:  # torch and the model stack: seconds of import that `raylm serve`'s own process never needs
     from workers.model_spec import ModelSpec
+
+T = TypeVar("T")
 
 
 class Engine(Protocol):
@@ -19,6 +22,9 @@ class Engine(Protocol):
     to whichever call made it. Kept beside client.EngineClient (the async surface the Serve app talks through,
     which both executors implement too) because the offline LLM is synchronous: it runs no event loop, and
     stepping the engine itself lets it batch every prompt it was given into the same steps, in its own thread.
+    The RL controls (sleep, weight updates: client.EngineClient's, written once in engine/controls.py) are async
+    on both executors; ``sync`` runs one to completion here, which is the offline LLM's synchronous face onto them
+    (one method name cannot be both a synchronous and an async call on the same executor).
     """
 
     model_path: str
@@ -44,6 +50,8 @@ class Engine(Protocol):
     def stats(self) -> SchedulerStats: ...
 
     def shutdown(self) -> None: ...
+
+    def sync(self, call: Awaitable[T]) -> T: ...
 
 
 def resolve_max_model_len(config: EngineConfig, spec: ModelSpec) -> int:

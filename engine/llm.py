@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
 from engine.config import EngineConfig
+from engine.controls import OFFLINE, forwarding
 from engine.interface import Engine
 from engine.model_files import (
     generation_defaults,
@@ -20,6 +22,9 @@ from engine.model_files import (
 from engine.output import SampleOutput
 from scheduler import EngineRequest, RequestError, RequestOutput, SampledLogprobs, SamplingParams
 from workers.grammars import closed_schema
+
+if TYPE_CHECKING:
+    from engine.client import EngineClient
 
 
 @dataclass(slots=True)
@@ -59,6 +64,9 @@ class EmbeddingOutput:
     embedding: list[float]
 
 
+@forwarding(
+    lambda llm, name, args, kwargs: llm.engine.sync(getattr(llm.engine, name)(*args, **kwargs)), OFFLINE, sync=True
+)
 class LLM:
     """Runs a whole list of prompts to completion with continuous batching.
 
@@ -72,13 +80,18 @@ class LLM:
     and ``tensor_parallel_size`` worker actors, on the cluster at ``address``
     or a local Ray. ``executor="inprocess"`` runs the scheduler and one worker
     in this process, for tp=1 debugging.
+
+    For RL rollouts (issue #71) it sleeps and wakes, and takes new weights, as
+    vLLM's and SGLang's offline engines name it: each call is the engine's
+    async control (client.EngineClient) run to completion (Engine.sync).
+    ``generate`` while asleep is a RuntimeError, since nothing would wake it.
     """
 
     def __init__(
         self, model: str | None = None, *, executor: str = "ray", address: str | None = None, **engine_kwargs
     ) -> None:
         self.config = EngineConfig(model=model, **engine_kwargs)
-        self.engine: Engine
+        self.engine: Engine | EngineClient  # both executors are both: stepped here, and the async controls
         if executor == "ray":
             from engine.ray_client import RayEngine
 
@@ -144,6 +157,8 @@ class LLM:
             )
             for i, p in enumerate(prompts)
         ]
+        if self.is_sleeping():
+            raise RuntimeError("the engine is asleep: call LLM.wake_up() before generate")
         total = sum(p.n for p in params_list if isinstance(p, SamplingParams))  # the engine refuses others
         with tqdm(total=total, desc="generate", disable=not use_tqdm, unit="seq") as bar:
             outputs = Outputs(self.tokenizer, requests, prompts, bar)
@@ -169,6 +184,22 @@ class LLM:
             for request in requests[:submitted]:
                 engine.abort(request.request_id)
             raise
+
+    # ---- RL rollouts: sleep, weight updates (the semantics are client.EngineClient's; the class decorator
+    # forwards engine/controls.py's OFFLINE controls to the engine) ----
+
+    @property
+    def weight_version(self) -> str:
+        """ "default" until an update names a version."""
+        return self.engine.sync(self.engine.get_weight_version())
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        """Every rank's reply to Worker method ``method``."""
+        return self.engine.sync(self.engine.collective_rpc(method, args))
+
+    def get_weights_by_name(self, name: str) -> list:
+        """Every rank's CPU copy of its shard of parameter ``name`` (raylm's name: model.named_parameters)."""
+        return self.engine.sync(self.engine.get_weights_by_name(name))
 
     def embed(
         self,

@@ -5,10 +5,11 @@ streams.py, and health)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import weakref
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
@@ -17,6 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engine.adapters import EngineAdapters
 from engine.config import EngineConfig, derive_scheduler_config, derive_worker_config
 from engine.connect import connect
+from engine.controls import FORWARDED, forwarding
 from engine.health import diagnose
 from engine.interface import check_draft_model, resolve_max_model_len
 from engine.placement import SCHEDULER_CPUS, bundle_device, engine_bundles, place, resolve_device
@@ -31,6 +33,8 @@ if TYPE_CHECKING:  # torch and the model stack: seconds of import that `raylm se
 
 RaySchedulerActor = ray.remote(SchedulerActor)
 
+T = TypeVar("T")
+
 
 def _release(pg: PlacementGroup | None, actors: list) -> None:
     """Kill the engine's actors and free its own placement group (run once, through weakref.finalize)."""
@@ -42,6 +46,7 @@ def _release(pg: PlacementGroup | None, actors: list) -> None:
         remove_placement_group(pg)
 
 
+@forwarding(lambda engine, name, args, kwargs: getattr(engine.actor, name).remote(*args, **kwargs), FORWARDED)
 class RayEngine:
     """One engine on a Ray cluster: a placement group, the scheduler actor, one worker actor per rank.
 
@@ -92,6 +97,7 @@ class RayEngine:
         self._finalizer = weakref.finalize(self, _release, None if placement_group else pg, owned)
         self._unfinished: dict[str, int] = {}
         self._received = 0  # the last batch number the synchronous channel got (get_outputs)
+        self._sync_loop: asyncio.AbstractEventLoop | None = None  # where ``sync`` runs the async controls
         try:
             self.workers = start_workers(config, pg, first_bundle, self.device)
             owned.extend(self.workers)
@@ -152,6 +158,9 @@ class RayEngine:
     def shutdown(self) -> None:
         """Kill the actors and remove the placement group; in-flight requests end with an actor error."""
         self._finalizer()
+        if self._sync_loop is not None:
+            self._sync_loop.close()
+            self._sync_loop = None
 
     # ---- synchronous interface (interface.Engine) ------------------------------------------
 
@@ -239,3 +248,30 @@ class RayEngine:
 
     async def unload_lora(self, name: str) -> None:
         await self.adapters.remove_lora(name)
+
+    # ---- client.EngineClient: the RL controls (engine/controls.py runs them in the scheduler actor; the class
+    # decorator forwards those not written here) ----
+
+    def sync(self, call: Awaitable[T]) -> T:
+        """Run one of the async controls to completion from synchronous code (the offline LLM's face), on an
+        event loop of this engine's own."""
+        if self._sync_loop is None:
+            self._sync_loop = asyncio.new_event_loop()
+        return self._sync_loop.run_until_complete(call)
+
+    async def update_weights_from_tensor(
+        self, named_tensors: Any, flush_cache: bool = True, weight_version: str | None = None
+    ) -> None:
+        """``named_tensors``: a list of (name, tensor), or a Ray ObjectRef of one. A list is put in the object store
+        once here; every rank fetches the one object."""
+        ref = named_tensors if isinstance(named_tensors, ray.ObjectRef) else ray.put(named_tensors)
+        await self.actor.update_weights_from_tensor.remote([ref], flush_cache, weight_version)
+
+    async def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        """Every rank's reply to Worker method ``method``, asked of the ranks directly (their replies may hold
+        tensors, which the torch-free scheduler actor cannot unpickle), beside the steps."""
+        return list(await asyncio.gather(*[w.call.remote(method, *args) for w in self.workers]))
+
+    async def get_weights_by_name(self, name: str) -> list:
+        """Every rank's CPU copy of its shard of parameter ``name`` (model.named_parameters' name)."""
+        return await self.collective_rpc("get_weights_by_name", (name,))

@@ -13,6 +13,7 @@ import time
 
 import ray
 
+from engine.controls import EngineControls
 from engine.core import EngineCore, retrieve
 from engine.kv_events import KVEventPublisher
 from engine.worker_actor import KV_TRANSFERS, LORA_READS
@@ -53,14 +54,15 @@ def execute_step(workers: list, scheduler_output: SchedulerOutput) -> asyncio.Fu
     return replies
 
 
-class SchedulerActor:
+class SchedulerActor(EngineControls):
     """The engine core behind Ray: its step loop runs as a background task, each step sent to every rank.
 
     Invariants: the core exists once ``start`` ran (the Scheduler's size is known only once every rank has
     sized its cache, and creating the actor first lets its process boot while the ranks load the model); a
     failed loop (a rank died or raised, or the ranks did not all reply within ``step_timeout_s``) stops the
     core, which then fails every live request and takes no new one; an adapter is in ``core.lora_names``
-    only while every rank holds it.
+    only while every rank holds it. The RL controls (engine/controls.py) reach the ranks through ``on_ranks``;
+    no tensor is ever unpickled here (this process has no torch): weights travel as ObjectRefs the ranks fetch.
     """
 
     def __init__(self, workers: list, eos_token_id: int | None) -> None:
@@ -162,7 +164,7 @@ class SchedulerActor:
         return number, pack_outputs(outputs)
 
     async def abort(self, request_id: str) -> list[RequestOutput]:
-        if self.core.scheduler.waits_with_staged_kv(request_id):
+        if self.core.waits_with_staged_kv(request_id):
             for w in self.workers:
                 w.drop_staged_kv.remote(request_id)
         return self.core.abort(request_id)
@@ -174,15 +176,11 @@ class SchedulerActor:
         the mismatch. The ranks read it on their LORA_READS thread while steps go on; no step names it before every
         rank has it."""
         self.core.check_new_adapter(name)
-        results = await asyncio.gather(
-            *[w.call.options(concurrency_group=LORA_READS).remote("add_lora", name, path) for w in self.workers],
-            return_exceptions=True,
-        )
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
+        try:
+            await self.on_ranks("add_lora", name, path, group=LORA_READS)
+        except Exception:  # no rank keeps what some could not load
             await asyncio.gather(*[w.call.remote("remove_lora", name) for w in self.workers], return_exceptions=True)
-            cause = getattr(failed[0], "cause", None) or failed[0]  # a rank's ValueError inside Ray's error
-            raise ValueError(str(cause).strip().splitlines()[-1].removeprefix("ValueError: ")) from None
+            raise
         self.core.lora_names.add(name)
 
     async def remove_lora(self, name: str) -> None:
@@ -194,12 +192,35 @@ class SchedulerActor:
     async def list_loras(self) -> list[str]:
         return sorted(self.core.lora_names)
 
+    # ---- every rank: engine/controls.py's calls ----------------------------------------
+
+    async def on_ranks(self, method: str, *args, group: str | None = None) -> list:
+        """Every rank's reply to Worker method ``method``, sent to all of them before any is awaited (a broadcast
+        they join together needs that), in rank order. A rank's ValueError (a refusal naming what it refuses) is
+        raised as a plain ValueError carrying its message; another failure is raised as Ray gives it."""
+        calls = [w.call if group is None else w.call.options(concurrency_group=group) for w in self.workers]
+        results = await asyncio.gather(*[call.remote(method, *args) for call in calls], return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if isinstance(failed, ValueError):
+            cause = getattr(failed, "cause", None) or failed  # the rank's ValueError inside Ray's error
+            raise ValueError(str(cause).strip().splitlines()[-1].removeprefix("ValueError: ")) from None
+        if failed is not None:
+            raise failed
+        return results
+
+    async def update_weights_from_tensor(
+        self, named_tensors: list, flush_cache: bool = True, weight_version: str | None = None
+    ) -> None:
+        """``named_tensors`` is ``[ref]``: the ObjectRef of the (name, tensor) list, boxed so that Ray hands it to
+        this torch-free process unresolved; passed bare to every rank, each fetches it from the object store."""
+        await self._update(flush_cache, weight_version, "update_weights", named_tensors[0])
+
     # ---- observability --------------------------------------------------------------
 
     async def stats(self) -> SchedulerStats:
         num, nbytes, seconds = self.kv_transfers
         return dataclasses.replace(
-            self.core.scheduler.stats(), num_kv_transfers=num, kv_transfer_bytes=nbytes, kv_transfer_s=seconds
+            self.core.stats(), num_kv_transfers=num, kv_transfer_bytes=nbytes, kv_transfer_s=seconds
         )
 
     async def routing_digest(self, limit: int) -> tuple[list[bytes], int]:

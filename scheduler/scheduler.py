@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Container
 
 from scheduler.block_hash import BlockHash
 from scheduler.config import SchedulerConfig, SchedulerStats
@@ -175,15 +176,16 @@ class Scheduler:
                 self.waiting.add(child)
         return []
 
-    def check_request(self, request: EngineRequest) -> list[str]:
-        """Refuse (ValueError) a request ``add_request`` could not take: its id still running, or a KV transfer that
-        does not fit this engine. Returns its children's ids. The engine core checks a request it holds back
-        (paused, asleep) here, so that taking it later cannot fail."""
+    def check_request(self, request: EngineRequest, held: Container[str] = ()) -> list[str]:
+        """Refuse (ValueError) a request ``add_request`` could not take: its id still running (here, or among the
+        ids the caller ``held`` back), or a KV transfer that does not fit this engine. Returns its children's ids.
+        The engine core checks a request it holds back (paused, asleep) here, so that taking it later cannot fail."""
         request_id, n = request.request_id, request.sampling_params.n
         if request.kv_transfer is not None or request.kv_export_from_block is not None:
             self._check_disaggregated(request)
         child_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
-        if request_id in self.children or any(child_id in self.requests for child_id in child_ids):
+        running = request_id in self.children or request_id in held
+        if running or any(child_id in self.requests for child_id in child_ids):
             raise ValueError(f"request_id={request_id!r} is invalid: a request with this id is still running")
         return child_ids
 

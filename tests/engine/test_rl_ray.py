@@ -1,0 +1,141 @@
+"""RL rollouts on the Ray engine at tp=2 (issue #71), on a tiny random Llama (the default model's 9 heads do not
+split over 2 ranks) with the default model's tokenizer: an update put once in the object store
+gives transformers' greedy tokens on the changed model, and a full wake after sleep(2) serves the checkpoint's
+weights again; pause in "keep" and "abort" modes through the async streams (the count, the streams' "abort", no
+block left), with requests sent while paused served after the resume; the trainer's broadcast into every rank at
+once (workers' WeightSender in a thread), then the checkpoint read back from disk."""
+
+import asyncio
+import sys
+import threading
+from contextlib import aclosing
+
+import pytest
+import ray
+
+from engine.network import free_port
+from raylm import LLM, SamplingParams
+from scheduler import EngineRequest
+from tests.engine.conftest import NEW_TOKENS
+from workers.weight_group import WeightSender
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+WAIT_S = 60  # bound on anything asynchronous the tests wait for (a hang fails instead of stalling)
+
+
+def greedy(max_tokens: int = NEW_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(changed_tiny_model, ray_session):
+    llm = LLM(model=changed_tiny_model[0], tensor_parallel_size=2, max_model_len=256)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def changed_model(changed_tiny_model):
+    return changed_tiny_model[1]
+
+
+def tokens(llm: LLM, prompt_ids: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompt_ids, greedy(), use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def original(llm, changed_model) -> list[list[int]]:
+    """The checkpoint's greedy tokens for the prompts (every test leaves the checkpoint's weights behind)."""
+    return tokens(llm, changed_model.prompt_ids)
+
+
+def test_an_update_by_object_ref_serves_the_changed_model_and_sleep_2_restores_the_checkpoint(
+    llm, changed_model, original
+):
+    llm.update_weights_from_tensor(ray.put(changed_model.tensors), weight_version="step-1")
+    assert tokens(llm, changed_model.prompt_ids) == changed_model.greedy != original
+    # The tensors went past the scheduler actor inside their ref: its process never unpickled one.
+    assert not ray.get(llm.engine.actor.__ray_call__.remote(lambda _: "torch" in sys.modules))
+    shards = llm.get_weights_by_name("model.layers.0.self_attn.qkv_proj.weight")
+    assert len(shards) == 2 and shards[0].shape == shards[1].shape and not shards[0].equal(shards[1])
+    llm.sleep(2)
+    assert llm.is_sleeping()
+    llm.wake_up()  # every parameter no update wrote since the sleep is read back from the checkpoint
+    assert tokens(llm, changed_model.prompt_ids) == original and llm.weight_version == "step-1"
+
+
+async def stream(engine, request_id: str, prompt: list[int], seen: list, finish: dict) -> None:
+    request = EngineRequest(request_id=request_id, prompt_token_ids=prompt, sampling_params=greedy())
+    async with aclosing(engine.generate(request)) as deltas:
+        async for out in deltas:
+            seen.extend(out.new_token_ids)
+            if out.finished:
+                finish[request_id] = out.finish_reason
+
+
+async def started(seen: list) -> None:
+    async with asyncio.timeout(WAIT_S):
+        while len(seen) < 2:
+            await asyncio.sleep(0.01)
+
+
+def test_pause_keep_and_abort_through_the_streams_and_requests_sent_while_paused(llm, changed_model, original):
+    engine, ids = llm.engine, changed_model.prompt_ids
+
+    async def run() -> None:
+        seen: list[list[int]] = [[], [], []]
+        finish: dict[str, str] = {}
+        running = [asyncio.ensure_future(stream(engine, f"k{i}", ids[i], seen[i], finish)) for i in (0, 1)]
+        await started(seen[0])
+        assert await engine.pause_generation("keep") == 0
+        held = asyncio.ensure_future(stream(engine, "k2", ids[2], seen[2], finish))
+        await asyncio.sleep(0.2)  # the streams take the deltas of the steps applied before the pause returned
+        frozen = [list(s) for s in seen]
+        await asyncio.sleep(0.5)
+        assert seen == frozen and len(seen[0]) < NEW_TOKENS and not seen[2]
+        await engine.resume_generation()
+        await asyncio.wait_for(asyncio.gather(*running, held), WAIT_S)
+        assert seen == original and set(finish.values()) == {"length"}
+
+        seen, finish = [[], []], {}
+        running = [asyncio.ensure_future(stream(engine, f"a{i}", ids[i], seen[i], finish)) for i in (0, 1)]
+        await started(seen[0])
+        assert await engine.pause_generation("abort") == 2
+        await asyncio.wait_for(asyncio.gather(*running), WAIT_S)
+        assert finish == {"a0": "abort", "a1": "abort"}
+        stats = await engine.get_stats()
+        assert stats.kv_cache_usage == 0 and stats.num_running == 0 and await engine.is_paused()
+        late: list[int] = []
+        waiting = asyncio.ensure_future(stream(engine, "late", ids[0], late, finish))
+        await asyncio.sleep(0.3)
+        assert not late and (await engine.get_stats()).num_waiting == 1
+        await engine.resume_generation()
+        await asyncio.wait_for(waiting, WAIT_S)
+        assert late == original[0] and finish["late"] == "length"
+
+    asyncio.run(run())
+
+
+def test_the_trainers_broadcast_reaches_every_rank_and_the_checkpoint_reads_back(
+    llm, changed_model, original, changed_tiny_model
+):
+    port = free_port("127.0.0.1")
+    joined: dict = {}
+    trainer = threading.Thread(target=lambda: joined.update(sender=WeightSender("127.0.0.1", port, 3, "raylm")))
+    trainer.start()
+    llm.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=3)
+    trainer.join(WAIT_S)
+    sender = joined["sender"]
+    try:
+        for bucket in WeightSender.buckets(changed_model.tensors, bucket_bytes=4 << 20):
+            send = threading.Thread(target=sender.send, args=(bucket,))
+            send.start()  # the trainer's broadcast first: every rank joins it, all at once
+            llm.update_weights_from_distributed(*WeightSender.bucket_metadata(bucket), weight_version="step-2")
+            send.join(WAIT_S)
+        assert tokens(llm, changed_model.prompt_ids) == changed_model.greedy
+    finally:
+        llm.destroy_weights_update_group()
+        sender.close()
+    llm.update_weights_from_disk(changed_tiny_model[0], weight_version="default")
+    assert tokens(llm, changed_model.prompt_ids) == original and llm.weight_version == "default"
