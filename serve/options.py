@@ -9,7 +9,7 @@ from ray.serve.config import RequestRouterConfig
 
 from engine.config import AppArgs
 from engine.placement import engine_bundles, resolve_device
-from serve import drain
+from serve import controls, drain
 from serve.lora_registry import registry_config
 
 REPLICA_CPUS = 1.0  # the replica tokenizes, detokenizes and formats every token it streams
@@ -26,8 +26,18 @@ def deployment_options(args: AppArgs) -> dict[str, Any]:
     cfg = args.engine
     use_gpu = resolve_device(cfg.device) == "cuda" if ray.is_initialized() else cfg.device == "cuda"
     extra: dict[str, Any] = {}
+    actors = []
     if cfg.enable_lora:  # adapters loaded at run time reach every replica (lora_registry.py)
-        extra["deployment_actors"] = [registry_config(cfg.lora_paths)]
+        actors.append(registry_config(cfg.lora_paths))
+    if args.enable_control_routes:  # a control reaches every replica (controls.py)
+        if args.pd:
+            raise ValueError(
+                "enable_control_routes cannot be served with pd: the controls reach the decode deployment's "
+                "engines only, and the prefill engines would keep the old weights"
+            )
+        actors.append(controls.registry_config())
+    if actors:
+        extra["deployment_actors"] = actors
     if uses_prefix_cache_router(args):
         extra["request_router_config"] = RequestRouterConfig(
             request_router_class="serve.router:PrefixCacheRouter",

@@ -33,6 +33,7 @@ from engine.model_files import (
 from scheduler import RequestError, SamplingParams
 from serve import grpc_replies
 from serve.admission import Admission
+from serve.controls import Controls, common, json_reply, pause_mode, per_replica, sleep_level, wake_tags
 from serve.drain import CODE as DRAIN_CODE
 from serve.drain import Drain
 from serve.embeddings import embed, embedding_prompts
@@ -54,6 +55,11 @@ from serve.pd import PDEngine
 from serve.prompts import chat_ids, chat_request_ids, prompt_ids
 from serve.protocol.chat import ChatCompletionRequest
 from serve.protocol.completions import CompletionRequest
+from serve.protocol.controls import (
+    InitWeightsUpdateGroupRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+)
 from serve.protocol.embeddings import Embedding, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage, encoded
 from serve.protocol.models import (
     LoadLoraAdapterRequest,
@@ -123,6 +129,14 @@ class LLMServer:
         self.max_seq_len = min(self.engine.max_model_len, (self.engine.num_blocks - 1) * cfg.block_size)
         if cfg.enable_lora:  # before serving: the engine then holds every adapter loaded at run time so far
             await self.served.join(serve.get_replica_context().replica_id.unique_id, self.engine.adapters)
+        self.engine_ranks = cfg.world_size
+        self.controls = (
+            Controls(serve.get_replica_context().replica_id.unique_id, self.engine)
+            if args.enable_control_routes
+            else None
+        )
+        if self.controls is not None:  # before serving: a control reaching this deployment reaches this replica
+            await self.controls.join()
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Polled by Serve's controller for the request router: this replica's prefix-cache digest and load."""
@@ -396,6 +410,111 @@ class LLMServer:
         self._authorize(request.headers.get("authorization"))
         text = await asyncio.to_thread(render_node_metrics, self.metrics_port)
         return Response(text, media_type=CONTENT_TYPE)
+
+    # ---- RL rollout controls (serve/controls.py: each reaches every replica; enable_control_routes) ----
+
+    def _controls(self, request: Request) -> Controls:
+        """The controls, behind the API key; without enable_control_routes the routes do not exist (404)."""
+        if self.controls is None:
+            raise APIError(404, "Not Found", code="not_found")
+        self._authorize(request.headers.get("authorization"))
+        return self.controls
+
+    @app.post("/sleep", include_in_schema=False)
+    async def control_sleep(self, request: Request) -> Response:
+        """``?level=1`` frees every replica's KV cache, ``2`` its weights too; requests sent meanwhile wait for
+        /wake_up. A 400 while requests are live (/pause?mode=abort ends them)."""
+        level = sleep_level(request.query_params)
+        answers = await self._controls(request).each("sleep", (level,))
+        return json_reply({"level": level, "replicas": per_replica(answers)})
+
+    @app.post("/wake_up", include_in_schema=False)
+    async def control_wake_up(self, request: Request) -> Response:
+        """``?tags=weights`` / ``kv_cache`` (repeated or comma-separated; none: both) brought back on every replica."""
+        tags = wake_tags(request.query_params)
+        answers = await self._controls(request).each("wake_up", (tags,), "tags")
+        return json_reply({"tags": tags, "replicas": per_replica(answers)})
+
+    @app.get("/is_sleeping", include_in_schema=False)
+    async def control_is_sleeping(self, request: Request) -> Response:
+        """True while anything sleeps on any replica."""
+        answers = await self._controls(request).each("is_sleeping")
+        return json_reply(
+            {"is_sleeping": any(a.value for a in answers), "replicas": per_replica(answers, "is_sleeping")}
+        )
+
+    @app.post("/pause", include_in_schema=False)
+    async def control_pause(self, request: Request) -> Response:
+        """Every replica schedules nothing until /resume; ``?mode=abort`` (default) ends every live request
+        (``aborted``: how many), ``wait`` returns once they finished, ``keep`` freezes them."""
+        mode = pause_mode(request.query_params)
+        answers = await self._controls(request).each("pause_generation", (mode,), "mode")
+        return json_reply(
+            {"mode": mode, "aborted": sum(a.value for a in answers), "replicas": per_replica(answers, "aborted")}
+        )
+
+    @app.post("/resume", include_in_schema=False)
+    async def control_resume(self, request: Request) -> Response:
+        answers = await self._controls(request).each("resume_generation")
+        return json_reply({"replicas": per_replica(answers)})
+
+    @app.get("/is_paused", include_in_schema=False)
+    async def control_is_paused(self, request: Request) -> Response:
+        """True while any replica is paused."""
+        answers = await self._controls(request).each("is_paused")
+        return json_reply({"is_paused": any(a.value for a in answers), "replicas": per_replica(answers, "is_paused")})
+
+    @app.post("/reset_prefix_cache", include_in_schema=False)
+    async def control_reset_prefix_cache(self, request: Request) -> Response:
+        answers = await self._controls(request).each("reset_prefix_cache")
+        return json_reply({"success": all(a.value for a in answers), "replicas": per_replica(answers, "success")})
+
+    @app.post("/update_weights_from_disk", include_in_schema=False)
+    async def control_update_weights_from_disk(self, request: Request) -> Response:
+        """Every replica's weights read from the checkpoint at ``model_path`` (all or none on each)."""
+        controls = self._controls(request)
+        req = parse(UpdateWeightsFromDiskRequest, await self._body(request))
+        args = (req.model_path, req.flush_cache, req.weight_version)
+        answers = await controls.each("update_weights_from_disk", args, "model_path")
+        return json_reply({"success": True, "weight_version": req.weight_version, "replicas": per_replica(answers)})
+
+    @app.post("/init_weights_update_group", include_in_schema=False)
+    async def control_init_weights_update_group(self, request: Request) -> Response:
+        """Every replica's ranks join the trainer's group; replica i of n (in replica-id order) takes ranks
+        ``rank_offset + i * R`` on (R: one engine's ranks, tensor x pipeline parallel), so ``world_size`` must
+        hold at least ``rank_offset + n * R`` ranks. The answer gives each replica's first rank."""
+        controls = self._controls(request)
+        req = parse(InitWeightsUpdateGroupRequest, await self._body(request))
+        ranks = self.engine_ranks
+
+        def args(i: int, n: int) -> tuple:
+            if i == 0 and req.world_size < (needed := req.rank_offset + n * ranks):
+                raise bad_request(
+                    f"world_size={req.world_size} cannot hold this deployment's ranks: rank_offset="
+                    f"{req.rank_offset} plus {n} replica(s) x {ranks} rank(s) each needs world_size >= {needed}",
+                    "world_size",
+                )
+            offset = req.rank_offset + i * ranks
+            return (req.master_address, req.master_port, offset, req.world_size, req.group_name, req.backend)
+
+        answers = await controls.each("init_weights_update_group", args)
+        replicas = [{"replica": a.replica, "rank_offset": a.args[2]} for a in answers]
+        return json_reply({"success": True, "replicas": replicas})
+
+    @app.post("/update_weights_from_distributed", include_in_schema=False)
+    async def control_update_weights_from_distributed(self, request: Request) -> Response:
+        """One bucket the trainer broadcasts to the group: every replica's ranks receive it together."""
+        controls = self._controls(request)
+        req = parse(UpdateWeightsFromDistributedRequest, await self._body(request))
+        args = (req.names, req.dtypes, req.shapes, req.group_name, req.flush_cache, req.weight_version)
+        answers = await controls.each("update_weights_from_distributed", args, "names")
+        return json_reply({"success": True, "weight_version": req.weight_version, "replicas": per_replica(answers)})
+
+    @app.get("/get_weight_version", include_in_schema=False)
+    async def control_get_weight_version(self, request: Request) -> Response:
+        """The replicas' weight version ("default" until an update names one); null when they differ."""
+        answers = await self._controls(request).each("get_weight_version")
+        return json_reply({"weight_version": common(answers), "replicas": per_replica(answers, "weight_version")})
 
     # ---- forwarded by the model router (model_router.py) ----
 

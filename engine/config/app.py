@@ -88,6 +88,13 @@ class AppArgs(BaseModel):
     responses_store_ttl_s: float = Field(
         3600.0, gt=0, description="/v1/responses: how long a replica keeps a stored response, in seconds"
     )
+    enable_control_routes: bool = Field(
+        False,
+        description="serve the RL rollout controls (POST /sleep, /wake_up, /pause, /resume, /reset_prefix_cache, "
+        "/update_weights_from_disk, /init_weights_update_group, /update_weights_from_distributed; GET "
+        "/is_sleeping, /is_paused, /get_weight_version), each reaching every replica, behind the API key "
+        "(docs/rl.md); off, they are 404",
+    )
     pd: bool = Field(
         False,
         description="prefill/decode disaggregation: each prompt is computed on a deployment of prefill engines "

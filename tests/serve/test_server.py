@@ -588,6 +588,12 @@ def test_health_needs_no_key(url):
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
 
 
+@pytest.mark.parametrize("method, path", [("POST", "/sleep"), ("GET", "/is_sleeping"), ("POST", "/pause?mode=abort")])
+def test_the_control_routes_are_404_without_their_flag(url, method, path):
+    r = httpx.request(method, f"{url}{path}", headers=AUTH, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+
+
 def test_tokenize_round_trip(url):
     tokens = post(url, "/tokenize", {"prompt": "Hello 😀 world"}).json()
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_MODEL_LEN
