@@ -147,7 +147,9 @@ def _fp8_experts_rank(rank: int, port: int, path: str, spec: ModelSpec, out_dir:
     try:
         model = load_model(path, tp_rank=rank, tp_size=2, spec=spec)
         fp8_products(model, spec.quantization)
-        torch.save({n: held(model.get_submodule(n)) for n in MOE_BLOCKS}, Path(out_dir) / f"{rank}.pt")
+        # detached: the parameters carry their weight loaders (bound methods), which weights-only loading refuses
+        saved = {n: tuple(t.detach() for t in held(model.get_submodule(n))) for n in MOE_BLOCKS}
+        torch.save(saved, Path(out_dir) / f"{rank}.pt")
     finally:
         dist.destroy_process_group()
     os._exit(0)  # as test_models' ranks leave: torch's C++ teardown aborts now and then

@@ -726,7 +726,9 @@ def _fp8_rank(rank: int, port: int, path: str, spec: ModelSpec, out_dir: str) ->
 
 
 def fp8_weights(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    return {n: (model.get_submodule(n).weight, model.get_submodule(n).weight_scale) for n in LINEARS}
+    """Each linear's (FP8 weight, scales), detached from the parameters and their weight loaders (bound methods,
+    which torch.load's weights-only unpickler refuses)."""
+    return {n: (model.get_submodule(n).weight.detach(), model.get_submodule(n).weight_scale) for n in LINEARS}
 
 
 def rank_rows(parts: list[int], rank: int) -> torch.Tensor:
@@ -765,7 +767,7 @@ def _block_rank(rank: int, port: int, path: str, spec: ModelSpec, out_dir: str) 
     try:
         model = load_model(path, tp_rank=rank, tp_size=2, spec=spec)
         converted = fp8_products(model, spec.quantization)
-        weights = {n: (model.get_submodule(n).weight, model.get_submodule(n).weight_scale) for n in converted}
+        weights = {n: (model.get_submodule(n).weight.detach(), model.get_submodule(n).weight_scale) for n in converted}
         agreed = [_agreed("rank 0 cannot" if rank == 0 else None, "another rank cannot"), _agreed(None, "-")]
         torch.save((converted, weights, agreed), Path(out_dir) / f"{rank}.pt")
     finally:
