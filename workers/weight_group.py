@@ -25,13 +25,16 @@ TIMEOUT_S = 300  # how long a rank waits for the others to join, or for a broadc
 @dataclass(slots=True)
 class WeightGroup:
     """One member of a group: `backend` (ProcessGroupGloo or ProcessGroupNCCL) talks through `store`, kept alive
-    with it. Rank 0 is the trainer, which hosts the store. Buffers are broadcast on `device` (the GPU for NCCL)."""
+    with it. Rank 0 is the trainer, which hosts the store. Buffers are broadcast on `device` (the GPU for NCCL).
+    `buffer`: a receiving rank's, grown to the largest bucket yet and received into again by every bucket, since
+    fresh memory for each costs its page faults on CPU (half a gloo broadcast's time) and the allocator's churn."""
 
     store: dist.Store
     backend: Any
     rank: int
     world_size: int
     device: torch.device
+    buffer: torch.Tensor | None = None
 
 
 def default_backend(device: torch.device) -> str:
@@ -80,12 +83,16 @@ def receive(group: WeightGroup, dtypes: list[str], shapes: list[list[int]]) -> l
     """One bucket: the flat uint8 buffer rank 0 broadcasts, split into tensors of these dtypes and shapes (back to
     back, in order). Only what the buffer's size needs is checked first (without a size, there is nothing to
     receive into); whatever else the bucket gets wrong is for its reader to refuse, after the broadcast, so that the
-    trainer never waits on a rank that gave up."""
+    trainer never waits on a rank that gave up. The tensors are views of the group's buffer: read them before the
+    next bucket comes."""
     if len(dtypes) != len(shapes):
         raise ValueError(f"weight update bucket has {len(dtypes)} dtypes and {len(shapes)} shapes")
     parsed = [parse_dtype(d) for d in dtypes]
     sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, parsed)]
-    buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=group.device)
+    if group.buffer is None or group.buffer.numel() < sum(sizes):
+        group.buffer = None  # the old one goes before the larger one comes
+        group.buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=group.device)
+    buffer = group.buffer[: sum(sizes)]
     group.backend.broadcast(buffer, 0).wait()
     tensors, offset = [], 0
     for chunk, dtype, shape in zip(buffer.split(sizes), parsed, shapes):

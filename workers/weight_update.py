@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,10 +60,17 @@ class TensorView:
 
 @dataclass(slots=True)
 class StagedUpdate:
-    """An update staged and checked, nothing of the model changed yet: raylm parameter name -> a clone of that
-    parameter holding the update's rows and its own others (k and v of a fused qkv_proj whose q_proj alone came),
-    dequantized where the parameter is FP8; `written`: the checkpoint names the update wrote."""
+    """An update staged and checked, nothing of the model changed yet.
 
+    `loads`: the loader calls (raylm parameter name, checkpoint name, tensor, shard) of the parameters of plain layers,
+    already run once against meta tensors of the parameters' shapes, which checks every shape and copies nothing;
+    commit runs them into the parameters. So staging holds no second copy of the weights it updates (the clones it
+    once made cost a third of a push's time). `params`: for layers that hold FP8 products, a clone of each parameter
+    holding the update's rows and its own others (k and v of a fused qkv_proj whose q_proj alone came), dequantized,
+    which commit requantizes: their new values must exist before the layer's scales can change. `written`: the
+    checkpoint names the update wrote."""
+
+    loads: list[tuple[str, str, TensorSlice, Any]] = field(default_factory=list)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     written: set[str] = field(default_factory=set)
 
@@ -115,48 +122,72 @@ def _held_elsewhere(model: nn.Module) -> set[str]:
 
 
 def stage(model: nn.Module, slices: Iterable[tuple[str, TensorSlice]], dtype: torch.dtype) -> StagedUpdate:
-    """Run each slice's weight loader into a clone of its parameter (dequantized into `dtype` where FP8). The loaders
-    check every shape (ValueError naming the tensor); the model's parameters and loader state are as before,
-    whether staging succeeds or not."""
+    """Run each slice's weight loader into a meta tensor of its parameter's shape, or for a layer holding FP8 products
+    into a clone of its parameter dequantized into `dtype`. The loaders check every shape (ValueError naming the
+    tensor); the model's parameters and loader state are as before, whether staging succeeds or not."""
     params = dict(model.named_parameters())
     wanted = _checkpoint_names(model)
-    modules = [model.get_submodule(name.rpartition(".")[0]) for name in params]
-    state = [(m, a, copy.copy(getattr(m, a))) for m in set(modules) for a in LOADER_STATE if hasattr(m, a)]
     staged = StagedUpdate()
-    try:
+    targets: dict[str, torch.Tensor] = {}
+    with _loader_state_kept(model):
         for ckpt_name, tensor in slices:
             name, shard = wanted[ckpt_name]
             param = params[name]
-            if name not in staged.params:
-                staged.params[name] = _staging_copy(model, name, param, dtype)
-            loader = getattr(param, "weight_loader", load_replicated)
+            if name not in targets:
+                targets[name] = _staging_target(model, name, param, dtype)
+                if not targets[name].is_meta:
+                    staged.params[name] = targets[name]
             try:
-                loader(staged.params[name], tensor, ckpt_name, shard)
+                _loader(param)(targets[name], tensor, ckpt_name, shard)
             except ValueError as e:
                 raise ValueError(f"weight update refused: {e}") from e
+            if targets[name].is_meta:
+                staged.loads.append((name, ckpt_name, tensor, shard))
             staged.written.add(ckpt_name)
-    finally:
-        for module, attr, value in state:
-            setattr(module, attr, value)
     return staged
 
 
-def _staging_copy(model: nn.Module, name: str, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """What the loaders write into for `param`: a clone, or for an FP8 parameter its values in `dtype`."""
-    if param.dtype != torch.float8_e4m3fn:
-        return param.detach().clone()
+def _loader(param: torch.Tensor) -> Callable[..., None]:
+    return getattr(param, "weight_loader", load_replicated)
+
+
+@contextlib.contextmanager
+def _loader_state_kept(model: nn.Module):
+    """Whatever the loaders run meanwhile set on their modules besides the parameters (LOADER_STATE) is put back."""
+    state = [(m, a, copy.copy(getattr(m, a))) for m in model.modules() for a in LOADER_STATE if hasattr(m, a)]
+    try:
+        yield
+    finally:
+        for module, attr, value in state:
+            setattr(module, attr, value)
+
+
+def _holds_fp8_products(module: nn.Module) -> bool:
+    return getattr(module, "weight_scale", None) is not None or getattr(module, "w13_scale", None) is not None
+
+
+def _staging_target(model: nn.Module, name: str, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What the loaders write into for `param` while staging (StagedUpdate)."""
     module_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_name)
+    if not _holds_fp8_products(module):
+        return torch.empty_like(param, device="meta")
+    if param.dtype != torch.float8_e4m3fn:
+        return param.detach().clone()
     scale = getattr(module, "weight_scale" if leaf == "weight" else f"{leaf}_scale")
     return fp8_values(param.detach(), scale, module.weight_block).to(dtype)
 
 
 def commit(model: nn.Module, staged: StagedUpdate, pack: bool, dtype: torch.dtype, fresh_scales: bool) -> None:
-    """Copy the staged values into the parameters, in place (CUDA decode graphs read them at their addresses), then
-    bring each touched layer's derived copies along: its CPU-packed weight where `pack` (workers.layers.pack_for_cpu),
-    its FP8 weight and scales requantized where it holds FP8 products. `fresh_scales`: the values are not the
-    checkpoint's, so FP8 rows take their own maxima, not the scales the checkpoint stored them with."""
+    """Run the staged loads into the parameters, in place (CUDA decode graphs read them at their addresses), and
+    requantize the staged FP8 layers into their own tensors; then bring each touched layer's CPU-packed weight along
+    where `pack` (workers.layers.pack_for_cpu). `fresh_scales`: the values are not the checkpoint's, so FP8 rows
+    take their own maxima, not the scales the checkpoint stored them with. A lazily read checkpoint's files must
+    still be open."""
     params = dict(model.named_parameters())
+    with _loader_state_kept(model):
+        for name, ckpt_name, tensor, shard in staged.loads:
+            _loader(params[name])(params[name], tensor, ckpt_name, shard)
     by_module: dict[str, dict[str, torch.Tensor]] = {}
     for name, value in staged.params.items():
         module_name, _, leaf = name.rpartition(".")
@@ -165,13 +196,11 @@ def commit(model: nn.Module, staged: StagedUpdate, pack: bool, dtype: torch.dtyp
         module = model.get_submodule(module_name)
         if getattr(module, "weight_scale", None) is not None:
             _requantize_linear(module, values, fresh_scales)
-        elif getattr(module, "w13_scale", None) is not None:
-            _requantize_experts(model, module_name, module, values, dtype, fresh_scales)
         else:
-            for leaf, value in values.items():
-                params[f"{module_name}.{leaf}"].data.copy_(value)
-        if pack:
-            repack(model, module)
+            _requantize_experts(model, module_name, module, values, dtype, fresh_scales)
+    if pack:
+        for module_name in {name.rpartition(".")[0] for name, *_ in staged.loads} | set(by_module):
+            repack(model, model.get_submodule(module_name))
 
 
 def repack(model: nn.Module, module: nn.Module) -> None:
@@ -209,14 +238,10 @@ def _requantize_experts(
     fresh_scales: bool,
 ) -> None:
     """A FP8 MoE block's staged experts requantized (SparseMoeBlock.to_fp8 converts w13 and w2 together, so the one
-    not staged is dequantized too), into its own tensors; its router is a plain parameter."""
-    if "gate" in values:
-        moe.gate.weight.data.copy_(values["gate"])
-    if "w13" not in values and "w2" not in values:
-        return
+    not staged is dequantized too), into its own tensors; its router is a plain layer of its own, loaded as any."""
     old = (moe.w13, moe.w2, moe.w13_scale, moe.w2_scale)
     w13, w2 = (
-        values[leaf] if leaf in values else _staging_copy(model, f"{name}.{leaf}", p, dtype)
+        values[leaf] if leaf in values else _staging_target(model, f"{name}.{leaf}", p, dtype)
         for leaf, p in zip(("w13", "w2"), old)
     )
     if fresh_scales:
@@ -247,9 +272,9 @@ def update_weights_from_disk(model: nn.Module, path: str | Path, dtype: torch.dt
     at load, as the model's start-up checkpoint was)."""
     start = model.spec.quantization
     quantization = read_quantization(Path(path), start.method if start is not None and start.at_load else None)
-    with contextlib.ExitStack() as files:
+    with contextlib.ExitStack() as files:  # open until commit has run the loads
         staged = stage(model, checkpoint_slices(files, path, _checkpoint_names(model), quantization), dtype)
-    commit(model, staged, pack, dtype, fresh_scales=True)
+        commit(model, staged, pack, dtype, fresh_scales=True)
     return staged.written
 
 
@@ -262,7 +287,7 @@ def reload(model: nn.Module, path: str | Path, only: set[str], dtype: torch.dtyp
     if holds_fp8(model):
         with contextlib.ExitStack() as files:
             staged = stage(model, checkpoint_slices(files, path, sorted(only), model.spec.quantization), dtype)
-        commit(model, staged, pack, dtype, fresh_scales=False)
+            commit(model, staged, pack, dtype, fresh_scales=False)
         return
     load_weights(model, path, model.spec.quantization, only)
     if pack:
