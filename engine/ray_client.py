@@ -37,10 +37,12 @@ T = TypeVar("T")
 
 
 def _release(pg: PlacementGroup | None, actors: list) -> None:
-    """Kill the engine's actors and free its own placement group (run once, through weakref.finalize)."""
+    """Kill the engine's actors and free its own placement group (run once, through weakref.finalize). The
+    scheduler actor (last in ``actors``) goes first: a step it has in flight would otherwise fail on the killed
+    workers and log an engine failure at every shutdown."""
     if not ray.is_initialized():
         return
-    for actor in actors:
+    for actor in reversed(actors):
         ray.kill(actor)
     if pg is not None:
         remove_placement_group(pg)
