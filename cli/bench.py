@@ -50,6 +50,11 @@ BENCHES = {
         "kv_transfer",
         "a prompt's KV from a prefill engine to a decode engine, against the object store's copy",
     ),
+    "weight-sync": (
+        "weight_sync",
+        "RL between rollouts: the whole model pushed from a trainer to tp=1 and tp=3 engines against a memcpy of its "
+        "bytes, sleep and wake, and the engine's start an update spares",
+    ),
     "spec": (
         "spec",
         "speculative decoding against none (n-gram, or --speculative-config's; with a draft model, n-gram and the "
