@@ -2,21 +2,26 @@
 split over 2 ranks) with the default model's tokenizer: an update put once in the object store
 gives transformers' greedy tokens on the changed model, and a full wake after sleep(2) serves the checkpoint's
 weights again; pause in "keep" and "abort" modes through the async streams (the count, the streams' "abort", no
-block left), with requests sent while paused served after the resume; the trainer's broadcast into every rank at
-once (workers' WeightSender in a thread), then the checkpoint read back from disk."""
+block left), with requests sent while paused served after the resume; three rounds of the trainer's broadcast into every
+rank at once (workers' WeightSender in a thread), each rank then holding its shards, the last round over a group
+built again; then the checkpoint read back from disk."""
 
 import asyncio
 import sys
 import threading
 from contextlib import aclosing
+from pathlib import Path
 
 import pytest
 import ray
+import torch
+from safetensors.torch import load_file, save_file
 
 from engine.network import free_port
 from raylm import LLM, SamplingParams
 from scheduler import EngineRequest
 from tests.engine.conftest import NEW_TOKENS
+from workers.model_loader import load_model
 from workers.weight_group import WeightSender
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -117,25 +122,61 @@ def test_pause_keep_and_abort_through_the_streams_and_requests_sent_while_paused
     asyncio.run(run())
 
 
-def test_the_trainers_broadcast_reaches_every_rank_and_the_checkpoint_reads_back(
-    llm, changed_model, original, changed_tiny_model
-):
+def joined_group(llm: LLM) -> WeightSender:
+    """The trainer (rank 0, in a thread) and the engine's two ranks in a new group on a free port."""
     port = free_port("127.0.0.1")
     joined: dict = {}
     trainer = threading.Thread(target=lambda: joined.update(sender=WeightSender("127.0.0.1", port, 3, "raylm")))
     trainer.start()
     llm.init_weights_update_group("127.0.0.1", port, rank_offset=1, world_size=3)
     trainer.join(WAIT_S)
-    sender = joined["sender"]
+    return joined["sender"]
+
+
+def push(llm: LLM, sender: WeightSender, tensors: list, version: str) -> None:
+    for bucket in WeightSender.buckets(tensors, bucket_bytes=4 << 20):
+        send = threading.Thread(target=sender.send, args=(bucket,))
+        send.start()  # the trainer's broadcast first: every rank joins it, all at once
+        llm.update_weights_from_distributed(*WeightSender.bucket_metadata(bucket), weight_version=version)
+        send.join(WAIT_S)
+
+
+def assert_ranks_hold_the_shards_of(llm: LLM, model_dir: str, tensors: list, tmp_path: Path) -> None:
+    """Every parameter of each rank equals that rank's load of a checkpoint holding ``tensors`` (its shards, cut as
+    the start-up load cuts them)."""
+    whole = load_file(Path(model_dir) / "model.safetensors") | dict(tensors)
+    path = tmp_path / "pushed"
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text((Path(model_dir) / "config.json").read_text())
+    save_file(whole, path / "model.safetensors")
+    expected = [dict(load_model(str(path), tp_rank=r, tp_size=2).named_parameters()) for r in (0, 1)]
+    for name in expected[0]:
+        for rank, shard in enumerate(llm.get_weights_by_name(name)):
+            assert torch.equal(shard, expected[rank][name]), (rank, name)
+
+
+def test_three_rounds_of_broadcasts_one_over_a_rebuilt_group_reach_every_rank(
+    llm, changed_model, original, changed_tiny_model, tmp_path
+):
+    model_dir = changed_tiny_model[0]
+    names = {n for n, _ in changed_model.tensors}
+    checkpoint = [(n, t) for n, t in load_file(Path(model_dir) / "model.safetensors").items() if n in names]
+    sender = joined_group(llm)
     try:
-        for bucket in WeightSender.buckets(changed_model.tensors, bucket_bytes=4 << 20):
-            send = threading.Thread(target=sender.send, args=(bucket,))
-            send.start()  # the trainer's broadcast first: every rank joins it, all at once
-            llm.update_weights_from_distributed(*WeightSender.bucket_metadata(bucket), weight_version="step-2")
-            send.join(WAIT_S)
+        push(llm, sender, changed_model.tensors, "step-1")
         assert tokens(llm, changed_model.prompt_ids) == changed_model.greedy
+        assert_ranks_hold_the_shards_of(llm, model_dir, changed_model.tensors, tmp_path)
+        push(llm, sender, checkpoint, "step-2")
+        assert tokens(llm, changed_model.prompt_ids) == original and llm.weight_version == "step-2"
     finally:
         llm.destroy_weights_update_group()
         sender.close()
-    llm.update_weights_from_disk(changed_tiny_model[0], weight_version="default")
+    sender = joined_group(llm)  # the trainer restarted: a new group, on a new port
+    try:
+        push(llm, sender, changed_model.tensors, "step-3")
+        assert tokens(llm, changed_model.prompt_ids) == changed_model.greedy and llm.weight_version == "step-3"
+    finally:
+        llm.destroy_weights_update_group()
+        sender.close()
+    llm.update_weights_from_disk(model_dir, weight_version="default")
     assert tokens(llm, changed_model.prompt_ids) == original and llm.weight_version == "default"

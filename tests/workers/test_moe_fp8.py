@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from kernels import select_backend
+from kernels.fp8 import fp8_values
 from tests.workers.fp8 import SCHEMES, Scheme, write_fp8_checkpoint
 from tests.workers.test_models import QWEN3_MOE, _free_port, random_seqs, run_paged
 from tests.workers.test_quantization import mean_deviation
@@ -23,6 +24,7 @@ from workers.model_loader import load_model, read_model_spec
 from workers.model_spec import ModelSpec
 from workers.models.moe import SparseMoeBlock
 from workers.quantization import fp8_products
+from workers.weight_update import update_weights
 
 MOE_BLOCKS = ["model.layers.0.mlp", "model.layers.1.mlp"]
 UNITS = QWEN3_MOE["moe_intermediate_size"]  # 32 per expert; hidden size 64
@@ -212,3 +214,48 @@ def test_experts_whose_tiles_this_ranks_units_cut_stay_dequantized(checkpoint, c
         assert moe.w13.dtype == moe.w2.dtype == torch.float32 and moe.w13_scale is None
     [line] = [m for m in caplog.messages if "MoE blocks" in m]
     assert f"2 MoE blocks ({MOE_BLOCKS[0]}, ...) keep their weights dequantized in torch.float32: {why}" in line
+
+
+@pytest.mark.parametrize("layout", ["rows", "32x32 blocks"])
+def test_a_weight_update_requantizes_the_fp8_layers_and_experts_it_writes(checkpoint, layout):
+    """A trainer's float tensors pushed into FP8 products (workers/weight_update.py): the attention's fused qkv and an
+    expert's gate and down come back as the pushed values, to FP8's rounding, at scales of their own; the parts no
+    tensor named (k and v, up, the other experts) are as they were."""
+    src, path, _ = checkpoint(layout, 64)
+    model, converted = converted_model(path)
+    qkv, moe = model.get_submodule("model.layers.0.self_attn.qkv_proj"), model.get_submodule(MOE_BLOCKS[0])
+    assert {"model.layers.0.self_attn.qkv_proj", MOE_BLOCKS[0]} <= set(converted)
+
+    def dequantized() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (
+            fp8_values(qkv.weight, qkv.weight_scale, qkv.weight_block),
+            fp8_values(moe.w13, moe.w13_scale, moe.weight_block),
+            fp8_values(moe.w2, moe.w2_scale, moe.weight_block),
+        )
+
+    before = dequantized()
+    dense = load_file(Path(src) / "model.safetensors")
+    expert = f"{MOE_BLOCKS[0]}.experts.0"
+    pushed = {
+        name: 1.5 * dense[name]
+        for name in (
+            "model.layers.0.self_attn.q_proj.weight",
+            f"{expert}.gate_proj.weight",
+            f"{expert}.down_proj.weight",
+        )
+    }
+    update_weights(model, pushed.items(), torch.float32, pack=False)
+    assert qkv.weight.dtype == moe.w13.dtype == torch.float8_e4m3fn
+    weight, w13, w2 = dequantized()
+    q_rows, units = pushed["model.layers.0.self_attn.q_proj.weight"].shape[0], w13.shape[1] // 2
+    for got, want in [
+        (weight[:q_rows], pushed["model.layers.0.self_attn.q_proj.weight"]),
+        (w13[0, :units], pushed[f"{expert}.gate_proj.weight"]),
+        (w2[0], pushed[f"{expert}.down_proj.weight"]),
+    ]:
+        # e4m3 keeps 3 bits of mantissa: within 1/16 of each value, and the subnormals' step near zero
+        torch.testing.assert_close(got, want, rtol=2**-4, atol=float(want.abs().max()) / 448 * 2**-9)
+    torch.testing.assert_close(weight[q_rows:], before[0][q_rows:], rtol=2**-4, atol=1e-6)
+    torch.testing.assert_close(w13[0, units:], before[1][0, units:], rtol=2**-4, atol=1e-6)
+    torch.testing.assert_close(w13[1:], before[1][1:], rtol=2**-4, atol=1e-6)
+    torch.testing.assert_close(w2[1:], before[2][1:], rtol=2**-4, atol=1e-6)
