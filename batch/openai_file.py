@@ -1,9 +1,11 @@
 """The OpenAI Batch API's file format: one request per JSON line in (``custom_id``, ``method``, ``url``, ``body``),
-one answer per line out, shaped as the server answers /v1/chat/completions and /v1/completions.
+one answer per line out, shaped as the server answers /v1/chat/completions and /v1/completions. The requests may
+also be Parquet rows, and lie in a directory of files or at a URI (batch/inputs.py).
 
-A line that is no request (not JSON, no custom_id, another method or url) is answered with ``error`` (its line
-number in ``error.line``); a request the server would refuse with a 400 is answered with that 400 and its OpenAI
-error body (``param`` names the field), its message leading with the line number.
+A line that is no request (not JSON, no custom_id, another method or url) is answered with ``error`` (its number
+in the input in ``error.line``); a request the server would refuse with a 400 is answered with that 400 and its
+OpenAI error body (``param`` names the field); each message leads with where the request is ("line 3", or
+"part-2.jsonl line 3" in a directory).
 
 Duplicated from serve/ (which batch may not import): the body fields each endpoint takes, their mapping onto
 SamplingParams, and the response shapes (serve/protocol builds them as pydantic models; here they are dicts).
@@ -19,7 +21,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from batch.config import BatchConfig
-from scheduler import RequestError, SamplingParams
+from batch.inputs import Record, records
+from engine.request_check import CONSTRAINT_KINDS
+from scheduler import RequestError, SamplingParams, StructuredOutputsParams
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 SAMPLING_FIELDS = (
@@ -38,11 +42,14 @@ SAMPLING_FIELDS = (
 )
 # Fields that change no output (OpenAI bookkeeping), taken and left be, as the server takes them.
 BOOKKEEPING = ("model", "user", "metadata", "store")
+CONSTRAINTS = ("response_format", "structured_outputs")
 FIELDS = {
-    CHAT: {*SAMPLING_FIELDS, *BOOKKEEPING, "messages", "stop", "stream", "max_tokens", "max_completion_tokens"}
-    | {"logprobs", "top_logprobs"},
-    COMPLETIONS: {*SAMPLING_FIELDS, *BOOKKEEPING, "prompt", "stop", "stream", "max_tokens", "logprobs", "echo"},
+    CHAT: {*SAMPLING_FIELDS, *BOOKKEEPING, *CONSTRAINTS, "messages", "stop", "stream", "max_tokens"}
+    | {"max_completion_tokens", "logprobs", "top_logprobs"},
+    COMPLETIONS: {*SAMPLING_FIELDS, *BOOKKEEPING, *CONSTRAINTS, "prompt", "stop", "stream", "max_tokens"}
+    | {"logprobs", "echo"},
 }
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat's is the room the context leaves)
 
 
@@ -63,10 +70,11 @@ class BodyError(ValueError):
         self.param = param
 
 
-def read_request(text: str) -> tuple[str, str, dict[str, Any]]:
-    """The line's custom_id, url and body; LineError saying what makes it no request."""
+def read_request(value: str | dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    """The custom_id, url and body of a line's text (or a Parquet row); LineError saying what makes it no
+    request."""
     try:
-        request = json.loads(text)
+        request = json.loads(value) if isinstance(value, str) else value
     except json.JSONDecodeError as e:
         raise LineError(f"not JSON: {e}") from None
     if not isinstance(request, dict):
@@ -122,9 +130,59 @@ def request_row(url: str, body: dict[str, Any]) -> dict[str, Any]:
         raise BodyError(f"stop: a string or a list of strings, got {stop!r}", "stop")
     stops = [stop] if isinstance(stop, str) else stop
     prompt = body.get("prompt")
-    # Every row's params have the same keys (None: unset), so that Arrow gives the column one type.
-    params = dict.fromkeys((*SAMPLING_FIELDS, "max_tokens", "logprobs")) | given | {"stop": stops}
-    return row | {"prompt": prompt if isinstance(prompt, str) else None, "sampling_params": params}
+    constraint, constraint_param = _constraint(body)
+    # Every row's params have the same keys (None: unset), so that Arrow gives the column one type; a constraint
+    # travels as JSON text, whatever its schema's shape.
+    params = dict.fromkeys((*SAMPLING_FIELDS, "max_tokens", "logprobs")) | given
+    params |= {"stop": stops, "structured_outputs": constraint}
+    return row | {
+        "prompt": prompt if isinstance(prompt, str) else None,
+        "sampling_params": params,
+        "constraint_param": constraint_param,
+    }
+
+
+def _constraint(body: dict[str, Any]) -> tuple[str | None, str | None]:
+    """The body's output constraint as the processor takes it (the JSON text of structured_outputs' kinds), and
+    the field it came from; BodyError where the server would refuse it. The engine compiles it."""
+    rf, so = body.get("response_format"), body.get("structured_outputs")
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in RESPONSE_FORMATS:
+            raise BodyError(
+                f"response_format: type is one of {list(RESPONSE_FORMATS)}, got {_short(rf)}", "response_format"
+            )
+        _only(rf, ("type", "json_schema"), "response_format")
+        if rf["type"] != "text" and so is not None:
+            raise BodyError(
+                "response_format and structured_outputs both constrain the output; send one", "structured_outputs"
+            )
+        if rf["type"] == "json_object":
+            return json.dumps({"json_object": True}), "response_format"
+        if rf["type"] == "json_schema":
+            schema = rf.get("json_schema")
+            if not isinstance(schema, dict) or not isinstance(schema.get("schema"), dict):
+                raise BodyError(
+                    "response_format: type json_schema needs json_schema.schema", "response_format.json_schema"
+                )
+            _only(schema, ("name", "description", "schema", "strict"), "response_format.json_schema")
+            return json.dumps({"json": schema["schema"]}), "response_format"
+    if so is None:
+        return None, None
+    if not isinstance(so, dict):
+        raise BodyError(f"structured_outputs: an object, got {_short(so)}", "structured_outputs")
+    _only(so, CONSTRAINT_KINDS, "structured_outputs")
+    kinds = {k: v for k, v in so.items() if v is not None}
+    try:
+        StructuredOutputsParams(**kinds)
+    except RequestError as e:
+        raise BodyError(f"structured_outputs: {e}", "structured_outputs") from None
+    return json.dumps(kinds), "structured_outputs"
+
+
+def _only(value: dict[str, Any], keys: tuple[str, ...], name: str) -> None:
+    extra = sorted(set(value) - set(keys))
+    if extra:
+        raise BodyError(f"{name}.{extra[0]}: not a field of {name}; take {list(keys)}", f"{name}.{extra[0]}")
 
 
 def _messages(messages: Any) -> list[dict[str, str]]:
@@ -176,19 +234,17 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def line_error(line: int, custom_id: str | None, message: str) -> dict[str, Any]:
-    return {
-        "id": _id(),
-        "custom_id": custom_id,
-        "response": None,
-        "error": {"code": "invalid_request_line", "message": f"line {line}: {message}", "line": line},
-    }
+def line_error(record: Record, custom_id: str | None, message: str) -> dict[str, Any]:
+    """The answer of a record that is no request: ``error.line`` is its number in the whole input."""
+    error = {"code": "invalid_request_line", "message": f"{record.where}: {message}", "line": record.number}
+    return {"id": _id(), "custom_id": custom_id, "response": None, "error": error}
 
 
-def refusal(line: int, custom_id: str, url: str, message: str, param: str | None, status: int = 400) -> dict:
-    """The answer the server gives a request it refuses: the status and an OpenAI error body."""
+def refusal(where: str, custom_id: str, url: str, message: str, param: str | None, status: int = 400) -> dict:
+    """The answer the server gives a request it refuses: the status and an OpenAI error body, its message led by
+    where the request is in the input."""
     kind = "invalid_request_error" if status < 500 else "internal_server_error"
-    error = {"message": f"line {line}: {message}", "type": kind, "param": param and param_for(url, param)}
+    error = {"message": f"{where}: {message}", "type": kind, "param": param and param_for(url, param)}
     error["code"] = "invalid_value" if status < 500 else "engine_failed"
     return _answer(custom_id, status, {"error": error})
 
@@ -197,7 +253,15 @@ def answer(row: dict[str, Any], model: str) -> dict[str, Any]:
     """The line for a row the processor ran: the server's response to its request, or its refusal."""
     if row["error"] is not None:
         status = 400 if row["error_param"] is not None else 500
-        return refusal(row["line"], row["custom_id"], row["url"], row["error"], row["error_param"], status)
+        param = row["error_param"]
+        if (
+            param is not None
+            and param.startswith("structured_outputs")
+            and row["constraint_param"] == "response_format"
+        ):
+            # the engine's check names the constraint's kind; the body's field is the response_format it came from
+            param = "response_format.json_schema.schema" if param == "structured_outputs.json" else "response_format"
+        return refusal(row["where"], row["custom_id"], row["url"], row["error"], param, status)
     chat = row["url"] == CHAT
     completion = row["num_generated_tokens"]
     body = {
@@ -288,41 +352,39 @@ def answered(path: Path) -> tuple[set[str], set[int]]:
     return ids, lines
 
 
-def run_file(config: BatchConfig, input_path: Path, output_path: Path, address: str | None = None) -> Counter:
-    """Answer every line of ``input_path`` not yet answered in ``output_path``, appending each answer as it
-    comes (flushed: a job killed part-way keeps them, and its rerun resumes); returns the count of each status."""
+def run_file(config: BatchConfig, source: str, output_path: Path, address: str | None = None) -> Counter:
+    """Answer every request of ``source`` (batch.inputs: a file, a directory, a URI) not yet answered in
+    ``output_path``, appending each answer as it comes (flushed: a job killed part-way keeps them, and its rerun
+    resumes); returns the count of each status."""
     done_ids, done_lines = answered(output_path)
     counts: Counter = Counter()
     with output_path.open("a") as out:
-        rows = _requests(input_path, done_ids, done_lines, lambda line: _write(out, line, counts))
+        rows = _requests(source, done_ids, done_lines, lambda line: _write(out, line, counts))
         if rows:
             _run(config, rows, address, lambda line: _write(out, line, counts))
     return counts
 
 
-def _requests(input_path: Path, done_ids: set[str], done_lines: set[int], write) -> list[dict[str, Any]]:
-    """The rows of the input's requests still to run; the answers of its bad lines are written meanwhile."""
-    rows, first_line = [], {}
-    with input_path.open() as f:
-        for number, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            try:
-                custom_id, url, body = read_request(text)
-                if custom_id in first_line:
-                    raise LineError(f"custom_id: {custom_id!r} was already given on line {first_line[custom_id]}")
-            except LineError as e:
-                done = e.custom_id in done_ids if e.custom_id is not None else number in done_lines
-                if not done:
-                    write(line_error(number, e.custom_id, str(e)))
-                continue
-            first_line[custom_id] = number
-            if custom_id in done_ids:
-                continue
-            try:
-                rows.append(request_row(url, body) | {"custom_id": custom_id, "line": number, "url": url})
-            except BodyError as e:
-                write(refusal(number, custom_id, url, str(e), e.param))
+def _requests(source: str, done_ids: set[str], done_lines: set[int], write) -> list[dict[str, Any]]:
+    """The rows of the input's requests still to run; the answers of its bad records are written meanwhile."""
+    rows, first_seen = [], {}
+    for record in records(source):
+        try:
+            custom_id, url, body = read_request(record.value)
+            if custom_id in first_seen:
+                raise LineError(f"custom_id: {custom_id!r} was already given at {first_seen[custom_id]}")
+        except LineError as e:
+            done = e.custom_id in done_ids if e.custom_id is not None else record.number in done_lines
+            if not done:
+                write(line_error(record, e.custom_id, str(e)))
+            continue
+        first_seen[custom_id] = record.where
+        if custom_id in done_ids:
+            continue
+        try:
+            rows.append(request_row(url, body) | {"custom_id": custom_id, "where": record.where, "url": url})
+        except BodyError as e:
+            write(refusal(record.where, custom_id, url, str(e), e.param))
     return rows
 
 

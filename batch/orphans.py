@@ -25,8 +25,14 @@ _lock = threading.Lock()
 
 
 def engine_group_name() -> str:
-    """The placement-group name for the engine of the actor this runs in."""
-    return PREFIX + ray.get_runtime_context().get_actor_id()
+    """The placement-group name for the engine of the actor this runs in, free: a group of that name still
+    reserved is a previous incarnation's (an actor restarted after a crash keeps its id, so it is never dead to
+    ``sweep``), and is removed first, or the new engine would wait behind the old one's resources."""
+    name = PREFIX + ray.get_runtime_context().get_actor_id()
+    for group in placement_group_table().values():
+        if group["name"] == name and group["state"] != "REMOVED":
+            remove_placement_group(get_placement_group(name))
+    return name
 
 
 def sweep() -> list[str]:

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, NoReturn
 
 import pyarrow as pa
 import ray
@@ -30,12 +33,16 @@ from batch.config import BatchConfig
 from batch.orphans import engine_group_name, watch
 from engine.config import EngineConfig
 from engine.model_files import generation_defaults, load_tokenizer
-from scheduler import EngineRequest, RequestError, SamplingParams
+from engine.request_check import CONSTRAINT_KINDS
+from scheduler import EngineRequest, RequestError, SamplingParams, StructuredOutputsParams
+from workers.grammars import closed_schema
+
+logger = logging.getLogger(__name__)
 
 # What a row's sampling_params may hold: SamplingParams' fields that take plain values, and ``stop`` (strings).
 ROW_PARAMS = frozenset(
     {f.name for f in dataclasses.fields(SamplingParams)}
-    - {"structured_outputs", "pooling", "dimensions", "bad_words_token_ids", "prompt_logprobs"}
+    - {"pooling", "dimensions", "bad_words_token_ids", "prompt_logprobs"}
 ) | {"stop"}
 # The columns the engine stage adds (sample 0's in the generated_* ones; ``choices`` holds all n), so that every
 # row of a batch, failed or not, has the same columns.
@@ -82,6 +89,10 @@ def build_processor(
                 size=config.concurrency, max_tasks_in_flight_per_actor=config.batches_in_flight
             ),
             max_concurrency=config.batches_in_flight,
+            # Ray Data's defaults, named here because EngineStage._engine_failed depends on them: an actor that
+            # dies is started again, and the batches it had are run again.
+            max_restarts=-1,
+            max_task_retries=-1,
             num_cpus=0,  # the engine reserves its ranks' and scheduler's resources in its own placement group
         )
         ds = cpu_stage(ds, DetokenizeStage)
@@ -176,6 +187,7 @@ class EngineStage:
         # The longest sequence one request may reach: the context, or the whole KV cache (less the null block).
         self.max_seq_len = min(self.engine.max_model_len, (self.engine.num_blocks - 1) * engine_config.block_size)
         self.max_num_seqs = engine_config.max_num_seqs
+        self.close_objects = engine_config.structured_outputs_disable_additional_properties
         self.slots: asyncio.Semaphore | None = None
 
     async def __call__(self, batch: pa.Table) -> pa.Table:
@@ -195,9 +207,17 @@ class EngineStage:
                 samples, first_token_s, num_cached = await self._generate(row["prompt_token_ids"], params, given)
         except RequestError as e:
             return row | {"error": str(e), "error_param": e.field}
+        except Exception:
+            why = await asyncio.to_thread(self._why_unhealthy)
+            if why is None:
+                raise  # not the engine's failure: a bug, which must end the job, not run it again and again
+            self._engine_failed(why)
         failed = next((s for s in samples if s.finish_reason == "error"), None)
         if failed is not None:
-            return row | {"error": f"the engine failed: {failed.error}", "error_param": None}
+            why = await asyncio.to_thread(self._why_unhealthy)
+            if why is not None:
+                self._engine_failed(why)
+            return row | {"error": f"the request failed in the engine: {failed.error}", "error_param": None}
         return row | {
             "generated_token_ids": samples[0].token_ids,
             "finish_reason": samples[0].finish_reason,
@@ -210,6 +230,22 @@ class EngineStage:
             "first_token_s": first_token_s,
             "total_s": time.monotonic() - start,
         }
+
+    def _why_unhealthy(self) -> str | None:
+        try:
+            self.engine.check_health()
+        except Exception as e:  # RuntimeError naming the lost ranks, or the scheduler actor's death
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def _engine_failed(self, why: str | None) -> NoReturn:
+        """A failed engine (a rank died, a step raised) serves no row again, and an exception out of a batch would
+        end the whole job. So this actor exits as a crash does: Ray Data starts it again (its actors restart
+        without limit) with a new engine and runs its unfinished batches there (as do its tasks); none of their
+        rows has been answered, since a batch is answered whole."""
+        logger.error("the engine failed (%s): its actor exits, to be started again with its batches", why)
+        logging.shutdown()
+        os._exit(1)
 
     def _params(self, prompt_token_ids: list[int], given: dict[str, Any]) -> SamplingParams:
         """The row's SamplingParams: its own fields, the model's defaults for those it leaves unset, and by default
@@ -231,7 +267,27 @@ class EngineStage:
             rule = f"a {len(prompt_token_ids)}-token prompt leaves room for {room} tokens (max_model_len)"
             raise RequestError("max_tokens", max_tokens, rule)
         fields = {k: v for k, v in given.items() if k != "stop"}
+        if fields.get("structured_outputs") is not None:
+            fields["structured_outputs"] = self._constraint(fields["structured_outputs"])
         return SamplingParams(**(self.defaults | fields | {"max_tokens": max_tokens}))
+
+    def _constraint(self, value: str | dict[str, Any]) -> StructuredOutputsParams:
+        """A row's ``structured_outputs``: a dict of StructuredOutputsParams' kinds (json, json_object, regex,
+        choice, grammar) or its JSON text, which keeps rows whose constraints differ in shape in one Arrow column.
+        A JSON schema's objects are closed as the server closes them (structured_outputs_disable_additional_
+        properties); whether it compiles is the engine's check."""
+        field = "sampling_params.structured_outputs"
+        try:
+            kinds = json.loads(value) if isinstance(value, str) else value
+        except json.JSONDecodeError as e:
+            raise RequestError(field, value, f"neither a dict nor its JSON text ({e})") from None
+        unknown = sorted(set(kinds) - set(CONSTRAINT_KINDS)) if isinstance(kinds, dict) else None
+        if unknown is None or unknown:
+            raise RequestError(field, value, f"a dict of one of {list(CONSTRAINT_KINDS)}")
+        constraint = StructuredOutputsParams(**{k: v for k, v in kinds.items() if v is not None})
+        if constraint.json is not None and self.close_objects:
+            constraint = dataclasses.replace(constraint, json=closed_schema(constraint.json, True))
+        return constraint
 
     async def _generate(
         self, prompt_token_ids: list[int], params: SamplingParams, given: dict[str, Any]

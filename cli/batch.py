@@ -20,7 +20,13 @@ def add_parser(sub) -> None:
         "line, naming its line and field. Rerun with the same output file to resume: requests it answers are "
         "skipped, so each custom_id is answered once.",
     )
-    p.add_argument("-i", "--input-file", required=True, help="the requests, one JSON line each")
+    p.add_argument(
+        "-i",
+        "--input-file",
+        required=True,
+        help="the requests: a JSONL file (one request a line) or a Parquet file (one a row, its body a struct or a "
+        "JSON string), a directory of them (in name order), or a URI of either (s3://, gs://, hdfs://)",
+    )
     p.add_argument("-o", "--output-file", required=True, help="the answers, appended one JSON line each")
     add_flags(p, EngineConfig, title="engine")
     add_flags(p, BatchConfig, title="batch")
@@ -37,5 +43,5 @@ def run(args: argparse.Namespace) -> None:
     from batch.openai_file import run_file
 
     config = batch_config(args)
-    counts = run_file(config, Path(args.input_file), Path(args.output_file), getattr(args, "address", None))
+    counts = run_file(config, args.input_file, Path(args.output_file), getattr(args, "address", None))
     print(", ".join(f"{n} {status}" for status, n in sorted(counts.items(), key=str)) or "nothing left to answer")

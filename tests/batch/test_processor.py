@@ -1,6 +1,7 @@
 """The Ray Data processor: rows through a pool of two raylm engines give LLM.generate's tokens, and a row that
 cannot run gets its error while the others are answered."""
 
+import json
 import time
 
 import pytest
@@ -46,6 +47,22 @@ BAD_ROWS = {
     102: ({"prompt": "hi", "sampling_params": {"temperature": -1.0}}, "temperature", "temperature=-1.0"),
     103: ({"prompt": "hi", "sampling_params": {"max_tokens": 600}}, "max_tokens", "max_tokens=600"),
     104: ({}, "prompt", "needs messages, a prompt or prompt_token_ids"),
+    # constraints as JSON text (what keeps rows of any constraint's shape in one Arrow column)
+    105: (
+        {"prompt": "hi", "sampling_params": {"structured_outputs": '{"regex": "(("}'}},
+        "structured_outputs.regex",
+        "compile",
+    ),
+    106: (
+        {"prompt": "hi", "sampling_params": {"structured_outputs": "{not json"}},
+        "sampling_params.structured_outputs",
+        "JSON",
+    ),
+    107: (
+        {"prompt": "hi", "sampling_params": {"structured_outputs": '{"regexp": "a"}'}},
+        "sampling_params.structured_outputs",
+        "one of",
+    ),
 }
 
 
@@ -71,6 +88,26 @@ def test_greedy_rows_through_two_engines_match_llm_generate_token_for_token(ray_
         assert r["num_input_tokens"] == len(r["prompt_token_ids"]) > 0
         assert r["total_s"] >= r["first_token_s"] > 0
         assert ("messages" in r and r["messages"] is not None) == bool(r["id"] % 2)  # input columns kept
+
+
+def test_a_rows_structured_outputs_holds_its_output(ray_session, model):
+    """A choice and a JSON schema, each the row's own: a random model samples inside them."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    constraints = [{"choice": ["yes", "no"]}] * 4 + [{"json": schema}]
+    rows = [
+        {"id": i, "prompt": f"Answer {i}:", "sampling_params": {"temperature": 1.0, "seed": i, "max_tokens": 32}}
+        for i in range(5)
+    ]
+    for row, constraint in zip(rows, constraints):
+        row["sampling_params"]["structured_outputs"] = json.dumps(constraint)
+    config = BatchConfig(engine=EngineConfig(model=model), batch_size=2)
+    out = {r["id"]: r for r in build_processor(config)(ray.data.from_items(rows)).take_all()}
+    assert all(r["error"] is None for r in out.values()), out
+    assert {out[i]["generated_text"] for i in range(4)} <= {"yes", "no"}
+    assert all(out[i]["finish_reason"] == "stop" for i in range(4))
+    assert out[4]["generated_text"].lstrip().startswith("{")
+    if out[4]["finish_reason"] == "stop":
+        assert isinstance(json.loads(out[4]["generated_text"])["a"], int)
 
 
 def _engine_groups() -> list[str]:
