@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 from engine.network import free_port
 from raylm import LLM, SamplingParams
 from scheduler import EngineRequest
-from tests.engine.conftest import NEW_TOKENS
+from tests.engine.conftest import NEW_TOKENS, change
+from tests.workers.test_models import MIXTRAL
 from workers.model_loader import load_model
 from workers.weight_group import WeightSender
 
@@ -180,3 +181,17 @@ def test_three_rounds_of_broadcasts_one_over_a_rebuilt_group_reach_every_rank(
         sender.close()
     llm.update_weights_from_disk(model_dir, weight_version="default")
     assert tokens(llm, changed_model.prompt_ids) == original and llm.weight_version == "default"
+
+
+def test_an_update_to_a_moe_model_under_expert_parallel_gives_transformers_greedy(servable_tiny_model):
+    """Mixtral's router and experts stepped in transformers, pushed whole to two ranks that each hold half the
+    experts: each takes its own, and greedy is transformers' on the stepped model token for token."""
+    path = servable_tiny_model("mixtral", **MIXTRAL)
+    stepped = change(path, lambda name: ".mlp." in name, lr=5e-2)  # the router and the experts
+    moe = LLM(model=path, tensor_parallel_size=2, enable_expert_parallel=True, max_model_len=256)
+    try:
+        before = tokens(moe, stepped.prompt_ids)
+        moe.update_weights_from_tensor(stepped.tensors)
+        assert tokens(moe, stepped.prompt_ids) == stepped.greedy != before
+    finally:
+        moe.shutdown()
