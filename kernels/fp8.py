@@ -25,15 +25,10 @@ from __future__ import annotations
 import torch
 
 from kernels import fused
+from kernels.formats import FP8_MAX, MIN_SCALE
 
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
-# A row of zeros still gets a scale to divide by; real activations are never this small.
-MIN_SCALE = 1e-12
 MIN_CAPABILITY = (8, 9)
 ALIGNMENT = 16
-# The block kernel steps through K in powers of two that divide a tile's columns; a GPU's 8-bit tl.dot takes K >= 32
-# (Triton's NVIDIA backend; its interpreter takes 16).
-MIN_BLOCK_STEP = 32
 
 
 def quantize_rows(weight: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,22 +156,6 @@ def fp8_values(stored: torch.Tensor, scale: torch.Tensor, tile: tuple[int, int] 
     n, k = stored.shape[-2:]
     per_element = scale.repeat_interleave(tile[0], dim=-2)[..., :n, :].repeat_interleave(tile[1], dim=-1)[..., :k]
     return stored.float() * per_element
-
-
-def block_step(cols: int) -> int:
-    """The block kernel's step through K for tiles of `cols` columns: the largest power of two dividing it, at most
-    128, so that no step straddles two tiles' scales."""
-    return min(cols & -cols, 128)
-
-
-def block_unsupported(block: tuple[int, int]) -> str | None:
-    """Why the block kernel cannot take [rows, cols] tiles, or None."""
-    if block_step(block[1]) < MIN_BLOCK_STEP:
-        return (
-            f"the FP8 block kernel steps through a tile's columns in powers of two of at least {MIN_BLOCK_STEP} "
-            f"that divide them, and {block[1]} has none"
-        )
-    return None
 
 
 def shape_unsupported(out_features: int, in_features: int) -> str | None:

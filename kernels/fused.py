@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_ops
+from kernels.formats import TRITON_DTYPES
 
 logger = logging.getLogger(__name__)
-TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _logged: set[str] = set()
 
 

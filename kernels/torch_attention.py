@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_ops import load_cpu_ops
+from kernels.formats import FP8_MAX
 from kernels.metadata import AttentionMetadata
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max
 
 # What one more group call (a few gathers and an SDPA launch, ~70 us on one core) is worth in
 # padded query x key pairs: about 150 padded decode keys, or a thousand padded prefill pairs.

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.formats import FP8_MAX
 from kernels.metadata import AttentionMetadata
 
 # Query rows per program for prefill tiles, and keys per inner step; tl.dot needs each >= 16.
@@ -29,7 +30,6 @@ _SPLIT_BELOW_PROGRAMS = 256
 _MIN_PARTITION = 128
 _MAX_SPLITS = 64
 _MERGE_SPLITS_PER_STEP = 16
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 @triton.jit

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8_MAX, MIN_SCALE, block_step, block_unsupported
+from kernels.formats import FP8_MAX, MIN_SCALE, block_step, block_unsupported
 from kernels.triton_fused import _num_warps
 
 # float8_e4m3fn: 3 mantissa bits; its smallest normal exponent, below which the spacing stays that binade's.

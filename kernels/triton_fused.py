@@ -19,9 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused import TRITON_DTYPES
+from kernels.formats import FP8_MAX, TRITON_DTYPES
 
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 # Triton's name of each dtype the kernels take (kernels/fused.py keeps the list).
 TL_DTYPES = {d: getattr(tl, str(d).removeprefix("torch.")) for d in TRITON_DTYPES}
 # Elements per program of SiLU-and-product: an 8B model's 14,336 units per row are 14 programs a row.

@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.fp8 import block_step, block_unsupported, quantize_per_tensor, quantize_per_token, round_per_tensor
+from kernels.formats import block_step, block_unsupported
+from kernels.fp8 import quantize_per_tensor, quantize_per_token, round_per_tensor
 from kernels.fused import silu_and_mul
 
 # Where the measured tables live; RAYLM_MOE_CONFIG_DIR names another folder (a tuning run's output, tests).

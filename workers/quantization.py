@@ -70,9 +70,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels.formats import FP8_MAX, block_unsupported
 from kernels.fp8 import (
-    FP8_MAX,
-    block_unsupported,
     dequantize_rows,
     quantize_rows,
     quantize_tiles,

@@ -78,7 +78,7 @@ def fp8_cases() -> dict[str, Callable[[], object]]:
     """kernels/triton_fp8.py: the quantizer per token and per group, and the block product at decode and prefill
     sizes (both tile choices), in either half output, with and without bias, on 128x128 tiles and on ragged ones
     (shapes no multiple of the tile, and narrow tiles)."""
-    from kernels.fp8 import MIN_BLOCK_STEP
+    from kernels.formats import MIN_BLOCK_STEP
     from kernels.triton_fp8 import block_scaled_mm, quantize_per_token
 
     def quantize(dtype, group):

@@ -21,10 +21,9 @@ elif torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("FP8 products need compute capability 8.9 or above", allow_module_level=True)
 
 from kernels import fp8  # noqa: E402
+from kernels.formats import FP8_MAX, MIN_SCALE  # noqa: E402
 from kernels.fp8 import quantize_tiles  # noqa: E402
 from kernels.triton_fp8 import block_scaled_mm, quantize_per_token  # noqa: E402
-
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 def torch_quantize(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +53,7 @@ def test_the_kernel_quantizes_as_the_torch_path_does(dtype, cols):
     assert torch.equal(got.float(), want.float())  # as floats: a tiny negative value may give -0 or +0
     amax = got.float().abs().amax(dim=1)
     assert bool((amax[torch.arange(7) != 1] == FP8_MAX).all())  # each row's largest magnitude is 448
-    assert float(got_scale[1]) == float(torch.tensor(fp8.MIN_SCALE))  # in fp32
+    assert float(got_scale[1]) == float(torch.tensor(MIN_SCALE))  # in fp32
 
 
 def operands(dtype: torch.dtype, seed: int = 0):

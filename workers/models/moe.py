@@ -7,7 +7,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.fp8 import FP8_MAX, quantize_experts
+from kernels.formats import FP8_MAX
+from kernels.fp8 import quantize_experts
 from kernels.moe import fused_moe, route
 from workers.layers import TensorSlice, check_shape, checkpoint_row_scales, static_input_scale
 from workers.model_spec import ModelSpec
