@@ -7,7 +7,7 @@ safetensors slice (`safe_open(...).get_slice`): no rank materialises a weight it
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -20,13 +20,18 @@ from kernels.fp8 import fp8_linear, round_per_tensor
 from kernels.fused import add_rms_norm, rms_norm, rotary_store_kv
 from workers.parallel import MissingLayer, tp_group
 
-if TYPE_CHECKING:
-    from workers.lora import LinearLora
+
+class LayerAdapter(Protocol):
+    """What wraps a linear layer from outside to add to its product (workers/lora.py's LinearLora, the layer's
+    adapter slots): a Protocol, so that the layers import no LoRA and LoRA imports the layers."""
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor) -> None:
+        """y += the adapter's product of x, in place."""
 
 
 class TensorSlice(Protocol):
     """What a weight loader reads from: safetensors' lazy slice of one checkpoint tensor. A quantized weight whose
-    checkpoint quantizes its activations statically (workers/quantization.py) also carries `input_scale`, their
+    checkpoint quantizes its activations statically (workers/quantization/) also carries `input_scale`, their
     float32 scale (0-d); `static_input_scale` reads it."""
 
     def get_shape(self) -> list[int]: ...
@@ -42,7 +47,7 @@ def static_input_scale(tensor: TensorSlice, device: torch.device) -> torch.Tenso
 
 def checkpoint_row_scales(tensor: TensorSlice, start: int, end: int) -> torch.Tensor | None:
     """The float32 scale each of rows [start, end) of a quantized weight is stored with, where each row has one
-    (workers/quantization.py's DequantizedSlice.row_scales), else None."""
+    (workers/quantization/checkpoint.py's DequantizedSlice.row_scales), else None."""
     row_scales = getattr(tensor, "row_scales", None)
     return None if row_scales is None else row_scales(start, end)
 
@@ -181,13 +186,13 @@ class ColumnParallelLinear(nn.Module):
         self.input_scale: torch.Tensor | None = None
         self._input_scales: dict[str, torch.Tensor | None] = {}  # each shard's, as it loads
         # The scale each of this rank's rows is stored with in the checkpoint, where each has one (per tensor or
-        # channel): FP8 products requantize the rows at them (workers/quantization.py `_to_fp8`).
+        # channel): FP8 products requantize the rows at them (workers/quantization/conversion.py `_to_fp8`).
         self.checkpoint_scales: torch.Tensor | None = None
         self._row_scales: dict[str, torch.Tensor | None] = {}  # each shard's, as it loads
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
         if bias:
             self.bias.weight_loader = self._load
-        self.lora: LinearLora | None = None  # set by workers.lora.LoraManager when LoRA is enabled
+        self.lora: LayerAdapter | None = None  # set by workers.lora.LoraManager when LoRA is enabled
 
     def _load(self, param: nn.Parameter, tensor: TensorSlice, name: str, shard: str) -> None:
         s = self.shards[shard]
@@ -246,7 +251,7 @@ class RowParallelLinear(nn.Module):
         self.checkpoint_scales: torch.Tensor | None = None
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.output_size = output_size
-        self.lora: LinearLora | None = None  # set by workers.lora.LoraManager when LoRA is enabled
+        self.lora: LayerAdapter | None = None  # set by workers.lora.LoraManager when LoRA is enabled
 
     def _load_weight(self, param: nn.Parameter, tensor: TensorSlice, name: str, _shard: None) -> None:
         check_shape(name, tensor, (param.shape[0], self.input_size))

@@ -18,7 +18,8 @@ from kernels import AttentionBackend, select_backend
 from workers.layers import ROPE_TYPES, Attention, RopeConfig, TensorSlice, load_replicated
 from workers.model_spec import ModelSpec, MoeSpec
 from workers.models import MODEL_REGISTRY
-from workers.quantization import WeightQuantization, read_quantization, read_weight
+from workers.quantization.checkpoint import read_weight
+from workers.quantization.config import WeightQuantization, read_quantization
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -11,7 +11,7 @@ import torch
 from workers.layers import RopeConfig
 
 if TYPE_CHECKING:  # at run time the module would import this one back through the models
-    from workers.quantization import WeightQuantization
+    from workers.quantization.config import WeightQuantization
 
 
 @dataclass(slots=True, frozen=True)

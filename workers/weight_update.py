@@ -25,7 +25,9 @@ from workers.layers import (
 from workers.model_loader import _checkpoint_names, checkpoint_slices, load_weights
 from workers.models.moe import SparseMoeBlock
 from workers.parallel import MissingLayer
-from workers.quantization import _to_fp8, read_quantization, read_weight
+from workers.quantization.checkpoint import read_weight
+from workers.quantization.config import read_quantization
+from workers.quantization.conversion import _to_fp8
 
 # safetensors' names of torch's floating dtypes, which read_weight checks a plain weight against.
 SAFETENSORS_DTYPES = {

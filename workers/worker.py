@@ -34,7 +34,7 @@ from workers.model_runner import ModelRunner
 from workers.model_spec import ModelSpec
 from workers.no_work import NoWorkRunner
 from workers.parallel import PipelineStage, StageLink, partition_layers, pipeline_stage, set_parallel
-from workers.quantization import fp8_products_where_supported
+from workers.quantization.conversion import fp8_products_where_supported
 from workers.runner_inputs import PendingStep, graph_batch_sizes
 from workers.sleep import SleepState, allocate, check_tags, drop_packed, free, offload, restore
 from workers.structured_output import GrammarBitmasks

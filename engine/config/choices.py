@@ -14,7 +14,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 # The KV block size wherever flash-attn's pages are out of the question (kernels.DEFAULT_BLOCK_SIZE).
 DEFAULT_BLOCK_SIZE = 16
-# --quantization's methods, as vLLM names them (workers.quantization.AT_LOAD_METHODS).
+# --quantization's methods, as vLLM names them (workers.quantization.config.AT_LOAD_METHODS).
 QUANTIZATIONS = ("fp8",)
 # --kv-cache-dtype's names, as vLLM's (fp8 and fp8_e4m3 both mean float8_e4m3fn pages: workers.worker.KV_DTYPES),
 # and the attention backends that read FP8 pages (kernels/metadata.py says how; flash-attn 2 reads none).

@@ -198,7 +198,7 @@ def main(model_dir: str, dtype: torch.dtype, names: list[str], products: bool = 
     quantized too), not the dequantized weights' products."""
     from kernels import TorchBackend
     from workers.model_loader import load_model, read_model_spec
-    from workers.quantization import fp8_products
+    from workers.quantization.conversion import fp8_products
 
     prompts = [torch.randint(100, (6,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(8)]
     if (Path(model_dir) / "tokenizer.json").is_file():

@@ -223,7 +223,7 @@ def test_fp8_products_replay_graphs_that_read_nothing_on_the_host(tiny_model_dir
     torch's: see above). The static checkpoint's one-token steps failed in `_scaled_mm` before its activations'
     [1, 1] scale had a stride along the row."""
     from tests.workers.fp8 import SCHEMES, write_fp8_checkpoint
-    from workers.quantization import fp8_products
+    from workers.quantization.conversion import fp8_products
 
     model_type, scheme = FP8_WEIGHTS[case]
     path = tiny_model_dir(model_type, None, **({} if model_type == "llama" else QWEN3_MOE))

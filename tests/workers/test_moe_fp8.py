@@ -23,7 +23,7 @@ from tests.workers.test_quantization import mean_deviation
 from workers.model_loader import load_model, read_model_spec
 from workers.model_spec import ModelSpec
 from workers.models.moe import SparseMoeBlock
-from workers.quantization import fp8_products
+from workers.quantization.conversion import fp8_products
 from workers.weight_update import update_weights
 
 MOE_BLOCKS = ["model.layers.0.mlp", "model.layers.1.mlp"]

@@ -26,14 +26,8 @@ from workers.layers import ColumnParallelLinear, RowParallelLinear, Shard
 from workers.lora import LinearLora
 from workers.model_loader import load_model, read_model_spec
 from workers.model_spec import ModelSpec
-from workers.quantization import (
-    Fp8Scheme,
-    WeightQuantization,
-    _agreed,
-    checkpoint_modules,
-    fp8_products,
-    fp8_products_where_supported,
-)
+from workers.quantization.config import Fp8Scheme, WeightQuantization
+from workers.quantization.conversion import _agreed, checkpoint_modules, fp8_products, fp8_products_where_supported
 
 MODELS = {"llama": ("llama", {}), "qwen3_moe": ("qwen3_moe", QWEN3_MOE)}
 # Every scheme on the dense model; the experts (stacked per layer from per-expert tensors) in ragged tiles.

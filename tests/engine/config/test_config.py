@@ -13,7 +13,8 @@ from engine.config import derive_scheduler_config, derive_worker_config
 from engine.config.choices import ATTENTION_BACKENDS, DEFAULT_BLOCK_SIZE, DTYPES, QUANTIZATIONS
 from kernels import flash_attention
 from raylm import EngineConfig
-from workers import quantization, worker
+from workers import worker
+from workers.quantization import config as quantization
 
 # What the engine reads from the checkpoints; these tests name no model directory and check the other fields.
 NO_SPECS = {"model_spec": None, "draft_spec": None}
