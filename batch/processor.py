@@ -274,8 +274,8 @@ class EngineStage:
     def _constraint(self, value: str | dict[str, Any]) -> StructuredOutputsParams:
         """A row's ``structured_outputs``: a dict of StructuredOutputsParams' kinds (json, json_object, regex,
         choice, grammar) or its JSON text, which keeps rows whose constraints differ in shape in one Arrow column.
-        A JSON schema's objects are closed as the server closes them (structured_outputs_disable_additional_
-        properties); whether it compiles is the engine's check."""
+        A JSON schema's objects are closed as the server closes them (unless the engine's
+        structured_outputs_disable_additional_properties is off); whether it compiles is the engine's check."""
         field = "sampling_params.structured_outputs"
         try:
             kinds = json.loads(value) if isinstance(value, str) else value
