@@ -84,8 +84,8 @@ def use_fast_ingress() -> None:
 
 def pick_ports(names: list[str]) -> None:
     """Set each variable of ``names`` (of REPLICA_PORT_ENV, then SIDE_PORT_ENV) to free ports, none inside a range
-    picked here: a replica of this Serve could take it first."""
-    taken: set[int] = set()
+    picked here, and no range over a port an operator set: a replica of this Serve could take it first."""
+    taken = _kept_ports(names)
     for name in names:
         while taken & set(ports := free_port_range(REPLICA_PORTS if name in REPLICA_PORT_ENV else 1)):
             pass
@@ -93,6 +93,18 @@ def pick_ports(names: list[str]) -> None:
         os.environ[name] = str(ports[0])
         if name in REPLICA_PORT_ENV:
             os.environ[REPLICA_PORT_ENV[name]] = str(ports[-1] + 1)
+
+
+def _kept_ports(picking: list[str]) -> set[int]:
+    """The ports of the variables already set that are not being picked (an operator's, kept as they are)."""
+    kept: set[int] = set()
+    for name in (*REPLICA_PORT_ENV, *SIDE_PORT_ENV):
+        value = os.environ.get(name, "")
+        if name in picking or not value.isdigit():
+            continue
+        end = os.environ.get(REPLICA_PORT_ENV.get(name, ""), "")
+        kept.update(range(int(value), int(end) if name in REPLICA_PORT_ENV and end.isdigit() else int(value) + 1))
+    return kept
 
 
 def side_ports() -> dict[str, int]:

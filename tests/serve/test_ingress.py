@@ -39,6 +39,19 @@ def test_each_process_picks_its_own_ports_and_keeps_an_operators(monkeypatch):
     assert {name: os.environ[name] for name in picked} == picked
 
 
+def test_no_picked_range_covers_a_port_an_operator_set(monkeypatch):
+    """The first range the OS offers holds the operator's stats port: it is passed over."""
+    stats = "RAY_SERVE_HAPROXY_STATS_PORT"
+    monkeypatch.setattr(os, "environ", {"PATH": os.environ["PATH"], stats: "20010"})
+    offered = iter([range(20000, 20000 + ingress.REPLICA_PORTS)])
+    real = ingress.free_port_range
+    monkeypatch.setattr(ingress, "free_port_range", lambda count: next(offered, None) or real(count))
+    ingress.use_fast_ingress()
+    assert os.environ[stats] == "20010"
+    for low, high in ingress.REPLICA_PORT_ENV.items():
+        assert not int(os.environ[low]) <= 20010 < int(os.environ[high])
+
+
 class Client:
     """Polls one server's port: its /health, /v1/models and a completion asking each server's model. Records how
     often it answered as the other server, and /health 200 with this server's model not listed right after (the
